@@ -1,0 +1,317 @@
+"""Load original LTX-2 / LTX-2.3 checkpoint files into diffusers modules, strictly and memory-mapped.
+
+Files users have (DESIGN.md §2):
+- a single file in `checkpoints/`: `model.diffusion_model.*` (transformer + text connectors), `vae.*`, `audio_vae.*`,
+  `vocoder.*`, `text_embedding_projection.*`, with the JSON `config` metadata;
+- a transformer-only file in `diffusion_models/` (un-prefixed transformer + connector keys) combined with separate
+  video-VAE, audio-VAE+vocoder and text-projection files (prefixed or bare keys);
+- a latent upscaler file in `latent_upscale_models/` (bare keys, own `config`).
+
+Tensors are read through `safetensors.safe_open` (a memory map: only the tensors asked for are paged in) and
+assigned into modules built without parameter storage, so the weights exist once in memory. Linear weights stored
+as float8 stay float8 (`FP8Linear`). Every component is loaded `strict`: a missing or unexpected key raises
+`CheckpointError` naming the keys in the file's own spelling.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch import nn
+
+from . import configs, keymaps
+from .fp8 import FP8_DTYPES, INPUT_SCALE_SUFFIX, SCALE_SUFFIX, swap_in_fp8_linears
+
+# a key every LTX-2 audio+video transformer has (ComfyUI's detection uses the same two)
+_LTX_MARKER = "adaln_single.emb.timestep_embedder.linear_1.bias"
+_AV_MARKER = "audio_adaln_single.linear.weight"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used: wrong family, missing or unexpected keys, bad metadata."""
+
+
+class SafetensorsFile:
+    """A memory-mapped safetensors file: key listing, metadata and per-tensor reads.
+
+    Raises FileNotFoundError (missing file) or CheckpointError (not a readable safetensors file), naming the path.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"checkpoint file not found: {self.path}")
+        try:
+            self._handle = safe_open(str(self.path), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for truncated / non-safetensors files
+            raise CheckpointError(f"{self.path}: not a readable safetensors file ({exc})") from exc
+        self.keys = list(self._handle.keys())
+        self.metadata: dict[str, str] = self._handle.metadata() or {}
+
+    def config(self) -> dict[str, Any]:
+        """The parsed JSON `config` metadata ({} when absent). Raises CheckpointError on invalid JSON."""
+        raw = self.metadata.get("config")
+        if raw is None:
+            return {}
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{self.path}: metadata 'config' is not valid JSON ({exc})") from exc
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._handle.get_tensor(key)
+
+    def tensor_dtype(self, key: str) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._handle.get_slice(key).get_dtype()]
+
+    def keys_under(self, prefix: str) -> list[str]:
+        return [k for k in self.keys if k.startswith(prefix)]
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+@dataclass
+class LTX2Components:
+    """The modules of one LTX-2 / LTX-2.3 model, as diffusers runs them.
+
+    `text_projection` is the checkpoint's feature extractor (Gemma hidden states -> CONDITIONING, DESIGN.md §3);
+    `video_connector` / `audio_connector` turn that CONDITIONING into the transformer's context at sampling time.
+    """
+
+    variant: str  # "2.0" or "2.3"
+    transformer: nn.Module
+    video_connector: nn.Module
+    audio_connector: nn.Module
+    text_projection: nn.Module | None
+    video_vae: nn.Module
+    audio_vae: nn.Module
+    vocoder: nn.Module
+    upsampler: nn.Module | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def modules(self) -> dict[str, nn.Module]:
+        names = ("transformer", "video_connector", "audio_connector", "text_projection", "video_vae", "audio_vae",
+                 "vocoder", "upsampler")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def to(self, device: torch.device | str) -> "LTX2Components":
+        for module in self.modules().values():
+            module.to(device)
+        return self
+
+
+def _format_keys(keys: list[str], limit: int = 12) -> str:
+    shown = ", ".join(sorted(keys)[:limit])
+    return shown + (f", … ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_keys: list[str], prefix: str,
+                to_diffusers: Callable[[str], str], dtype: torch.dtype, component: str,
+                ignored_suffixes: tuple[str, ...] = ()) -> nn.Module:
+    """Build a module without storage, map the file's keys onto it and load it strictly.
+
+    Args:
+        factory: builds the diffusers module (called under `init_empty_weights`, buffers stay real).
+        file_keys: the file keys of this component (with `prefix`).
+        to_diffusers: maps a key without `prefix` to the module's key.
+        dtype: dtype for floating tensors; float8 Linear weights and their float32 scales are kept as stored.
+        ignored_suffixes: original keys the diffusers module has no slot for (dropped on purpose).
+    Raises: CheckpointError naming the missing (module spelling) and unexpected (file spelling) keys.
+    """
+    with init_empty_weights(include_buffers=False):
+        module = factory()
+    mapped: dict[str, str] = {}
+    for key in file_keys:
+        if key.endswith(ignored_suffixes):
+            continue
+        mapped[to_diffusers(key[len(prefix):])] = key
+    fp8_weights = {mk: file.tensor_dtype(fk) for mk, fk in mapped.items()
+                   if mk.endswith(".weight") and file.tensor_dtype(fk) in FP8_DTYPES}
+    if fp8_weights:
+        input_scaled = {mk[: -len(INPUT_SCALE_SUFFIX) - 1] for mk in mapped if mk.endswith("." + INPUT_SCALE_SUFFIX)}
+        swap_in_fp8_linears(module, fp8_weights, compute_dtype=dtype, input_scale_names=input_scaled)
+    expected = set(module.state_dict().keys())
+    missing = sorted(expected - mapped.keys())
+    unexpected = sorted(mapped[k] for k in mapped.keys() - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_format_keys(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_format_keys(unexpected)}")
+        raise CheckpointError(f"{file.path}: {component} does not match the expected layout; " + "; ".join(parts))
+    state = {}
+    for mk, fk in mapped.items():
+        tensor = file.tensor(fk)
+        keep = tensor.dtype in FP8_DTYPES or mk.endswith((SCALE_SUFFIX, INPUT_SCALE_SUFFIX))
+        if tensor.is_floating_point() and not keep:
+            tensor = tensor.to(dtype)
+        state[mk] = tensor
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.eval().requires_grad_(False)
+
+
+def _transformer_prefix(file: SafetensorsFile) -> str:
+    """`model.diffusion_model.` for a single file, '' for a `diffusion_models/` transformer-only file."""
+    for prefix in (keymaps.TRANSFORMER_PREFIX, ""):
+        if prefix + _LTX_MARKER in file.keys:
+            if prefix + _AV_MARKER not in file.keys:
+                raise CheckpointError(f"{file.path}: an LTX-Video (video-only) transformer, not an LTX-2 audio+video "
+                                      f"model (no '{prefix}{_AV_MARKER}')")
+            return prefix
+    raise CheckpointError(f"{file.path}: not an LTX-2 checkpoint (no '{keymaps.TRANSFORMER_PREFIX}{_LTX_MARKER}' "
+                          f"key); is it a checkpoint of another model family?")
+
+
+def _component_prefix(file: SafetensorsFile, prefix: str, marker_keys: tuple[str, ...], what: str) -> str:
+    """Separate component files may keep the single-file prefix (`vae.`) or drop it; find which."""
+    for candidate in (prefix, ""):
+        if any(candidate + m in file.keys for m in marker_keys):
+            return candidate
+    raise CheckpointError(f"{file.path}: no {what} weights (looked for {prefix}{marker_keys[0]})")
+
+
+def _section(file: SafetensorsFile, name: str) -> dict[str, Any]:
+    config = file.config()
+    if name in config:
+        return config[name]
+    raise CheckpointError(f"{file.path}: metadata 'config' has no '{name}' section (LTX-2 files carry the model "
+                          f"configuration in the safetensors metadata)")
+
+
+def _open(path_or_file: str | Path | SafetensorsFile) -> SafetensorsFile:
+    return path_or_file if isinstance(path_or_file, SafetensorsFile) else SafetensorsFile(path_or_file)
+
+
+def load_transformer(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, nn.Module, dict]:
+    """Transformer and the two text connectors from a single file or a transformer-only file.
+
+    Returns (transformer, video_connector, audio_connector, transformer_metadata).
+    """
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
+
+    prefix = _transformer_prefix(file)
+    meta = _section(file, "transformer")
+    all_keys = file.keys_under(prefix) if prefix else [k for k in file.keys if not k.startswith(_OTHER_PREFIXES)]
+    connector_keys = {c: [k for k in all_keys if k[len(prefix):].startswith(c)] for c in keymaps.CONNECTOR_PREFIXES}
+    transformer_keys = [k for k in all_keys if not k[len(prefix):].startswith(keymaps.CONNECTOR_PREFIXES)]
+    kwargs = configs.transformer_kwargs(meta)
+    transformer = load_module(lambda: LTX2VideoTransformer3DModel(**kwargs), file, transformer_keys, prefix,
+                              keymaps.transformer_to_diffusers, dtype, "transformer")
+    connectors = []
+    for connector_prefix, audio in zip(keymaps.CONNECTOR_PREFIXES, (False, True)):
+        ckw = configs.connector_kwargs(meta, audio=audio)
+        connectors.append(load_module(
+            lambda ckw=ckw: LTX2ConnectorTransformer1d(**ckw), file, connector_keys[connector_prefix],
+            prefix + connector_prefix, keymaps.connector_to_diffusers, dtype, connector_prefix.rstrip(".")))
+    return transformer, connectors[0], connectors[1], meta
+
+
+_OTHER_PREFIXES = (keymaps.VIDEO_VAE_PREFIX, keymaps.AUDIO_VAE_PREFIX, keymaps.VOCODER_PREFIX,
+                   keymaps.TEXT_PROJECTION_PREFIX)
+
+
+def load_video_vae(file: SafetensorsFile, dtype: torch.dtype) -> nn.Module:
+    from diffusers import AutoencoderKLLTX2Video
+
+    prefix = _component_prefix(file, keymaps.VIDEO_VAE_PREFIX, ("per_channel_statistics.mean-of-means",), "video VAE")
+    meta = _section(file, "vae")
+    kwargs = configs.video_vae_kwargs(meta)
+    stages = len(kwargs["block_out_channels"])
+    keys = file.keys_under(prefix) if prefix else [k for k in file.keys if k.startswith(("encoder.", "decoder.",
+                                                                                              "per_channel"))]
+    return load_module(lambda: AutoencoderKLLTX2Video(**kwargs), file, keys, prefix,
+                       lambda k: keymaps.video_vae_to_diffusers(k, stages), dtype, "video VAE",
+                       ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES)
+
+
+def load_audio_vae_and_vocoder(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.pipelines.ltx2 import vocoder as vocoder_module
+
+    prefix = _component_prefix(file, keymaps.AUDIO_VAE_PREFIX, ("per_channel_statistics.mean-of-means",), "audio VAE")
+    if not prefix:
+        raise CheckpointError(f"{file.path}: audio VAE keys must carry the '{keymaps.AUDIO_VAE_PREFIX}' prefix")
+    akw = configs.audio_vae_kwargs(_section(file, "audio_vae"))
+    audio_vae = load_module(lambda: AutoencoderKLLTX2Audio(**akw), file, file.keys_under(prefix), prefix,
+                            keymaps.audio_vae_to_diffusers, dtype, "audio VAE",
+                            ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES)
+    cls_name, vkw = configs.vocoder_kwargs(_section(file, "vocoder"))
+    cls = getattr(vocoder_module, cls_name)
+    # the vocoder runs in float32: it is small and its output is the waveform users hear
+    vocoder = load_module(lambda: cls(**vkw), file, file.keys_under(keymaps.VOCODER_PREFIX), keymaps.VOCODER_PREFIX,
+                          keymaps.vocoder_to_diffusers, torch.float32, "vocoder")
+    return audio_vae, vocoder
+
+
+def load_text_projection(file: SafetensorsFile, dtype: torch.dtype) -> nn.Module:
+    from .text_projection import TextProjection
+
+    prefix = _component_prefix(file, keymaps.TEXT_PROJECTION_PREFIX,
+                               ("aggregate_embed.weight", "video_aggregate_embed.weight"), "text projection")
+    state = {k: file.tensor(k).to(dtype) for k in file.keys_under(prefix)} if prefix else \
+        {keymaps.TEXT_PROJECTION_PREFIX + k: file.tensor(k).to(dtype) for k in file.keys
+         if "aggregate_embed" in k}
+    try:
+        return TextProjection.from_state_dict(state, prefix=keymaps.TEXT_PROJECTION_PREFIX).eval()
+    except ValueError as exc:
+        raise CheckpointError(f"{file.path}: {exc}") from exc
+
+
+def load_upsampler(path: str | Path | SafetensorsFile, dtype: torch.dtype) -> nn.Module:
+    """The latent upscaler file (`latent_upscale_models/`): bare keys, `config` metadata of its own."""
+    from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel
+
+    file = _open(path)
+    if "initial_conv.weight" not in file.keys:
+        raise CheckpointError(f"{file.path}: not an LTX-2 latent upscaler (no 'initial_conv.weight' key)")
+    kwargs = configs.upsampler_kwargs(file.config())
+    return load_module(lambda: LTX2LatentUpsamplerModel(**kwargs), file, file.keys, "",
+                       keymaps.upsampler_to_diffusers, dtype, "latent upscaler")
+
+
+def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = None,
+                    audio_vae: str | Path | None = None, text_projection: str | Path | None = None,
+                    upsampler: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
+                    device: torch.device | str = "cpu") -> LTX2Components:
+    """Load every component of an LTX-2 / LTX-2.3 model.
+
+    Args:
+        checkpoint: single-file checkpoint, or a transformer-only file (then `video_vae`, `audio_vae` and
+            `text_projection` name the files holding those components; each falls back to `checkpoint`).
+        upsampler: optional latent-upscaler file.
+        dtype: compute dtype of the modules (fp8-stored Linear weights stay fp8; the vocoder stays float32).
+    Raises: FileNotFoundError, CheckpointError (family, metadata, strict key mismatch), each naming the file.
+    """
+    main = SafetensorsFile(checkpoint)
+    transformer, video_connector, audio_connector, meta = load_transformer(main, dtype)
+    files = {"video_vae": video_vae, "audio_vae": audio_vae, "text_projection": text_projection}
+    opened = {name: SafetensorsFile(p) if p is not None else main for name, p in files.items()}
+    components = LTX2Components(
+        variant="2.3" if configs.is_ltx23(meta) else "2.0",
+        transformer=transformer,
+        video_connector=video_connector,
+        audio_connector=audio_connector,
+        text_projection=load_text_projection(opened["text_projection"], dtype),
+        video_vae=load_video_vae(opened["video_vae"], dtype),
+        audio_vae=None, vocoder=None,
+        upsampler=load_upsampler(upsampler, dtype) if upsampler is not None else None,
+        config=main.config(),
+        sources={"checkpoint": str(main.path), **{n: str(f.path) for n, f in opened.items()},
+                 **({"upsampler": str(upsampler)} if upsampler is not None else {})},
+    )
+    components.audio_vae, components.vocoder = load_audio_vae_and_vocoder(opened["audio_vae"], dtype)
+    return components.to(device)

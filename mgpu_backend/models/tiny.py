@@ -1,0 +1,270 @@
+"""Tiny random-weight LTX-2 / LTX-2.3 models written in exactly the real file layouts.
+
+These files are the fixtures of every test and the built-in default of the demo. Only widths and depths shrink;
+everything the parallel code depends on keeps its real value: 128-channel video latents, 8 × 16 audio latents, the
+real VAE compression (8 × 32 × 32), and 8 heads in both the video and the audio stream (so W = 2, 4, 8 splits are
+testable). The `config` metadata uses the original field names (the same ComfyUI's loaders read), so the files load
+through the real loading code of this project — and, for the transformer and video VAE, ComfyUI's.
+
+Every parameter is filled explicitly (diffusers builds some with `torch.empty`, DESIGN.md §9) and every tensor is
+checked finite before writing. Deterministic per seed.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from . import configs, keymaps
+from .fp8 import SCALE_SUFFIX, quantize_fp8
+
+TINY_GEMMA_HIDDEN = 64
+TINY_GEMMA_LAYERS = 2  # -> 3 hidden states (embeddings + 2 layers)
+TINY_TEXT_FEATURES = TINY_GEMMA_HIDDEN * (TINY_GEMMA_LAYERS + 1)
+
+
+def tiny_transformer_metadata(variant: str) -> dict[str, Any]:
+    """`config.transformer` of the tiny model: video 8 heads × 8, audio 8 heads × 4, 2 blocks."""
+    meta: dict[str, Any] = {
+        "_class_name": "AVTransformer3DModel",
+        "in_channels": 128, "out_channels": 128, "audio_in_channels": 128, "audio_out_channels": 128,
+        "num_attention_heads": 8, "attention_head_dim": 8,
+        "audio_num_attention_heads": 8, "audio_attention_head_dim": 4,
+        "cross_attention_dim": 64, "audio_cross_attention_dim": 32,
+        "caption_channels": TINY_GEMMA_HIDDEN, "num_layers": 2,
+        "positional_embedding_theta": 10000.0, "positional_embedding_max_pos": [20, 2048, 2048],
+        "audio_positional_embedding_max_pos": [20], "vae_scale_factors": [8, 32, 32],
+        "use_middle_indices_grid": True, "rope_type": "split", "frequencies_precision": "float64",
+        "timestep_scale_multiplier": 1000, "av_ca_timestep_scale_multiplier": 1000,
+        "connector_num_attention_heads": 8, "connector_attention_head_dim": 8, "connector_num_layers": 1,
+    }
+    if variant == "2.3":
+        meta.update({
+            "apply_gated_attention": True, "cross_attention_adaln": True,
+            "caption_proj_before_connector": True, "caption_projection_first_linear": False,
+            "caption_proj_input_norm": False, "caption_projection_second_linear": False,
+            "connector_apply_gated_attention": True,
+            "audio_connector_num_attention_heads": 8, "audio_connector_attention_head_dim": 4,
+        })
+    elif variant != "2.0":
+        raise ValueError(f"variant must be '2.0' or '2.3', got {variant!r}")
+    return meta
+
+
+def tiny_vae_metadata() -> dict[str, Any]:
+    """`config.vae`: the LTX-2 block pattern (4 compressions, 32× space / 8× time) with narrow channels."""
+    res = lambda n=1: ["res_x", {"num_layers": n}]  # noqa: E731
+    return {
+        "_class_name": "CausalVideoAutoencoder", "dims": 3, "in_channels": 3, "out_channels": 3,
+        "latent_channels": 128, "encoder_base_channels": 128, "decoder_base_channels": 8, "patch_size": 4,
+        "norm_layer": "pixel_norm", "latent_log_var": "uniform", "causal_decoder": False,
+        "timestep_conditioning": False, "spatial_padding_mode": "reflect",
+        # multiplier 1 keeps the encoder at 128 channels (the real file doubles per compression)
+        "encoder_blocks": [res(), ["compress_space_res", {"multiplier": 1}], res(),
+                           ["compress_time_res", {"multiplier": 1}], res(), ["compress_all_res", {"multiplier": 1}],
+                           res(), ["compress_all_res", {"multiplier": 1}], res()],
+        "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
+                           ["compress_all", {"residual": True, "multiplier": 2}]] * 3
+                          + [["res_x", {"num_layers": 1, "inject_noise": False}]],
+    }
+
+
+def tiny_audio_vae_metadata() -> dict[str, Any]:
+    return {
+        "model": {"params": {"sampling_rate": 16000, "ddconfig": {
+            "ch": 16, "out_ch": 2, "ch_mult": [1, 2, 4], "num_res_blocks": 1, "attn_resolutions": [],
+            "in_channels": 2, "resolution": 256, "z_channels": 8, "double_z": True, "norm_type": "pixel",
+            "causality_axis": "height", "mid_block_add_attention": False, "mel_bins": 64}}},
+        "preprocessing": {"stft": {"hop_length": 160, "filter_length": 1024, "causal": True},
+                          "mel": {"n_mel_channels": 64}},
+    }
+
+
+def tiny_vocoder_metadata(variant: str) -> dict[str, Any]:
+    hifigan = {"upsample_initial_channel": 64, "upsample_rates": [6, 5, 2, 2, 2],
+               "upsample_kernel_sizes": [16, 15, 8, 4, 4], "resblock_kernel_sizes": [3, 7, 11],
+               "resblock_dilation_sizes": [[1, 3, 5]] * 3, "stereo": True, "resblock": "1", "num_mels": 64,
+               "output_sample_rate": 24000}
+    if variant == "2.0":
+        return hifigan
+    amp = {"resblock": "AMP1", "activation": "snakebeta", "stereo": True, "num_mels": 64,
+           "use_tanh_at_final": False, "use_bias_at_final": False, "resblock_kernel_sizes": [3, 7, 11],
+           "resblock_dilation_sizes": [[1, 3, 5]] * 3, "upsample_initial_channel": 64}
+    return {"vocoder": {**amp, "upsample_rates": [5, 2, 2, 2, 2, 2], "upsample_kernel_sizes": [11, 4, 4, 4, 4, 4]},
+            "bwe": {**amp, "upsample_rates": [6, 5, 2, 2, 2], "upsample_kernel_sizes": [12, 11, 4, 4, 4],
+                    "input_sampling_rate": 16000, "output_sampling_rate": 48000, "hop_length": 80, "n_fft": 512}}
+
+
+def tiny_upsampler_metadata() -> dict[str, Any]:
+    return {"_class_name": "LatentUpsampler", "in_channels": 128, "mid_channels": 32, "num_blocks_per_stage": 1,
+            "dims": 3, "spatial_upsample": True, "temporal_upsample": False, "spatial_scale": 2.0,
+            "rational_resampler": False}
+
+
+def _fill(module: nn.Module, generator: torch.Generator) -> None:
+    """Small, fan-in-scaled normal values for every parameter; norm gains near 1; computed buffers kept.
+
+    `latents_mean` / `latents_std` (VAE statistics) get mean ≈ 0 and std ≈ 1 (positive).
+    """
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if p.ndim >= 2 and "scale_shift_table" not in leaf and leaf != "learnable_registers":
+                std = 1.0 / math.sqrt(p[0].numel())
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+            elif "norm" in name and leaf == "weight":
+                p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+        for name, b in module.named_buffers():
+            if name.endswith("latents_mean"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=generator))
+            elif name.endswith("latents_std"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=generator))
+
+
+def _original_state(module: nn.Module, prefix: str, to_original, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state = {}
+    for key, tensor in module.state_dict().items():
+        if not torch.isfinite(tensor.float()).all():
+            raise AssertionError(f"tiny model tensor {key} is not finite")
+        t = tensor.detach().clone()
+        state[prefix + to_original(key)] = t.to(dtype) if t.is_floating_point() else t
+    return state
+
+
+def _quantize_linears(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """fp8 checkpoint layout: every 2-D `.weight` inside `transformer_blocks` -> float8_e4m3fn + `weight_scale`."""
+    out = {}
+    for key, tensor in state.items():
+        block = key.startswith(prefix + "transformer_blocks.")
+        if block and key.endswith(".weight") and tensor.ndim == 2:
+            q, scale = quantize_fp8(tensor.float())
+            out[key] = q
+            out[key[: -len("weight")] + SCALE_SUFFIX] = scale
+        else:
+            out[key] = tensor
+    return out
+
+
+def build_tiny_modules(variant: str, seed: int) -> dict[str, nn.Module]:
+    """The tiny diffusers modules with filled weights (before any file is written)."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel
+    from diffusers.pipelines.ltx2 import vocoder as vocoder_module
+    from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
+
+    from .text_projection import TextProjection
+
+    generator = torch.Generator().manual_seed(seed)
+    tmeta = tiny_transformer_metadata(variant)
+    voc_cls, voc_kwargs = configs.vocoder_kwargs(tiny_vocoder_metadata(variant))
+    modules = {
+        "transformer": LTX2VideoTransformer3DModel(**configs.transformer_kwargs(tmeta)),
+        "video_connector": LTX2ConnectorTransformer1d(**configs.connector_kwargs(tmeta, audio=False)),
+        "audio_connector": LTX2ConnectorTransformer1d(**configs.connector_kwargs(tmeta, audio=True)),
+        "text_projection": TextProjection(variant, TINY_TEXT_FEATURES,
+                                          (64, 32) if variant == "2.3" else TINY_GEMMA_HIDDEN),
+        "video_vae": AutoencoderKLLTX2Video(**configs.video_vae_kwargs(tiny_vae_metadata())),
+        "audio_vae": AutoencoderKLLTX2Audio(**configs.audio_vae_kwargs(tiny_audio_vae_metadata())),
+        "vocoder": getattr(vocoder_module, voc_cls)(**voc_kwargs),
+        "upsampler": LTX2LatentUpsamplerModel(**configs.upsampler_kwargs(tiny_upsampler_metadata())),
+    }
+    for module in modules.values():
+        _fill(module, generator)
+    return modules
+
+
+def write_tiny_checkpoint(path: Path, variant: str = "2.0", seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                          fp8: bool = False, modules: dict[str, nn.Module] | None = None) -> Path:
+    """Write a single-file checkpoint (`checkpoints/` layout) with `config` metadata.
+
+    Args:
+        dtype: storage dtype of the floating tensors (bf16 like the released files, or float32).
+        fp8: store the transformer-block Linear weights as float8_e4m3fn with per-tensor `weight_scale` keys, like
+            `ltx-2-19b-dev-fp8`.
+        modules: reuse modules from `build_tiny_modules` (so an fp8 twin has the same weights).
+    """
+    modules = modules or build_tiny_modules(variant, seed)
+    p = keymaps.TRANSFORMER_PREFIX
+    state: dict[str, torch.Tensor] = {}
+    state.update(_original_state(modules["transformer"], p, keymaps.transformer_to_original, dtype))
+    state.update(_original_state(modules["video_connector"], p + "video_embeddings_connector.",
+                                 keymaps.connector_to_original, dtype))
+    state.update(_original_state(modules["audio_connector"], p + "audio_embeddings_connector.",
+                                 keymaps.connector_to_original, dtype))
+    state.update(_original_state(modules["text_projection"], keymaps.TEXT_PROJECTION_PREFIX, lambda k: k, dtype))
+    state.update(_original_state(modules["video_vae"], keymaps.VIDEO_VAE_PREFIX, keymaps.video_vae_to_original,
+                                 dtype))
+    # statistics the released files carry beside the two that are used
+    state[keymaps.VIDEO_VAE_PREFIX + "per_channel_statistics.mean-of-stds"] = torch.ones(128, dtype=dtype)
+    state.update(_original_state(modules["audio_vae"], keymaps.AUDIO_VAE_PREFIX, keymaps.audio_vae_to_original,
+                                 dtype))
+    state.update(_original_state(modules["vocoder"], keymaps.VOCODER_PREFIX, keymaps.vocoder_to_original,
+                                 torch.float32))
+    if fp8:
+        state = _quantize_linears(state, p)
+    metadata = {"transformer": tiny_transformer_metadata(variant), "vae": tiny_vae_metadata(),
+                "audio_vae": tiny_audio_vae_metadata(), "vocoder": tiny_vocoder_metadata(variant)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path),
+              metadata={"config": json.dumps(metadata), "model_version": f"ltx-{variant}-tiny"})
+    return path
+
+
+def write_tiny_upsampler(path: Path, seed: int = 0, modules: dict[str, nn.Module] | None = None) -> Path:
+    """`latent_upscale_models/` layout: bare keys + `config` metadata."""
+    modules = modules or build_tiny_modules("2.0", seed)
+    state = _original_state(modules["upsampler"], "", keymaps.upsampler_to_original, torch.bfloat16)
+    save_file(state, str(path), metadata={"config": json.dumps(tiny_upsampler_metadata())})
+    return path
+
+
+def write_tiny_lora(path: Path, variant: str = "2.0", seed: int = 0, rank: int = 4, scale: float = 0.05) -> Path:
+    """A distilled-LoRA-style file: `diffusion_model.<original module path>.lora_A/lora_B.weight` for every
+    attention and feed-forward Linear of the tiny transformer, plus `.alpha` (= rank, i.e. scale 1)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    generator = torch.Generator().manual_seed(seed + 1000)
+    model = LTX2VideoTransformer3DModel(**configs.transformer_kwargs(tiny_transformer_metadata(variant)))
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.startswith("transformer_blocks.") and "gate_logits" not in name:
+            orig = "diffusion_model." + keymaps.transformer_to_original(name)
+            state[orig + ".lora_A.weight"] = (torch.randn(rank, module.in_features, generator=generator)
+                                              * scale).to(torch.bfloat16)
+            state[orig + ".lora_B.weight"] = (torch.randn(module.out_features, rank, generator=generator)
+                                              * scale).to(torch.bfloat16)
+            state[orig + ".alpha"] = torch.tensor(float(rank))
+    save_file(state, str(path), metadata={"format": "ltx-lora", "rank": str(rank)})
+    return path
+
+
+def make_tiny(directory: Path, variant: str = "2.0", seed: int = 0) -> dict[str, Path]:
+    """Write the full tiny model set into `directory`: checkpoint, fp8 twin, upscaler, distilled LoRA and Gemma.
+
+    Returns a dict of the written paths: `checkpoint`, `checkpoint_fp8`, `upsampler`, `distilled_lora`, `gemma`.
+    """
+    from .tiny_gemma import write_tiny_gemma
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    modules = build_tiny_modules(variant, seed)
+    tag = variant.replace(".", "")
+    paths = {
+        "checkpoint": write_tiny_checkpoint(directory / f"ltx-{variant}-tiny.safetensors", variant, seed,
+                                            modules=modules),
+        "checkpoint_fp8": write_tiny_checkpoint(directory / f"ltx-{variant}-tiny-fp8.safetensors", variant, seed,
+                                                fp8=True, modules=modules),
+        "upsampler": write_tiny_upsampler(directory / f"ltx-{tag}-tiny-spatial-upscaler-x2.safetensors", seed,
+                                          modules=modules),
+        "distilled_lora": write_tiny_lora(directory / f"ltx-{variant}-tiny-distilled-lora.safetensors", variant, seed),
+        "gemma": write_tiny_gemma(directory / "gemma-3-tiny.safetensors", seed=seed,
+                                  hidden_size=TINY_GEMMA_HIDDEN, num_layers=TINY_GEMMA_LAYERS),
+    }
+    return paths
