@@ -238,15 +238,28 @@ def load_video_vae(file: SafetensorsFile, dtype: torch.dtype) -> nn.Module:
                        ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES)
 
 
-def load_audio_vae_and_vocoder(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+def build_audio_vae(**kwargs) -> nn.Module:
+    """`AutoencoderKLLTX2Audio` with its statistics sized by the packed latent features (8 channels × 16 mel bins =
+    128, what the files and ComfyUI hold); diffusers sizes them by `base_channels`, which is 128 only at the
+    released width."""
     from diffusers import AutoencoderKLLTX2Audio
+
+    module = AutoencoderKLLTX2Audio(**kwargs)
+    features = module.config.latent_channels * (module.config.mel_bins // 4)
+    for name in ("latents_mean", "latents_std"):
+        if getattr(module, name).numel() != features:
+            module.register_buffer(name, torch.full((features,), 0.0 if name == "latents_mean" else 1.0))
+    return module
+
+
+def load_audio_vae_and_vocoder(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
     from diffusers.pipelines.ltx2 import vocoder as vocoder_module
 
     prefix = _component_prefix(file, keymaps.AUDIO_VAE_PREFIX, ("per_channel_statistics.mean-of-means",), "audio VAE")
     if not prefix:
         raise CheckpointError(f"{file.path}: audio VAE keys must carry the '{keymaps.AUDIO_VAE_PREFIX}' prefix")
     akw = configs.audio_vae_kwargs(_section(file, "audio_vae"))
-    audio_vae = load_module(lambda: AutoencoderKLLTX2Audio(**akw), file, file.keys_under(prefix), prefix,
+    audio_vae = load_module(lambda: build_audio_vae(**akw), file, file.keys_under(prefix), prefix,
                             keymaps.audio_vae_to_diffusers, dtype, "audio VAE",
                             ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES)
     cls_name, vkw = configs.vocoder_kwargs(_section(file, "vocoder"))

@@ -154,11 +154,12 @@ def _quantize_linears(state: dict[str, torch.Tensor], prefix: str) -> dict[str, 
 
 def build_tiny_modules(variant: str, seed: int) -> dict[str, nn.Module]:
     """The tiny diffusers modules with filled weights (before any file is written)."""
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel
     from diffusers.pipelines.ltx2 import vocoder as vocoder_module
     from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
 
+    from .loader import build_audio_vae
     from .text_projection import TextProjection
 
     generator = torch.Generator().manual_seed(seed)
@@ -171,7 +172,7 @@ def build_tiny_modules(variant: str, seed: int) -> dict[str, nn.Module]:
         "text_projection": TextProjection(variant, TINY_TEXT_FEATURES,
                                           (64, 32) if variant == "2.3" else TINY_GEMMA_HIDDEN),
         "video_vae": AutoencoderKLLTX2Video(**configs.video_vae_kwargs(tiny_vae_metadata())),
-        "audio_vae": AutoencoderKLLTX2Audio(**configs.audio_vae_kwargs(tiny_audio_vae_metadata())),
+        "audio_vae": build_audio_vae(**configs.audio_vae_kwargs(tiny_audio_vae_metadata())),
         "vocoder": getattr(vocoder_module, voc_cls)(**voc_kwargs),
         "upsampler": LTX2LatentUpsamplerModel(**configs.upsampler_kwargs(tiny_upsampler_metadata())),
     }

@@ -1,0 +1,470 @@
+"""Gemma 3 text encoder for LTX-2 / LTX-2.3: loads ComfyUI's single file or a Hugging Face folder and returns
+ALL hidden states (embeddings + every layer), as ComfyUI's LTX-2 text encoder does.
+
+Runs on transformers' `Gemma3TextModel` (language model only; the vision tower and projector are not loaded).
+
+Layouts accepted (facts from ComfyUI 0.20.1 `comfy/sd.py`, `comfy/text_encoders/lt.py`, `llama.py`, `utils.py`,
+`ops.py`, `quant_ops.py` and Lightricks' `ltx-core` `text_encoders/gemma/gemma_assets.py`, `encoder_configurator.py`):
+
+* ComfyUI single file (`models/text_encoders/gemma_3_12B_it*.safetensors`): language model under `model.`
+  (`model.embed_tokens.weight` [262208, 3840], `model.layers.{0..47}.{self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+  mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+  post_feedforward_layernorm}.weight`, `model.norm.weight`); ComfyUI recognises it by
+  `model.layers.47.self_attn.q_norm.weight`. Optional vision keys `vision_model.*`, `multi_modal_projector.*` and
+  `lm_head`/`model.lm_head` are ignored here. The SentencePiece model is the 1-D uint8 tensor `spiece_model`
+  (the serialized model proto bytes, `SPieceTokenizer.serialize_model()`). No config is stored: it is inferred
+  from tensor shapes (`infer_text_config`). Quantized variants:
+  - scaled fp8 (`*_fp8_scaled`): Linear `weight` in float8_e4m3fn (or e5m2) + 0-d float32 `weight_scale`, with the
+    format in a per-layer uint8 JSON tensor `<layer>.comfy_quant` (`{"format": "float8_e4m3fn"}`) or in the
+    safetensors metadata `_quantization_metadata` (`{"layers": {<layer>: {"format": …}}}`); legacy files carry a
+    `scaled_fp8` marker tensor and `<layer>.scale_weight` / `<layer>.scale_input`. Dequantized weight =
+    `weight.float() * scale` (ComfyUI's TensorCoreFP8Layout); input scales are ignored (we compute in `dtype`).
+  - fp4-mixed (`*_fp4_mixed`): layers with format `nvfp4` (uint8-packed e2m1 pairs, float8 block scales
+    `weight_scale` per 16 values in a tensor-core tiled layout, float32 `weight_scale_2`), or `mxfp8`; these are
+    REFUSED with a ValueError naming the file and the layer (the block-scale layout is comfy_kitchen's, not
+    reproduced here).
+* Hugging Face folder (`google/gemma-3-12b-it` style, as Lightricks ship it): `config.json` (`model_type` "gemma3"
+  with `text_config`, or "gemma3_text"), `*.safetensors` with keys under `language_model.model.` (as published),
+  `model.language_model.` (transformers >= 4.52 save) or `model.` (Gemma3ForCausalLM), and `tokenizer.model`
+  (SentencePiece; `tokenizer.json` is used through `tokenizers` if no `tokenizer.model` is present).
+* ltx-core's packed TE files (`gemma_config` metadata + `tokenizer_json` tensor) are recognised by their keys and
+  use the stored config and tokenizer.
+
+Prompt handling (ComfyUI `Gemma3_12BTokenizer` / `SDTokenizer` / `SPieceTokenizer`, not ltx-core's): no template,
+no strip, no truncation; ids = [<bos>=2] + SentencePiece ids of the text; `\\(`/`\\)` become `(`/`)`; the strings
+`<end_of_turn>` / `<image_soft_token>` map to ids 106 / 262144 (looked up in the vocabulary for non-Gemma-sized
+tokenizers), and, as ComfyUI does on that path, the first id after <bos> is dropped. ComfyUI left-pads with
+<pad>=0 to at least 1024 tokens (`min_length=1024`) with an attention mask, runs Gemma on that, takes ALL hidden
+states, and then keeps only the last `sum(mask)` positions (the padding is cut off before the feature extractor).
+Here `tokenize`/`encode` left-pad to the longest prompt of the batch (or to `min_length` if given); valid-token
+hidden states do not depend on the amount of left padding (masked keys; RoPE is relative). `encode` returns
+`[B, T, hidden, num_layers+1]` float32 with `[..., 0]` = scaled embeddings and `[..., -1]` = final-norm output,
+the same order as ComfyUI's `intermediate_output="all"` and transformers' `hidden_states`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
+#: ComfyUI left-pads every Gemma prompt to this many tokens (`Gemma3_12BTokenizer(min_length=1024)`).
+COMFY_MIN_LENGTH = 1024
+#: Special strings ComfyUI maps to fixed ids (`Gemma3_12BTokenizer.special_tokens`).
+COMFY_SPECIAL_TOKENS = {"<image_soft_token>": 262144, "<end_of_turn>": 106}
+#: Constants not visible in tensor shapes: those of ComfyUI's `Gemma3_12B_Config` (equal to google/gemma-3-12b-it's
+#: config.json): global layers RoPE theta 1e6 with linear scaling x8, local (sliding) layers theta 1e4 unscaled,
+#: sliding window 1024, every 6th layer global, RMSNorm eps 1e-6, attention scale 1/sqrt(head_dim).
+GEMMA3_12B_CONSTANTS = {
+    "rope_theta_global": 1_000_000.0, "rope_linear_factor_global": 8.0, "rope_theta_local": 10_000.0,
+    "sliding_window": 1024, "sliding_window_pattern": 6, "rms_norm_eps": 1e-6,
+}
+
+_LM_PREFIXES = ("language_model.model.", "model.language_model.", "model.")
+_IGNORED_PREFIXES = ("vision_model.", "vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                     "model.multi_modal_projector.", "language_model.lm_head.", "lm_head.", "model.lm_head.",
+                     "text_embedding_projection.", "hf_asset__")
+_IGNORED_KEYS = ("spiece_model", "tokenizer_json", "scaled_fp8")
+_FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+
+class GemmaPromptTokenizer:
+    """Prompt -> Gemma ids the way ComfyUI's LTX-2 Gemma tokenizer does it (see module docstring).
+
+    Built from a SentencePiece model proto (`from_spiece_proto`) or a Hugging Face `tokenizer.json`
+    (`from_tokenizer_json`, through the `tokenizers` library).
+    """
+
+    def __init__(self, encode_fn, vocab_lookup, vocab_size: int, source: str):
+        self._encode = encode_fn          # str -> list[int], no BOS/EOS
+        self._lookup = vocab_lookup       # piece -> id or None
+        self.vocab_size = vocab_size
+        self.source = source
+        if vocab_size >= 262144:
+            self.special_tokens = dict(COMFY_SPECIAL_TOKENS)
+        else:
+            self.special_tokens = {s: i for s in COMFY_SPECIAL_TOKENS if (i := vocab_lookup(s)) is not None}
+
+    @classmethod
+    def from_spiece_proto(cls, proto: bytes, source: str = "<spiece_model>") -> GemmaPromptTokenizer:
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_proto=proto)
+
+        def lookup(piece):
+            i = sp.piece_to_id(piece)
+            return None if i == sp.unk_id() and piece != sp.id_to_piece(i) else i
+
+        return cls(lambda s: sp.encode(s, add_bos=False, add_eos=False), lookup, sp.get_piece_size(), source)
+
+    @classmethod
+    def from_tokenizer_json(cls, data: bytes, source: str = "<tokenizer.json>") -> GemmaPromptTokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+        return cls(lambda s: tok.encode(s, add_special_tokens=False).ids, tok.token_to_id,
+                   tok.get_vocab_size(with_added_tokens=True), source)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Ids for one prompt: `[BOS] + ids(text)` with ComfyUI's escapes and special-token handling."""
+        text = text.replace("\\(", "(").replace("\\)", ")")
+        if self.special_tokens:
+            pattern = "|".join(re.escape(t) for t in self.special_tokens)
+            if re.search(pattern, text):
+                ids: list[int] = []
+                for part in re.split(f"({pattern})", text):
+                    if part in self.special_tokens:
+                        ids.append(self.special_tokens[part])
+                    elif part:
+                        ids.extend(self._encode(part))
+                # ComfyUI strips the first tokenizer output position (meant for BOS) on this path too.
+                return [BOS_ID] + ids[1:]
+        return [BOS_ID] + list(self._encode(text))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Encoder
+# ----------------------------------------------------------------------------------------------------------------
+
+class GemmaTextEncoder(nn.Module):
+    """A loaded Gemma 3 language model + tokenizer that returns all hidden states.
+
+    Attributes:
+        model: transformers `Gemma3TextModel` (weights in `dtype`, on `device`).
+        tokenizer: `GemmaPromptTokenizer`.
+        source: the file or folder it was loaded from (used in error messages).
+        text_config: the `Gemma3TextConfig`.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: GemmaPromptTokenizer, source: str):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.source = source
+        self.text_config = model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config.num_hidden_layers)
+
+    @property
+    def num_hidden_states(self) -> int:
+        """num_layers + 1 (the scaled embeddings are the first hidden state); 49 for Gemma 3 12B."""
+        return self.num_layers + 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def tokenize(self, prompts: list[str], min_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ids and mask.
+
+        Args:
+            prompts: list of B strings.
+            min_length: pad to at least this many tokens (ComfyUI uses `COMFY_MIN_LENGTH`=1024); default: the
+                longest prompt.
+        Returns: `(input_ids [B, T] long, attention_mask [B, T] long)` on the CPU; pads are <pad>=0 with mask 0
+            on the left, every row starts its valid part with <bos>=2.
+        Raises: TypeError if `prompts` is a bare string.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of strings, not a single string")
+        rows = [self.tokenizer.prompt_ids(p) for p in prompts]
+        t = max([len(r) for r in rows] + [min_length or 0])
+        ids = torch.full((len(rows), t), PAD_ID, dtype=torch.long)
+        mask = torch.zeros((len(rows), t), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, t - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, t - len(r):] = 1
+        return ids, mask
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[str], min_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run Gemma on the prompts and stack all hidden states.
+
+        Returns: `(hidden_states [B, T, hidden_size, num_layers+1] float32 on the CPU, attention_mask [B, T] long)`;
+            padded positions are zero. Hidden state 0 = embeddings · sqrt(hidden_size), k = output of layer k,
+            last = final RMSNorm of the last layer's output (transformers `output_hidden_states` order, equal to
+            ComfyUI `Llama2_.forward(intermediate_output="all")`).
+        Raises: ValueError if a hidden state is not finite (names the source).
+        """
+        ids, mask = self.tokenize(prompts, min_length)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         output_hidden_states=True, use_cache=False)
+        hs = torch.stack([h.float() for h in out.hidden_states], dim=-1).cpu()
+        hs = hs * mask[:, :, None, None].to(hs.dtype)
+        if not torch.isfinite(hs).all():
+            raise ValueError(f"Gemma hidden states from {self.source} contain non-finite values")
+        return hs, mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Collected:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)   # LM keys without prefix -> tensor
+    ignored: list[str] = field(default_factory=list)
+
+
+def infer_text_config(shapes: dict[str, tuple[int, ...]], source: str) -> dict:
+    """Gemma 3 text config from language-model tensor shapes (keys without prefix).
+
+    Rules: hidden_size = embed_tokens.weight.shape[1]; vocab_size = shape[0]; num_hidden_layers = 1 + the largest
+    `layers.{i}` index; head_dim = layers.0.self_attn.q_norm.weight.shape[0] (Gemma 3 normalizes q/k per head, so
+    the norm width IS head_dim); num_attention_heads = q_proj.shape[0] / head_dim; num_key_value_heads =
+    k_proj.shape[0] / head_dim; intermediate_size = mlp.gate_proj.shape[0]; query_pre_attn_scalar = head_dim
+    (ComfyUI scales attention by 1/sqrt(head_dim)). Everything else: `GEMMA3_12B_CONSTANTS`.
+    For the 12B file: 3840, 262208, 48 layers, head_dim 256, 16 heads, 8 kv heads, 15360.
+
+    Raises: ValueError naming `source` and the rule when a needed tensor is absent or shapes are inconsistent.
+    """
+    def need(k):
+        if k not in shapes:
+            raise ValueError(f"{source}: cannot infer the Gemma 3 config, tensor {k!r} is missing "
+                             f"(rule: a Gemma 3 language model has embed_tokens, layers.N.self_attn.q_norm, ...)")
+        return shapes[k]
+
+    vocab, hidden = need("embed_tokens.weight")
+    layer_ids = {int(m.group(1)) for k in shapes if (m := re.match(r"layers\.(\d+)\.", k))}
+    if not layer_ids:
+        raise ValueError(f"{source}: no 'layers.N.' tensors found")
+    num_layers = max(layer_ids) + 1
+    if layer_ids != set(range(num_layers)):
+        raise ValueError(f"{source}: layer indices are not contiguous 0..{num_layers - 1}: "
+                         f"missing {sorted(set(range(num_layers)) - layer_ids)}")
+    (head_dim,) = need("layers.0.self_attn.q_norm.weight")
+    q_out = need("layers.0.self_attn.q_proj.weight")[0]
+    k_out = need("layers.0.self_attn.k_proj.weight")[0]
+    if q_out % head_dim or k_out % head_dim:
+        raise ValueError(f"{source}: q_proj/k_proj widths {q_out}/{k_out} are not multiples of head_dim {head_dim} "
+                         f"(rule: head_dim = q_norm width)")
+    c = GEMMA3_12B_CONSTANTS
+    return {
+        "model_type": "gemma3_text", "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": num_layers,
+        "head_dim": head_dim, "num_attention_heads": q_out // head_dim, "num_key_value_heads": k_out // head_dim,
+        "intermediate_size": need("layers.0.mlp.gate_proj.weight")[0], "query_pre_attn_scalar": head_dim,
+        "rms_norm_eps": c["rms_norm_eps"], "rope_theta": c["rope_theta_global"],
+        "rope_local_base_freq": c["rope_theta_local"],
+        "rope_scaling": {"rope_type": "linear", "factor": c["rope_linear_factor_global"]},
+        "sliding_window": c["sliding_window"], "sliding_window_pattern": c["sliding_window_pattern"],
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+        "pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID,
+    }
+
+
+def _quant_formats(f, keys: set[str], meta: dict, source: str) -> dict[str, str]:
+    """Layer name (full key prefix) -> quantization format, from `_quantization_metadata` and `.comfy_quant`."""
+    formats: dict[str, str] = {}
+    if "_quantization_metadata" in meta:
+        try:
+            layers = json.loads(meta["_quantization_metadata"]).get("layers", {})
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{source}: unreadable '_quantization_metadata' metadata: {e}") from e
+        formats.update({k: v.get("format") for k, v in layers.items()})
+    for k in keys:
+        if k.endswith(".comfy_quant"):
+            raw = bytes(f.get_tensor(k).to(torch.uint8).tolist())
+            try:
+                formats[k[: -len(".comfy_quant")]] = json.loads(raw.decode("utf-8")).get("format")
+            except ValueError as e:
+                raise ValueError(f"{source}: unreadable quantization config {k!r}: {e}") from e
+    if "scaled_fp8" in keys:
+        for k in keys:
+            if k.endswith(".scale_weight"):
+                formats.setdefault(k[: -len(".scale_weight")], "float8_e4m3fn")
+    return formats
+
+
+def _refuse_unsupported(formats: dict[str, str], keys: set[str], source: str) -> None:
+    bad = {k: v for k, v in formats.items() if v not in _FP8_FORMATS}
+    if not bad:
+        bad = {k[: -len(".weight_scale_2")]: "nvfp4" for k in keys if k.endswith(".weight_scale_2")}
+    if bad:
+        layer, fmt = sorted(bad.items())[0]
+        raise ValueError(
+            f"{source}: layer {layer!r} is stored as {fmt!r} ({len(bad)} such layers; an fp4-mixed ComfyUI text "
+            f"encoder such as gemma_3_12B_it_fp4_mixed.safetensors). Rule: Gemma files must be bf16/fp16/fp32 or "
+            f"per-tensor scaled fp8 (float8_e4m3fn/float8_e5m2 + weight_scale); nvfp4/mxfp8 block-scaled weights "
+            f"are not supported. Use gemma_3_12B_it.safetensors or gemma_3_12B_it_fp8_scaled.safetensors.")
+
+
+def _collect(files: list[Path], prefix: str, dtype: torch.dtype, source: str) -> _Collected:
+    """Read the language-model tensors of `files`, strip `prefix`, dequantize fp8, cast to `dtype` (CPU)."""
+    from safetensors import safe_open
+
+    col = _Collected()
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            meta = f.metadata() or {}
+            formats = _quant_formats(f, keys, meta, f"{path}")
+            _refuse_unsupported(formats, keys, f"{path}")
+            aux_suffixes = (".comfy_quant", ".weight_scale", ".scale_weight", ".input_scale", ".scale_input")
+            for k in sorted(keys):
+                if k in _IGNORED_KEYS or k.startswith(_IGNORED_PREFIXES):
+                    col.ignored.append(k)
+                    continue
+                if not k.startswith(prefix):
+                    unexpected.append(k)
+                    continue
+                if k.endswith(aux_suffixes):
+                    continue
+                t = f.get_tensor(k)
+                layer = k[: -len(".weight")] if k.endswith(".weight") else None
+                if t.dtype in _FP8_FORMATS.values():
+                    scale = torch.ones((), dtype=torch.float32)
+                    for s in (".weight_scale", ".scale_weight"):
+                        if layer is not None and layer + s in keys:
+                            scale = f.get_tensor(layer + s).float()
+                    if scale.numel() != 1:
+                        raise ValueError(f"{path}: fp8 tensor {k!r} has a non-scalar scale of shape "
+                                         f"{tuple(scale.shape)}; only per-tensor scaled fp8 is supported")
+                    t = t.float() * scale
+                elif not t.is_floating_point():
+                    raise ValueError(f"{path}: tensor {k!r} has dtype {t.dtype}; rule: language-model weights "
+                                     f"must be floating point (quantized formats other than scaled fp8 are refused)")
+                col.tensors[k[len(prefix):]] = t.to(dtype)
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensors outside the language model prefix {prefix!r}: "
+                         f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    return col
+
+
+def _detect_prefix(keys: set[str], source: str) -> str:
+    for p in _LM_PREFIXES:
+        if p + "embed_tokens.weight" in keys:
+            return p
+    if "embed_tokens.weight" in keys:
+        return ""
+    raise ValueError(f"{source}: no Gemma language model found (rule: expected one of "
+                     f"{[p + 'embed_tokens.weight' for p in _LM_PREFIXES]})")
+
+
+def _build_model(text_config: dict, tensors: dict[str, torch.Tensor], device, source: str) -> nn.Module:
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    cfg = dict(text_config)
+    cfg.pop("model_type", None)
+    config = Gemma3TextConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Gemma3TextModel(config)
+    try:
+        model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{source}: weights do not match the Gemma 3 config "
+                         f"(hidden={config.hidden_size}, layers={config.num_hidden_layers}): {e}") from e
+    # Non-persistent buffers are not in the checkpoint: recreate them for real (they were built on meta).
+    model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5, device=device)
+    model.rotary_emb = type(model.rotary_emb)(config=config, device=device)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{source}: tensors left uninitialized after loading: {left}")
+    return model.eval().requires_grad_(False)
+
+
+def load_gemma(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> GemmaTextEncoder:
+    """Load a Gemma 3 text encoder from ComfyUI's single file or a Hugging Face folder.
+
+    Args:
+        path: a `.safetensors` file (ComfyUI `models/text_encoders/` layout, or ltx-core's packed TE file) or a
+            folder with `config.json` + `*.safetensors` + `tokenizer.model` (or `tokenizer.json`).
+        device: where the model runs.
+        dtype: weight/compute dtype; fp8-stored weights are dequantized (`weight·scale`) to it.
+    Returns: `GemmaTextEncoder`.
+    Raises: FileNotFoundError if `path` does not exist; ValueError naming the file and the rule for: an fp4-mixed /
+        nvfp4 / mxfp8 file, a missing tokenizer (`spiece_model`), a missing/unknown config, tensors outside the
+        language model, shapes that contradict the config, missing or unexpected language-model tensors.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Gemma text encoder not found: {path}")
+    device = torch.device(device)
+    if path.is_dir():
+        return _load_folder(path, device, dtype)
+    return _load_single_file(path, device, dtype)
+
+
+def _load_single_file(path: Path, device, dtype) -> GemmaTextEncoder:
+    from safetensors import safe_open
+
+    source = str(path)
+    with safe_open(source, framework="pt") as f:
+        keys = set(f.keys())
+        meta = f.metadata() or {}
+        if "spiece_model" in keys:
+            tokenizer = GemmaPromptTokenizer.from_spiece_proto(
+                bytes(f.get_tensor("spiece_model").to(torch.uint8).numpy().tobytes()), source)
+        elif "tokenizer_json" in keys:
+            tokenizer = GemmaPromptTokenizer.from_tokenizer_json(
+                bytes(f.get_tensor("tokenizer_json").to(torch.uint8).numpy().tobytes()), source)
+        else:
+            raise ValueError(f"{source}: no tokenizer in the file (rule: ComfyUI Gemma files embed the SentencePiece "
+                             f"model as the uint8 tensor 'spiece_model')")
+    prefix = _detect_prefix(keys, source)
+    col = _collect([path], prefix, dtype, source)
+    if "gemma_config" in meta:   # ltx-core packed TE file
+        text_config = _text_config_from_json(json.loads(meta["gemma_config"]), source)
+    else:
+        text_config = infer_text_config({k: tuple(v.shape) for k, v in col.tensors.items()}, source)
+    return GemmaTextEncoder(_build_model(text_config, col.tensors, device, source), tokenizer, source)
+
+
+def _text_config_from_json(config: dict, source: str) -> dict:
+    mt = config.get("model_type")
+    if mt == "gemma3":
+        if "text_config" not in config:
+            raise ValueError(f"{source}: gemma3 config without 'text_config'")
+        return dict(config["text_config"])
+    if mt == "gemma3_text":
+        return {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "dtype",
+                                                               "transformers_version")}
+    raise ValueError(f"{source}: unsupported model_type {mt!r} (rule: 'gemma3' or 'gemma3_text' — Gemma 3 only)")
+
+
+def _load_folder(folder: Path, device, dtype) -> GemmaTextEncoder:
+    source = str(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{source}: no config.json (rule: a Hugging Face Gemma folder has config.json, "
+                         f"*.safetensors and tokenizer.model)")
+    text_config = _text_config_from_json(json.loads(cfg_path.read_text()), str(cfg_path))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{source}: no *.safetensors weight files")
+    if (folder / "tokenizer.model").is_file():
+        tokenizer = GemmaPromptTokenizer.from_spiece_proto((folder / "tokenizer.model").read_bytes(),
+                                                           str(folder / "tokenizer.model"))
+    elif (folder / "tokenizer.json").is_file():
+        tokenizer = GemmaPromptTokenizer.from_tokenizer_json((folder / "tokenizer.json").read_bytes(),
+                                                             str(folder / "tokenizer.json"))
+    else:
+        raise ValueError(f"{source}: no tokenizer.model or tokenizer.json")
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for p in files:
+        with safe_open(str(p), framework="pt") as f:
+            keys |= set(f.keys())
+    prefix = _detect_prefix(keys, source)
+    col = _collect(files, prefix, dtype, source)
+    return GemmaTextEncoder(_build_model(text_config, col.tensors, device, source), tokenizer, source)

@@ -1,0 +1,292 @@
+"""The two-stage LTX-2 audio+video pipeline in one process (the reference recipe, Lightricks `ti2vid_two_stages`).
+
+prompt + negative prompt -> Gemma hidden states -> feature extractor (CONDITIONING, DESIGN.md §3) ->
+stage 1 at half width/height (LTX-2 scheduler sigmas, Euler, CFG with rescale + STG + modality guidance) ->
+2× latent upscale -> stage 2 with the distilled LoRA fused, no guidance, sigmas 0.909375, 0.725, 0.421875, 0,
+audio frozen (the clean stage-1 audio latent is context at audio timestep 0) -> VAE decode -> frames; audio decoded
+from the stage-1 audio latent. Image-to-video conditions the first latent frame through the denoise mask (strength
+0..1) in both stages.
+
+The stage functions take their model function from the caller so that the parallel wrappers (sequence parallel
+stage 1, tiled stage 2) replace the one-process transformer without changing the recipe.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import latents as L
+from . import sampling as S
+from . import validation as V
+from .denoiser import LTX2Denoiser, TextContext, text_contexts
+from .lora import LoRAFuser, LoRAReport, read_lora
+from .models.loader import LTX2Components
+
+DEFAULT_NEGATIVE_PROMPT = (
+    "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, grainy "
+    "texture, poor lighting, flickering, motion blur, distorted proportions, unnatural skin tones, deformed facial "
+    "features, asymmetrical face, missing facial features, extra limbs, disfigured hands, wrong hand count, "
+    "artifacts around text, inconsistent perspective, camera shake, incorrect depth of field, background too sharp, "
+    "background clutter, distracting reflections, harsh shadows, inconsistent lighting direction, color banding, "
+    "cartoonish rendering, 3D CGI look, unrealistic materials, uncanny valley effect, incorrect ethnicity, wrong "
+    "gender, exaggerated expressions, wrong gaze direction, mismatched lip sync, silent or muted audio, distorted "
+    "voice, robotic voice, echo, background noise, off-sync audio, incorrect dialogue, added dialogue, repetitive "
+    "speech, jittery movement, awkward pauses, incorrect timing, unnatural transitions, inconsistent framing, tilted "
+    "camera, flat lighting, inconsistent tone, cinematic oversaturation, stylized filters, or AI artifacts."
+)  # reference DEFAULT_NEGATIVE_PROMPT (ltx_pipelines/utils/constants.py)
+
+ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
+
+
+@dataclass
+class GenerateRequest:
+    """One text/image-to-audio+video generation. Sizes in pixels, fps in frames per second."""
+
+    prompt: str
+    negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
+    width: int = 768
+    height: int = 512
+    frames: int = 121
+    fps: float = 24.0
+    steps: int | None = None  # stage-1 steps; None = reference default for the model version
+    seed: int = 0
+    image: str | None = None  # first-frame image for image-to-video
+    image_strength: float = 1.0
+    video_guidance: S.GuidanceParams | None = None  # None = reference defaults for the model version
+    audio_guidance: S.GuidanceParams | None = None
+    stage2_sigmas: tuple[float, ...] = S.DISTILLED_STAGE2_SIGMAS
+    distilled_lora: tuple[str, float] | None = None
+
+    def validate(self) -> None:
+        """Raise `ValidationError` naming the value and the rule (before any work)."""
+        V.check_frames(self.frames)
+        V.check_size(self.width, self.height, two_stage=True)
+        V.check_positive("fps", self.fps)
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise V.ValidationError(f"steps={self.steps}: must be a positive integer")
+        V.check_unit_interval("image_strength", self.image_strength)
+        if self.image is not None:
+            V.check_file("image", self.image)
+        if self.distilled_lora is not None:
+            V.check_file("distilled LoRA", self.distilled_lora[0])
+        try:
+            S.as_sigmas(self.stage2_sigmas)
+        except ValueError as exc:
+            raise V.ValidationError(f"stage2_sigmas={list(self.stage2_sigmas)}: {exc}") from None
+
+
+@dataclass
+class GenerateResult:
+    """frames: `[F, H, W, 3]` float32 in 0..1; audio: `[C, S]` float32 in -1..1 at `sample_rate` Hz;
+    video_latent `[1, 128, F', H', W']` / audio_latent `[1, 8, T, 16]` (normalized model space, CPU);
+    timings in seconds per stage; lora_reports of stage 2."""
+
+    frames: torch.Tensor
+    audio: torch.Tensor
+    sample_rate: int
+    video_latent: torch.Tensor
+    audio_latent: torch.Tensor
+    timings: dict[str, float] = field(default_factory=dict)
+    lora_reports: list[LoRAReport] = field(default_factory=list)
+
+
+def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidanceParams:
+    """The reference's default STG blocks (29 for LTX-2.0, 28 for 2.3) index the 48-block models; a shallower model
+    (the tiny test models) uses its last block instead."""
+    blocks = tuple(min(b, n_blocks - 1) for b in guidance.stg_blocks)
+    return dataclasses.replace(guidance, stg_blocks=blocks)
+
+
+class TwoStagePipeline:
+    """Runs `GenerateRequest`s on loaded components and a Gemma encoder, in one process.
+
+    Args:
+        components: `LTX2Components` (the transformer and VAEs, on `device`).
+        gemma: a `GemmaTextEncoder` (anything with `.encode(prompts) -> (hidden [B,T,H,L], mask [B,T])`).
+        dtype: compute dtype of the transformer forward (bf16 on GPU, float32 on CPU for exact tests).
+    """
+
+    def __init__(self, components: LTX2Components, gemma, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.components = components
+        self.gemma = gemma
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.lora = LoRAFuser(components.transformer)
+
+    # ---- text ----------------------------------------------------------------------------------------------------
+
+    def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Prompts -> CONDITIONING embeddings `[1, T_i, C]` each (valid tokens only, as ComfyUI stores them)."""
+        hidden, mask = self.gemma.encode(prompts)
+        projection = self.components.text_projection
+        weight = next(projection.parameters())
+        embeds = projection(hidden.to(weight.device, weight.dtype), mask.to(weight.device))
+        out = []
+        for i in range(len(prompts)):
+            valid = int(mask[i].sum())
+            out.append(embeds[i:i + 1, embeds.shape[1] - valid:].float().cpu())
+        return out
+
+    # ---- stages ----------------------------------------------------------------------------------------------------
+
+    def _conditioning_latent(self, image: str, strength: float, frames_lat: int, height: int, width: int):
+        """Encode the first-frame image at (height, width); returns (clean first-frame latent tokens placed in a
+        full zero latent [1, T, 128], per-token denoise mask [1, T])."""
+        from .media import load_image
+
+        vae = self.components.video_vae
+        param = next(vae.parameters())
+        pixels = load_image(image, width=width, height=height).to(param.device, param.dtype).unsqueeze(2)
+        with torch.no_grad():
+            first = vae.encode(pixels).latent_dist.mode()  # [1, 128, 1, h, w]
+        first = L.normalize_latents(first.float(), vae.latents_mean.float(), vae.latents_std.float())
+        clean = torch.zeros(1, 128, frames_lat, height // 32, width // 32)
+        clean[:, :, :1] = first.cpu()
+        mask = L.image_conditioning_mask(1, frames_lat, strength)
+        return L.pack_video(clean), L.video_token_mask(mask, 1, frames_lat, height // 32, width // 32)
+
+    def run_stage(self, stage: str, model_fn, video_clean: torch.Tensor, audio_clean: torch.Tensor,
+                  sigmas: torch.Tensor, seed: int, video_mask: torch.Tensor | None, audio_frozen: bool,
+                  video_guidance: S.GuidanceParams, audio_guidance: S.GuidanceParams,
+                  progress: ProgressFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Noise to `sigmas[0]` and denoise. Latents are packed `[1, T, 128]` float32 (model space)."""
+        noise_v, noise_a = S.make_av_noise(video_clean.shape, audio_clean.shape, seed)
+        start_v = S.noise_latent(video_clean, noise_v, float(sigmas[0]), video_mask)
+        start_a = audio_clean if audio_frozen else S.noise_latent(audio_clean, noise_a, float(sigmas[0]))
+        video, audio = S.denoise_loop(
+            model_fn, start_v, start_a, sigmas, video_mask=video_mask, video_clean=video_clean,
+            audio_frozen=audio_frozen, video_guidance=video_guidance, audio_guidance=audio_guidance,
+            progress_callback=(lambda i, n: progress(stage, i, n)) if progress else None)
+        V.check_finite(video, stage, "video")
+        V.check_finite(audio, stage, "audio")
+        return video, audio
+
+    def _model_fn(self, positive: TextContext, negative: TextContext | None, frames_lat: int, h: int, w: int,
+                  audio_frames: int, fps: float) -> LTX2Denoiser:
+        transformer = self.components.transformer
+        video_coords = L.video_coords(transformer, 1, frames_lat, h, w, fps, device=self.device)
+        audio_coords = L.audio_coords(transformer, 1, audio_frames, device=self.device)
+        return LTX2Denoiser(transformer, positive, negative, video_coords, audio_coords, self.dtype)
+
+    def upscale(self, video_latent: torch.Tensor) -> torch.Tensor:
+        """2× spatial latent upscale `[1, 128, F, H, W] -> [1, 128, F, 2H, 2W]` (model space in and out): the
+        upsampler works on VAE-space latents (diffusers `LTX2LatentUpsamplePipeline`)."""
+        upsampler = self.components.upsampler
+        if upsampler is None:
+            raise V.ValidationError("the two-stage pipeline needs a latent upscaler file (--upscaler)")
+        vae = self.components.video_vae
+        mean, std = vae.latents_mean.float().cpu(), vae.latents_std.float().cpu()
+        param = next(upsampler.parameters())
+        with torch.no_grad():
+            x = L.denormalize_latents(video_latent.float(), mean, std).to(param.device, param.dtype)
+            x = upsampler(x).float().cpu()
+        return L.normalize_latents(x, mean, std)
+
+    def decode_video(self, video_latent: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        """`[1, 128, F', H', W']` model-space latent -> frames `[F, H, W, 3]` float32 0..1."""
+        vae = self.components.video_vae
+        param = next(vae.parameters())
+        x = L.denormalize_latents(video_latent.float(), vae.latents_mean.float().cpu(), vae.latents_std.float().cpu())
+        temb = None
+        if vae.config.timestep_conditioning:  # decode noise as the reference applies it (timestep 0.05, scale 0.025)
+            noise = S.make_noise(x.shape, seed)
+            x = 0.975 * x + 0.025 * noise
+            temb = torch.tensor([0.05], device=param.device, dtype=param.dtype)
+        with torch.no_grad():
+            pixels = vae.decode(x.to(param.device, param.dtype), temb, return_dict=False)[0]
+        return ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous()
+
+    def decode_audio(self, audio_latent: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """`[1, 8, T, 16]` model-space audio latent -> (waveform `[C, S]` float32, sample rate)."""
+        audio_vae, vocoder = self.components.audio_vae, self.components.vocoder
+        param = next(audio_vae.parameters())
+        x = L.denormalize_audio_latents(audio_latent.float(), audio_vae.latents_mean.float().cpu(),
+                                        audio_vae.latents_std.float().cpu())
+        with torch.no_grad():
+            mel = audio_vae.decode(x.to(param.device, param.dtype), return_dict=False)[0]
+            voc_param = next(vocoder.parameters())
+            wav = vocoder(mel.to(voc_param.device, voc_param.dtype))
+        return wav[0].float().cpu(), int(vocoder.config.output_sampling_rate)
+
+    # ---- the recipe --------------------------------------------------------------------------------------------------
+
+    def generate(self, request: GenerateRequest, progress: ProgressFn | None = None) -> GenerateResult:
+        request.validate()
+        variant = self.components.variant
+        n_blocks = len(self.components.transformer.transformer_blocks)
+        default_v, default_a = (_fit_stg_blocks(g, n_blocks) for g in S.default_guidance(variant))
+        video_guidance = request.video_guidance or default_v
+        audio_guidance = request.audio_guidance or default_a
+        for g in (video_guidance, audio_guidance):
+            bad = [b for b in g.stg_blocks if not 0 <= b < n_blocks]
+            if bad and g.uses_perturbed:
+                raise V.ValidationError(f"STG blocks {bad}: this transformer has blocks 0..{n_blocks - 1}")
+        lora = read_lora(*request.distilled_lora) if request.distilled_lora else None
+        steps = request.steps or S.DEFAULT_STEPS[variant]
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+
+        uses_negative = video_guidance.uses_uncond or audio_guidance.uses_uncond
+        prompts = [request.prompt] + ([request.negative_prompt] if uses_negative else [])
+        embeds = self.encode_prompts(prompts)
+        contexts = text_contexts(self.components, embeds, dtype=self.dtype)
+        positive = contexts.select(0)
+        negative = contexts.select(1) if uses_negative else None
+        timings["text"] = time.perf_counter() - t0
+
+        # stage 1: half size, guided
+        t = time.perf_counter()
+        frames_lat = L.latent_frames(request.frames)
+        h1, w1 = request.height // 64, request.width // 64
+        audio_frames = L.audio_latent_frames(request.frames, request.fps)
+        video_clean = torch.zeros(1, h1 * w1 * frames_lat, 128)
+        video_mask = None
+        if request.image is not None:
+            video_clean, video_mask = self._conditioning_latent(request.image, request.image_strength, frames_lat,
+                                                                request.height // 2, request.width // 2)
+        audio_clean = torch.zeros(1, audio_frames, 128)
+        sigmas1 = S.ltx2_sigmas(steps)  # reference ti2vid_two_stages: scheduler at its default 4096 tokens
+        model_fn = self._model_fn(positive, negative, frames_lat, h1, w1, audio_frames, request.fps)
+        self.lora.restore()
+        video1, audio1 = self.run_stage("stage 1", model_fn, video_clean, audio_clean, sigmas1, request.seed,
+                                        video_mask, False, video_guidance, audio_guidance, progress)
+        timings["stage 1"] = time.perf_counter() - t
+
+        # 2× latent upscale
+        t = time.perf_counter()
+        upscaled = self.upscale(L.unpack_video(video1, frames_lat, h1, w1))
+        timings["upscale"] = time.perf_counter() - t
+
+        # stage 2: full size, distilled LoRA, no guidance, audio frozen
+        t = time.perf_counter()
+        h2, w2 = 2 * h1, 2 * w1
+        video_clean2, video_mask2 = L.pack_video(upscaled), None
+        if request.image is not None:
+            image_tokens, video_mask2 = self._conditioning_latent(request.image, request.image_strength, frames_lat,
+                                                                  request.height, request.width)
+            first = video_mask2[0] < 1.0
+            video_clean2[:, first] = image_tokens[:, first]
+        reports = self.lora.fuse([lora]) if lora is not None else []
+        try:
+            model_fn2 = self._model_fn(positive, None, frames_lat, h2, w2, audio_frames, request.fps)
+            video2, _ = self.run_stage("stage 2", model_fn2, video_clean2, audio1, S.as_sigmas(request.stage2_sigmas),
+                                       request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress)
+        finally:
+            self.lora.restore()
+        timings["stage 2"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        video_latent = L.unpack_video(video2, frames_lat, h2, w2)
+        frames = self.decode_video(video_latent, request.seed)
+        timings["decode video"] = time.perf_counter() - t
+        t = time.perf_counter()
+        audio_latent = L.unpack_audio(audio1)
+        waveform, sample_rate = self.decode_audio(audio_latent)
+        timings["decode audio"] = time.perf_counter() - t
+        timings["total"] = time.perf_counter() - t0
+        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports)

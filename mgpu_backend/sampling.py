@@ -1,0 +1,716 @@
+"""LTX-2 sampling recipe: sigma schedules, noise, Euler steps, multi-modal guidance and the denoising loop.
+
+Faithful to Lightricks' reference (GitHub Lightricks/LTX-2; formulas re-implemented, no code copied):
+
+* ``packages/ltx-core/src/ltx_core/components/schedulers.py`` -- ``LTX2Scheduler`` (token-count sigma shift,
+  stretch to terminal). ComfyUI's ``LTXVScheduler`` (``comfy_extras/nodes_lt.py``) is the same formula.
+* ``packages/ltx-core/src/ltx_core/components/diffusion_steps.py`` -- ``EulerDiffusionStep``.
+* ``packages/ltx-core/src/ltx_core/utils.py`` -- ``to_velocity`` / ``to_denoised``.
+* ``packages/ltx-core/src/ltx_core/components/guiders.py`` -- ``MultiModalGuider.calculate`` /
+  ``MultiModalGuiderParams``.
+* ``packages/ltx-core/src/ltx_core/components/noisers.py`` -- ``GaussianNoiser``.
+* ``packages/ltx-core/src/ltx_core/model/transformer/model.py`` -- ``X0Model`` (x0 = x - v * (mask * sigma)).
+* ``packages/ltx-pipelines/src/ltx_pipelines/utils/denoisers.py`` -- ``_guided_denoise`` (which passes run).
+* ``packages/ltx-pipelines/src/ltx_pipelines/utils/samplers.py`` -- ``euler_denoising_loop``.
+* ``packages/ltx-pipelines/src/ltx_pipelines/utils/helpers.py`` -- ``post_process_latent``,
+  ``timesteps_from_mask``, ``modality_from_latent_state`` (frozen modality: sigma forced to 0).
+* ``packages/ltx-pipelines/src/ltx_pipelines/utils/constants.py`` -- distilled sigmas, guider defaults.
+* ``packages/ltx-pipelines/src/ltx_pipelines/ti2vid_two_stages.py`` -- two-stage recipe.
+
+Conventions: sigma in [0, 1] (1 = pure noise). Flow matching: ``x_sigma = (1 - sigma) * x0 + sigma * noise``,
+velocity ``v = noise - x0 = (x - x0) / sigma``. The transformer (diffusers ``LTX2VideoTransformer3DModel``)
+predicts ``v`` and takes timesteps scaled by ``TIMESTEP_SCALE`` (1000); this module hands the model function
+timesteps in *sigma units* and the adapter multiplies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import torch
+
+TIMESTEP_SCALE = 1000.0
+"""diffusers ``timestep_scale_multiplier``: the transformer wants ``timestep = sigma * 1000`` (per token)."""
+
+BASE_SHIFT_ANCHOR = 1024
+"""Token count at which the schedule shift equals ``base_shift`` (reference ``BASE_SHIFT_ANCHOR``)."""
+MAX_SHIFT_ANCHOR = 4096
+"""Token count at which the shift equals ``max_shift``; also the reference's default token count when the scheduler
+is called without a latent -- which is how ``ti2vid_two_stages`` calls it for stage 1."""
+
+DISTILLED_SIGMAS = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0)
+"""8-step schedule of the distilled model / distilled LoRA (reference ``DISTILLED_SIGMA_VALUES``)."""
+DISTILLED_STAGE2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
+"""Stage-2 (2x upscale refinement with the distilled LoRA) schedule of ``ti2vid_two_stages``
+(reference ``STAGE_2_DISTILLED_SIGMA_VALUES``); the upscaled latent is re-noised to ``sigmas[0]``."""
+TDP_STAGE2_SIGMAS = (0.625, 0.4, 0.0)
+"""Stage-2 schedule of the reference's tiled-data-parallel multi-GPU runner (``TDP_DISTILLED_SIGMAS``)."""
+
+PassKind = Literal["cond", "uncond", "perturbed", "isolated"]
+PASS_KINDS: tuple[PassKind, ...] = ("cond", "uncond", "perturbed", "isolated")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Schedules
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def ltx2_sigmas(
+    steps: int,
+    num_tokens: int | None = None,
+    max_shift: float = 2.05,
+    base_shift: float = 0.95,
+    stretch: bool = True,
+    terminal: float = 0.1,
+) -> torch.Tensor:
+    """The LTX-2 sigma schedule: float32 1-D tensor of ``steps + 1`` values from ~1 down to exactly 0.
+
+    Formula (reference ``LTX2Scheduler.execute``; ComfyUI ``LTXVScheduler`` identical, same defaults):
+
+    1. ``s = linspace(1, 0, steps + 1)`` (float32).
+    2. ``shift = num_tokens * m + b`` with ``m = (max_shift - base_shift) / (4096 - 1024)``,
+       ``b = base_shift - 1024 * m`` (so 1024 tokens -> base_shift, 4096 -> max_shift).
+    3. ``s = e^shift / (e^shift + (1/s - 1))`` for ``s != 0`` (0 stays 0).
+    4. If ``stretch``: with ``z`` the non-zero sigmas, ``k = (1 - z[-1]) / (1 - terminal)``,
+       ``z <- 1 - (1 - z) / k`` (the last non-zero sigma becomes ``terminal``).
+
+    Computed with the same float32 operations as the reference, so values match it bit for bit (the first
+    value is 0.99999994, not 1.0, for some token counts -- as in the reference). Reference quirk kept: with
+    ``steps=1`` and ``stretch=True`` the only non-zero sigma is stretched to ``terminal`` (``[0.1, 0.0]`` for
+    4096 tokens). Deviation: where that sigma is exactly 1.0 (most token counts) the reference divides 0 by 0 and
+    returns ``[nan, 0.0]``; here the stretch is skipped and ``[1.0, 0.0]`` is returned.
+
+    Args:
+        steps: number of denoising steps (>= 1).
+        num_tokens: video tokens (``F_lat * H_lat * W_lat``, reference ``prod(latent.shape[2:])``). ``None`` ->
+            4096, the reference's default; NB ``ti2vid_two_stages`` calls the scheduler without a latent, so its
+            stage 1 always uses 4096 whatever the resolution. ComfyUI uses the latent's token count when a latent is
+            connected.
+        max_shift, base_shift: shift at 4096 / 1024 tokens (defaults 2.05 / 0.95).
+        stretch: stretch so the last non-zero sigma equals ``terminal``.
+        terminal: value of the last non-zero sigma after stretching (default 0.1), in [0, 1).
+
+    Raises:
+        ValueError: steps < 1, non-positive num_tokens, or terminal outside [0, 1).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}")
+    tokens = MAX_SHIFT_ANCHOR if num_tokens is None else int(num_tokens)
+    if tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1; got {num_tokens}")
+    if stretch and not (0.0 <= terminal < 1.0):
+        raise ValueError(f"terminal must be in [0, 1); got {terminal}")
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    mm = (max_shift - base_shift) / (MAX_SHIFT_ANCHOR - BASE_SHIFT_ANCHOR)
+    b = base_shift - mm * BASE_SHIFT_ANCHOR
+    shift = tokens * mm + b
+    e = math.exp(shift)
+    sigmas = torch.where(sigmas != 0, e / (e + (1 / sigmas - 1)), 0)
+    if stretch:
+        nz = sigmas != 0
+        one_minus_z = 1.0 - sigmas[nz]
+        scale = one_minus_z[-1] / (1.0 - terminal)
+        if float(scale) != 0.0:  # the reference divides by 0 here (NaN schedule) when steps=1 and sigma[0] == 1
+            sigmas[nz] = 1.0 - one_minus_z / scale
+    return sigmas.to(torch.float32)
+
+
+def schedule_tokens(latent_shape: Sequence[int]) -> int:
+    """Token count the scheduler uses for a latent shape ``[B, C, F, H, W]``: ``F * H * W`` (``prod(shape[2:])``)."""
+    return int(math.prod(latent_shape[2:]))
+
+
+def as_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Validate a custom schedule (e.g. ComfyUI SIGMAS): 1-D float32, finite, non-increasing, ends in 0.
+
+    Raises:
+        ValueError: naming the problem.
+    """
+    s = torch.as_tensor(values, dtype=torch.float32).flatten().cpu()
+    if s.numel() < 2:
+        raise ValueError(f"a sigma schedule needs at least 2 values (one step); got {s.numel()}")
+    if not torch.isfinite(s).all():
+        raise ValueError("sigma schedule contains non-finite values")
+    if float(s[-1]) != 0.0:
+        raise ValueError(f"sigma schedule must end in 0; ends in {float(s[-1])}")
+    if (s[1:] > s[:-1]).any() or float(s[0]) > 1.0 or float(s.min()) < 0.0:
+        raise ValueError(f"sigma schedule must be non-increasing within [0, 1]; got {s.tolist()}")
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Noise
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def make_noise(
+    shape: Sequence[int],
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Standard normal noise, deterministic for ``seed`` on every machine.
+
+    Drawn in float32 from a CPU ``torch.Generator`` (so every rank and every GPU type gets identical noise;
+    the reference draws from a generator on the compute device instead, hence not bit-identical to it on CUDA),
+    then moved/cast to ``device``/``dtype``. Pass ``generator`` to continue an existing stream (``seed`` is then
+    ignored). The reference draws noise in the *packed* token layout (``[B, T, C]``), video first, then audio,
+    from one generator -- see :func:`make_av_noise`.
+    """
+    if generator is None:
+        generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    noise = torch.randn(tuple(int(s) for s in shape), generator=generator, dtype=torch.float32, device="cpu")
+    return noise.to(device=device, dtype=dtype)
+
+
+def make_av_noise(
+    video_shape: Sequence[int] | None,
+    audio_shape: Sequence[int] | None,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Noise for both modalities from one CPU generator seeded with ``seed``: video drawn first, then audio
+    (the reference's order in ``DiffusionStage``). Shapes are the packed token shapes ``[B, T, 128]``."""
+    g = torch.Generator(device="cpu").manual_seed(int(seed))
+    v = make_noise(video_shape, seed, dtype, device, generator=g) if video_shape is not None else None
+    a = make_noise(audio_shape, seed, dtype, device, generator=g) if audio_shape is not None else None
+    return v, a
+
+
+def noise_latent(
+    clean: torch.Tensor,
+    noise: torch.Tensor,
+    noise_scale: float,
+    denoise_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Noised start state, reference ``GaussianNoiser``: ``x = lerp(clean, noise, noise_scale)`` then
+    ``x = lerp(clean, x, mask)`` -- tokens with mask 0 stay clean, mask 1 get the full ``noise_scale``.
+
+    ``noise_scale`` is 1.0 for stage 1 (pure noise) and ``sigmas[0]`` for a refinement stage (stage 2 re-noises
+    the upscaled latent to 0.909375). ``denoise_mask`` is per token, broadcastable to ``clean`` (e.g. ``[B, T, 1]``
+    for packed ``[B, T, C]``; a ``[B, T]`` mask is unsqueezed). Computed in float32, returned in ``clean.dtype``.
+    """
+    x = torch.lerp(clean.float(), noise.float(), float(noise_scale))
+    if denoise_mask is not None:
+        m = _token_mask(denoise_mask, clean)
+        x = torch.lerp(clean.float(), x, m)
+    return x.to(clean.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Steps and conversions
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _token_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-token mask ``[B, T]`` or ``[B, T, 1]`` as float32 ``[B, T, 1]`` on ``like``'s device."""
+    m = mask.to(device=like.device, dtype=torch.float32)
+    if m.ndim == like.ndim - 1:
+        m = m.unsqueeze(-1)
+    return m
+
+
+def to_x0(x: torch.Tensor, velocity: torch.Tensor, timesteps: torch.Tensor | float) -> torch.Tensor:
+    """Denoised estimate from a velocity: ``x0 = x - v * t`` in float32, ``t`` the per-token timestep in sigma units
+    (``mask * sigma``; ``[B, T]``, ``[B, T, 1]`` or a scalar). Reference ``X0Model`` / ``to_denoised``."""
+    if isinstance(timesteps, torch.Tensor):
+        t = _token_mask(timesteps, x) if timesteps.ndim >= 1 else timesteps.to(x.device, torch.float32)
+    else:
+        t = float(timesteps)
+    return x.float() - velocity.float() * t
+
+
+def to_velocity(x: torch.Tensor, x0: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
+    """``v = (x - x0) / sigma`` in float32 (reference ``to_velocity``).
+
+    Raises:
+        ValueError: if sigma is 0.
+    """
+    s = float(sigma)
+    if s == 0.0:
+        raise ValueError("sigma can't be 0 when converting x0 to a velocity")
+    return (x.float() - x0.float()) / s
+
+
+def euler_step(
+    x: torch.Tensor, velocity: torch.Tensor, sigma: float | torch.Tensor, sigma_next: float | torch.Tensor
+) -> torch.Tensor:
+    """Flow-matching Euler step ``x_next = x + (sigma_next - sigma) * v`` (float32 math, result in ``x.dtype``)."""
+    dt = float(sigma_next) - float(sigma)
+    return (x.float() + velocity.float() * dt).to(x.dtype)
+
+
+def masked_euler_step(
+    x: torch.Tensor,
+    x0: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    denoise_mask: torch.Tensor | None = None,
+    clean: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One reference Euler step from a (guided) x0 prediction, honouring a per-token denoise mask.
+
+    Reference order (``euler_denoising_loop`` -> ``post_process_latent`` -> ``EulerDiffusionStep``):
+
+    1. ``x0 <- x0 * m + clean * (1 - m)`` (mask ``m`` per token; conditioned tokens are pulled to ``clean``),
+    2. ``v = (x - x0) / sigma``,  3. ``x_next = x + (sigma_next - sigma) * v``.
+
+    For a token with ``m = 0`` that starts at ``clean`` (as :func:`noise_latent` leaves it) ``x`` stays exactly
+    ``clean``; for ``0 < m < 1`` the blend happens in x0 space (not ``m * x_step + (1 - m) * clean``).
+    ``x``/``x0``/``clean`` packed ``[B, T, C]``; ``denoise_mask`` ``[B, T]`` or ``[B, T, 1]``.
+
+    Raises:
+        ValueError: sigma == 0, or a mask without ``clean``.
+    """
+    if denoise_mask is not None:
+        if clean is None:
+            raise ValueError("masked_euler_step: a denoise_mask needs the clean latent")
+        m = _token_mask(denoise_mask, x)
+        x0 = x0.float() * m + clean.float() * (1.0 - m)
+    v = to_velocity(x, x0, sigma)
+    return euler_step(x, v, sigma, sigma_next)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Guidance
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GuidanceParams:
+    """Guidance settings for one modality (reference ``MultiModalGuiderParams``; neutral defaults = no guidance).
+
+    Attributes:
+        cfg_scale: classifier-free guidance; 1.0 = off (no "uncond" pass needed for this modality).
+        stg_scale: spatio-temporal guidance (self-attention skipped in ``stg_blocks``); 0.0 = off.
+        stg_blocks: transformer block indices whose self-attention (of this modality) the "perturbed" pass skips.
+        rescale: guidance rescale in [0, 1]; 0 = off. ``pred *= rescale * std(cond)/std(pred) + (1 - rescale)``.
+        modality_scale: modality guidance: the "isolated" pass runs without audio<->video cross-attention;
+            1.0 = off.
+        skip_step: reuse the previous step's guided prediction on steps where ``step % (skip_step + 1) != 0``;
+            0 = never.
+
+    The two-stage stage-1 defaults of the reference are :data:`VIDEO_GUIDANCE_LTX2`,
+    :data:`AUDIO_GUIDANCE_LTX2` (LTX-2.0: STG block 29) and :data:`VIDEO_GUIDANCE_LTX23`,
+    :data:`AUDIO_GUIDANCE_LTX23` (LTX-2.3: STG block 28); see :func:`default_guidance`.
+    """
+
+    cfg_scale: float = 1.0
+    stg_scale: float = 0.0
+    stg_blocks: tuple[int, ...] = field(default_factory=tuple)
+    rescale: float = 0.0
+    modality_scale: float = 1.0
+    skip_step: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stg_blocks", tuple(int(b) for b in (self.stg_blocks or ())))
+        for name in ("cfg_scale", "stg_scale", "rescale", "modality_scale"):
+            v = getattr(self, name)
+            if not math.isfinite(float(v)):
+                raise ValueError(f"GuidanceParams.{name} must be finite; got {v}")
+        if self.skip_step < 0:
+            raise ValueError(f"GuidanceParams.skip_step must be >= 0; got {self.skip_step}")
+        if self.uses_perturbed and not self.stg_blocks:
+            raise ValueError("GuidanceParams: stg_scale != 0 needs at least one block in stg_blocks")
+
+    # Which extra forwards this modality needs (reference MultiModalGuider.do_* use math.isclose).
+    @property
+    def uses_uncond(self) -> bool:
+        return not math.isclose(self.cfg_scale, 1.0)
+
+    @property
+    def uses_perturbed(self) -> bool:
+        return not math.isclose(self.stg_scale, 0.0)
+
+    @property
+    def uses_isolated(self) -> bool:
+        return not math.isclose(self.modality_scale, 1.0)
+
+    def skips(self, step: int) -> bool:
+        """True when this step reuses the previous guided prediction (reference ``should_skip_step``)."""
+        return self.skip_step != 0 and step % (self.skip_step + 1) != 0
+
+
+NO_GUIDANCE = GuidanceParams()
+"""Conditional pass only (what stage 2 / the distilled model uses: reference ``SimpleDenoiser``)."""
+
+VIDEO_GUIDANCE_LTX2 = GuidanceParams(cfg_scale=3.0, stg_scale=1.0, stg_blocks=(29,), rescale=0.7, modality_scale=3.0)
+"""Reference ``LTX_2_PARAMS.video_guider_params`` (ltx_pipelines/utils/constants.py)."""
+AUDIO_GUIDANCE_LTX2 = GuidanceParams(cfg_scale=7.0, stg_scale=1.0, stg_blocks=(29,), rescale=0.7, modality_scale=3.0)
+"""Reference ``LTX_2_PARAMS.audio_guider_params``."""
+VIDEO_GUIDANCE_LTX23 = GuidanceParams(cfg_scale=3.0, stg_scale=1.0, stg_blocks=(28,), rescale=0.7, modality_scale=3.0)
+"""Reference ``LTX_2_3_PARAMS.video_guider_params`` (same as 2.0 but STG on block 28; 30 steps by default)."""
+AUDIO_GUIDANCE_LTX23 = GuidanceParams(cfg_scale=7.0, stg_scale=1.0, stg_blocks=(28,), rescale=0.7, modality_scale=3.0)
+"""Reference ``LTX_2_3_PARAMS.audio_guider_params``."""
+
+DEFAULT_STEPS = {"2.0": 40, "2.3": 30}
+"""Reference default stage-1 step counts (``LTX_2_PARAMS`` / ``LTX_2_3_PARAMS.num_inference_steps``)."""
+
+
+def default_guidance(model_version: str = "2.0") -> tuple[GuidanceParams, GuidanceParams]:
+    """``(video, audio)`` stage-1 guidance defaults of the reference for ``"2.0"`` or ``"2.3"`` (2.4 = 2.3).
+
+    Raises:
+        ValueError: unknown version.
+    """
+    if model_version in ("2", "2.0"):
+        return VIDEO_GUIDANCE_LTX2, AUDIO_GUIDANCE_LTX2
+    if model_version in ("2.3", "2.4"):
+        return VIDEO_GUIDANCE_LTX23, AUDIO_GUIDANCE_LTX23
+    raise ValueError(f"unknown LTX model version {model_version!r}; expected '2.0' or '2.3'")
+
+
+@dataclass(frozen=True)
+class GuidancePass:
+    """One model forward that guidance needs.
+
+    Attributes:
+        kind: "cond" (positive prompt), "uncond" (negative prompt, for CFG), "perturbed" (STG: skip
+            self-attention in the listed blocks), "isolated" (modality guidance: audio->video and video->audio
+            cross-attention switched off in every block).
+        video_stg_blocks: for "perturbed": blocks whose *video* self-attention is skipped (empty if video STG is off).
+        audio_stg_blocks: for "perturbed": blocks whose *audio* self-attention is skipped (empty if audio STG is off).
+
+    Reference ``_guided_denoise``: one "perturbed" forward perturbs both modalities at once (each in its own
+    blocks, only if that modality's STG is on). NB diffusers' ``spatio_temporal_guidance_blocks`` skips both
+    modalities' self-attention in the same blocks; that is only equivalent when both lists are equal.
+    """
+
+    kind: PassKind
+    video_stg_blocks: tuple[int, ...] = ()
+    audio_stg_blocks: tuple[int, ...] = ()
+
+
+def plan_passes(video: GuidanceParams, audio: GuidanceParams) -> list[GuidancePass]:
+    """The forwards one guided step needs, in reference order: cond, [uncond], [perturbed], [isolated].
+
+    A pass runs when either modality needs it (reference ``_guided_denoise``); a modality that does not use it
+    ignores its output.
+    """
+    passes = [GuidancePass("cond")]
+    if video.uses_uncond or audio.uses_uncond:
+        passes.append(GuidancePass("uncond"))
+    if video.uses_perturbed or audio.uses_perturbed:
+        passes.append(
+            GuidancePass(
+                "perturbed",
+                video_stg_blocks=video.stg_blocks if video.uses_perturbed else (),
+                audio_stg_blocks=audio.stg_blocks if audio.uses_perturbed else (),
+            )
+        )
+    if video.uses_isolated or audio.uses_isolated:
+        passes.append(GuidancePass("isolated"))
+    return passes
+
+
+def combine_guidance(
+    params: GuidanceParams,
+    cond: torch.Tensor,
+    uncond: torch.Tensor | None = None,
+    perturbed: torch.Tensor | None = None,
+    isolated: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Guided x0 prediction for one modality (reference ``MultiModalGuider.calculate``), float32 math.
+
+    ``pred = cond + (cfg - 1)(cond - uncond) + stg (cond - perturbed) + (mod - 1)(cond - isolated)``;
+    if ``rescale != 0``: ``pred *= rescale * cond.std() / pred.std() + (1 - rescale)`` where ``std`` is over the
+    *whole* tensor (all batch items together; unbiased) exactly like the reference (diffusers' variant uses a
+    per-sample std; identical for batch 1). Inputs are **x0 (denoised) predictions**: the reference combines
+    x0, and the rescale step is not equivalent in velocity space. A term whose pass did not run (``None``) is
+    omitted; it is required when its scale makes it active.
+
+    Returns:
+        Tensor in ``cond.dtype``.
+
+    Raises:
+        ValueError: an active term's prediction is missing.
+    """
+    c = cond.float()
+    pred = c
+    for active, other, scale, name in (
+        (params.uses_uncond, uncond, params.cfg_scale - 1.0, "uncond (CFG)"),
+        (params.uses_perturbed, perturbed, params.stg_scale, "perturbed (STG)"),
+        (params.uses_isolated, isolated, params.modality_scale - 1.0, "isolated (modality guidance)"),
+    ):
+        if not active:
+            continue
+        if other is None:
+            raise ValueError(f"guidance needs the {name} prediction for scale {scale}")
+        pred = pred + scale * (c - other.float())
+    if params.rescale != 0:
+        factor = c.std() / pred.std()
+        factor = params.rescale * factor + (1.0 - params.rescale)
+        pred = pred * factor
+    return pred.to(cond.dtype)
+
+
+DenoiseFn = Callable[[GuidancePass], tuple[torch.Tensor | None, torch.Tensor | None]]
+BatchedDenoiseFn = Callable[[list[GuidancePass]], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
+
+
+def guided_prediction(
+    denoise_fn: DenoiseFn | BatchedDenoiseFn,
+    video_params: GuidanceParams = NO_GUIDANCE,
+    audio_params: GuidanceParams = NO_GUIDANCE,
+    *,
+    step: int = 0,
+    last: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    batched: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Run the forwards guidance needs and combine them per modality (reference ``_guided_denoise``).
+
+    Args:
+        denoise_fn: ``denoise_fn(GuidancePass) -> (video_x0, audio_x0)`` (either may be ``None`` for an absent
+            modality). With ``batched=True`` it is called once with the list of passes and returns one pair per
+            pass (so an adapter can stack the passes in the batch dimension, as the reference does).
+            Predictions must be **x0** (see :func:`combine_guidance`).
+        video_params, audio_params: per-modality guidance.
+        step: step index, for ``skip_step``.
+        last: previous step's ``(video, audio)`` guided result, returned for a modality that skips this step.
+            If both modalities skip, no forward runs.
+
+    Passes whose scales make them unused are not run (cfg == 1, stg == 0, modality == 1 for both modalities ->
+    one forward).
+
+    Returns:
+        ``(video_x0, audio_x0)`` guided predictions (``None`` where the modality is absent).
+
+    Raises:
+        ValueError: a modality skips a step but ``last`` has nothing for it.
+    """
+    v_skip, a_skip = video_params.skips(step), audio_params.skips(step)
+    if (v_skip or a_skip) and last is None:
+        raise ValueError(f"step {step} is a skip step but no previous prediction was given")
+    if v_skip and a_skip:
+        return last  # type: ignore[return-value]
+    passes = plan_passes(video_params, audio_params)
+    if batched:
+        outs = list(denoise_fn(passes))  # type: ignore[arg-type]
+        if len(outs) != len(passes):
+            raise ValueError(f"batched denoise_fn returned {len(outs)} results for {len(passes)} passes")
+    else:
+        outs = [denoise_fn(p) for p in passes]  # type: ignore[arg-type]
+    r = {p.kind: o for p, o in zip(passes, outs)}
+
+    def pick(i: int) -> tuple[torch.Tensor | None, ...]:
+        return tuple(r[k][i] if k in r else None for k in PASS_KINDS)
+
+    vc, vu, vp, vi = pick(0)
+    ac, au, ap, ai = pick(1)
+    video = None if vc is None else combine_guidance(video_params, vc, vu, vp, vi)
+    audio = None if ac is None else combine_guidance(audio_params, ac, au, ap, ai)
+    if v_skip:
+        video = last[0]  # type: ignore[index]
+    if a_skip:
+        audio = last[1]  # type: ignore[index]
+    return video, audio
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Denoising loop
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class SamplingCancelled(RuntimeError):
+    """Raised by :func:`denoise_loop` when ``cancel_check()`` returns True."""
+
+
+class NonFiniteLatentError(FloatingPointError):
+    """A latent became NaN/Inf during sampling; the message names the modality and the step."""
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What :func:`denoise_loop` hands the model function for one forward.
+
+    Attributes:
+        video, audio: current packed latents ``[B, Tv, 128]`` / ``[B, Ta, 128]`` (``None`` if absent).
+        video_timesteps, audio_timesteps: per-token timesteps ``[B, T]`` float32 in **sigma units**
+            (``mask * sigma``; multiply by :data:`TIMESTEP_SCALE` for diffusers' ``timestep``/``audio_timestep``).
+            A frozen modality has all zeros.
+        video_sigma, audio_sigma: ``[B]`` float32 scalar sigma per item, sigma units (diffusers ``sigma`` /
+            ``audio_sigma`` x 1000: LTX-2.3 prompt AdaLN and, with ``use_cross_timestep=True``, the cross-modal
+            gates). 0 for a frozen modality (reference ``modality_from_latent_state``).
+        guidance: which guidance pass this forward is.
+        step: step index.
+    """
+
+    video: torch.Tensor | None
+    audio: torch.Tensor | None
+    video_timesteps: torch.Tensor | None
+    audio_timesteps: torch.Tensor | None
+    video_sigma: torch.Tensor | None
+    audio_sigma: torch.Tensor | None
+    guidance: GuidancePass
+    step: int
+
+
+ModelFn = Callable[[ModelInputs], tuple[torch.Tensor | None, torch.Tensor | None]]
+
+
+def _check_finite(x: torch.Tensor | None, what: str, step: int) -> None:
+    if x is not None and not bool(torch.isfinite(x).all()):
+        raise NonFiniteLatentError(f"{what} latent became non-finite (NaN/Inf) at sampling step {step}")
+
+
+def denoise_loop(
+    model_fn: ModelFn,
+    video: torch.Tensor | None,
+    audio: torch.Tensor | None,
+    sigmas: torch.Tensor | Sequence[float],
+    *,
+    video_mask: torch.Tensor | None = None,
+    video_clean: torch.Tensor | None = None,
+    audio_mask: torch.Tensor | None = None,
+    audio_clean: torch.Tensor | None = None,
+    audio_frozen: bool = False,
+    video_guidance: GuidanceParams = NO_GUIDANCE,
+    audio_guidance: GuidanceParams = NO_GUIDANCE,
+    progress_callback: Callable[[int, int], None] | None = None,
+    cancel_check: Callable[[], bool] | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Joint audio+video Euler sampling with guidance (reference ``euler_denoising_loop`` + ``GuidedDenoiser``).
+
+    Per step ``i`` (``sigma = sigmas[i]``, ``sigma_next = sigmas[i + 1]``):
+
+    1. per-token timesteps ``mask * sigma`` (frozen audio: 0 and sigma 0),
+    2. every needed guidance pass calls ``model_fn(ModelInputs)`` -> velocities ``(v_video, v_audio)``, turned into
+       x0 with the per-token timesteps (reference ``X0Model``),
+    3. :func:`guided_prediction` combines the x0 predictions,
+    4. :func:`masked_euler_step` per modality (conditioned tokens pulled to their clean latent),
+    5. ``progress_callback(i + 1, total)``.
+
+    Args:
+        model_fn: the transformer adapter (velocity prediction, diffusers convention).
+        video, audio: noised packed start latents ``[B, T, 128]`` (model space, i.e. normalized), e.g. from
+            :func:`noise_latent`. Either may be ``None`` (modality absent).
+        sigmas: schedule, 1-D, ending in 0 (see :func:`ltx2_sigmas`, :data:`DISTILLED_STAGE2_SIGMAS`).
+        video_mask, audio_mask: per-token denoise masks ``[B, T]`` (1 = generate, 0 = keep clean); default ones.
+        video_clean, audio_clean: clean latents for masked tokens (default: the start latent itself; with the
+            reference's noiser, masked tokens of the start latent *are* clean).
+        audio_frozen: audio is context only: the model sees it at timestep 0 / sigma 0 and it is returned
+            unchanged (DESIGN section 5: stage-2 audio stays the stage-1 audio; reference ``ModalitySpec(frozen=True,
+            noise_scale=0)``).
+        video_guidance, audio_guidance: guidance per modality (stage 1 of the two-stage pipeline uses
+            :func:`default_guidance`; stage 2 uses none).
+        progress_callback: called after every step with ``(steps_done, total_steps)``.
+        cancel_check: called before every step; returning True raises :class:`SamplingCancelled` (it may also
+            raise its own exception, e.g. ComfyUI's interrupt).
+        check_finite: raise :class:`NonFiniteLatentError` naming the modality and step when a latent goes NaN/Inf.
+
+    Returns:
+        ``(video, audio)`` final packed latents (audio is the input object itself when frozen).
+
+    Raises:
+        ValueError: bad schedule or shapes; SamplingCancelled; NonFiniteLatentError.
+    """
+    s = as_sigmas(sigmas)
+    total = s.numel() - 1
+    if video is None and audio is None:
+        raise ValueError("denoise_loop needs at least one of video / audio")
+    for name, x in (("video", video), ("audio", audio)):
+        if x is not None and x.ndim != 3:
+            raise ValueError(f"{name} latent must be packed [B, T, C]; got shape {tuple(x.shape)}")
+    if video is not None and audio is not None and video.shape[0] != audio.shape[0]:
+        raise ValueError(f"video batch {video.shape[0]} != audio batch {audio.shape[0]}")
+
+    def prep_mask(mask: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor:
+        if mask is None:
+            return torch.ones(x.shape[:2], dtype=torch.float32, device=x.device)
+        m = mask.to(device=x.device, dtype=torch.float32)
+        if m.ndim == 3 and m.shape[-1] == 1:
+            m = m[..., 0]
+        if tuple(m.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"{name} mask shape {tuple(mask.shape)} does not match tokens {tuple(x.shape[:2])}")
+        return m
+
+    vmask = prep_mask(video_mask, video, "video") if video is not None else None
+    vclean = (video_clean if video_clean is not None else video) if video is not None else None
+    amask = None
+    aclean = None
+    if audio is not None:
+        if audio_frozen:
+            amask = torch.zeros(audio.shape[:2], dtype=torch.float32, device=audio.device)
+        else:
+            amask = prep_mask(audio_mask, audio, "audio")
+            aclean = audio_clean if audio_clean is not None else audio
+    batch = (video if video is not None else audio).shape[0]  # type: ignore[union-attr]
+    x_v, x_a = video, audio
+    last: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+
+    for i in range(total):
+        if cancel_check is not None and cancel_check():
+            raise SamplingCancelled(f"sampling cancelled before step {i + 1}/{total}")
+        sigma, sigma_next = float(s[i]), float(s[i + 1])
+        v_ts = vmask * sigma if vmask is not None else None
+        a_sig_val = 0.0 if audio_frozen else sigma
+        a_ts = amask * a_sig_val if amask is not None else None
+        dev = (x_v if x_v is not None else x_a).device  # type: ignore[union-attr]
+        v_sig = torch.full((batch,), sigma, dtype=torch.float32, device=dev) if x_v is not None else None
+        a_sig = torch.full((batch,), a_sig_val, dtype=torch.float32, device=dev) if x_a is not None else None
+
+        def denoise(p: GuidancePass, _i=i, _xv=x_v, _xa=x_a, _vts=v_ts, _ats=a_ts, _vs=v_sig, _as=a_sig):
+            vel_v, vel_a = model_fn(ModelInputs(_xv, _xa, _vts, _ats, _vs, _as, p, _i))
+            x0_v = to_x0(_xv, vel_v, _vts) if (_xv is not None and vel_v is not None) else None
+            x0_a = to_x0(_xa, vel_a, _ats) if (_xa is not None and vel_a is not None) else None
+            return x0_v, x0_a
+
+        a_params = NO_GUIDANCE if audio_frozen else audio_guidance
+        g_v, g_a = guided_prediction(denoise, video_guidance, a_params, step=i, last=last)
+        last = (g_v, g_a)
+        if x_v is not None:
+            if g_v is None:
+                raise ValueError("model_fn returned no video prediction")
+            x_v = masked_euler_step(x_v, g_v, sigma, sigma_next, vmask, vclean)
+        if x_a is not None and not audio_frozen:
+            if g_a is None:
+                raise ValueError("model_fn returned no audio prediction")
+            x_a = masked_euler_step(x_a, g_a, sigma, sigma_next, amask, aclean)
+        if check_finite:
+            _check_finite(x_v, "video", i + 1)
+            _check_finite(None if audio_frozen else x_a, "audio", i + 1)
+        if progress_callback is not None:
+            progress_callback(i + 1, total)
+    return x_v, x_a
+
+
+__all__ = [
+    "AUDIO_GUIDANCE_LTX2",
+    "AUDIO_GUIDANCE_LTX23",
+    "BASE_SHIFT_ANCHOR",
+    "DEFAULT_STEPS",
+    "DISTILLED_SIGMAS",
+    "DISTILLED_STAGE2_SIGMAS",
+    "GuidanceParams",
+    "GuidancePass",
+    "MAX_SHIFT_ANCHOR",
+    "ModelInputs",
+    "NO_GUIDANCE",
+    "NonFiniteLatentError",
+    "PASS_KINDS",
+    "SamplingCancelled",
+    "TDP_STAGE2_SIGMAS",
+    "TIMESTEP_SCALE",
+    "VIDEO_GUIDANCE_LTX2",
+    "VIDEO_GUIDANCE_LTX23",
+    "as_sigmas",
+    "combine_guidance",
+    "default_guidance",
+    "denoise_loop",
+    "euler_step",
+    "guided_prediction",
+    "ltx2_sigmas",
+    "make_av_noise",
+    "make_noise",
+    "masked_euler_step",
+    "noise_latent",
+    "plan_passes",
+    "schedule_tokens",
+    "to_velocity",
+    "to_x0",
+]
