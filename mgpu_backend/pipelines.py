@@ -158,10 +158,13 @@ class TwoStagePipeline:
         noise_v, noise_a = S.make_av_noise(video_clean.shape, audio_clean.shape, seed)
         start_v = S.noise_latent(video_clean, noise_v, float(sigmas[0]), video_mask)
         start_a = audio_clean if audio_frozen else S.noise_latent(audio_clean, noise_a, float(sigmas[0]))
-        video, audio = S.denoise_loop(
-            model_fn, start_v, start_a, sigmas, video_mask=video_mask, video_clean=video_clean,
-            audio_frozen=audio_frozen, video_guidance=video_guidance, audio_guidance=audio_guidance,
-            progress_callback=(lambda i, n: progress(stage, i, n)) if progress else None)
+        try:
+            video, audio = S.denoise_loop(
+                model_fn, start_v, start_a, sigmas, video_mask=video_mask, video_clean=video_clean,
+                audio_frozen=audio_frozen, video_guidance=video_guidance, audio_guidance=audio_guidance,
+                progress_callback=(lambda i, n: progress(stage, i, n)) if progress else None)
+        except S.NonFiniteLatentError as exc:
+            raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
         V.check_finite(video, stage, "video")
         V.check_finite(audio, stage, "audio")
         return video, audio
@@ -260,6 +263,7 @@ class TwoStagePipeline:
         # 2× latent upscale
         t = time.perf_counter()
         upscaled = self.upscale(L.unpack_video(video1, frames_lat, h1, w1))
+        V.check_finite(upscaled, "upscale", "video")
         timings["upscale"] = time.perf_counter() - t
 
         # stage 2: full size, distilled LoRA, no guidance, audio frozen

@@ -69,4 +69,4 @@ def check_finite(tensor: torch.Tensor | None, stage: str, modality: str) -> None
     if tensor is not None and not bool(torch.isfinite(tensor).all()):
         bad = int((~torch.isfinite(tensor)).sum())
         raise FloatingPointError(f"{stage}: the {modality} latent has {bad} non-finite values (NaN/Inf); "
-                                 f"check the checkpoint dtype and the guidance scales")
+                                 f"check the checkpoint dtype, the inputs and the guidance scales")
