@@ -50,6 +50,10 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--output", default="ltx2-demo.mp4" if demo else "clip.mp4", help="mp4 to write")
+    p.add_argument("--devices", default=None,
+                   help="run on a worker fleet: 'all', a count, a CUDA list like '0,1,3', or 'cpu:N' "
+                        "(default: in this process)")
+    p.add_argument("--world-size", type=int, default=None, help="number of ranks (with --devices, or CPU ranks)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_args(sub.add_parser("generate", help="two-stage text/image-to-audio+video"), demo=False)
     _add_generate_args(sub.add_parser("demo", help="tiny generated models, CPU, writes an mp4"), demo=True)
+    sub.add_parser("status", help="controller and fleet status")
+    sub.add_parser("stop", help="stop the background controller and its fleet")
     tiny = sub.add_parser("make-tiny", help="write tiny random-weight models in the real file layouts")
     tiny.add_argument("directory")
     tiny.add_argument("--variant", choices=("2.0", "2.3"), default="2.0")
@@ -85,34 +91,25 @@ class _Progress:
 
 
 def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
+    """Run one generation in this process (or on the fleet with --devices / --world-size); write the mp4."""
     import torch
 
-    from .lora import parse_lora_arg
-    from .media import write_mp4
     from .models.gemma import load_gemma
     from .models.loader import load_components
     from .models.text_projection import check_gemma_matches
-    from .pipelines import DEFAULT_NEGATIVE_PROMPT, GenerateRequest, TwoStagePipeline
+    from .pipelines import TwoStagePipeline
 
-    if paths is not None:  # demo
-        checkpoint, gemma_path, upscaler = paths["checkpoint"], paths["gemma"], paths["upsampler"]
-        lora, extra = (str(paths["distilled_lora"]), 1.0), {}
-    else:
-        checkpoint, gemma_path, upscaler = args.checkpoint, args.gemma, args.upscaler
-        lora = parse_lora_arg(args.distilled_lora) if args.distilled_lora else None
-        extra = {"video_vae": args.video_vae, "audio_vae": args.audio_vae, "text_projection": args.text_projection}
+    if args.devices is not None or args.world_size is not None:
+        return run_on_fleet(args, paths)
+    request, files = _request_and_files(args, paths)  # validated before anything is loaded
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    request = GenerateRequest(
-        prompt=args.prompt, negative_prompt=args.negative_prompt or DEFAULT_NEGATIVE_PROMPT, width=args.width,
-        height=args.height, frames=args.frames, fps=args.fps, steps=args.steps, seed=args.seed, image=args.image,
-        image_strength=args.image_strength, distilled_lora=lora)
-    request.validate()  # before anything is loaded
-
     t = time.perf_counter()
-    components = load_components(checkpoint, upsampler=upscaler, dtype=dtype, device=device, **extra)
-    gemma = load_gemma(gemma_path, device=device, dtype=dtype)
-    check_gemma_matches(components.text_projection, gemma, gemma_path)
+    components = load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=dtype, device=device,
+                                 video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
+                                 text_projection=files.get("text_projection"))
+    gemma = load_gemma(files["gemma"], device=device, dtype=dtype)
+    check_gemma_matches(components.text_projection, gemma, files["gemma"])
     load_time = time.perf_counter() - t
     pipeline = TwoStagePipeline(components, gemma, device=device, dtype=dtype)
     progress = _Progress()
@@ -120,17 +117,75 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
         result = pipeline.generate(request, progress=progress)
     finally:
         progress.close()
+    return _finish(args, result.frames, result.audio, result.sample_rate, result.timings,
+                   [str(r) for r in result.lora_reports], {"load": load_time},
+                   f"LTX-{components.variant} on {device} ({str(dtype).replace('torch.', '')})")
+
+
+def _finish(args, frames, audio, sample_rate, timings, lora_reports, extra_timings, header) -> dict:
+    from .media import write_mp4
+
     t = time.perf_counter()
-    write_mp4(args.output, result.frames, args.fps, result.audio, result.sample_rate)
-    timings = {"load": load_time, **result.timings, "write mp4": time.perf_counter() - t}
-    print(f"LTX-{components.variant} on {device} ({str(dtype).replace('torch.', '')}): "
+    write_mp4(args.output, frames, args.fps, audio, sample_rate)
+    timings = {**extra_timings, **timings, "write mp4": time.perf_counter() - t}
+    print(f"{header}: "
           f"{args.frames} frames {args.width}x{args.height} @ {args.fps:g} fps, seed {args.seed}")
-    for report in result.lora_reports:
+    for report in lora_reports:
         print(f"  LoRA {report}")
     for stage, seconds in timings.items():
         print(f"  {stage:<14} {seconds:8.3f} s")
     print(f"wrote {args.output}")
     return timings
+
+
+def _request_and_files(args, paths):
+    from .lora import parse_lora_arg
+    from .pipelines import DEFAULT_NEGATIVE_PROMPT, GenerateRequest
+
+    if paths is not None:  # demo
+        files = {"checkpoint": paths["checkpoint"], "gemma": paths["gemma"], "upscaler": paths["upsampler"]}
+        lora = (str(paths["distilled_lora"]), 1.0)
+    else:
+        files = {"checkpoint": args.checkpoint, "gemma": args.gemma, "upscaler": args.upscaler,
+                 "video_vae": args.video_vae, "audio_vae": args.audio_vae, "text_projection": args.text_projection}
+        lora = parse_lora_arg(args.distilled_lora) if args.distilled_lora else None
+    request = GenerateRequest(
+        prompt=args.prompt, negative_prompt=args.negative_prompt or DEFAULT_NEGATIVE_PROMPT, width=args.width,
+        height=args.height, frames=args.frames, fps=args.fps, steps=args.steps, seed=args.seed, image=args.image,
+        image_strength=args.image_strength, distilled_lora=lora)
+    request.validate()
+    return request, {k: (str(v) if v is not None else None) for k, v in files.items()}
+
+
+def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
+    """Run the job on the background controller's fleet (started on demand, reused by later calls)."""
+    import torch
+
+    from .client import ControllerClient, parse_devices
+    from .protocol import FleetConfig, JobSpec
+
+    request, files = _request_and_files(args, paths)
+    devices = parse_devices(args.devices if args.devices is not None else "all", args.world_size)
+    on_gpu = devices[0].startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
+    config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, **files)
+    client = ControllerClient()
+    t = time.perf_counter()
+    handle = client.configure(config)
+    configure_time = time.perf_counter() - t
+    progress, job = _Progress(), JobSpec("generate", request)
+    try:
+        result = client.run(handle, job, on_event=lambda e: progress(e["stage"], e["step"], e["total"]))
+    except KeyboardInterrupt:
+        client.cancel(job.job_id)
+        raise
+    finally:
+        progress.close()
+        client.close()
+    return _finish(args, result["frames"], result["audio"], result["sample_rate"], result["timings"],
+                   result["lora_reports"], {"fleet ready": configure_time},
+                   f"fleet generation {handle.generation}, {len(devices)} ranks on {','.join(devices)} ({dtype})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +206,23 @@ def main(argv: list[str] | None = None) -> int:
             paths = make_tiny(directory, args.variant, seed=0)
             print(f"tiny LTX-{args.variant} models in {directory}")
             run_generate(args, paths)
+            return 0
+        if args.command in ("status", "stop"):
+            from .client import ControllerClient
+            from .protocol import ControllerError
+
+            try:
+                client = ControllerClient(start=False)
+            except ControllerError:
+                print("no controller is running")
+                return 0
+            if args.command == "stop":
+                client.stop()
+                print("controller stopped")
+            else:
+                import json
+
+                print(json.dumps(client.status(), indent=2, default=str))
             return 0
         run_generate(args)
         return 0

@@ -12,6 +12,7 @@ dtype beside the untouched fp8 weight (`FP8Linear.fused_weight`) and dropped on 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,12 +52,15 @@ class LoRAReport:
 def parse_lora_arg(arg: str) -> tuple[str, float]:
     """`PATH[:STRENGTH]` -> (path, strength); strength defaults to 1.0. Raises ValueError for a bad strength."""
     path, sep, strength = arg.rpartition(":")
-    if not sep or "/" in strength or not strength:
+    if not sep or "/" in strength or "\\" in strength or not strength:  # no strength; ':' of a Windows drive
         return arg, 1.0
     try:
-        return path, float(strength)
+        value = float(strength)
     except ValueError:
         raise ValueError(f"LoRA argument {arg!r}: strength {strength!r} is not a number (use PATH:STRENGTH)") from None
+    if not math.isfinite(value):  # nan / inf would fuse non-finite weights
+        raise ValueError(f"LoRA argument {arg!r}: strength {strength!r} must be a finite number")
+    return path, value
 
 
 def read_lora(path: str | Path, strength: float = 1.0) -> LoRAFile:

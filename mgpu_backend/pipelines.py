@@ -13,6 +13,7 @@ stage 1, tiled stage 2) replace the one-process transformer without changing the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ DEFAULT_NEGATIVE_PROMPT = (
 )  # reference DEFAULT_NEGATIVE_PROMPT (ltx_pipelines/utils/constants.py)
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
+CancelFn = Callable[[str, int], bool]  # (stage, step about to run) -> stop now
 
 
 @dataclass
@@ -153,8 +155,13 @@ class TwoStagePipeline:
     def run_stage(self, stage: str, model_fn, video_clean: torch.Tensor, audio_clean: torch.Tensor,
                   sigmas: torch.Tensor, seed: int, video_mask: torch.Tensor | None, audio_frozen: bool,
                   video_guidance: S.GuidanceParams, audio_guidance: S.GuidanceParams,
-                  progress: ProgressFn | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Noise to `sigmas[0]` and denoise. Latents are packed `[1, T, 128]` float32 (model space)."""
+                  progress: ProgressFn | None, cancel_check: CancelFn | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Noise to `sigmas[0]` and denoise. Latents are packed `[1, T, 128]` float32 (model space).
+
+        `cancel_check(stage, step)` runs before every step (the fleet makes it a synchronized decision); True
+        raises `sampling.SamplingCancelled`."""
+        steps = itertools.count()
         noise_v, noise_a = S.make_av_noise(video_clean.shape, audio_clean.shape, seed)
         start_v = S.noise_latent(video_clean, noise_v, float(sigmas[0]), video_mask)
         start_a = audio_clean if audio_frozen else S.noise_latent(audio_clean, noise_a, float(sigmas[0]))
@@ -162,7 +169,8 @@ class TwoStagePipeline:
             video, audio = S.denoise_loop(
                 model_fn, start_v, start_a, sigmas, video_mask=video_mask, video_clean=video_clean,
                 audio_frozen=audio_frozen, video_guidance=video_guidance, audio_guidance=audio_guidance,
-                progress_callback=(lambda i, n: progress(stage, i, n)) if progress else None)
+                progress_callback=(lambda i, n: progress(stage, i, n)) if progress else None,
+                cancel_check=(lambda: cancel_check(stage, next(steps))) if cancel_check else None)
         except S.NonFiniteLatentError as exc:
             raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
         V.check_finite(video, stage, "video")
@@ -218,7 +226,11 @@ class TwoStagePipeline:
 
     # ---- the recipe --------------------------------------------------------------------------------------------------
 
-    def generate(self, request: GenerateRequest, progress: ProgressFn | None = None) -> GenerateResult:
+    def generate(self, request: GenerateRequest, progress: ProgressFn | None = None,
+                 cancel_check: CancelFn | None = None) -> GenerateResult:
+        """Run the recipe. `progress(stage, done, total)` after every step; `cancel_check(stage, step)` before.
+
+        Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
         request.validate()
         variant = self.components.variant
         n_blocks = len(self.components.transformer.transformer_blocks)
@@ -257,7 +269,7 @@ class TwoStagePipeline:
         model_fn = self._model_fn(positive, negative, frames_lat, h1, w1, audio_frames, request.fps)
         self.lora.restore()
         video1, audio1 = self.run_stage("stage 1", model_fn, video_clean, audio_clean, sigmas1, request.seed,
-                                        video_mask, False, video_guidance, audio_guidance, progress)
+                                        video_mask, False, video_guidance, audio_guidance, progress, cancel_check)
         timings["stage 1"] = time.perf_counter() - t
 
         # 2× latent upscale
@@ -279,7 +291,8 @@ class TwoStagePipeline:
         try:
             model_fn2 = self._model_fn(positive, None, frames_lat, h2, w2, audio_frames, request.fps)
             video2, _ = self.run_stage("stage 2", model_fn2, video_clean2, audio1, S.as_sigmas(request.stage2_sigmas),
-                                       request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress)
+                                       request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress,
+                                       cancel_check)
         finally:
             self.lora.restore()
         timings["stage 2"] = time.perf_counter() - t

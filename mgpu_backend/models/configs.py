@@ -184,8 +184,15 @@ def audio_vae_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _generator_kwargs(meta: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _generator_kwargs(meta: dict[str, Any], prefix: str = "", final_activation: bool = True) -> dict[str, Any]:
+    """One HiFi-GAN / BigVGAN generator. As ltx-core's and ComfyUI's `Vocoder`: `activation` only matters for AMP
+    blocks (resblock "1" is always leaky ReLU); the output ends in tanh when `use_tanh_at_final`, otherwise in a
+    clamp to [-1, 1], and in nothing for the BWE generator (`final_activation=False`: its output is a residual)."""
     amp = meta.get("resblock", "1") == "AMP1"
+    if not final_activation:
+        final = None
+    else:
+        final = "tanh" if meta.get("use_tanh_at_final", not amp) else "clamp"
     return {
         f"{prefix}in_channels": int(meta.get("num_mels", 64)) * (2 if meta.get("stereo", True) else 1),
         f"{prefix}hidden_channels": int(meta.get("upsample_initial_channel", 1024)),
@@ -194,9 +201,9 @@ def _generator_kwargs(meta: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         f"{prefix}upsample_factors": list(meta.get("upsample_rates", [6, 5, 2, 2, 2])),
         f"{prefix}resnet_kernel_sizes": list(meta.get("resblock_kernel_sizes", [3, 7, 11])),
         f"{prefix}resnet_dilations": [list(d) for d in meta.get("resblock_dilation_sizes", [[1, 3, 5]] * 3)],
-        f"{prefix}act_fn": str(meta.get("activation", "snakebeta" if amp else "leaky_relu")),
+        f"{prefix}act_fn": str(meta.get("activation", "snakebeta")) if amp else "leaky_relu",
         f"{prefix}antialias": amp,
-        f"{prefix}final_act_fn": "tanh" if meta.get("use_tanh_at_final", not amp) else None,
+        f"{prefix}final_act_fn": final,
         f"{prefix}final_bias": bool(meta.get("use_bias_at_final", not amp)),
     }
 
@@ -210,7 +217,7 @@ def vocoder_kwargs(meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if "bwe" in meta:
         main, bwe = meta["vocoder"], meta["bwe"]
         kwargs = _generator_kwargs(main)
-        kwargs.update(_generator_kwargs(bwe, prefix="bwe_"))
+        kwargs.update(_generator_kwargs(bwe, prefix="bwe_", final_activation=False))
         kwargs.update(
             filter_length=int(bwe.get("n_fft", 512)),
             hop_length=int(bwe.get("hop_length", 80)),

@@ -33,6 +33,9 @@ _LTX_MARKER = "adaln_single.emb.timestep_embedder.linear_1.bias"
 _AV_MARKER = "audio_adaln_single.linear.weight"
 
 
+OPEN_COUNT = 0  # safetensors files opened by this process (the fleet reports it: weights are read once per worker)
+
+
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used: wrong family, missing or unexpected keys, bad metadata."""
 
@@ -44,7 +47,9 @@ class SafetensorsFile:
     """
 
     def __init__(self, path: str | Path):
+        global OPEN_COUNT
         self.path = Path(path)
+        OPEN_COUNT += 1
         if not self.path.is_file():
             raise FileNotFoundError(f"checkpoint file not found: {self.path}")
         try:
@@ -119,7 +124,8 @@ def _format_keys(keys: list[str], limit: int = 12) -> str:
 
 def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_keys: list[str], prefix: str,
                 to_diffusers: Callable[[str], str], dtype: torch.dtype, component: str,
-                ignored_suffixes: tuple[str, ...] = ()) -> nn.Module:
+                ignored_suffixes: tuple[str, ...] = (), to_original: Callable[[str], str] | None = None
+                ) -> nn.Module:
     """Build a module without storage, map the file's keys onto it and load it strictly.
 
     Args:
@@ -128,7 +134,10 @@ def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_ke
         to_diffusers: maps a key without `prefix` to the module's key.
         dtype: dtype for floating tensors; float8 Linear weights and their float32 scales are kept as stored.
         ignored_suffixes: original keys the diffusers module has no slot for (dropped on purpose).
-    Raises: CheckpointError naming the missing (module spelling) and unexpected (file spelling) keys.
+        to_original: inverse of `to_diffusers`; when given, missing keys are named in the file's spelling
+            (`prefix` + original key), the names a user finds in other files of the same model.
+    Raises: CheckpointError naming the missing and unexpected keys (file spelling; missing keys in the module's
+        spelling when `to_original` is not given).
     """
     with init_empty_weights(include_buffers=False):
         module = factory()
@@ -141,9 +150,14 @@ def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_ke
                    if mk.endswith(".weight") and file.tensor_dtype(fk) in FP8_DTYPES}
     if fp8_weights:
         input_scaled = {mk[: -len(INPUT_SCALE_SUFFIX) - 1] for mk in mapped if mk.endswith("." + INPUT_SCALE_SUFFIX)}
-        swap_in_fp8_linears(module, fp8_weights, compute_dtype=dtype, input_scale_names=input_scaled)
+        try:
+            swap_in_fp8_linears(module, fp8_weights, compute_dtype=dtype, input_scale_names=input_scaled)
+        except (ValueError, AttributeError) as exc:  # an fp8 weight of a non-Linear, or of no layer at all
+            raise CheckpointError(f"{file.path}: {component}: {exc}") from exc
     expected = set(module.state_dict().keys())
     missing = sorted(expected - mapped.keys())
+    if to_original is not None:
+        missing = sorted(prefix + to_original(k) for k in missing)
     unexpected = sorted(mapped[k] for k in mapped.keys() - expected)
     if missing or unexpected:
         parts = []
@@ -210,13 +224,15 @@ def load_transformer(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Modu
     transformer_keys = [k for k in all_keys if not k[len(prefix):].startswith(keymaps.CONNECTOR_PREFIXES)]
     kwargs = configs.transformer_kwargs(meta)
     transformer = load_module(lambda: LTX2VideoTransformer3DModel(**kwargs), file, transformer_keys, prefix,
-                              keymaps.transformer_to_diffusers, dtype, "transformer")
+                              keymaps.transformer_to_diffusers, dtype, "transformer",
+                              to_original=keymaps.transformer_to_original)
     connectors = []
     for connector_prefix, audio in zip(keymaps.CONNECTOR_PREFIXES, (False, True)):
         ckw = configs.connector_kwargs(meta, audio=audio)
         connectors.append(load_module(
             lambda ckw=ckw: LTX2ConnectorTransformer1d(**ckw), file, connector_keys[connector_prefix],
-            prefix + connector_prefix, keymaps.connector_to_diffusers, dtype, connector_prefix.rstrip(".")))
+            prefix + connector_prefix, keymaps.connector_to_diffusers, dtype, connector_prefix.rstrip("."),
+            to_original=keymaps.connector_to_original))
     return transformer, connectors[0], connectors[1], meta
 
 
@@ -235,7 +251,8 @@ def load_video_vae(file: SafetensorsFile, dtype: torch.dtype) -> nn.Module:
                                                                                               "per_channel"))]
     return load_module(lambda: AutoencoderKLLTX2Video(**kwargs), file, keys, prefix,
                        lambda k: keymaps.video_vae_to_diffusers(k, stages), dtype, "video VAE",
-                       ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES)
+                       ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES,
+                       to_original=lambda k: keymaps.video_vae_to_original(k, stages))
 
 
 def build_audio_vae(**kwargs) -> nn.Module:
@@ -261,12 +278,13 @@ def load_audio_vae_and_vocoder(file: SafetensorsFile, dtype: torch.dtype) -> tup
     akw = configs.audio_vae_kwargs(_section(file, "audio_vae"))
     audio_vae = load_module(lambda: build_audio_vae(**akw), file, file.keys_under(prefix), prefix,
                             keymaps.audio_vae_to_diffusers, dtype, "audio VAE",
-                            ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES)
+                            ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES, to_original=keymaps.audio_vae_to_original)
     cls_name, vkw = configs.vocoder_kwargs(_section(file, "vocoder"))
     cls = getattr(vocoder_module, cls_name)
     # the vocoder runs in float32: it is small and its output is the waveform users hear
     vocoder = load_module(lambda: cls(**vkw), file, file.keys_under(keymaps.VOCODER_PREFIX), keymaps.VOCODER_PREFIX,
-                          keymaps.vocoder_to_diffusers, torch.float32, "vocoder")
+                          keymaps.vocoder_to_diffusers, torch.float32, "vocoder",
+                          to_original=keymaps.vocoder_to_original)
     return audio_vae, vocoder
 
 
@@ -293,7 +311,8 @@ def load_upsampler(path: str | Path | SafetensorsFile, dtype: torch.dtype) -> nn
         raise CheckpointError(f"{file.path}: not an LTX-2 latent upscaler (no 'initial_conv.weight' key)")
     kwargs = configs.upsampler_kwargs(file.config())
     return load_module(lambda: LTX2LatentUpsamplerModel(**kwargs), file, file.keys, "",
-                       keymaps.upsampler_to_diffusers, dtype, "latent upscaler")
+                       keymaps.upsampler_to_diffusers, dtype, "latent upscaler",
+                       to_original=keymaps.upsampler_to_original)
 
 
 def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = None,

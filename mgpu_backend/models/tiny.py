@@ -42,6 +42,18 @@ def tiny_transformer_metadata(variant: str) -> dict[str, Any]:
         "use_middle_indices_grid": True, "rope_type": "split", "frequencies_precision": "float64",
         "timestep_scale_multiplier": 1000, "av_ca_timestep_scale_multiplier": 1000,
         "connector_num_attention_heads": 8, "connector_attention_head_dim": 8, "connector_num_layers": 1,
+        # ComfyUI hard-codes the connector RoPE range to 4096 positions and diffusers defaults to it; ltx-core reads
+        # this field (default [1]), so the file states it, as the released files do
+        "connector_positional_embedding_max_pos": [4096],
+        "causal_temporal_positioning": False,
+        # fixed architecture fields of the released files; ltx-core's `LTXModelConfigurator` asserts each value
+        # (`check_config_value`), ComfyUI and diffusers ignore them
+        "dropout": 0.0, "attention_bias": True, "num_vector_embeds": None, "activation_fn": "gelu-approximate",
+        "num_embeds_ada_norm": 1000, "use_linear_projection": False, "only_cross_attention": False,
+        "cross_attention_norm": True, "double_self_attention": False, "upcast_attention": False,
+        "standardization_norm": "rms_norm", "norm_elementwise_affine": False, "qk_norm": "rms_norm",
+        "positional_embedding_type": "rope", "use_audio_video_cross_attention": True, "share_ff": False,
+        "av_cross_ada_norm": True,
     }
     if variant == "2.3":
         meta.update({
@@ -126,6 +138,33 @@ def _fill(module: nn.Module, generator: torch.Generator) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=generator))
             elif name.endswith("latents_std"):
                 b.copy_(0.5 + torch.rand(b.shape, generator=generator))
+            elif name.endswith(("stft_fn.forward_basis", "stft_fn.inverse_basis")):
+                b.copy_(_stft_basis(b.shape[-1]))  # LTX-2.3 BWE vocoder: stored bases (zeros in diffusers)
+            elif name.endswith("mel_stft.mel_basis"):
+                b.copy_(_mel_basis(b.shape[0], b.shape[1]))
+
+
+def _stft_basis(n_fft: int) -> torch.Tensor:
+    """`[2·(n_fft/2+1), 1, n_fft]`: Hann-windowed DFT rows, real parts then imaginary parts (the layout of the
+    LTX-2.3 vocoder's `mel_stft.stft_fn.forward_basis`)."""
+    k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)[:, None]
+    n = torch.arange(n_fft, dtype=torch.float64)[None, :]
+    angle = 2 * math.pi * k * n / n_fft
+    window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64)
+    return (torch.cat([torch.cos(angle), -torch.sin(angle)]) * window).float().unsqueeze(1)
+
+
+def _mel_basis(n_mels: int, n_freqs: int) -> torch.Tensor:
+    """`[n_mels, n_freqs]` triangular filters evenly spaced on the HTK mel scale over 0..Nyquist."""
+    mel = lambda f: 2595.0 * torch.log10(1.0 + f / 700.0)  # noqa: E731
+    hz = lambda m: 700.0 * (10.0 ** (m / 2595.0) - 1.0)  # noqa: E731
+    nyquist = 8000.0
+    edges = hz(torch.linspace(0.0, float(mel(torch.tensor(nyquist))), n_mels + 2, dtype=torch.float64))
+    freqs = torch.linspace(0.0, nyquist, n_freqs, dtype=torch.float64)
+    lower, center, upper = edges[:-2, None], edges[1:-1, None], edges[2:, None]
+    rise = (freqs - lower) / (center - lower)
+    fall = (upper - freqs) / (upper - center)
+    return torch.clamp(torch.minimum(rise, fall), min=0.0).float()
 
 
 def _original_state(module: nn.Module, prefix: str, to_original, dtype: torch.dtype) -> dict[str, torch.Tensor]:

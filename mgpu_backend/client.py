@@ -1,0 +1,191 @@
+"""What the ComfyUI nodes and the CLI call: find (or start) the controller, configure a fleet, run jobs.
+
+The controller is started with the caller's `sys.executable` and an explicit PYTHONPATH to the directory holding
+this package (ComfyUI imports the pack under a mangled module name, so nothing relies on how the caller imported
+it), in a new session so that it survives the caller. A later client (e.g. after a ComfyUI restart) reattaches.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from multiprocessing.connection import Client as _Connect
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import protocol as P
+
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the directory that holds `mgpu_backend`
+START_TIMEOUT_S = 60.0
+
+
+def parse_devices(devices: str | int | None = "all", world_size: int | None = None) -> tuple[str, ...]:
+    """`"all"`, a count (`2`, `"2"`), a CUDA index list (`"0,1,3"`, or `"1,"` for one index) or `"cpu"` /
+    `"cpu:N"` -> one device per rank.
+
+    Without CUDA, "all" and counts give CPU ranks (gloo). `world_size` caps / sets the count.
+    Raises ValueError naming the value and the rule.
+    """
+    spec = str(devices if devices is not None else "all").strip().lower()
+    cuda = torch.cuda.device_count()
+    if spec.startswith("cpu"):
+        count = int(spec.split(":", 1)[1]) if ":" in spec else (world_size or 1)
+        out = ("cpu",) * count
+    elif "," in spec:  # an index list ("0,1,3"; a single index is written "1,")
+        indices = [int(s) for s in spec.split(",") if s.strip()]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"devices={devices!r}: a device index appears twice")
+        bad = [i for i in indices if i >= cuda or i < 0]
+        if bad:
+            raise ValueError(f"devices={devices!r}: CUDA device(s) {bad} do not exist (this machine has {cuda})")
+        out = tuple(f"cuda:{i}" for i in indices)
+    else:
+        if spec == "all":
+            count = world_size or (cuda if cuda else 1)
+        elif spec.isdigit():
+            count = int(spec)
+        else:
+            raise ValueError(f"devices={devices!r}: use 'all', a count, a list like '0,1,3', or 'cpu:N'")
+        if count < 1:
+            raise ValueError(f"devices={devices!r}: need at least one device")
+        if cuda:
+            if count > cuda:
+                raise ValueError(f"devices={devices!r}: asked for {count} GPUs, this machine has {cuda}")
+            out = tuple(f"cuda:{i}" for i in range(count))
+        else:
+            out = ("cpu",) * count
+    if world_size is not None and world_size != len(out):
+        if world_size > len(out):
+            raise ValueError(f"world_size={world_size} is larger than the {len(out)} devices given ({devices!r})")
+        out = out[:world_size]
+    return out
+
+
+def _launch(runtime_dir: Path, log_path: Path) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                                                    else []))
+    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    return subprocess.Popen([sys.executable, "-m", "mgpu_backend.controller", "--runtime-dir", str(runtime_dir)],
+                            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=str(runtime_dir))
+
+
+class ControllerClient:
+    """A connection to the controller. `connect()` starts one when none answers.
+
+    Methods raise ControllerError (or its subclasses FleetBusy, JobCancelled) with the controller's message.
+    """
+
+    def __init__(self, runtime_dir: Path | None = None, start: bool = True):
+        self.runtime_dir = P.ensure_private_dir(Path(runtime_dir) if runtime_dir else P.default_runtime_dir())
+        self.socket_path = self.runtime_dir / P.SOCKET_NAME
+        self.key = P.read_or_create_key(self.runtime_dir)
+        self.started_pid: int | None = None
+        self._conn = self._connect(start)
+
+    def _try_connect(self):
+        try:
+            return _Connect(str(self.socket_path), family="AF_UNIX", authkey=self.key)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return None
+
+    def _connect(self, start: bool):
+        conn = self._try_connect()
+        if conn is not None or not start:
+            if conn is None:
+                raise P.ControllerError(f"no controller answers on {self.socket_path}", kind="not_running")
+            return conn
+        proc = _launch(self.runtime_dir, self.runtime_dir / "controller.log")
+        self.started_pid = proc.pid
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise P.ControllerError(f"the controller exited with code {proc.returncode} at start; see "
+                                        f"{self.runtime_dir / 'controller.log'}", kind="start_failed")
+            conn = self._try_connect()
+            if conn is not None:
+                return conn
+            time.sleep(0.1)
+        raise P.ControllerError(f"the controller did not answer within {START_TIMEOUT_S:g} s", kind="start_failed")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def request(self, op: str, **fields) -> dict:
+        P.send(self._conn, {"op": op, **fields})
+        reply = P.recv(self._conn)
+        if not reply.get("ok", False):
+            raise P.ControllerError(reply.get("error", "request failed"), kind=reply.get("kind", "error"))
+        return reply
+
+    def ping(self) -> dict:
+        return self.request("ping")
+
+    def status(self) -> dict:
+        return self.request("status")
+
+    def configure(self, config: P.FleetConfig) -> P.FleetHandle:
+        return self.request("configure", config=config)["handle"]
+
+    def shutdown_fleet(self) -> None:
+        self.request("shutdown_fleet")
+
+    def stop(self) -> None:
+        self.request("stop")
+
+    def cancel(self, job_id: str) -> None:
+        """Cancel from another connection (this one is busy streaming the job)."""
+        other = ControllerClient(self.runtime_dir, start=False)
+        try:
+            other.request("cancel", job_id=job_id)
+        finally:
+            other.close()
+
+    def run(self, handle: P.FleetHandle, job: P.JobSpec, on_event: Callable[[dict], None] | None = None,
+            on_accepted: Callable[[dict], None] | None = None) -> Any:
+        """Submit a job and block until it ends, passing progress events to `on_event`.
+
+        Returns the job's result with shared-memory frames already copied into a tensor (and the block freed).
+        Raises FleetBusy at once when another job runs; JobCancelled; ControllerError.
+        """
+        P.send(self._conn, {"op": "submit", "handle": handle, "job": job})
+        while True:
+            event = P.recv(self._conn)
+            kind = event["event"]
+            if kind == "busy":
+                raise P.FleetBusy(f"the fleet is busy with job {event['running']}", kind="busy")
+            if kind == "accepted":
+                if on_accepted:
+                    on_accepted(event)
+            elif kind == "progress":
+                if on_event:
+                    on_event(event)
+            elif kind == "result":
+                return receive_frames(event["result"])
+            elif kind == "error":
+                cls = P.JobCancelled if event["kind"] == "cancelled" else P.ControllerError
+                raise cls(event["message"], kind=event["kind"], fleet_lost=event["fleet_lost"],
+                          details=event.get("details"))
+
+
+def receive_frames(result: Any) -> Any:
+    """Replace a `{"frames": {"name", "shape", "dtype"}}` shared-memory reference by a tensor and free the block."""
+    if not isinstance(result, dict) or not isinstance(result.get("frames"), dict):
+        return result
+    ref = result["frames"]
+    shm = shared_memory.SharedMemory(name=ref["name"])
+    try:
+        array = np.ndarray(ref["shape"], dtype=ref["dtype"], buffer=shm.buf)
+        frames = torch.from_numpy(array.copy())
+        del array
+    finally:
+        shm.close()
+        shm.unlink()
+    return {**result, "frames": frames}

@@ -1,0 +1,205 @@
+"""The background controller: holds the worker fleet, serves clients on a private Unix socket.
+
+Started by `client.connect()` as `python -m mgpu_backend.controller --runtime-dir DIR` with the caller's Python and
+an explicit PYTHONPATH, in its own session (it outlives the ComfyUI process or CLI that started it, so a second
+client reattaches). One job at a time: a `submit` while a job runs is answered `busy` at once.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+from . import protocol as P
+from .fleet import Fleet, next_generation
+
+log = logging.getLogger("ltx2_mgpu.controller")
+
+
+class Controller:
+    def __init__(self, runtime_dir: Path):
+        self.runtime_dir = P.ensure_private_dir(runtime_dir)
+        self.key = P.read_or_create_key(self.runtime_dir)
+        self.socket_path = self.runtime_dir / P.SOCKET_NAME
+        self.fleet: Fleet | None = None
+        self.fleet_lock = threading.Lock()  # guards configure / run / shutdown of the fleet
+        self.job_lock = threading.Lock()  # held while a job runs (busy check)
+        self.current_job: str | None = None
+        self.last_failure: str | None = None
+        self.stopping = threading.Event()
+        self.test_faults = os.environ.get("LTX2_MGPU_TEST_FAULTS") == "1"
+
+    # ---- serving ------------------------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+        old_umask = os.umask(0o177)  # the socket is created 0600
+        try:
+            listener = Listener(str(self.socket_path), family="AF_UNIX", authkey=self.key)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        log.info("listening on %s (pid %d)", self.socket_path, os.getpid())
+        try:
+            while not self.stopping.is_set():
+                try:
+                    conn = listener.accept()
+                except Exception as exc:  # wrong auth key, client gone during the handshake
+                    log.warning("refused a connection: %s", exc)
+                    continue
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        finally:
+            listener.close()
+            self._shutdown_fleet()
+
+    def _handle(self, conn) -> None:
+        try:
+            while True:
+                try:
+                    request = P.recv(conn)
+                except (EOFError, OSError):
+                    return
+                op = request.get("op")
+                if op == "submit":
+                    self._submit(conn, request)
+                    continue
+                P.send(conn, self._simple(op, request))
+                if op == "stop":
+                    self.stopping.set()
+                    # unblock accept(): connect once to ourselves
+                    try:
+                        from multiprocessing.connection import Client
+
+                        Client(str(self.socket_path), family="AF_UNIX", authkey=self.key).close()
+                    except OSError:
+                        pass
+                    return
+        finally:
+            conn.close()
+
+    def _simple(self, op: str, request: dict) -> dict:
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        if op == "status":
+            return {"ok": True, **self.status()}
+        if op == "configure":
+            try:
+                return {"ok": True, "handle": self.configure(request["config"])}
+            except P.ControllerError as exc:
+                return {"ok": False, "error": str(exc), "kind": exc.kind}
+        if op == "cancel":
+            fleet = self.fleet
+            if fleet is not None and self.current_job == request.get("job_id"):
+                fleet.cancel()
+                return {"ok": True}
+            return {"ok": False, "error": f"no running job {request.get('job_id')!r}"}
+        if op == "shutdown_fleet":
+            self._shutdown_fleet()
+            return {"ok": True}
+        if op == "stop":
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    # ---- fleet --------------------------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        fleet = self.fleet
+        return {"pid": os.getpid(), "socket": str(self.socket_path), "busy_job": self.current_job,
+                "last_failure": self.last_failure,
+                "fleet": None if fleet is None or not fleet.alive() else {
+                    "generation": fleet.generation, "devices": list(fleet.config.devices),
+                    "worker_pids": list(fleet.pids), "checkpoint": fleet.config.checkpoint,
+                    "load_seconds": fleet.load_seconds, "open_counts": list(fleet.open_counts)}}
+
+    def configure(self, config: P.FleetConfig) -> P.FleetHandle:
+        """Reuse the fleet when the configuration is unchanged, else (re)build it. Refused while a job runs."""
+        if not self.job_lock.acquire(blocking=False):
+            raise P.FleetBusy(f"the fleet is running job {self.current_job}; reconfigure after it ends", kind="busy")
+        try:
+            with self.fleet_lock:
+                fleet = self.fleet
+                if fleet is not None and fleet.alive() and fleet.config == config:
+                    return P.FleetHandle(fleet.generation, config, fleet.pids)
+                if fleet is not None:
+                    fleet.shutdown()
+                    self.fleet = None
+                self.fleet = Fleet(config, next_generation())
+                return P.FleetHandle(self.fleet.generation, config, self.fleet.pids)
+        finally:
+            self.job_lock.release()
+
+    def _shutdown_fleet(self) -> None:
+        with self.fleet_lock:
+            if self.fleet is not None:
+                self.fleet.shutdown()
+                self.fleet = None
+
+    def _submit(self, conn, request: dict) -> None:
+        handle: P.FleetHandle = request["handle"]
+        spec: P.JobSpec = request["job"]
+        if not self.job_lock.acquire(blocking=False):
+            P.send(conn, {"event": "busy", "job_id": spec.job_id, "running": self.current_job})
+            return
+        try:
+            fleet = self.fleet
+            if fleet is None or not fleet.alive() or fleet.generation != handle.generation:
+                if fleet is not None and fleet.alive() and fleet.generation != handle.generation:
+                    P.send(conn, _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was "
+                                           f"rebuilt (generation {fleet.generation}); load the checkpoint again",
+                                     "stale_handle"))
+                    return
+                # the handle's fleet is gone (failure or shutdown): start a fresh one with the same config
+                with self.fleet_lock:
+                    if fleet is not None:
+                        fleet.shutdown(graceful=False)
+                    try:
+                        self.fleet = fleet = Fleet(handle.config, next_generation())
+                    except P.ControllerError as exc:
+                        self.fleet, self.last_failure = None, str(exc)
+                        P.send(conn, _error(spec, str(exc), exc.kind, fleet_lost=True))
+                        return
+            if spec.fault and not self.test_faults:
+                spec.fault = None
+            self.current_job = spec.job_id
+            P.send(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
+                       "worker_pids": list(fleet.pids)})
+            try:
+                result = fleet.run(spec, on_event=lambda event: _send_quiet(conn, event))
+                P.send(conn, {"event": "result", "job_id": spec.job_id, "result": result})
+            except P.ControllerError as exc:
+                if exc.fleet_lost:
+                    self.last_failure = str(exc)
+                    self.fleet = None
+                P.send(conn, _error(spec, str(exc), exc.kind, exc.fleet_lost, exc.details))
+        finally:
+            self.current_job = None
+            self.job_lock.release()
+
+
+def _error(spec: P.JobSpec, message: str, kind: str, fleet_lost: bool = False, details: dict | None = None) -> dict:
+    return {"event": "error", "job_id": spec.job_id, "message": message, "kind": kind, "fleet_lost": fleet_lost,
+            "details": details or {}}
+
+
+def _send_quiet(conn, event: dict) -> None:
+    """Progress to a client that went away is dropped; the job goes on."""
+    try:
+        P.send(conn, event)
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mgpu_backend.controller")
+    parser.add_argument("--runtime-dir", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    Controller(Path(args.runtime_dir) if args.runtime_dir else P.default_runtime_dir()).serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The worker fleet as the controller sees it: spawn, health, one job at a time, failure detection, teardown.
+
+Failure handling (DESIGN.md §8):
+- an error raised on every rank (bad input, found before any collective) is returned and the fleet stays;
+- a worker that dies, a job with no step progress for `stall_timeout_s` (one rank stalls and the others wait in a
+  collective), or an error on only some ranks tears the fleet down and is reported with rank, stage and step; the
+  next job starts a fresh fleet. Workers are separate processes, so the controller (and the client) never dies
+  because a worker did.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+import torch.multiprocessing as mp
+
+from .protocol import ControllerError, FleetConfig, JobCancelled, JobSpec
+from .worker import clean_allocator_env, worker_main
+
+# how long the other ranks get to report the same error before an error is treated as asymmetric
+ERROR_GRACE_S = 10.0
+# how long a fleet gets to stop cleanly before its workers are killed
+STOP_GRACE_S = 10.0
+
+EventFn = Callable[[dict], None]
+
+
+class Fleet:
+    """W worker processes, rank r on `config.devices[r]`.
+
+    Raises ControllerError (fleet_lost=True) when a worker fails to start, naming the rank and the cause.
+    """
+
+    def __init__(self, config: FleetConfig, generation: int):
+        self.config, self.generation = config, generation
+        self.world_size = config.world_size
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="ltx2-mgpu-fleet-")
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        self.cancel_flag = ctx.Value("i", 0)
+        self.heartbeat = ctx.Array("d", 2 * self.world_size)
+        self.conns, self.processes = [], []
+        saved_env = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(clean_allocator_env(saved_env))  # inherited by the spawned workers
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=worker_main, name=f"ltx2-mgpu-rank{rank}", daemon=True,
+                                   args=(rank, config, init_file, child, self.cancel_flag, self.heartbeat))
+                proc.start()
+                child.close()
+                self.conns.append(parent)
+                self.processes.append(proc)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+        self.pids = tuple(p.pid for p in self.processes)
+        self.open_counts: list[int] = [0] * self.world_size
+        self.load_seconds = 0.0
+        self.lost: str | None = None
+        self._wait_ready()
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.init_timeout_s
+        ready: set[int] = set()
+        while len(ready) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.world_size)) - ready)
+                self._fail(f"fleet start timed out after {self.config.init_timeout_s:g} s; ranks {missing} did not "
+                           f"report ready")
+            for rank, message in self._receive(remaining):
+                if message[0] == "ready":
+                    ready.add(rank)
+                    self.open_counts[rank] = message[3]
+                    self.load_seconds = max(self.load_seconds, message[4])
+                elif message[0] == "init_error":
+                    self._fail(f"rank {rank} failed to start: {message[2]}", details={"traceback": message[3]})
+
+    def _receive(self, timeout: float) -> list[tuple[int, tuple]]:
+        """Messages from the workers within `timeout`; a dead worker raises ControllerError."""
+        by_object = {id(c): r for r, c in enumerate(self.conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self.processes)}
+        out = []
+        for ready in wait(list(self.conns) + list(sentinels), timeout=timeout):
+            if isinstance(ready, int):
+                rank = sentinels[ready]
+                self.processes[rank].join(5)
+                code = self.processes[rank].exitcode
+                self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with exit code {code}"
+                           + self._where(rank))
+            else:
+                rank = by_object[id(ready)]
+                try:
+                    out.append((rank, ready.recv()))
+                except (EOFError, OSError):
+                    self._fail(f"lost the connection to worker rank {rank} (pid {self.pids[rank]})")
+        return out
+
+    def _fail(self, message: str, details: dict | None = None) -> None:
+        self.lost = message
+        self.shutdown(graceful=False)
+        raise ControllerError(message, kind="fleet_lost", fleet_lost=True, details=details)
+
+    def alive(self) -> bool:
+        return self.lost is None and all(p.is_alive() for p in self.processes)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if graceful and self.lost is None:
+            for conn in self.conns:
+                try:
+                    conn.send(("stop",))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_S
+            for proc in self.processes:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.processes:
+            proc.join(5)
+        for conn in self.conns:
+            conn.close()
+        self.lost = self.lost or "shut down"
+        self._tmp.cleanup()
+
+    # ---- jobs ---------------------------------------------------------------------------------------------------
+
+    _stage: tuple[str, int, int] | None = None  # rank 0's last reported (stage, step, total) of the running job
+
+    def _where(self, rank: int) -> str:
+        if self._stage is None:
+            return ""
+        stage, step, total = self._stage
+        return (f" during {stage} (rank 0 at step {step}/{total}, rank {rank} had begun "
+                f"{int(self.heartbeat[2 * rank])} steps of the job)")
+
+    def cancel(self) -> None:
+        """Ask rank 0 to stop the running job at the next step boundary (all ranks stop there together)."""
+        self.cancel_flag.value = 1
+
+    def run(self, spec: JobSpec, on_event: EventFn) -> dict:
+        """Run one job on every rank; stream rank 0's progress to `on_event`; return rank 0's result.
+
+        Raises JobCancelled, ControllerError (kind "job_error": same error on every rank, fleet kept; kind
+        "fleet_lost": crash, stall or asymmetric error, fleet torn down).
+        """
+        self.cancel_flag.value = 0
+        for i in range(2 * self.world_size):
+            self.heartbeat[i] = 0.0
+        self._stage = None
+        positions: dict[int, tuple[str, int]] = {}
+        for conn in self.conns:
+            conn.send(("job", spec))
+        results: dict[int, dict] = {}
+        errors: dict[int, tuple] = {}
+        cancelled: set[int] = set()
+        last_progress = time.monotonic()
+        last_steps = tuple(self.heartbeat[2 * r] for r in range(self.world_size))
+        first_error_at: float | None = None
+        while len(results) + len(errors) + len(cancelled) < self.world_size:
+            for rank, message in self._receive(timeout=1.0):
+                kind = message[0]
+                if kind == "progress":
+                    _, _, stage, done, total = message
+                    self._stage = (stage, done, total)
+                    on_event({"event": "progress", "job_id": spec.job_id, "stage": stage, "step": done,
+                              "total": total})
+                    last_progress = time.monotonic()
+                elif kind == "result":
+                    results[rank] = message[3]
+                elif kind == "cancelled":
+                    cancelled.add(rank)
+                    positions[rank] = (message[3], message[4])
+                elif kind == "error":
+                    errors[rank] = message
+                    positions[rank] = (message[5], message[6])
+                    first_error_at = first_error_at or time.monotonic()
+            steps = tuple(self.heartbeat[2 * r] for r in range(self.world_size))
+            if steps != last_steps:
+                last_steps, last_progress = steps, time.monotonic()
+            if errors and time.monotonic() - first_error_at > ERROR_GRACE_S:
+                self._asymmetric_error(errors)
+            if time.monotonic() - last_progress > self.config.stall_timeout_s:
+                self._stalled(steps)
+        if cancelled:
+            if len(cancelled) != self.world_size:
+                self._fail(f"cancel reached only ranks {sorted(cancelled)}; the fleet was torn down")
+            stage, step = positions[0]
+            raise JobCancelled(f"job {spec.job_id} cancelled before {stage} step {step + 1}", kind="cancelled")
+        if errors:
+            if len(errors) != self.world_size:
+                self._asymmetric_error(errors)
+            rank0 = errors[0]
+            kind = "validation" if all(e[7] for e in errors.values()) else "job_error"
+            raise ControllerError(f"{rank0[3]}: {rank0[4]}", kind=kind,
+                                  details={"stage": rank0[5], "step": rank0[6], "traceback": rank0[8]})
+        return results[0]
+
+    def _asymmetric_error(self, errors: dict[int, tuple]) -> None:
+        rank, e = sorted(errors.items())[0]
+        others = sorted(set(range(self.world_size)) - set(errors))
+        self._fail(f"rank {rank} failed during {e[5]} step {e[6]} with {e[3]}: {e[4]} (ranks {others} did not "
+                   f"fail; a collective would hang) — the fleet was torn down", details={"traceback": e[8]})
+
+    def _stalled(self, steps: tuple[float, ...]) -> None:
+        slowest = min(range(self.world_size), key=lambda r: steps[r])
+        self._fail(f"no progress for {self.config.stall_timeout_s:g} s: rank {slowest} stalled{self._where(slowest)}; "
+                   f"steps begun per rank: {[int(s) for s in steps]} — the fleet was torn down")
+
+
+_generations = itertools.count(1)
+
+
+def next_generation() -> int:
+    return next(_generations)

@@ -1,0 +1,143 @@
+"""What the client, the controller and the workers say to each other, and where the controller listens.
+
+Transport: `multiprocessing.connection` over a Unix socket (pickled messages, HMAC challenge with a 32-byte auth
+key). The socket and the key live in a private directory (mode 0700; socket and key file 0600), by default
+`$XDG_RUNTIME_DIR/ltx2-multigpu` or `/tmp/ltx2-multigpu-<uid>`; nothing listens on a network address.
+
+Client -> controller requests are dicts with an `op`:
+- `{"op": "ping"}` -> `{"ok": True, "pid": …}`
+- `{"op": "status"}` -> controller and fleet status (generation, devices, worker PIDs, busy job)
+- `{"op": "configure", "config": FleetConfig}` -> `{"ok": True, "handle": FleetHandle}` (same config: reused)
+- `{"op": "submit", "handle": FleetHandle, "job": JobSpec}` -> a stream of events on the same connection, ending
+  with one `result` or `error` event (or a single `busy` event)
+- `{"op": "cancel", "job_id": str}`, `{"op": "shutdown_fleet"}`, `{"op": "stop"}`
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SOCKET_NAME = "controller.sock"
+KEY_NAME = "authkey"
+
+
+def send(conn, obj: Any) -> None:
+    """Send with plain pickle: tensors travel by value. (`Connection.send` uses torch's ForkingPickler once torch is
+    imported, which shares tensors through file descriptors only a parent/child pair can exchange.)"""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def default_runtime_dir(name: str = "ltx2-multigpu") -> Path:
+    """Private per-user directory for the socket and the key (`$LTX2_MGPU_RUNTIME_DIR` overrides)."""
+    explicit = os.environ.get("LTX2_MGPU_RUNTIME_DIR")
+    if explicit:
+        return Path(explicit)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
+        return Path(runtime) / name
+    return Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}"
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create `path` with mode 0700, or check an existing one is ours and private.
+
+    Raises PermissionError when the directory belongs to another user or is open to group/others.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def read_or_create_key(directory: Path) -> bytes:
+    """The controller's auth key (created once, mode 0600)."""
+    key_path = directory / KEY_NAME
+    if not key_path.exists():
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    return key_path.read_bytes()
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """What a fleet is built from; a different config means a different fleet.
+
+    devices: one entry per rank, e.g. ("cuda:0", "cuda:1") or ("cpu", "cpu").
+    dtype: compute dtype name ("float32", "bfloat16", "float16").
+    threads_per_worker: torch intra-op threads per CPU worker (1 for tests, so reductions match).
+    init_timeout_s / collective_timeout_s: bounded process-group init and collective waits (set explicitly:
+        PyTorch's defaults are 10 min for NCCL and 30 min for gloo).
+    stall_timeout_s: a job with no step progress for this long is declared hung and the fleet torn down.
+    """
+
+    devices: tuple[str, ...]
+    checkpoint: str
+    gemma: str
+    upscaler: str | None = None
+    video_vae: str | None = None
+    audio_vae: str | None = None
+    text_projection: str | None = None
+    dtype: str = "float32"
+    threads_per_worker: int = 1
+    init_timeout_s: float = 120.0
+    collective_timeout_s: float = 300.0
+    stall_timeout_s: float = 300.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+
+@dataclass(frozen=True)
+class FleetHandle:
+    """A client's reference to a fleet; `generation` detects a handle from an older fleet."""
+
+    generation: int
+    config: FleetConfig
+    worker_pids: tuple[int, ...] = ()
+
+
+@dataclass
+class JobSpec:
+    """One job. `kind` selects the worker function ("generate"); `payload` is its input (e.g. GenerateRequest).
+
+    `fault` injects a failure for tests (honoured only when the controller runs with LTX2_MGPU_TEST_FAULTS=1):
+    `{"rank": r, "stage": "stage 1", "step": k, "kind": "crash" | "stall" | "error" | "error_all"}`.
+    """
+
+    kind: str
+    payload: Any
+    job_id: str = field(default_factory=lambda: secrets.token_hex(6))
+    fault: dict | None = None
+
+
+class ControllerError(RuntimeError):
+    """An error reported by the controller or the fleet (message says rank, stage, step where known)."""
+
+    def __init__(self, message: str, kind: str = "error", fleet_lost: bool = False, details: dict | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.fleet_lost = fleet_lost
+        self.details = details or {}
+
+
+class FleetBusy(ControllerError):
+    """The fleet is running another job (answered at once, never queued)."""
+
+
+class JobCancelled(ControllerError):
+    """The job was cancelled; every rank stopped at the same step boundary and the fleet stays."""

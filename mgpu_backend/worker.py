@@ -1,0 +1,179 @@
+"""One worker process per device: joins the process group, loads the weights once, runs jobs until told to stop.
+
+Every rank runs the same job code in lockstep (SPMD). Cancel is decided by rank 0 and applied by all ranks at the
+same step boundary: before each denoising step rank 0 broadcasts its cancel flag, so no collective is ever left
+half-entered. Rank 0 streams progress and returns the result: latents by value, frames through shared memory.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .protocol import FleetConfig, JobSpec
+
+ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def clean_allocator_env(env: dict[str, str]) -> dict[str, str]:
+    """Drop `backend:cudaMallocAsync` from the allocator settings ComfyUI sets (DESIGN.md §8: inherited by workers
+    it led to OOM at step 2 elsewhere); other allocator options are kept."""
+    env = dict(env)
+    for name in ALLOC_ENV:
+        if name in env:
+            kept = [p for p in env[name].split(",") if p.strip() and "cudaMallocAsync" not in p]
+            if kept:
+                env[name] = ",".join(kept)
+            else:
+                del env[name]
+    return env
+
+
+@dataclass
+class JobContext:
+    """What a job function sees of the fleet: its rank, the device, progress and the synchronized cancel check."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    job_id: str
+    conn: Any
+    cancel_flag: Any  # multiprocessing.Value('i'): set by the controller, read by rank 0 only
+    heartbeat: Any  # multiprocessing.Array('d', 2 * world_size): per rank (steps done, wall time)
+    fault: dict | None = None
+    stage: str = "setup"
+    step: int = 0
+    steps_done: int = 0
+
+    def progress(self, stage: str, done: int, total: int) -> None:
+        self.stage, self.step = stage, done
+        if self.rank == 0:
+            self.conn.send(("progress", self.job_id, stage, done, total))
+
+    def step_boundary(self, stage: str, step: int) -> bool:
+        """Called by every rank before each step; returns True (on every rank) when the job is cancelled."""
+        self.stage, self.step = stage, step
+        self.steps_done += 1
+        self.heartbeat[2 * self.rank] = self.steps_done
+        self.heartbeat[2 * self.rank + 1] = time.time()
+        self._maybe_fault(stage, step)
+        flag = torch.tensor([int(self.cancel_flag.value) if self.rank == 0 else 0], dtype=torch.int32,
+                            device=self.device if self.device.type == "cuda" else "cpu")
+        if self.world_size > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _maybe_fault(self, stage: str, step: int) -> None:
+        f = self.fault
+        if not f or f.get("stage") != stage or f.get("step") != step:
+            return
+        if f["kind"] == "error_all" or (f.get("rank") == self.rank and f["kind"] == "error"):
+            raise RuntimeError(f"injected fault on rank {self.rank} at {stage} step {step}")
+        if f.get("rank") != self.rank:
+            return
+        if f["kind"] == "crash":
+            os._exit(17)
+        if f["kind"] == "stall":
+            time.sleep(3600)
+
+
+def send_frames(frames: torch.Tensor) -> dict:
+    """Put `[F, H, W, 3]` float32 frames in a new shared-memory block; the client unlinks it after reading.
+
+    Returns `{"name", "shape", "dtype"}`. The block is unregistered from this process's resource tracker so that
+    the persistent worker does not unlink it when it exits.
+    """
+    array = frames.contiguous().numpy()
+    shm = shared_memory.SharedMemory(create=True, size=max(1, array.nbytes))
+    try:
+        view = __import__("numpy").ndarray(array.shape, dtype=array.dtype, buffer=shm.buf)
+        view[...] = array
+        del view
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (documented workaround, py<3.13)
+        return {"name": shm.name, "shape": tuple(array.shape), "dtype": str(array.dtype)}
+    finally:
+        shm.close()
+
+
+class WorkerState:
+    """The resident models of one rank (loaded once per fleet, kept between jobs)."""
+
+    def __init__(self, config: FleetConfig, rank: int, device: torch.device):
+        from .models import loader
+        from .models.gemma import load_gemma
+        from .models.text_projection import check_gemma_matches
+        from .pipelines import TwoStagePipeline
+
+        dtype = getattr(torch, config.dtype)
+        self.config, self.rank, self.device, self.dtype = config, rank, device, dtype
+        self.components = loader.load_components(
+            config.checkpoint, video_vae=config.video_vae, audio_vae=config.audio_vae,
+            text_projection=config.text_projection, upsampler=config.upscaler, dtype=dtype, device=device)
+        self.gemma = load_gemma(config.gemma, device=device, dtype=dtype)
+        check_gemma_matches(self.components.text_projection, self.gemma, config.gemma)
+        self.pipeline = TwoStagePipeline(self.components, self.gemma, device=device, dtype=dtype)
+
+
+def run_generate(state: WorkerState, request, ctx: JobContext) -> dict:
+    """The two-stage pipeline on this rank (every rank computes it whole until the parallel stages land)."""
+    result = state.pipeline.generate(request, progress=ctx.progress, cancel_check=ctx.step_boundary)
+    if ctx.rank != 0:
+        return {}
+    return {"frames": send_frames(result.frames), "audio": result.audio, "sample_rate": result.sample_rate,
+            "video_latent": result.video_latent, "audio_latent": result.audio_latent, "timings": result.timings,
+            "lora_reports": [str(r) for r in result.lora_reports]}
+
+
+JOBS = {"generate": run_generate}
+
+
+def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_flag, heartbeat) -> None:
+    """Entry point of a spawned worker. Reports ("ready", …) or ("init_error", …), then serves jobs."""
+    from .models import loader
+    from .sampling import SamplingCancelled
+    from .validation import ValidationError
+
+    device = torch.device(config.devices[rank])
+    try:
+        torch.set_num_threads(max(1, config.threads_per_worker))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        t0 = time.perf_counter()
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=config.world_size, timeout=timedelta(seconds=config.collective_timeout_s))
+        state = WorkerState(config, rank, device)
+        dist.barrier()
+        conn.send(("ready", rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0))
+    except Exception as exc:  # reported to the controller, which tears the fleet down
+        conn.send(("init_error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            break
+        if message[0] == "status":
+            conn.send(("status", rank, os.getpid(), loader.OPEN_COUNT))
+            continue
+        spec: JobSpec = message[1]
+        ctx = JobContext(rank, config.world_size, device, spec.job_id, conn, cancel_flag, heartbeat, spec.fault)
+        try:
+            result = JOBS[spec.kind](state, spec.payload, ctx)
+            conn.send(("result", spec.job_id, rank, result))
+        except SamplingCancelled:
+            conn.send(("cancelled", spec.job_id, rank, ctx.stage, ctx.step))
+        except Exception as exc:
+            conn.send(("error", spec.job_id, rank, type(exc).__name__, str(exc), ctx.stage, ctx.step,
+                       isinstance(exc, (ValidationError, FileNotFoundError)), traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    finally:
+        conn.close()

@@ -1,0 +1,315 @@
+"""LoRA files (LTX / ComfyUI key naming): parsing, reading, fusing, exact restore, coverage and errors.
+
+The reference for the fused weights is computed here directly from the file's tensors (safetensors, float64,
+`W + strength · alpha / rank · B @ A`, the PEFT / kohya / ComfyUI `comfy/lora.py` convention) and the model's own
+module paths (for attention and feed-forward Linears the original and diffusers names coincide), without
+`mgpu_backend.lora` or the key maps.
+
+Tolerances:
+* fused weight vs the float64 reference: |diff| <= 2 · eps32 · max|W| — the fuser adds a float32 delta to the
+  float32 weight (one rounding of the sum, <= 1/2 ulp of the largest entry) after computing B @ A in float32
+  (rank 4, |terms| ~ 1e-3, far below that ulp); measured below 1e-8 here.
+* fused output vs the output of the reference-weight model: relative L2 <= 1e-5 (weights equal to within a
+  float32 ulp; the forward is float32).
+* strength 0.5 vs 1: (W_0.5 - W) vs (W_1 - W)/2 within 4 · eps32 · max|W| (each side rounded once to float32).
+* restore: exact (`torch.equal`), bf16/float32 and fp8 alike.
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from mgpu_backend.lora import LoRAFuser, LoRAReport, parse_lora_arg, read_lora
+from mgpu_backend.models.fp8 import FP8Linear
+from mgpu_backend.models.loader import SafetensorsFile, load_transformer
+
+VARIANTS = ("2.0", "2.3")
+EPS32 = torch.finfo(torch.float32).eps
+# attention projections and feed-forward Linears of a block: what a distilled LoRA touches
+_LORA_TARGET = re.compile(
+    r"^transformer_blocks\.\d+\.(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
+    r"\.(to_q|to_k|to_v|to_out\.0)$"
+    r"|^transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)$")
+
+
+def av_forward(transformer, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One float32 forward on 2×2×3 video tokens, 5 audio tokens, 7 text tokens (2 masked) — as in test_loader."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = transformer.config
+    video = torch.randn(1, 12, cfg.in_channels, generator=g)
+    audio = torch.randn(1, 5, cfg.audio_in_channels, generator=g)
+    ctx_v = torch.randn(1, 7, cfg.caption_channels if cfg.use_prompt_embeddings else cfg.cross_attention_dim,
+                        generator=g)
+    ctx_a = torch.randn(1, 7, cfg.caption_channels if cfg.use_prompt_embeddings else cfg.audio_cross_attention_dim,
+                        generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        return transformer(hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=ctx_v,
+                           audio_encoder_hidden_states=ctx_a, timestep=torch.full((1, 12), 600.0),
+                           audio_timestep=torch.full((1, 5), 300.0), sigma=torch.tensor([600.0]),
+                           audio_sigma=torch.tensor([300.0]), encoder_attention_mask=mask,
+                           audio_encoder_attention_mask=mask, num_frames=2, height=2, width=3, fps=24.0,
+                           audio_num_frames=5, use_cross_timestep=True, return_dict=False)
+
+
+def _transformer(path, dtype=torch.float32):
+    return load_transformer(SafetensorsFile(path), dtype)[0]
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8) if a[k].element_size() == 1 else a[k],
+                                                 b[k].view(torch.uint8) if b[k].element_size() == 1 else b[k])
+        for k in a)
+
+
+def _amax(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def _lora_tensors(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _reference_fuse(model: nn.Module, path, strength: float) -> nn.Module:
+    """Independent fuse: a deep copy of `model` with W += strength · alpha/rank · B @ A (float64) per file pair."""
+    ref = copy.deepcopy(model)
+    tensors = _lora_tensors(path)
+    bases = {k[: -len(".lora_A.weight")] for k in tensors if k.endswith(".lora_A.weight")}
+    with torch.no_grad():
+        for base in bases:
+            a = tensors[base + ".lora_A.weight"].double()
+            b = tensors[base + ".lora_B.weight"].double()
+            alpha = float(tensors[base + ".alpha"]) if base + ".alpha" in tensors else a.shape[0]
+            layer = ref.get_submodule(base.removeprefix("diffusion_model."))
+            layer.weight.copy_((layer.weight.double() + strength * alpha / a.shape[0] * (b @ a)).float())
+    return ref
+
+
+# ------------------------------------------------------------------------------------------------- parse_lora_arg
+
+@pytest.mark.parametrize("arg, expected", [
+    ("loras/distilled.safetensors", ("loras/distilled.safetensors", 1.0)),
+    ("loras/distilled.safetensors:0.6", ("loras/distilled.safetensors", 0.6)),
+    ("/abs/path/x.safetensors:1.25", ("/abs/path/x.safetensors", 1.25)),
+    ("x.safetensors:-0.5", ("x.safetensors", -0.5)),
+    ("x.safetensors:1e-1", ("x.safetensors", 0.1)),
+    ("C:/loras/x.safetensors", ("C:/loras/x.safetensors", 1.0)),  # Windows drive, forward slashes
+    ("C:\\loras\\x.safetensors", ("C:\\loras\\x.safetensors", 1.0)),  # Windows drive, backslashes
+    ("C:\\loras\\x.safetensors:0.3", ("C:\\loras\\x.safetensors", 0.3)),
+])
+def test_parse_lora_arg(arg, expected):
+    path, strength = parse_lora_arg(arg)
+    assert path == expected[0] and strength == pytest.approx(expected[1], rel=1e-12)
+
+
+@pytest.mark.parametrize("arg, bad", [("x.safetensors:strong", "strong"), ("x.safetensors:nan", "nan"),
+                                      ("x.safetensors:inf", "inf")])
+def test_parse_lora_arg_bad_strength(arg, bad):
+    with pytest.raises(ValueError, match=f"'{bad}'") as err:
+        parse_lora_arg(arg)
+    assert arg in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------------ read_lora
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_read_lora_pairs_every_attention_and_ff_linear(tiny_dir, tiny_modules, variant):
+    model = tiny_modules[variant]["transformer"]
+    targets = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _LORA_TARGET.match(n)}
+    # 2 blocks × (6 attentions × 4 projections + 2 feed-forwards × 2 Linears) = 56
+    n_blocks = len(model.transformer_blocks)
+    assert len(targets) == n_blocks * (6 * 4 + 2 * 2) == 56
+    lora = read_lora(tiny_dir[variant]["distilled_lora"], strength=0.75)
+    assert set(lora.pairs) == targets
+    assert lora.strength == 0.75 and lora.unmatched_keys == []
+    tensors = _lora_tensors(tiny_dir[variant]["distilled_lora"])
+    for name, (a, b, alpha) in lora.pairs.items():
+        layer = model.get_submodule(name)
+        assert a.shape == (4, layer.in_features) and b.shape == (layer.out_features, 4)
+        assert torch.equal(a, tensors[f"diffusion_model.{name}.lora_A.weight"])
+        assert torch.equal(b, tensors[f"diffusion_model.{name}.lora_B.weight"])
+        assert alpha == 4.0
+
+
+def test_read_lora_prefixes_alpha_default_and_unmatched(tmp_path):
+    a, b = torch.ones(2, 8), torch.ones(8, 2)
+    path = tmp_path / "mixed.safetensors"
+    save_file({"model.diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight": a,
+               "model.diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight": b,
+               "transformer.transformer_blocks.1.ff.net.2.lora_A.weight": a.clone(),
+               "transformer.transformer_blocks.1.ff.net.2.lora_B.weight": b.clone(),
+               "transformer.transformer_blocks.1.ff.net.2.alpha": torch.tensor(1.0),
+               "diffusion_model.transformer_blocks.0.norm1.diff_b": torch.zeros(8)}, str(path))
+    lora = read_lora(path)
+    assert set(lora.pairs) == {"transformer_blocks.0.attn1.to_q", "transformer_blocks.1.ff.net.2"}
+    assert lora.pairs["transformer_blocks.0.attn1.to_q"][2] == 2.0  # alpha defaults to the rank
+    assert lora.pairs["transformer_blocks.1.ff.net.2"][2] == 1.0
+    assert lora.unmatched_keys == ["diffusion_model.transformer_blocks.0.norm1.diff_b"]
+
+
+def test_read_lora_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="absent.safetensors"):
+        read_lora(tmp_path / "absent.safetensors")
+    empty = tmp_path / "not-a-lora.safetensors"
+    save_file({"some.weight": torch.zeros(3)}, str(empty))
+    with pytest.raises(ValueError, match="no LoRA pairs") as err:
+        read_lora(empty)
+    assert str(empty) in str(err.value)
+    half = tmp_path / "half.safetensors"
+    save_file({"diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 8)}, str(half))
+    with pytest.raises(ValueError, match="lora_B") as err:
+        read_lora(half)
+    assert str(half) in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------- fuse/restore
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fuse_matches_independent_computation_and_restore_is_exact(tiny_dir, tmp_path, variant):
+    model = _transformer(tiny_dir[variant]["checkpoint"])
+    # a LoRA whose alpha (2) differs from its rank (4), so the alpha/rank factor is exercised
+    tensors = _lora_tensors(tiny_dir[variant]["distilled_lora"])
+    tensors = {k: (torch.tensor(2.0) if k.endswith(".alpha") else v) for k, v in tensors.items()}
+    path = tmp_path / "alpha2.safetensors"
+    save_file(tensors, str(path))
+    strength = 0.7
+
+    original = _weights(model)
+    base_v, base_a = av_forward(model)
+    fuser = LoRAFuser(model)
+    reports = fuser.fuse([read_lora(path, strength)])
+    assert fuser.active
+    assert [(r.matched, r.total) for r in reports] == [(56, 56)]
+    assert str(reports[0]) == "alpha2.safetensors @ 0.7: 56/56 layers applied"
+
+    ref = _reference_fuse(_transformer(tiny_dir[variant]["checkpoint"]), path, strength)
+    fused, want = model.state_dict(), ref.state_dict()
+    changed = [k for k in want if not torch.equal(original[k], want[k])]
+    assert len(changed) == 56  # exactly the LoRA layers' weights move
+    for k in want:
+        assert _amax(fused[k] - want[k]) <= 2 * EPS32 * _amax(want[k]), k
+    fused_v, fused_a = av_forward(model)
+    ref_v, ref_a = av_forward(ref)
+    for got, exp, base in ((fused_v, ref_v, base_v), (fused_a, ref_a, base_a)):
+        assert float((got - exp).norm() / exp.norm()) <= 1e-5
+        assert float((got - base).norm() / base.norm()) > 1e-3  # the LoRA really changes the output
+
+    fuser.restore()
+    assert not fuser.active
+    assert _states_equal(_weights(model), original)
+    again_v, again_a = av_forward(model)
+    assert torch.equal(again_v, base_v) and torch.equal(again_a, base_a)
+    fuser.restore()  # idempotent
+    assert _states_equal(_weights(model), original)
+
+
+def test_strength_half_halves_the_delta(tiny_dir):
+    model = _transformer(tiny_dir["2.0"]["checkpoint"])
+    w0 = _weights(model)
+    fuser = LoRAFuser(model)
+    fuser.fuse([read_lora(tiny_dir["2.0"]["distilled_lora"], 1.0)])
+    w1 = _weights(model)
+    fuser.fuse([read_lora(tiny_dir["2.0"]["distilled_lora"], 0.5)])  # fuse restores first
+    w05 = _weights(model)
+    moved = 0
+    for k in w0:
+        d1, d05 = w1[k] - w0[k], w05[k] - w0[k]
+        if d1.abs().max() > 0:
+            moved += 1
+        assert _amax(d05 - 0.5 * d1) <= 4 * EPS32 * _amax(w0[k]), k
+    assert moved == 56
+    # two LoRAs add up: 1.0 + 0.5 of the same file == 1.5 within the same rounding bound
+    fuser.fuse([read_lora(tiny_dir["2.0"]["distilled_lora"], 1.0), read_lora(tiny_dir["2.0"]["distilled_lora"], 0.5)])
+    w_sum = _weights(model)
+    fuser.fuse([read_lora(tiny_dir["2.0"]["distilled_lora"], 1.5)])
+    w15 = _weights(model)
+    for k in w0:
+        assert _amax(w_sum[k] - w15[k]) <= 4 * EPS32 * _amax(w0[k]), k
+    fuser.restore()
+    assert _states_equal(_weights(model), w0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fp8_model_fuse_then_restore_exact(tiny_dir, variant):
+    model = _transformer(tiny_dir[variant]["checkpoint_fp8"])
+    fp8_layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    original = _weights(model)
+    base_v, base_a = av_forward(model)
+    lora = read_lora(tiny_dir[variant]["distilled_lora"])
+    fuser = LoRAFuser(model)
+    reports = fuser.fuse([lora])
+    assert (reports[0].matched, reports[0].total) == (56, 56)
+    fused_layers = {n for n, m in fp8_layers.items() if m.fused_weight is not None}
+    assert fused_layers == set(lora.pairs)
+    assert _states_equal(_weights(model), original)  # the fp8 tensors themselves are never touched
+    for name in fused_layers:  # fused weight = dequantized fp8 + delta (float32 compute dtype here)
+        layer = fp8_layers[name]
+        a, b, alpha = lora.pairs[name]
+        want = layer.dequantized_weight().double() + alpha / a.shape[0] * (b.double() @ a.double())
+        assert layer.fused_weight.dtype == torch.float32
+        assert float((layer.fused_weight.double() - want).abs().max()) <= 2 * EPS32 * float(want.abs().max())
+    fused_v, fused_a = av_forward(model)
+    assert float((fused_v - base_v).norm() / base_v.norm()) > 1e-3
+    assert float((fused_a - base_a).norm() / base_a.norm()) > 1e-3
+    fuser.restore()
+    assert all(m.fused_weight is None for m in fp8_layers.values())
+    assert _states_equal(_weights(model), original)
+    again_v, again_a = av_forward(model)
+    assert torch.equal(again_v, base_v) and torch.equal(again_a, base_a)
+
+
+# ------------------------------------------------------------------------------------------ coverage and errors
+
+def test_partial_coverage_is_reported(tiny_dir, tmp_path):
+    tensors = _lora_tensors(tiny_dir["2.0"]["distilled_lora"])
+    # one layer the model does not have (a 3rd block)
+    tensors["diffusion_model.transformer_blocks.2.attn1.to_q.lora_A.weight"] = torch.zeros(4, 64)
+    tensors["diffusion_model.transformer_blocks.2.attn1.to_q.lora_B.weight"] = torch.zeros(64, 4)
+    path = tmp_path / "deeper.safetensors"
+    save_file(tensors, str(path))
+    model = _transformer(tiny_dir["2.0"]["checkpoint"])
+    reports = LoRAFuser(model).fuse([read_lora(path, 0.25)])
+    assert reports == [LoRAReport(str(path), 0.25, 56, 57)]
+    assert str(reports[0]) == "deeper.safetensors @ 0.25: 56/57 layers applied"
+
+
+def test_lora_matching_nothing_names_the_file(tiny_dir, tmp_path):
+    path = tmp_path / "other-model.safetensors"
+    save_file({"diffusion_model.input_blocks.1.1.proj_in.lora_A.weight": torch.zeros(4, 64),
+               "diffusion_model.input_blocks.1.1.proj_in.lora_B.weight": torch.zeros(64, 4)}, str(path))
+    model = _transformer(tiny_dir["2.0"]["checkpoint"])
+    fuser = LoRAFuser(model)
+    with pytest.raises(ValueError, match="none of its 1 LoRA layers") as err:
+        fuser.fuse([read_lora(path)])
+    assert str(path) in str(err.value)
+    assert not fuser.active
+
+
+def test_lora_of_wrong_width_names_shapes_and_touches_nothing(tiny_dir, tmp_path):
+    tensors = _lora_tensors(tiny_dir["2.0"]["distilled_lora"])
+    # a LoRA made for a wider model: to_k expects 64 -> 64 here
+    tensors["diffusion_model.transformer_blocks.1.attn1.to_k.lora_A.weight"] = torch.zeros(4, 96)
+    tensors["diffusion_model.transformer_blocks.1.attn1.to_k.lora_B.weight"] = torch.zeros(96, 4)
+    path = tmp_path / "wide.safetensors"
+    save_file(tensors, str(path))
+    model = _transformer(tiny_dir["2.0"]["checkpoint"])
+    original = _weights(model)
+    fuser = LoRAFuser(model)
+    with pytest.raises(ValueError) as err:
+        fuser.fuse([read_lora(path)])
+    msg = str(err.value)
+    assert str(path) in msg and "transformer_blocks.1.attn1.to_k" in msg
+    assert "(4, 96)" in msg and "(96, 4)" in msg and "64 -> 64" in msg
+    assert not fuser.active and _states_equal(_weights(model), original)
