@@ -124,12 +124,14 @@ class LTX2Denoiser:
         positive / negative: `TextContext` of batch 1 each (negative may be None when no pass needs it).
         video_coords: `[1, 3, Tv, 2]`, audio_coords: `[1, 1, Ta, 2]` (see `latents.video_coords/audio_coords`).
         dtype: compute dtype of the forward.
+        forward: what runs the forward (default the transformer itself; a `SequenceParallelTransformer` for SP).
     Returns velocities in float32 (diffusers convention: v = noise - x0).
     """
 
     def __init__(self, transformer, positive: TextContext, negative: TextContext | None,
-                 video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype):
+                 video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, forward=None):
         self.transformer = transformer
+        self.forward = forward or transformer  # e.g. a SequenceParallelTransformer around `transformer`
         self.positive, self.negative = positive, negative
         self.video_coords, self.audio_coords = video_coords, audio_coords
         self.dtype = dtype
@@ -146,7 +148,7 @@ class LTX2Denoiser:
         perturb = skip_self_attention(self.transformer, p.video_stg_blocks, p.audio_stg_blocks) \
             if p.kind == "perturbed" else contextlib.nullcontext()
         with perturb, torch.no_grad():
-            video, audio = self.transformer(
+            video, audio = self.forward(
                 hidden_states=inputs.video.to(self.dtype),
                 audio_hidden_states=inputs.audio.to(self.dtype),
                 encoder_hidden_states=context.video,

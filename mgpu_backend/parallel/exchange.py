@@ -1,0 +1,56 @@
+"""The collective exchanges of sequence parallelism behind one small interface.
+
+`seq_to_heads` / `heads_to_seq` are the two Ulysses all_to_all steps (DeepSpeed-Ulysses, Jacobs et al. 2023,
+arXiv:2309.14509): a rank holding `[B, T/W, H, D]` (its token slice, all heads) ends up with `[B, T, H/W, D]` (all
+tokens, its head slice) and back. The default is `torch.distributed.all_to_all_single`; a faster kernel from
+`kernels/` can replace `Exchange` without touching the model code.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Exchange:
+    """all_to_all / all_gather over one process group (NCCL on CUDA, gloo on CPU)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, world_size: int, rank: int):
+        self.group, self.world_size, self.rank = group, world_size, rank
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """`[B, T/W, H, D]` (this rank's tokens, all heads) -> `[B, T, H/W, D]` (all tokens, this rank's heads).
+
+        Raises ValueError when H is not divisible by W.
+        """
+        w = self.world_size
+        if w == 1:
+            return x
+        b, t_local, h, d = x.shape
+        if h % w:
+            raise ValueError(f"{h} heads cannot be split over {w} ranks (the SP degree must divide the heads)")
+        # send block j = head slice j of my tokens: [W, B, T/W, H/W, D]
+        send = x.reshape(b, t_local, w, h // w, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        # recv block j = my head slice of rank j's tokens -> tokens in rank order
+        return recv.permute(1, 0, 2, 3, 4).reshape(b, w * t_local, h // w, d)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of `seq_to_heads`: `[B, T, H/W, D]` -> `[B, T/W, H, D]`."""
+        w = self.world_size
+        if w == 1:
+            return x
+        b, t, h_local, d = x.shape
+        send = x.reshape(b, w, t // w, h_local, d).permute(1, 0, 2, 3, 4).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        # recv block j = rank j's head slice of my tokens -> heads in rank order
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, t // w, w * h_local, d)
+
+    def all_gather_seq(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Concatenate every rank's slice along `dim` in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)

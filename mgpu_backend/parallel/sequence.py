@@ -1,0 +1,158 @@
+"""Faithful sequence parallelism (SP) for the LTX-2 transformer: Ulysses video self-attention.
+
+Every rank runs the same denoising loop on the same full latent (DESIGN.md §4). Inside one transformer forward:
+1. the video tokens are padded with zero tokens to a multiple of W, and rank r takes the contiguous slice
+   `[r·Tp/W, (r+1)·Tp/W)` of the latent, the per-token timesteps and the positions; audio and text stay replicated;
+2. video self-attention (`attn1`): after QK-norm and RoPE on the local tokens, an all_to_all gives each rank all
+   tokens for H/W heads; attention with the padded keys masked; all_to_all back (DeepSpeed-Ulysses);
+3. video→audio cross-attention (`video_to_audio_attn`, audio queries replicated, video keys sharded): the video K/V
+   are all_gathered (after QK-norm and RoPE) and the **padded keys are masked here too** (the reference leaves
+   them visible, so its audio drifts when T % W ≠ 0); every rank then computes the same audio update;
+   — all_gather of K/V is chosen over a head-split exchange because the audio stream is short (~126 tokens per
+   5 s): the attention it replicates is small, and it needs one collective instead of three;
+4. text and audio→video cross-attention, feed-forwards and AdaLN are per token: no communication;
+5. the per-rank velocities are all_gathered and the padding cut.
+The result equals the single-process forward up to floating-point reduction order.
+
+Valid degrees: W must divide the video heads (32 for LTX-2/2.3 → 1, 2, 4, 8, 16, 32; 8 for the tiny models).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import LTX2AttnProcessor, additive_mask
+from .exchange import Exchange
+
+NEG_INF = float("-inf")
+
+
+def valid_sp_degrees(heads: int, max_degree: int | None = None) -> list[int]:
+    """Degrees W that divide `heads` (powers of two and others), up to `max_degree`."""
+    return [w for w in range(1, heads + 1) if heads % w == 0 and (max_degree is None or w <= max_degree)]
+
+
+def largest_sp_degree(heads: int, devices: int) -> int:
+    """The largest W ≤ `devices` that divides `heads` (e.g. 32 heads on 6 GPUs -> 4)."""
+    return max(valid_sp_degrees(heads, devices))
+
+
+def check_sp_degree(heads: int, world_size: int) -> None:
+    """Raises ValueError naming the valid counts when `world_size` does not divide the heads."""
+    if heads % world_size:
+        raise ValueError(f"sequence parallel degree {world_size} does not divide the {heads} attention heads; "
+                         f"valid degrees: {', '.join(map(str, valid_sp_degrees(heads)))}")
+
+
+def check_token_cap(tokens: int, world_size: int, cap: int | None) -> None:
+    """Refuse a forward whose per-rank video token count exceeds `cap`, saying how to get under it."""
+    if cap is None:
+        return
+    per_rank = -(-tokens // world_size)
+    if per_rank > cap:
+        need = -(-tokens // cap)
+        raise ValueError(f"{tokens} video tokens over {world_size} ranks is {per_rank} tokens per rank, above the cap "
+                         f"of {cap}: use at least {need} GPUs, fewer frames or a smaller size, or raise the cap")
+
+
+@dataclass
+class _ForwardState:
+    """Per-forward information the processors need: the key-padding mask of the full padded video sequence."""
+
+    key_mask: torch.Tensor | None = None  # additive [1, 1, 1, Tp]: 0 for real tokens, -inf for padding
+
+
+class UlyssesSelfAttention(LTX2AttnProcessor):
+    """Video self-attention: local projections, all_to_all to head slices, attention over all tokens, back."""
+
+    def __init__(self, exchange: Exchange, state: _ForwardState):
+        self.exchange, self.state = exchange, state
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 query_rotary_emb=None, key_rotary_emb=None, **_):
+        if attention_mask is not None:
+            raise NotImplementedError("a video self-attention mask (IC-LoRA) is not supported under sequence parallel")
+        q, k, v = self.project(attn, hidden_states, None, query_rotary_emb, key_rotary_emb)
+        q, k, v = (self.exchange.seq_to_heads(x) for x in (q, k, v))
+        mask = self.state.key_mask
+        out = self.attend(q, k, v, None if mask is None else mask.to(q.dtype))
+        out = self.exchange.heads_to_seq(out)
+        return self.finish(attn, hidden_states, out)
+
+
+class GatheredKeysCrossAttention(LTX2AttnProcessor):
+    """video→audio cross-attention: replicated audio queries, video K/V all_gathered, padded keys masked."""
+
+    def __init__(self, exchange: Exchange, state: _ForwardState):
+        self.exchange, self.state = exchange, state
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 query_rotary_emb=None, key_rotary_emb=None, **_):
+        q, k, v = self.project(attn, hidden_states, encoder_hidden_states, query_rotary_emb, key_rotary_emb)
+        k = self.exchange.all_gather_seq(k)
+        v = self.exchange.all_gather_seq(v)
+        mask = self.state.key_mask
+        if attention_mask is not None:
+            raise NotImplementedError("a video→audio attention mask is not supported under sequence parallel")
+        out = self.attend(q, k, v, None if mask is None else mask.to(q.dtype))
+        return self.finish(attn, hidden_states, out)
+
+
+class SequenceParallelTransformer:
+    """Wraps an `LTX2VideoTransformer3DModel` so its forward runs sequence-parallel over `exchange`'s group.
+
+    Call it with the transformer's keyword arguments (full, replicated inputs on every rank):
+    `hidden_states [B, T, C]`, per-token `timestep [B, T]`, `video_coords [B, 3, T, 2]` (required: positions are
+    sliced with the tokens), audio / text inputs as usual. Returns `(video [B, T, C], audio [B, Ta, C])` — the same
+    on every rank.
+
+    Installs our processors on the wrapped module (local `LTX2AttnProcessor` for the other attentions), so one
+    resident transformer serves SP and non-SP stages alike; `W = 1` runs without collectives.
+    Raises ValueError for a degree that does not divide the heads, or above the token cap, before any work.
+    """
+
+    def __init__(self, transformer, exchange: Exchange, token_cap: int | None = None):
+        check_sp_degree(transformer.config.num_attention_heads, exchange.world_size)
+        self.transformer, self.exchange, self.token_cap = transformer, exchange, token_cap
+        self.transformer_blocks = transformer.transformer_blocks  # for STG's processor swap
+        self.state = _ForwardState()
+        local = LTX2AttnProcessor()
+        for block in transformer.transformer_blocks:
+            for name in ("attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn"):
+                getattr(block, name).set_processor(local)
+            block.attn1.set_processor(UlyssesSelfAttention(exchange, self.state))
+            block.video_to_audio_attn.set_processor(GatheredKeysCrossAttention(exchange, self.state))
+
+    def shard(self, x: torch.Tensor, dim: int, padded: int) -> torch.Tensor:
+        """Zero-pad `dim` to `padded` and take this rank's contiguous slice."""
+        t = x.shape[dim]
+        if padded != t:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = padded - t
+            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        per_rank = padded // self.exchange.world_size
+        return x.narrow(dim, self.exchange.rank * per_rank, per_rank)
+
+    def __call__(self, *, hidden_states, timestep, video_coords, **kwargs):
+        w = self.exchange.world_size
+        b, t, _ = hidden_states.shape
+        check_token_cap(t, w, self.token_cap)
+        if timestep.ndim != 2 or timestep.shape[1] != t:
+            raise ValueError(f"sequence parallel needs per-token timesteps [B, {t}]; got {tuple(timestep.shape)}")
+        padded = -(-t // w) * w
+        key_mask = None
+        if padded != t:
+            key_mask = torch.zeros(1, 1, 1, padded, device=hidden_states.device)
+            key_mask[..., t:] = NEG_INF
+        self.state.key_mask = key_mask
+        try:
+            video, audio = self.transformer(
+                hidden_states=self.shard(hidden_states, 1, padded),
+                timestep=self.shard(timestep, 1, padded),
+                video_coords=self.shard(video_coords, 2, padded),
+                return_dict=False, **{k: v for k, v in kwargs.items() if k != "return_dict"})
+        finally:
+            self.state.key_mask = None
+        video = self.exchange.all_gather_seq(video)[:, :t]
+        return video, audio
