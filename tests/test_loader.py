@@ -275,8 +275,7 @@ def _diffusers_transformer(path) -> LTX2VideoTransformer3DModel:
     model = LTX2VideoTransformer3DModel(**configs.transformer_kwargs(meta)).eval()
     converted = convert_ltx2_transformer_to_diffusers(sd)
     # fix diffusers' known LTX-2.3 hole (see test_transformer_keymap_matches_diffusers_converter); no-op for 2.0
-    converted = {re.sub(r"(^|\.)prompt_adaln_single\.", r"\1prompt_adaln.", k).replace(
-        "audio_prompt_adaln_single.", "audio_prompt_adaln."): v for k, v in converted.items()}
+    converted = {re.sub(r"^(audio_)?prompt_adaln_single\.", r"\1prompt_adaln.", k): v for k, v in converted.items()}
     model.load_state_dict(converted, strict=True)
     return model
 

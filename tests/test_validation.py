@@ -1,0 +1,177 @@
+"""Input validation: every rule refuses bad input before any work, with a message naming the value and the rule.
+
+No numeric tolerances here: every assertion is on exact values or message text.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mgpu_backend import validation as V
+from mgpu_backend.models.gemma import load_gemma
+from mgpu_backend.models.loader import SafetensorsFile, load_text_projection
+from mgpu_backend.models.text_projection import check_gemma_matches
+from mgpu_backend.models.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
+from mgpu_backend.models.tiny_gemma import write_tiny_gemma
+from mgpu_backend.pipelines import GenerateRequest
+
+
+def _refused(match: str | None = None, **fields) -> str:
+    request = GenerateRequest(prompt="a red car on a coastal road", **fields)
+    with pytest.raises(V.ValidationError, match=match) as err:
+        request.validate()
+    return str(err.value)
+
+
+def test_default_request_is_valid(tmp_path):
+    GenerateRequest(prompt="x").validate()  # 768x512, 121 frames, 24 fps
+    image = tmp_path / "first.png"
+    image.write_bytes(b"\x89PNG")
+    lora = tmp_path / "distilled.safetensors"
+    lora.write_bytes(b"")
+    GenerateRequest(prompt="x", width=1280, height=704, frames=9, fps=25.0, steps=3, image=str(image),
+                    image_strength=0.0, distilled_lora=(str(lora), 0.6), stage2_sigmas=(0.625, 0.4, 0.0)).validate()
+    assert issubclass(V.ValidationError, ValueError)
+
+
+# ------------------------------------------------------------------------------------------------------- frames
+
+@pytest.mark.parametrize("frames, below, above", [(120, 113, 121), (122, 121, 129), (10, 9, 17), (5, 1, 9),
+                                                   (2, 1, 9), (240, 233, 241)])
+def test_frames_not_8k_plus_1_names_nearest_valid_counts(frames, below, above):
+    msg = _refused(frames=frames)
+    assert f"frames={frames}" in msg and "8k+1" in msg
+    assert f"{below} or {above}" in msg
+    assert V.nearest_valid_frames(frames) == (below, above)
+    assert (below - 1) % 8 == 0 and (above - 1) % 8 == 0 and below < frames < above
+
+
+@pytest.mark.parametrize("frames", [0, -7, 121.0, "121"])
+def test_frames_not_a_positive_int(frames):
+    msg = _refused(frames=frames)
+    assert f"frames={frames}" in msg and "8k+1" in msg and " or " not in msg
+
+
+@pytest.mark.parametrize("frames", [1, 9, 17, 121, 241])
+def test_valid_frame_counts_pass(frames):
+    V.check_frames(frames)
+
+
+# --------------------------------------------------------------------------------------------------------- size
+
+@pytest.mark.parametrize("field, value, hint", [("width", 700, "640 or 704"), ("height", 352, "320 or 384"),
+                                                ("width", 736, "704 or 768"), ("height", 32, "64 or 128"),
+                                                ("width", 0, "64 or 128")])
+def test_two_stage_size_must_be_multiple_of_64(field, value, hint):
+    msg = _refused(**{field: value})
+    assert f"{field}={value}" in msg and "multiple of 64" in msg and "two-stage" in msg
+    assert hint in msg
+
+
+def test_single_stage_size_is_multiple_of_32():
+    V.check_size(640, 352, two_stage=False)  # 352 = 11 · 32 is fine for one stage ...
+    with pytest.raises(V.ValidationError, match="height=352: must be a positive multiple of 64"):
+        V.check_size(640, 352, two_stage=True)  # ... but not when stage 1 runs at half size
+    with pytest.raises(V.ValidationError, match=r"width=650: must be a positive multiple of 32 .*try 640 or 672"):
+        V.check_size(650, 352, two_stage=False)
+    with pytest.raises(V.ValidationError, match="width=640.0"):
+        V.check_size(640.0, 352, two_stage=False)
+
+
+# ------------------------------------------------------------------------------------------- fps, steps, strength
+
+@pytest.mark.parametrize("fps", [0, -24.0, math.nan, math.inf])
+def test_fps_must_be_positive_and_finite(fps):
+    msg = _refused(fps=fps)
+    assert f"fps={fps}" in msg and "positive finite" in msg
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5])
+def test_steps_must_be_a_positive_integer(steps):
+    msg = _refused(steps=steps)
+    assert f"steps={steps}" in msg and "positive integer" in msg
+
+
+@pytest.mark.parametrize("strength", [-0.1, 1.5, math.nan])
+def test_image_strength_in_unit_interval(strength):
+    msg = _refused(image_strength=strength)
+    assert f"image_strength={strength}" in msg and "[0, 1]" in msg
+
+
+# ---------------------------------------------------------------------------------------------------------- files
+
+def test_missing_image_file_is_named(tmp_path):
+    missing = tmp_path / "nope.png"
+    msg = _refused(image=str(missing))
+    assert msg == f"image: file not found: {missing}"
+
+
+def test_missing_lora_file_is_named(tmp_path):
+    missing = tmp_path / "loras" / "distilled.safetensors"
+    msg = _refused(distilled_lora=(str(missing), 1.0))
+    assert msg == f"distilled LoRA: file not found: {missing}"
+
+
+def test_check_file(tmp_path):
+    with pytest.raises(V.ValidationError, match="checkpoint: no file given"):
+        V.check_file("checkpoint", None)
+    assert V.check_file("upscaler", None, required=False) is None
+    present = tmp_path / "x.safetensors"
+    present.write_bytes(b"")
+    assert V.check_file("checkpoint", str(present)) == present
+    assert V.check_file("gemma", tmp_path) == tmp_path  # a Hugging Face folder
+
+
+# ------------------------------------------------------------------------------------------------ stage-2 sigmas
+
+@pytest.mark.parametrize("sigmas, rule", [
+    ((0.9, 0.95, 0.0), "non-increasing"),
+    ((0.9, 0.4), "must end in 0"),
+    ((0.5,), "at least 2 values"),
+    ((1.5, 0.5, 0.0), "within \\[0, 1\\]"),
+    ((0.9, math.nan, 0.0), "non-finite"),
+])
+def test_bad_stage2_sigmas(sigmas, rule):
+    msg = _refused(match=rule, stage2_sigmas=sigmas)
+    assert msg.startswith(f"stage2_sigmas={list(sigmas)}: ")
+
+
+# ---------------------------------------------------------------------------------------------- Gemma vs checkpoint
+
+@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+def test_gemma_width_mismatch_names_both_widths_and_file(tiny_dir, tmp_path, variant):
+    projection = load_text_projection(SafetensorsFile(tiny_dir[variant]["checkpoint"]), torch.float32)
+    expected_in = TINY_GEMMA_HIDDEN * (TINY_GEMMA_LAYERS + 1)  # 64 × 3 hidden states = 192
+    assert projection.in_features == expected_in
+    check_gemma_matches(projection, load_gemma(tiny_dir[variant]["gemma"]), tiny_dir[variant]["gemma"])  # fits
+
+    narrow = write_tiny_gemma(tmp_path / "gemma-3-narrow.safetensors", seed=0, hidden_size=32,
+                              num_layers=TINY_GEMMA_LAYERS)
+    encoder = load_gemma(narrow)
+    assert (encoder.hidden_size, encoder.num_hidden_states) == (32, 3)
+    with pytest.raises(ValueError) as err:
+        check_gemma_matches(projection, encoder, narrow)
+    msg = str(err.value)
+    assert str(narrow) in msg
+    assert "hidden_size 32 x 3" in msg and "= 96 features" in msg  # what the Gemma file gives
+    assert f"in_features={expected_in}" in msg and f"LTX-{variant}" in msg  # what the checkpoint expects
+
+
+# ----------------------------------------------------------------------------------------------- non-finite latents
+
+def test_check_finite_names_stage_and_modality():
+    V.check_finite(torch.zeros(1, 8, 128), "stage 1", "video")
+    V.check_finite(None, "stage 1", "audio")
+    latent = torch.zeros(1, 5, 128)
+    latent[0, 1, 3] = math.nan
+    latent[0, 2, 7] = math.inf
+    latent[0, 4, 0] = -math.inf
+    with pytest.raises(FloatingPointError) as err:
+        V.check_finite(latent, "stage 2", "audio")
+    assert str(err.value).startswith("stage 2: the audio latent has 3 non-finite values")
+    latent = torch.ones(1, 4, 128, dtype=torch.bfloat16)
+    latent[0, 0, 0] = math.nan
+    with pytest.raises(FloatingPointError, match="^stage 1: the video latent has 1 non-finite values"):
+        V.check_finite(latent, "stage 1", "video")
