@@ -44,6 +44,9 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--fps", type=float, default=24.0)
     p.add_argument("--steps", type=int, default=8 if demo else None, help="stage-1 steps (default: model's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pipeline", choices=("two-stage", "distilled"), default="two-stage",
+                   help="two-stage: guided stage 1 + distilled-LoRA stage 2; distilled: a distilled checkpoint, "
+                        "8 + 3 steps, no guidance, sequence parallel on both stages")
     p.add_argument("--image", help="first-frame image for image-to-video")
     p.add_argument("--image-strength", type=float, default=1.0, help="0..1")
     p.add_argument("--device", default="cpu" if demo else None, help="cpu, cuda, cuda:1 … (default: cuda if any)")
@@ -152,7 +155,7 @@ def _request_and_files(args, paths):
     request = GenerateRequest(
         prompt=args.prompt, negative_prompt=args.negative_prompt or DEFAULT_NEGATIVE_PROMPT, width=args.width,
         height=args.height, frames=args.frames, fps=args.fps, steps=args.steps, seed=args.seed, image=args.image,
-        image_strength=args.image_strength, distilled_lora=lora)
+        image_strength=args.image_strength, distilled_lora=lora, pipeline=args.pipeline)
     request.validate()
     return request, {k: (str(v) if v is not None else None) for k, v in files.items()}
 
@@ -185,7 +188,8 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
         client.close()
     return _finish(args, result["frames"], result["audio"], result["sample_rate"], result["timings"],
                    result["lora_reports"], {"fleet ready": configure_time},
-                   f"fleet generation {handle.generation}, {len(devices)} ranks on {','.join(devices)} ({dtype})")
+                   f"fleet generation {handle.generation}, {len(devices)} ranks on {','.join(devices)} ({dtype}); "
+                   f"{result['parallel']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,7 +122,8 @@ class ControllerClient:
         P.send(self._conn, {"op": op, **fields})
         reply = P.recv(self._conn)
         if not reply.get("ok", False):
-            raise P.ControllerError(reply.get("error", "request failed"), kind=reply.get("kind", "error"))
+            cls = P.FleetBusy if reply.get("kind") == "busy" else P.ControllerError
+            raise cls(reply.get("error", "request failed"), kind=reply.get("kind", "error"))
         return reply
 
     def ping(self) -> dict:

@@ -146,13 +146,14 @@ class Controller:
             return
         try:
             fleet = self.fleet
-            if fleet is None or not fleet.alive() or fleet.generation != handle.generation:
-                if fleet is not None and fleet.alive() and fleet.generation != handle.generation:
-                    P.send(conn, _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was "
-                                           f"rebuilt (generation {fleet.generation}); load the checkpoint again",
-                                     "stale_handle"))
-                    return
-                # the handle's fleet is gone (failure or shutdown): start a fresh one with the same config
+            if fleet is not None and fleet.alive() and fleet.config != handle.config:
+                P.send(conn, _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was "
+                                       f"rebuilt with another configuration (generation {fleet.generation}); load "
+                                       f"the checkpoint again", "stale_handle"))
+                return
+            # a live fleet of the handle's config serves it, also one rebuilt after a failure (generation + 1): the
+            # model is the same. A lost fleet is started again with the handle's config.
+            if fleet is None or not fleet.alive():
                 with self.fleet_lock:
                     if fleet is not None:
                         fleet.shutdown(graceful=False)
@@ -169,7 +170,11 @@ class Controller:
                        "worker_pids": list(fleet.pids)})
             try:
                 result = fleet.run(spec, on_event=lambda event: _send_quiet(conn, event))
-                P.send(conn, {"event": "result", "job_id": spec.job_id, "result": result})
+                try:
+                    P.send(conn, {"event": "result", "job_id": spec.job_id, "result": result})
+                except OSError:  # the client went away: nobody will read (and unlink) the frames block
+                    _free_frames(result)
+                    raise
             except P.ControllerError as exc:
                 if exc.fleet_lost:
                     self.last_failure = str(exc)
@@ -183,6 +188,18 @@ class Controller:
 def _error(spec: P.JobSpec, message: str, kind: str, fleet_lost: bool = False, details: dict | None = None) -> dict:
     return {"event": "error", "job_id": spec.job_id, "message": message, "kind": kind, "fleet_lost": fleet_lost,
             "details": details or {}}
+
+
+def _free_frames(result) -> None:
+    if isinstance(result, dict) and isinstance(result.get("frames"), dict):
+        from multiprocessing import shared_memory
+
+        try:
+            shm = shared_memory.SharedMemory(name=result["frames"]["name"])
+            shm.close()
+            shm.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _send_quiet(conn, event: dict) -> None:

@@ -91,18 +91,23 @@ class Fleet:
         out = []
         for ready in wait(list(self.conns) + list(sentinels), timeout=timeout):
             if isinstance(ready, int):
-                rank = sentinels[ready]
-                self.processes[rank].join(5)
-                code = self.processes[rank].exitcode
-                self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with exit code {code}"
-                           + self._where(rank))
+                self._died(sentinels[ready])
             else:
                 rank = by_object[id(ready)]
                 try:
                     out.append((rank, ready.recv()))
                 except (EOFError, OSError):
-                    self._fail(f"lost the connection to worker rank {rank} (pid {self.pids[rank]})")
+                    # a worker that dies closes its pipe too: report the death (exit code, where), not the pipe
+                    self.processes[rank].join(5)
+                    if not self.processes[rank].is_alive():
+                        self._died(rank)
+                    self._fail(f"lost the connection to worker rank {rank} (pid {self.pids[rank]})" + self._where(rank))
         return out
+
+    def _died(self, rank: int) -> None:
+        self.processes[rank].join(5)
+        code = self.processes[rank].exitcode
+        self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with exit code {code}" + self._where(rank))
 
     def _fail(self, message: str, details: dict | None = None) -> None:
         self.lost = message
@@ -166,6 +171,8 @@ class Fleet:
         last_progress = time.monotonic()
         last_steps = tuple(self.heartbeat[2 * r] for r in range(self.world_size))
         first_error_at: float | None = None
+        # an error the other ranks have not reported within this long is asymmetric (they wait in a collective)
+        error_grace = min(ERROR_GRACE_S, self.config.stall_timeout_s)
         while len(results) + len(errors) + len(cancelled) < self.world_size:
             for rank, message in self._receive(timeout=1.0):
                 kind = message[0]
@@ -184,12 +191,15 @@ class Fleet:
                     errors[rank] = message
                     positions[rank] = (message[5], message[6])
                     first_error_at = first_error_at or time.monotonic()
+                if kind in ("result", "cancelled", "error"):
+                    self.open_counts[rank] = message[-1]  # the worker's loader.OPEN_COUNT after the job
             steps = tuple(self.heartbeat[2 * r] for r in range(self.world_size))
             if steps != last_steps:
                 last_steps, last_progress = steps, time.monotonic()
-            if errors and time.monotonic() - first_error_at > ERROR_GRACE_S:
-                self._asymmetric_error(errors)
-            if time.monotonic() - last_progress > self.config.stall_timeout_s:
+            stalled = time.monotonic() - last_progress > self.config.stall_timeout_s
+            if errors and (stalled or time.monotonic() - first_error_at > error_grace):
+                self._asymmetric_error(errors)  # the error is the cause; the others wait for the failed rank
+            if stalled:
                 self._stalled(steps)
         if cancelled:
             if len(cancelled) != self.world_size:
@@ -212,8 +222,15 @@ class Fleet:
                    f"fail; a collective would hang) — the fleet was torn down", details={"traceback": e[8]})
 
     def _stalled(self, steps: tuple[float, ...]) -> None:
-        slowest = min(range(self.world_size), key=lambda r: steps[r])
-        self._fail(f"no progress for {self.config.stall_timeout_s:g} s: rank {slowest} stalled{self._where(slowest)}; "
+        """A rank that stalls before a step boundary has begun fewer steps than those waiting for it there; when all
+        have begun as many, the hang is inside a step (e.g. a collective of the model) and no single rank is named."""
+        fewest = min(steps)
+        behind = [r for r in range(self.world_size) if steps[r] == fewest]
+        if len(behind) == 1 or len(behind) < self.world_size:
+            who = f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} stalled{self._where(behind[0])}"
+        else:
+            who = f"all ranks stalled inside a step{self._where(0)}"
+        self._fail(f"no progress for {self.config.stall_timeout_s:g} s: {who}; "
                    f"steps begun per rank: {[int(s) for s in steps]} — the fleet was torn down")
 
 

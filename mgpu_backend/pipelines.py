@@ -40,6 +40,7 @@ DEFAULT_NEGATIVE_PROMPT = (
     "camera, flat lighting, inconsistent tone, cinematic oversaturation, stylized filters, or AI artifacts."
 )  # reference DEFAULT_NEGATIVE_PROMPT (ltx_pipelines/utils/constants.py)
 
+PIPELINES = ("two-stage", "distilled")
 ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
 CancelFn = Callable[[str, int], bool]  # (stage, step about to run) -> stop now
 
@@ -62,9 +63,12 @@ class GenerateRequest:
     audio_guidance: S.GuidanceParams | None = None
     stage2_sigmas: tuple[float, ...] = S.DISTILLED_STAGE2_SIGMAS
     distilled_lora: tuple[str, float] | None = None
+    pipeline: str = "two-stage"  # or "distilled": a distilled checkpoint, SP on both stages, no guidance
 
     def validate(self) -> None:
         """Raise `ValidationError` naming the value and the rule (before any work)."""
+        if self.pipeline not in PIPELINES:
+            raise V.ValidationError(f"pipeline={self.pipeline!r}: choose one of {', '.join(PIPELINES)}")
         V.check_frames(self.frames)
         V.check_size(self.width, self.height, two_stage=True)
         V.check_positive("fps", self.fps)
@@ -94,6 +98,7 @@ class GenerateResult:
     audio_latent: torch.Tensor
     timings: dict[str, float] = field(default_factory=dict)
     lora_reports: list[LoRAReport] = field(default_factory=list)
+    parallel_report: str = "one process"
 
 
 def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidanceParams:
@@ -110,10 +115,12 @@ class TwoStagePipeline:
         components: `LTX2Components` (the transformer and VAEs, on `device`).
         gemma: a `GemmaTextEncoder` (anything with `.encode(prompts) -> (hidden [B,T,H,L], mask [B,T])`).
         dtype: compute dtype of the transformer forward (bf16 on GPU, float32 on CPU for exact tests).
+        plan: how the stages split over a fleet (`parallel.plan.ParallelPlan`); None runs everything here.
     """
 
     def __init__(self, components: LTX2Components, gemma, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, plan=None):
+        self.plan = plan  # a parallel.plan.ParallelPlan on a fleet; None in one process
         self.components = components
         self.gemma = gemma
         self.device = torch.device(device)
@@ -178,11 +185,11 @@ class TwoStagePipeline:
         return video, audio
 
     def _model_fn(self, positive: TextContext, negative: TextContext | None, frames_lat: int, h: int, w: int,
-                  audio_frames: int, fps: float) -> LTX2Denoiser:
+                  audio_frames: int, fps: float, forward=None) -> LTX2Denoiser:
         transformer = self.components.transformer
         video_coords = L.video_coords(transformer, 1, frames_lat, h, w, fps, device=self.device)
         audio_coords = L.audio_coords(transformer, 1, audio_frames, device=self.device)
-        return LTX2Denoiser(transformer, positive, negative, video_coords, audio_coords, self.dtype)
+        return LTX2Denoiser(transformer, positive, negative, video_coords, audio_coords, self.dtype, forward=forward)
 
     def upscale(self, video_latent: torch.Tensor) -> torch.Tensor:
         """2× spatial latent upscale `[1, 128, F, H, W] -> [1, 128, F, 2H, 2W]` (model space in and out): the
@@ -233,16 +240,30 @@ class TwoStagePipeline:
         Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
         request.validate()
         variant = self.components.variant
+        distilled = request.pipeline == "distilled"
         n_blocks = len(self.components.transformer.transformer_blocks)
-        default_v, default_a = (_fit_stg_blocks(g, n_blocks) for g in S.default_guidance(variant))
+        if distilled:  # the distilled model runs without guidance (reference distilled pipeline)
+            default_v = default_a = S.NO_GUIDANCE
+        else:
+            default_v, default_a = (_fit_stg_blocks(g, n_blocks) for g in S.default_guidance(variant))
         video_guidance = request.video_guidance or default_v
         audio_guidance = request.audio_guidance or default_a
         for g in (video_guidance, audio_guidance):
             bad = [b for b in g.stg_blocks if not 0 <= b < n_blocks]
             if bad and g.uses_perturbed:
                 raise V.ValidationError(f"STG blocks {bad}: this transformer has blocks 0..{n_blocks - 1}")
+        frames_lat = L.latent_frames(request.frames)
+        h1, w1 = request.height // 64, request.width // 64
+        h2, w2 = 2 * h1, 2 * w1
+        plan = self.plan
+        if plan is not None:
+            plan.check(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
         lora = read_lora(*request.distilled_lora) if request.distilled_lora else None
-        steps = request.steps or S.DEFAULT_STEPS[variant]
+        if distilled:
+            sigmas1 = S.as_sigmas(S.DISTILLED_SIGMAS if request.steps is None else
+                                  S.ltx2_sigmas(request.steps))
+        else:  # reference ti2vid_two_stages: the scheduler at its default 4096 tokens
+            sigmas1 = S.ltx2_sigmas(request.steps or S.DEFAULT_STEPS[variant])
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
 
@@ -254,10 +275,8 @@ class TwoStagePipeline:
         negative = contexts.select(1) if uses_negative else None
         timings["text"] = time.perf_counter() - t0
 
-        # stage 1: half size, guided
+        # stage 1: half size (guided for the two-stage recipe), sequence parallel on a fleet
         t = time.perf_counter()
-        frames_lat = L.latent_frames(request.frames)
-        h1, w1 = request.height // 64, request.width // 64
         audio_frames = L.audio_latent_frames(request.frames, request.fps)
         video_clean = torch.zeros(1, h1 * w1 * frames_lat, 128)
         video_mask = None
@@ -265,11 +284,10 @@ class TwoStagePipeline:
             video_clean, video_mask = self._conditioning_latent(request.image, request.image_strength, frames_lat,
                                                                 request.height // 2, request.width // 2)
         audio_clean = torch.zeros(1, audio_frames, 128)
-        sigmas1 = S.ltx2_sigmas(steps)  # reference ti2vid_two_stages: scheduler at its default 4096 tokens
-        model_fn = self._model_fn(positive, negative, frames_lat, h1, w1, audio_frames, request.fps)
         self.lora.restore()
-        video1, audio1 = self.run_stage("stage 1", model_fn, video_clean, audio_clean, sigmas1, request.seed,
-                                        video_mask, False, video_guidance, audio_guidance, progress, cancel_check)
+        video1, audio1 = self._sequence_parallel_stage(
+            "stage 1", positive, negative, (frames_lat, h1, w1), audio_frames, request, video_clean, audio_clean,
+            sigmas1, request.seed, video_mask, False, video_guidance, audio_guidance, progress, cancel_check)
         timings["stage 1"] = time.perf_counter() - t
 
         # 2× latent upscale
@@ -278,9 +296,8 @@ class TwoStagePipeline:
         V.check_finite(upscaled, "upscale", "video")
         timings["upscale"] = time.perf_counter() - t
 
-        # stage 2: full size, distilled LoRA, no guidance, audio frozen
+        # stage 2: full size, no guidance, audio frozen; the distilled LoRA for the two-stage recipe
         t = time.perf_counter()
-        h2, w2 = 2 * h1, 2 * w1
         video_clean2, video_mask2 = L.pack_video(upscaled), None
         if request.image is not None:
             image_tokens, video_mask2 = self._conditioning_latent(request.image, request.image_strength, frames_lat,
@@ -289,10 +306,13 @@ class TwoStagePipeline:
             video_clean2[:, first] = image_tokens[:, first]
         reports = self.lora.fuse([lora]) if lora is not None else []
         try:
-            model_fn2 = self._model_fn(positive, None, frames_lat, h2, w2, audio_frames, request.fps)
-            video2, _ = self.run_stage("stage 2", model_fn2, video_clean2, audio1, S.as_sigmas(request.stage2_sigmas),
-                                       request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress,
-                                       cancel_check)
+            stage2 = ("stage 2", positive, None, (frames_lat, h2, w2), audio_frames, request, video_clean2, audio1,
+                      S.as_sigmas(request.stage2_sigmas), request.seed + 1, video_mask2, True, S.NO_GUIDANCE,
+                      S.NO_GUIDANCE, progress, cancel_check)
+            if distilled:
+                video2, _ = self._sequence_parallel_stage(*stage2)
+            else:
+                video2, _ = self._local_stage(*stage2)
         finally:
             self.lora.restore()
         timings["stage 2"] = time.perf_counter() - t
@@ -306,4 +326,27 @@ class TwoStagePipeline:
         waveform, sample_rate = self.decode_audio(audio_latent)
         timings["decode audio"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t0
-        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports)
+        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports,
+                              plan.describe() if plan is not None else "one process")
+
+    def _local_stage(self, stage, positive, negative, grid, audio_frames, request, *run_args):
+        """A stage on this process's transformer alone (every rank computes it whole)."""
+        model_fn = self._model_fn(positive, negative, *grid, audio_frames, request.fps)
+        return self.run_stage(stage, model_fn, *run_args)
+
+    def _sequence_parallel_stage(self, stage, positive, negative, grid, audio_frames, request, *run_args):
+        """A stage whose transformer forwards run sequence parallel over the plan's SP group; ranks outside the
+        group skip it and receive the result from rank 0."""
+        plan = self.plan
+        if plan is None:
+            return self._local_stage(stage, positive, negative, grid, audio_frames, request, *run_args)
+        video, audio = None, None
+        if plan.in_sp_group:
+            model_fn = self._model_fn(positive, negative, *grid, audio_frames, request.fps, forward=plan.sp_forward)
+            plan.active_group = plan.sp_group  # the per-step cancel decision is taken within the SP group
+            try:
+                video, audio = self.run_stage(stage, model_fn, *run_args)
+            finally:
+                plan.active_group = None
+        video_clean, audio_clean = run_args[0], run_args[1]
+        return plan.share(video, audio, video_clean.shape, audio_clean.shape)

@@ -14,6 +14,8 @@ Client -> controller requests are dicts with an `op`:
 """
 from __future__ import annotations
 
+import importlib
+import io
 import os
 import pickle
 import secrets
@@ -33,8 +35,32 @@ def send(conn, obj: Any) -> None:
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+# this package's import name: "mgpu_backend", or the mangled name ComfyUI imports the pack under
+_PACKAGE = __name__.rpartition(".")[0]
+
+
+class _Unpickler(pickle.Unpickler):
+    """Resolves this package's classes whatever name the sender imported it under: ComfyUI imports the pack under a
+    mangled module name, while the controller runs it as `mgpu_backend` (a `FleetConfig` pickled as
+    `<mangled>.protocol.FleetConfig` is found here as `<this package>.protocol.FleetConfig`, and back)."""
+
+    def find_class(self, module: str, name: str):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            parts = module.split(".")
+            for i in range(1, len(parts)):
+                try:
+                    candidate = importlib.import_module(f"{_PACKAGE}.{'.'.join(parts[i:])}")
+                except ImportError:
+                    continue
+                if hasattr(candidate, name):
+                    return getattr(candidate, name)
+            raise
+
+
 def recv(conn) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    return _Unpickler(io.BytesIO(conn.recv_bytes())).load()
 
 
 def default_runtime_dir(name: str = "ltx2-multigpu") -> Path:
@@ -96,6 +122,8 @@ class FleetConfig:
     init_timeout_s: float = 120.0
     collective_timeout_s: float = 300.0
     stall_timeout_s: float = 300.0
+    token_cap: int | None = 65536  # video tokens per rank per SP forward; larger jobs are refused before work
+    sequence_parallel: bool = True  # False: every rank computes every stage whole (fleet mechanics, debugging)
 
     @property
     def world_size(self) -> int:

@@ -48,6 +48,7 @@ class JobContext:
     cancel_flag: Any  # multiprocessing.Value('i'): set by the controller, read by rank 0 only
     heartbeat: Any  # multiprocessing.Array('d', 2 * world_size): per rank (steps done, wall time)
     fault: dict | None = None
+    plan: Any = None  # parallel.plan.ParallelPlan: its active_group is the group of the running stage
     stage: str = "setup"
     step: int = 0
     steps_done: int = 0
@@ -60,14 +61,17 @@ class JobContext:
     def step_boundary(self, stage: str, step: int) -> bool:
         """Called by every rank before each step; returns True (on every rank) when the job is cancelled."""
         self.stage, self.step = stage, step
+        # a test fault fires before the heartbeat: a rank that hangs (or dies) on its way to the boundary has begun
+        # fewer steps than the ranks waiting for it in the broadcast, which is how the fleet names it
+        self._maybe_fault(stage, step)
         self.steps_done += 1
         self.heartbeat[2 * self.rank] = self.steps_done
         self.heartbeat[2 * self.rank + 1] = time.time()
-        self._maybe_fault(stage, step)
         flag = torch.tensor([int(self.cancel_flag.value) if self.rank == 0 else 0], dtype=torch.int32,
                             device=self.device if self.device.type == "cuda" else "cpu")
+        group = self.plan.active_group if self.plan is not None else None
         if self.world_size > 1:
-            dist.broadcast(flag, src=0)
+            dist.broadcast(flag, src=0, group=group)
         return bool(flag.item())
 
     def _maybe_fault(self, stage: str, step: int) -> None:
@@ -109,6 +113,7 @@ class WorkerState:
         from .models import loader
         from .models.gemma import load_gemma
         from .models.text_projection import check_gemma_matches
+        from .parallel.plan import build_plan
         from .pipelines import TwoStagePipeline
 
         dtype = getattr(torch, config.dtype)
@@ -118,7 +123,9 @@ class WorkerState:
             text_projection=config.text_projection, upsampler=config.upscaler, dtype=dtype, device=device)
         self.gemma = load_gemma(config.gemma, device=device, dtype=dtype)
         check_gemma_matches(self.components.text_projection, self.gemma, config.gemma)
-        self.pipeline = TwoStagePipeline(self.components, self.gemma, device=device, dtype=dtype)
+        self.plan = (build_plan(self.components.transformer, rank, config.world_size, device, config.token_cap)
+                     if config.sequence_parallel else None)
+        self.pipeline = TwoStagePipeline(self.components, self.gemma, device=device, dtype=dtype, plan=self.plan)
 
 
 def run_generate(state: WorkerState, request, ctx: JobContext) -> dict:
@@ -128,10 +135,38 @@ def run_generate(state: WorkerState, request, ctx: JobContext) -> dict:
         return {}
     return {"frames": send_frames(result.frames), "audio": result.audio, "sample_rate": result.sample_rate,
             "video_latent": result.video_latent, "audio_latent": result.audio_latent, "timings": result.timings,
-            "lora_reports": [str(r) for r in result.lora_reports]}
+            "lora_reports": [str(r) for r in result.lora_reports], "parallel": result.parallel_report}
 
 
-JOBS = {"generate": run_generate}
+def run_noop(state: WorkerState, payload, ctx: JobContext) -> dict:
+    """A job without model work (controller overhead, busy / cancel tests): `payload` = {"steps": n, "sleep_s": s}
+    runs n synchronized, cancellable steps of s seconds each; returns a small tensor."""
+    from .sampling import SamplingCancelled
+
+    payload = payload or {}
+    steps = int(payload.get("steps", 0))
+    for i in range(steps):
+        if ctx.step_boundary("noop", i):
+            raise SamplingCancelled(f"noop cancelled before step {i + 1}/{steps}")
+        time.sleep(float(payload.get("sleep_s", 0.0)))
+        ctx.progress("noop", i + 1, steps)
+    return {"tensor": torch.arange(4, dtype=torch.float32) + ctx.rank}
+
+
+def run_frames(state: WorkerState, payload, ctx: JobContext) -> dict:
+    """Hand back `payload["shape"]` float32 frames (frame i filled with i / F) from rank 0 through shared memory, as
+    `generate` does; `sent_at` is the wall time just before the hand-back began (frame hand-back benchmark)."""
+    if ctx.rank != 0:
+        return {}
+    shape = tuple(int(n) for n in payload["shape"])
+    frames = torch.empty(shape, dtype=torch.float32)
+    for i in range(shape[0]):
+        frames[i].fill_(i / max(1, shape[0]))
+    sent_at = time.time()
+    return {"frames": send_frames(frames), "sent_at": sent_at}
+
+
+JOBS = {"generate": run_generate, "noop": run_noop, "frames": run_frames}
 
 
 def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_flag, heartbeat) -> None:
@@ -164,15 +199,20 @@ def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_fla
             conn.send(("status", rank, os.getpid(), loader.OPEN_COUNT))
             continue
         spec: JobSpec = message[1]
-        ctx = JobContext(rank, config.world_size, device, spec.job_id, conn, cancel_flag, heartbeat, spec.fault)
+        ctx = JobContext(rank, config.world_size, device, spec.job_id, conn, cancel_flag, heartbeat, spec.fault,
+                         plan=state.plan)
+        # every job-end message ends with this rank's OPEN_COUNT (a re-read checkpoint would show in status())
         try:
+            if spec.kind not in JOBS:
+                raise ValidationError(f"job kind {spec.kind!r}: unknown (known: {', '.join(sorted(JOBS))})")
             result = JOBS[spec.kind](state, spec.payload, ctx)
-            conn.send(("result", spec.job_id, rank, result))
+            conn.send(("result", spec.job_id, rank, result, loader.OPEN_COUNT))
         except SamplingCancelled:
-            conn.send(("cancelled", spec.job_id, rank, ctx.stage, ctx.step))
+            conn.send(("cancelled", spec.job_id, rank, ctx.stage, ctx.step, loader.OPEN_COUNT))
         except Exception as exc:
             conn.send(("error", spec.job_id, rank, type(exc).__name__, str(exc), ctx.stage, ctx.step,
-                       isinstance(exc, (ValidationError, FileNotFoundError)), traceback.format_exc()))
+                       isinstance(exc, (ValidationError, FileNotFoundError)), traceback.format_exc(),
+                       loader.OPEN_COUNT))
     try:
         dist.destroy_process_group()
     finally:

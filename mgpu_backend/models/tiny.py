@@ -45,7 +45,9 @@ def tiny_transformer_metadata(variant: str) -> dict[str, Any]:
         # ComfyUI hard-codes the connector RoPE range to 4096 positions and diffusers defaults to it; ltx-core reads
         # this field (default [1]), so the file states it, as the released files do
         "connector_positional_embedding_max_pos": [4096],
-        "causal_temporal_positioning": False,
+        # the released files set it: ComfyUI then gives the first latent frame the time span [0, 1) pixel frames
+        # like ltx-core and diffusers (which always do); without it ComfyUI's video RoPE positions differ
+        "causal_temporal_positioning": True,
         # fixed architecture fields of the released files; ltx-core's `LTXModelConfigurator` asserts each value
         # (`check_config_value`), ComfyUI and diffusers ignore them
         "dropout": 0.0, "attention_bias": True, "num_vector_embeds": None, "activation_fn": "gelu-approximate",
@@ -53,7 +55,7 @@ def tiny_transformer_metadata(variant: str) -> dict[str, Any]:
         "cross_attention_norm": True, "double_self_attention": False, "upcast_attention": False,
         "standardization_norm": "rms_norm", "norm_elementwise_affine": False, "qk_norm": "rms_norm",
         "positional_embedding_type": "rope", "use_audio_video_cross_attention": True, "share_ff": False,
-        "av_cross_ada_norm": True,
+        "av_cross_ada_norm": True, "norm_eps": 1e-06, "attention_type": "default",
     }
     if variant == "2.3":
         meta.update({
