@@ -128,52 +128,14 @@ class WorkerState:
         self.pipeline = TwoStagePipeline(self.components, self.gemma, device=device, dtype=dtype, plan=self.plan)
 
 
-def run_generate(state: WorkerState, request, ctx: JobContext) -> dict:
-    """The two-stage pipeline on this rank (every rank computes it whole until the parallel stages land)."""
-    result = state.pipeline.generate(request, progress=ctx.progress, cancel_check=ctx.step_boundary)
-    if ctx.rank != 0:
-        return {}
-    return {"frames": send_frames(result.frames), "audio": result.audio, "sample_rate": result.sample_rate,
-            "video_latent": result.video_latent, "audio_latent": result.audio_latent, "timings": result.timings,
-            "lora_reports": [str(r) for r in result.lora_reports], "parallel": result.parallel_report}
-
-
-def run_noop(state: WorkerState, payload, ctx: JobContext) -> dict:
-    """A job without model work (controller overhead, busy / cancel tests): `payload` = {"steps": n, "sleep_s": s}
-    runs n synchronized, cancellable steps of s seconds each; returns a small tensor."""
-    from .sampling import SamplingCancelled
-
-    payload = payload or {}
-    steps = int(payload.get("steps", 0))
-    for i in range(steps):
-        if ctx.step_boundary("noop", i):
-            raise SamplingCancelled(f"noop cancelled before step {i + 1}/{steps}")
-        time.sleep(float(payload.get("sleep_s", 0.0)))
-        ctx.progress("noop", i + 1, steps)
-    return {"tensor": torch.arange(4, dtype=torch.float32) + ctx.rank}
-
-
-def run_frames(state: WorkerState, payload, ctx: JobContext) -> dict:
-    """Hand back `payload["shape"]` float32 frames (frame i filled with i / F) from rank 0 through shared memory, as
-    `generate` does; `sent_at` is the wall time just before the hand-back began (frame hand-back benchmark)."""
-    if ctx.rank != 0:
-        return {}
-    shape = tuple(int(n) for n in payload["shape"])
-    frames = torch.empty(shape, dtype=torch.float32)
-    for i in range(shape[0]):
-        frames[i].fill_(i / max(1, shape[0]))
-    sent_at = time.time()
-    return {"frames": send_frames(frames), "sent_at": sent_at}
-
-
-JOBS = {"generate": run_generate, "noop": run_noop, "frames": run_frames}
-
-
 def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_flag, heartbeat) -> None:
     """Entry point of a spawned worker. Reports ("ready", …) or ("init_error", …), then serves jobs."""
+    from .jobs import load_all
     from .models import loader
     from .sampling import SamplingCancelled
     from .validation import ValidationError
+
+    jobs = load_all()
 
     device = torch.device(config.devices[rank])
     try:
@@ -203,9 +165,9 @@ def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_fla
                          plan=state.plan)
         # every job-end message ends with this rank's OPEN_COUNT (a re-read checkpoint would show in status())
         try:
-            if spec.kind not in JOBS:
-                raise ValidationError(f"job kind {spec.kind!r}: unknown (known: {', '.join(sorted(JOBS))})")
-            result = JOBS[spec.kind](state, spec.payload, ctx)
+            if spec.kind not in jobs:
+                raise ValidationError(f"unknown job kind {spec.kind!r} (known: {', '.join(sorted(jobs))})")
+            result = jobs[spec.kind](state, spec.payload, ctx)
             conn.send(("result", spec.job_id, rank, result, loader.OPEN_COUNT))
         except SamplingCancelled:
             conn.send(("cancelled", spec.job_id, rank, ctx.stage, ctx.step, loader.OPEN_COUNT))

@@ -1,0 +1,28 @@
+"""Job kinds a worker can run. Each module registers its functions with `@register("kind")`.
+
+A job function is `fn(state: worker.WorkerState, payload, ctx: worker.JobContext) -> result`; it runs on every rank
+in lockstep and returns the result on rank 0 (other ranks' return values are dropped).
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+REGISTRY: dict[str, Callable] = {}
+_MODULES = ("generate", "diagnostics")
+
+
+def register(kind: str):
+    def wrap(fn: Callable) -> Callable:
+        if kind in REGISTRY:
+            raise ValueError(f"job kind {kind!r} registered twice")
+        REGISTRY[kind] = fn
+        return fn
+
+    return wrap
+
+
+def load_all() -> dict[str, Callable]:
+    for name in _MODULES:
+        importlib.import_module(f"{__name__}.{name}")
+    return REGISTRY
