@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_ltx2 import LTX2PerturbedAttnProcessor
 
+from .attention import LTX2AttnProcessor, use_processor
 from .sampling import TIMESTEP_SCALE, GuidancePass, ModelInputs
 
 # connectors replace padding with 128 learnable registers; the reference pads prompts to 1024 tokens
@@ -132,6 +133,11 @@ class LTX2Denoiser:
                  video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, forward=None):
         self.transformer = transformer
         self.forward = forward or transformer  # e.g. a SequenceParallelTransformer around `transformer`
+        # the resident transformer is shared by every stage: install this stage's attention processors
+        if hasattr(self.forward, "activate"):
+            self.forward.activate()
+        else:
+            use_processor(transformer, LTX2AttnProcessor())
         self.positive, self.negative = positive, negative
         self.video_coords, self.audio_coords = video_coords, audio_coords
         self.dtype = dtype

@@ -107,7 +107,18 @@ class Fleet:
     def _died(self, rank: int) -> None:
         self.processes[rank].join(5)
         code = self.processes[rank].exitcode
+        self._drain_progress()  # rank 0's progress sent before the death names the stage in the report
         self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with exit code {code}" + self._where(rank))
+
+    def _drain_progress(self) -> None:
+        for conn in self.conns:
+            try:
+                while conn.poll(0):
+                    message = conn.recv()
+                    if message[0] == "progress":
+                        self._stage = (message[2], message[3], message[4])
+            except (EOFError, OSError):
+                continue
 
     def _fail(self, message: str, details: dict | None = None) -> None:
         self.lost = message

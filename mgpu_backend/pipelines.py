@@ -26,6 +26,9 @@ from . import validation as V
 from .denoiser import LTX2Denoiser, TextContext, text_contexts
 from .lora import LoRAFuser, LoRAReport, read_lora
 from .models.loader import LTX2Components
+from .parallel.decode import decode_tiles
+from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
+from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, grainy "
@@ -61,9 +64,14 @@ class GenerateRequest:
     image_strength: float = 1.0
     video_guidance: S.GuidanceParams | None = None  # None = reference defaults for the model version
     audio_guidance: S.GuidanceParams | None = None
-    stage2_sigmas: tuple[float, ...] = S.DISTILLED_STAGE2_SIGMAS
+    stage2_sigmas: tuple[float, ...] | None = None  # None: 0.909375, 0.725, 0.421875, 0 — or 0.625, 0.4, 0 tiled
     distilled_lora: tuple[str, float] | None = None
     pipeline: str = "two-stage"  # or "distilled": a distilled checkpoint, SP on both stages, no guidance
+    tiles: TileCountConfig | None = None  # stage-2 TDP tiles; None: balanced grid from the fleet size (1 rank: none)
+    tile_overlap: int = 5  # latent cells, for the default grid
+    decode_tiles: TileCountConfig | None = None  # decode tiles; None: balanced grid from the fleet size
+    decode_overlap: int = 2  # latent cells (× 32 px), for the default grid
+    tdp_max_first_sigma: float = DEFAULT_MAX_FIRST_SIGMA
 
     def validate(self) -> None:
         """Raise `ValidationError` naming the value and the rule (before any work)."""
@@ -79,10 +87,11 @@ class GenerateRequest:
             V.check_file("image", self.image)
         if self.distilled_lora is not None:
             V.check_file("distilled LoRA", self.distilled_lora[0])
-        try:
-            S.as_sigmas(self.stage2_sigmas)
-        except ValueError as exc:
-            raise V.ValidationError(f"stage2_sigmas={list(self.stage2_sigmas)}: {exc}") from None
+        if self.stage2_sigmas is not None:
+            try:
+                S.as_sigmas(self.stage2_sigmas)
+            except ValueError as exc:
+                raise V.ValidationError(f"stage2_sigmas={list(self.stage2_sigmas)}: {exc}") from None
 
 
 @dataclass
@@ -99,6 +108,7 @@ class GenerateResult:
     timings: dict[str, float] = field(default_factory=dict)
     lora_reports: list[LoRAReport] = field(default_factory=list)
     parallel_report: str = "one process"
+    rank_reports: list[dict] | None = None  # what every rank did (rank 0 of a fleet; one entry in one process)
 
 
 def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidanceParams:
@@ -205,8 +215,12 @@ class TwoStagePipeline:
             x = upsampler(x).float().cpu()
         return L.normalize_latents(x, mean, std)
 
-    def decode_video(self, video_latent: torch.Tensor, seed: int = 0) -> torch.Tensor:
-        """`[1, 128, F', H', W']` model-space latent -> frames `[F, H, W, 3]` float32 0..1."""
+    def decode_video(self, video_latent: torch.Tensor, seed: int = 0, tiling: TileCountConfig | None = None
+                     ) -> tuple[torch.Tensor | None, dict]:
+        """`[1, 128, F', H', W']` model-space latent -> (frames `[F, H, W, 3]` float32 0..1, report).
+
+        With `tiling`: the spatial tiles are decoded round-robin over the plan's ranks (or all here in one process)
+        and blended; the frames exist on rank 0 only (None elsewhere)."""
         vae = self.components.video_vae
         param = next(vae.parameters())
         x = L.denormalize_latents(video_latent.float(), vae.latents_mean.float().cpu(), vae.latents_std.float().cpu())
@@ -215,9 +229,19 @@ class TwoStagePipeline:
             noise = S.make_noise(x.shape, seed)
             x = 0.975 * x + 0.025 * noise
             temb = torch.tensor([0.05], device=param.device, dtype=param.dtype)
-        with torch.no_grad():
-            pixels = vae.decode(x.to(param.device, param.dtype), temb, return_dict=False)[0]
-        return ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous()
+        start = time.perf_counter()
+        if tiling is not None:
+            if self.plan is not None:
+                pixels, report = self.plan.decode(vae, x, tiling, temb)
+            else:
+                pixels, report = decode_tiles(vae, x, tiling, temb)
+            if pixels is None:
+                return None, report
+        else:
+            with torch.no_grad():
+                pixels = vae.decode(x.to(param.device, param.dtype), temb, return_dict=False)[0]
+            report = {"tiles": "untiled", "seconds": time.perf_counter() - start}
+        return ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(), report
 
     def decode_audio(self, audio_latent: torch.Tensor) -> tuple[torch.Tensor, int]:
         """`[1, 8, T, 16]` model-space audio latent -> (waveform `[C, S]` float32, sample rate)."""
@@ -258,6 +282,20 @@ class TwoStagePipeline:
         plan = self.plan
         if plan is not None:
             plan.check(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
+        ranks = plan.world_size if plan is not None else 1
+        stage2_tiling = None if distilled else self._tiling(request.tiles, ranks, (frames_lat, h2, w2),
+                                                             request.tile_overlap, "stage-2 tiles")
+        decode_tiling = self._tiling(request.decode_tiles, ranks, (frames_lat, h2, w2), request.decode_overlap,
+                                     "decode tiles")
+        if request.stage2_sigmas is not None:
+            sigmas2 = S.as_sigmas(request.stage2_sigmas)
+        else:
+            sigmas2 = S.as_sigmas(S.TDP_STAGE2_SIGMAS if stage2_tiling else S.DISTILLED_STAGE2_SIGMAS)
+        if stage2_tiling is not None:
+            try:
+                check_tdp_sigmas(sigmas2, request.tdp_max_first_sigma)
+            except ValueError as exc:
+                raise V.ValidationError(str(exc)) from None
         lora = read_lora(*request.distilled_lora) if request.distilled_lora else None
         if distilled:
             sigmas1 = S.as_sigmas(S.DISTILLED_SIGMAS if request.steps is None else
@@ -305,33 +343,58 @@ class TwoStagePipeline:
             first = video_mask2[0] < 1.0
             video_clean2[:, first] = image_tokens[:, first]
         reports = self.lora.fuse([lora]) if lora is not None else []
+        report = {"rank": plan.rank if plan is not None else 0, "stage 1": plan.describe() if plan else "local"}
         try:
             stage2 = ("stage 2", positive, None, (frames_lat, h2, w2), audio_frames, request, video_clean2, audio1,
-                      S.as_sigmas(request.stage2_sigmas), request.seed + 1, video_mask2, True, S.NO_GUIDANCE,
-                      S.NO_GUIDANCE, progress, cancel_check)
+                      sigmas2, request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress,
+                      cancel_check)
             if distilled:
                 video2, _ = self._sequence_parallel_stage(*stage2)
+                report["stage 2"] = report["stage 1"]
+            elif stage2_tiling is not None:
+                tiled = (plan.tiled(self.components.transformer, (frames_lat, h2, w2), stage2_tiling) if plan
+                         else TiledTransformer(self.components.transformer, (frames_lat, h2, w2), stage2_tiling))
+                video2, _ = self._local_stage(*stage2, forward=tiled)
+                report["stage 2"] = f"{tiled.describe()}; {tiled.compute_seconds:.3f} s in tile forwards"
             else:
                 video2, _ = self._local_stage(*stage2)
+                report["stage 2"] = "local"
         finally:
             self.lora.restore()
         timings["stage 2"] = time.perf_counter() - t
 
         t = time.perf_counter()
         video_latent = L.unpack_video(video2, frames_lat, h2, w2)
-        frames = self.decode_video(video_latent, request.seed)
+        frames, decode_report = self.decode_video(video_latent, request.seed, decode_tiling)
+        report["decode"] = decode_report
         timings["decode video"] = time.perf_counter() - t
         t = time.perf_counter()
         audio_latent = L.unpack_audio(audio1)
-        waveform, sample_rate = self.decode_audio(audio_latent)
+        waveform, sample_rate = None, 0
+        if plan is None or plan.rank == 0:  # audio decodes once, on the driver rank
+            waveform, sample_rate = self.decode_audio(audio_latent)
         timings["decode audio"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t0
+        report["timings"] = dict(timings)
+        rank_reports = plan.gather_reports(report) if plan is not None else [report]
         return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports,
-                              plan.describe() if plan is not None else "one process")
+                              plan.describe() if plan is not None else "one process", rank_reports)
 
-    def _local_stage(self, stage, positive, negative, grid, audio_frames, request, *run_args):
-        """A stage on this process's transformer alone (every rank computes it whole)."""
-        model_fn = self._model_fn(positive, negative, *grid, audio_frames, request.fps)
+    @staticmethod
+    def _tiling(explicit: TileCountConfig | None, ranks: int, grid: tuple[int, int, int], overlap: int,
+                what: str) -> TileCountConfig | None:
+        """An explicit tiling (checked against the grid), or the balanced default for `ranks` (none for one rank)."""
+        try:
+            if explicit is not None:
+                make_tiles(grid, explicit)
+                return explicit
+            return default_tiling(ranks, grid, overlap) if ranks > 1 else None
+        except ValueError as exc:
+            raise V.ValidationError(f"{what}: {exc}") from None
+
+    def _local_stage(self, stage, positive, negative, grid, audio_frames, request, *run_args, forward=None):
+        """A stage every rank runs whole (optionally through a tiled wrapper that splits the work itself)."""
+        model_fn = self._model_fn(positive, negative, *grid, audio_frames, request.fps, forward=forward)
         return self.run_stage(stage, model_fn, *run_args)
 
     def _sequence_parallel_stage(self, stage, positive, negative, grid, audio_frames, request, *run_args):

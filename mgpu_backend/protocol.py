@@ -144,7 +144,7 @@ class JobSpec:
     """One job. `kind` selects the worker function ("generate"); `payload` is its input (e.g. GenerateRequest).
 
     `fault` injects a failure for tests (honoured only when the controller runs with LTX2_MGPU_TEST_FAULTS=1):
-    `{"rank": r, "stage": "stage 1", "step": k, "kind": "crash" | "stall" | "error" | "error_all"}`.
+    `{"rank": r, "stage": "stage 1", "step": k, "kind": "crash" | "stall" | "error" | "error_all" | "reread"}`.
     """
 
     kind: str

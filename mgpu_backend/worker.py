@@ -86,6 +86,10 @@ class JobContext:
             os._exit(17)
         if f["kind"] == "stall":
             time.sleep(3600)
+        if f["kind"] == "reread":  # counts as one more checkpoint open (tests that status() reports OPEN_COUNT)
+            from .models import loader
+
+            loader.OPEN_COUNT += 1
 
 
 def send_frames(frames: torch.Tensor) -> dict:

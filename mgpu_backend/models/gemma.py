@@ -150,6 +150,11 @@ class GemmaTextEncoder(nn.Module):
         self.tokenizer = tokenizer
         self.source = source
         self.text_config = model.config
+        #: where the input ids go: the embedding's device, or for a model dispatched over several devices with
+        #: Accelerate (`load_gemma(device_map=...)`) the first device of the map (its main/execution device)
+        self.input_device: torch.device | None = None
+        #: the Accelerate device map this model was dispatched with (None: one device, no hooks)
+        self.device_map: dict | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -166,7 +171,7 @@ class GemmaTextEncoder(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.input_device or self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -207,7 +212,9 @@ class GemmaTextEncoder(nn.Module):
         ids, mask = self.tokenize(prompts, min_length)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          output_hidden_states=True, use_cache=False)
-        hs = torch.stack([h.float() for h in out.hidden_states], dim=-1).cpu()
+        # each hidden state is converted and brought to the CPU on its own: with a device map they live on the
+        # device of the layer that produced them, and the float32 stack is never materialized on an accelerator
+        hs = torch.stack([h.float().cpu() for h in out.hidden_states], dim=-1)
         hs = hs * mask[:, :, None, None].to(hs.dtype)
         if not torch.isfinite(hs).all():
             raise ValueError(f"Gemma hidden states from {self.source} contain non-finite values")
@@ -359,7 +366,30 @@ def _detect_prefix(keys: set[str], source: str) -> str:
                      f"{[p + 'embed_tokens.weight' for p in _LM_PREFIXES]})")
 
 
-def _build_model(text_config: dict, tensors: dict[str, torch.Tensor], device, source: str) -> nn.Module:
+def _map_device(device_map: dict | None, name: str, default: torch.device) -> torch.device:
+    """Where tensor/module `name` is first placed under an Accelerate-style `device_map` (longest module-name
+    prefix; "cpu" and "disk" entries stay on the CPU until `dispatch_model` offloads them; an int is a CUDA index)."""
+    if not device_map:
+        return default
+    best = None
+    for module in device_map:
+        if (module == "" or name == module or name.startswith(module + ".")) and (best is None or
+                                                                                    len(module) > len(best)):
+            best = module
+    if best is None:
+        raise ValueError(f"device_map places no module holding {name!r} (modules: {sorted(device_map)})")
+    return _as_device(device_map[best])
+
+
+def _as_device(where) -> torch.device:
+    """An Accelerate device-map value as a torch device ("disk" -> the CPU, an int -> that CUDA index)."""
+    if where == "disk":
+        return torch.device("cpu")
+    return torch.device(f"cuda:{where}") if isinstance(where, int) else torch.device(where)
+
+
+def _build_model(text_config: dict, tensors: dict[str, torch.Tensor], device, source: str,
+                 device_map: dict | None = None) -> nn.Module:
     from transformers import Gemma3TextConfig, Gemma3TextModel
 
     cfg = dict(text_config)
@@ -369,42 +399,66 @@ def _build_model(text_config: dict, tensors: dict[str, torch.Tensor], device, so
     with torch.device("meta"):
         model = Gemma3TextModel(config)
     try:
-        model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True, assign=True)
+        model.load_state_dict({k: v.to(_map_device(device_map, k, device)) for k, v in tensors.items()},
+                              strict=True, assign=True)
     except RuntimeError as e:
         raise ValueError(f"{source}: weights do not match the Gemma 3 config "
                          f"(hidden={config.hidden_size}, layers={config.num_hidden_layers}): {e}") from e
     # Non-persistent buffers are not in the checkpoint: recreate them for real (they were built on meta).
-    model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5, device=device)
-    model.rotary_emb = type(model.rotary_emb)(config=config, device=device)
+    model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5,
+                                                  device=_map_device(device_map, "embed_tokens", device))
+    model.rotary_emb = type(model.rotary_emb)(config=config, device=_map_device(device_map, "rotary_emb", device))
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise ValueError(f"{source}: tensors left uninitialized after loading: {left}")
     return model.eval().requires_grad_(False)
 
 
-def load_gemma(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> GemmaTextEncoder:
+def load_gemma(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, *,
+               device_map: dict | None = None, offload_dir: str | Path | None = None) -> GemmaTextEncoder:
     """Load a Gemma 3 text encoder from ComfyUI's single file or a Hugging Face folder.
 
     Args:
         path: a `.safetensors` file (ComfyUI `models/text_encoders/` layout, or ltx-core's packed TE file) or a
             folder with `config.json` + `*.safetensors` + `tokenizer.model` (or `tokenizer.json`).
-        device: where the model runs.
+        device: where the model runs (ignored when `device_map` is given).
         dtype: weight/compute dtype; fp8-stored weights are dequantized (`weight·scale`) to it.
+        device_map: Accelerate device map, module name -> device ("cuda:1", 1, "cpu", "disk"), e.g. from
+            `parallel.gemma.plan_device_map`: each tensor goes straight to its module's device and the model is
+            dispatched with `accelerate.dispatch_model` (main device = the device of the first entry; "cpu"/"disk"
+            entries are offloaded and run on the main device, or on the CPU when every entry is "cpu"/"disk").
+            A map naming one device only is loaded there without hooks.
+        offload_dir: folder for the "disk" entries of `device_map`.
     Returns: `GemmaTextEncoder`.
     Raises: FileNotFoundError if `path` does not exist; ValueError naming the file and the rule for: an fp4-mixed /
         nvfp4 / mxfp8 file, a missing tokenizer (`spiece_model`), a missing/unknown config, tensors outside the
-        language model, shapes that contradict the config, missing or unexpected language-model tensors.
+        language model, shapes that contradict the config, missing or unexpected language-model tensors, a
+        device map that leaves a module unplaced or names "disk" without `offload_dir`.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Gemma text encoder not found: {path}")
     device = torch.device(device)
-    if path.is_dir():
-        return _load_folder(path, device, dtype)
-    return _load_single_file(path, device, dtype)
+    single = None
+    if device_map:
+        places = list(dict.fromkeys(device_map.values()))
+        if "disk" in places and offload_dir is None:
+            raise ValueError(f"{path}: the device map offloads to 'disk' but no offload_dir was given")
+        if len(places) == 1 and places[0] != "disk":
+            single, device_map = _as_device(places[0]), None
+    enc = (_load_folder if path.is_dir() else _load_single_file)(path, single or device, dtype, device_map)
+    if device_map:
+        from accelerate import dispatch_model
+
+        accel = [d for d in device_map.values() if d not in ("cpu", "disk")]
+        main = _as_device(accel[0] if accel else "cpu")  # offloaded ("cpu"/"disk") entries execute here
+        dispatch_model(enc.model, device_map=dict(device_map), main_device=main,
+                       offload_dir=str(offload_dir) if offload_dir is not None else None)
+        enc.input_device, enc.device_map = main, dict(device_map)
+    return enc
 
 
-def _load_single_file(path: Path, device, dtype) -> GemmaTextEncoder:
+def _load_single_file(path: Path, device, dtype, device_map: dict | None = None) -> GemmaTextEncoder:
     from safetensors import safe_open
 
     source = str(path)
@@ -426,7 +480,7 @@ def _load_single_file(path: Path, device, dtype) -> GemmaTextEncoder:
         text_config = _text_config_from_json(json.loads(meta["gemma_config"]), source)
     else:
         text_config = infer_text_config({k: tuple(v.shape) for k, v in col.tensors.items()}, source)
-    return GemmaTextEncoder(_build_model(text_config, col.tensors, device, source), tokenizer, source)
+    return GemmaTextEncoder(_build_model(text_config, col.tensors, device, source, device_map), tokenizer, source)
 
 
 def _text_config_from_json(config: dict, source: str) -> dict:
@@ -441,7 +495,7 @@ def _text_config_from_json(config: dict, source: str) -> dict:
     raise ValueError(f"{source}: unsupported model_type {mt!r} (rule: 'gemma3' or 'gemma3_text' — Gemma 3 only)")
 
 
-def _load_folder(folder: Path, device, dtype) -> GemmaTextEncoder:
+def _load_folder(folder: Path, device, dtype, device_map: dict | None = None) -> GemmaTextEncoder:
     source = str(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -467,4 +521,123 @@ def _load_folder(folder: Path, device, dtype) -> GemmaTextEncoder:
             keys |= set(f.keys())
     prefix = _detect_prefix(keys, source)
     col = _collect(files, prefix, dtype, source)
-    return GemmaTextEncoder(_build_model(text_config, col.tensors, device, source), tokenizer, source)
+    return GemmaTextEncoder(_build_model(text_config, col.tensors, device, source, device_map), tokenizer, source)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Headers only (memory planning, cache keys): nothing is loaded
+# ----------------------------------------------------------------------------------------------------------------
+
+_AUX_SUFFIXES = (".comfy_quant", ".weight_scale", ".scale_weight", ".input_scale", ".scale_input", ".weight_scale_2")
+
+
+@dataclass
+class GemmaHeader:
+    """What the safetensors headers (and config.json) of a Gemma file or folder say, without reading weights.
+
+    Attributes:
+        source: the file or folder.
+        text_config: the Gemma 3 text config dict (as `load_gemma` builds the model from).
+        shapes: language-model tensor name (no prefix, e.g. "layers.3.mlp.up_proj.weight") -> shape; the
+            quantization side tensors (`weight_scale`, `comfy_quant`, ...) are not listed.
+        stored_dtypes: the same names -> safetensors dtype string ("BF16", "F8_E4M3", ...).
+    """
+
+    source: str
+    text_config: dict
+    shapes: dict[str, tuple[int, ...]]
+    stored_dtypes: dict[str, str]
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config["hidden_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config["num_hidden_layers"])
+
+    @property
+    def num_hidden_states(self) -> int:
+        return self.num_layers + 1
+
+    def module_bytes(self, dtype: torch.dtype) -> tuple[list[int], dict[str, int]]:
+        """Bytes of the weights once loaded in `dtype` (fp8 is dequantized to it): `(per decoder layer in order,
+        {"embed_tokens": …, "norm": …})` — the input of `parallel.gemma.plan_device_map`."""
+        size = torch.empty((), dtype=dtype).element_size()
+        layers = [0] * self.num_layers
+        fixed: dict[str, int] = {}
+        for name, shape in self.shapes.items():
+            n = size
+            for d in shape:
+                n *= int(d)
+            m = re.match(r"layers\.(\d+)\.", name)
+            if m:
+                layers[int(m.group(1))] += n
+            else:
+                module = name.rsplit(".", 1)[0]
+                fixed[module] = fixed.get(module, 0) + n
+        return layers, fixed
+
+
+def read_gemma_header(path: str | Path) -> GemmaHeader:
+    """The config and tensor shapes of a Gemma 3 file or folder from headers only (same layouts and refusals as
+    `load_gemma`: fp4-mixed files, missing config, no language model are refused with the same ValueErrors).
+
+    Raises: FileNotFoundError if `path` does not exist; ValueError naming the file and the rule.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Gemma text encoder not found: {path}")
+    source = str(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"{source}: no config.json (rule: a Hugging Face Gemma folder has config.json, "
+                             f"*.safetensors and tokenizer.model)")
+        if not files:
+            raise ValueError(f"{source}: no *.safetensors weight files")
+    infos: dict[str, tuple[tuple[int, ...], str]] = {}
+    meta: dict = {}
+    for p in files:
+        with safe_open(str(p), framework="pt") as f:
+            keys = set(f.keys())
+            meta = f.metadata() or {}
+            _refuse_unsupported(_quant_formats(f, keys, meta, str(p)), keys, str(p))
+            for k in keys:
+                sl = f.get_slice(k)
+                infos[k] = (tuple(int(d) for d in sl.get_shape()), str(sl.get_dtype()))
+    prefix = _detect_prefix(set(infos), source)
+    shapes, dtypes = {}, {}
+    for k, (shape, dt) in infos.items():
+        if k in _IGNORED_KEYS or k.startswith(_IGNORED_PREFIXES) or not k.startswith(prefix):
+            continue
+        if k.endswith(_AUX_SUFFIXES):
+            continue
+        shapes[k[len(prefix):]] = shape
+        dtypes[k[len(prefix):]] = dt
+    if path.is_dir():
+        text_config = _text_config_from_json(json.loads((path / "config.json").read_text()),
+                                             str(path / "config.json"))
+    elif "gemma_config" in meta:
+        text_config = _text_config_from_json(json.loads(meta["gemma_config"]), source)
+    else:
+        text_config = infer_text_config(shapes, source)
+    return GemmaHeader(source, text_config, shapes, dtypes)
+
+
+def gemma_fingerprint(path: str | Path) -> tuple:
+    """Identity of a Gemma file or folder for caches: (resolved path, and per file: name, size, mtime_ns).
+    A folder contributes its config, tokenizer and `*.safetensors` files. Raises FileNotFoundError."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Gemma text encoder not found: {path}")
+    path = path.resolve()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and (
+            p.suffix == ".safetensors" or p.name in ("config.json", "tokenizer.model", "tokenizer.json")))
+    else:
+        files = [path]
+    return (str(path),) + tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)

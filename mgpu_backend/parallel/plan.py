@@ -12,8 +12,11 @@ import torch
 import torch.distributed as dist
 
 from ..validation import ValidationError
+from .decode import decode_tiles
 from .exchange import Exchange
 from .sequence import SequenceParallelTransformer, check_token_cap, largest_sp_degree
+from .tiled import TiledTransformer
+from .tiling import TileCountConfig
 
 DEFAULT_TOKEN_CAP = 65536  # video tokens per rank per forward (≈ 241 frames at 1920×1088 on 2 ranks)
 
@@ -52,6 +55,22 @@ class ParallelPlan:
             dist.broadcast(buf, src=0)
             out.append(buf.cpu())
         return out[0], out[1]
+
+    def tiled(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig) -> TiledTransformer:
+        """A TDP wrapper over every rank of the fleet (the default group)."""
+        return TiledTransformer(transformer, grid, tiling, None, self.world_size, self.rank)
+
+    def decode(self, vae, latent: torch.Tensor, tiling: TileCountConfig, temb=None):
+        """Distributed decode over every rank; pixels on rank 0 (None elsewhere) and this rank's report."""
+        return decode_tiles(vae, latent, tiling, temb, None, self.world_size, self.rank)
+
+    def gather_reports(self, report: dict) -> list[dict] | None:
+        """Every rank's report on rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return [report]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(report, out, dst=0)
+        return out
 
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import LTX2AttnProcessor, additive_mask
+from ..attention import LTX2AttnProcessor, use_processor
 from .exchange import Exchange
 
 NEG_INF = float("-inf")
@@ -107,8 +107,9 @@ class SequenceParallelTransformer:
     sliced with the tokens), audio / text inputs as usual. Returns `(video [B, T, C], audio [B, Ta, C])` — the same
     on every rank.
 
-    Installs our processors on the wrapped module (local `LTX2AttnProcessor` for the other attentions), so one
-    resident transformer serves SP and non-SP stages alike; `W = 1` runs without collectives.
+    `activate()` installs its processors on the wrapped module (Ulysses for `attn1`, gathered K/V for
+    `video_to_audio_attn`, local `LTX2AttnProcessor` for the rest); the stage that uses the wrapper calls it first,
+    so one resident transformer serves SP and non-SP stages alike. `W = 1` runs without collectives.
     Raises ValueError for a degree that does not divide the heads, or above the token cap, before any work.
     """
 
@@ -117,12 +118,15 @@ class SequenceParallelTransformer:
         self.transformer, self.exchange, self.token_cap = transformer, exchange, token_cap
         self.transformer_blocks = transformer.transformer_blocks  # for STG's processor swap
         self.state = _ForwardState()
-        local = LTX2AttnProcessor()
-        for block in transformer.transformer_blocks:
-            for name in ("attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn"):
-                getattr(block, name).set_processor(local)
-            block.attn1.set_processor(UlyssesSelfAttention(exchange, self.state))
-            block.video_to_audio_attn.set_processor(GatheredKeysCrossAttention(exchange, self.state))
+        self._self_attention = UlyssesSelfAttention(exchange, self.state)
+        self._video_to_audio = GatheredKeysCrossAttention(exchange, self.state)
+
+    def activate(self) -> None:
+        """Install the SP processors on the shared transformer (before the stage's first forward)."""
+        use_processor(self.transformer, LTX2AttnProcessor())
+        for block in self.transformer.transformer_blocks:
+            block.attn1.set_processor(self._self_attention)
+            block.video_to_audio_attn.set_processor(self._video_to_audio)
 
     def shard(self, x: torch.Tensor, dim: int, padded: int) -> torch.Tensor:
         """Zero-pad `dim` to `padded` and take this rank's contiguous slice."""
@@ -135,6 +139,8 @@ class SequenceParallelTransformer:
         return x.narrow(dim, self.exchange.rank * per_rank, per_rank)
 
     def __call__(self, *, hidden_states, timestep, video_coords, **kwargs):
+        if self.transformer.transformer_blocks[0].video_to_audio_attn.processor is not self._video_to_audio:
+            self.activate()  # another stage used the shared transformer since (STG never swaps this one)
         w = self.exchange.world_size
         b, t, _ = hidden_states.shape
         check_token_cap(t, w, self.token_cap)

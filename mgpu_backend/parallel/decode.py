@@ -1,0 +1,70 @@
+"""Distributed video-VAE decode (DESIGN.md §6): spatial latent tiles, full time axis per tile (LTX's causal first
+frame makes temporal splits error-prone), decoded round-robin on the ranks, blended in pixel space with trapezoid
+masks (latent overlap × 32 px), assembled on the driver rank by one reduce.
+
+With `world_size=1` it is the single-process tiled decode of the same tiles (the reference it must match).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .tiling import TileCountConfig, axis_weights, split_axis
+
+SPATIAL = 32  # pixels per latent cell (VAE spatial compression)
+
+
+def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch.Tensor | None = None,
+                 group: dist.ProcessGroup | None = None, world_size: int = 1, rank: int = 0,
+                 dst: int = 0) -> tuple[torch.Tensor | None, dict]:
+    """Decode a de-normalized latent `[1, 128, F, H, W]` (VAE space) in spatial tiles.
+
+    Tiles are `tiling.height × tiling.width` over the latent grid (the frame axis is never split); tile i is
+    decoded by rank i mod W. Returns (pixels `[1, 3, F', 32H, 32W]` float32 on rank `dst` — None elsewhere —,
+    report dict with this rank's tiles and seconds). Every rank of the group must call it.
+
+    Raises ValueError when tiles would not be larger than the overlap.
+    """
+    if tiling.frames.num_tiles != 1:
+        raise ValueError("the decode never splits the frame axis (the causal first frame); use height/width tiles")
+    _, _, f, h, w = latent.shape
+    param = next(vae.parameters())
+    h_spans = split_axis(h, tiling.height.num_tiles, tiling.height.overlap)
+    w_spans = split_axis(w, tiling.width.num_tiles, tiling.width.overlap)
+    # pixel-space weights: the trapezoid over the overlap measured in pixels
+    h_weights = axis_weights([(s * SPATIAL, e * SPATIAL) for s, e in h_spans], tiling.height.overlap * SPATIAL)
+    w_weights = axis_weights([(s * SPATIAL, e * SPATIAL) for s, e in w_spans], tiling.width.overlap * SPATIAL)
+    tiles = [(i, j) for i in range(len(h_spans)) for j in range(len(w_spans))]
+    out = None
+    mine = [k for k in range(len(tiles)) if k % world_size == rank]
+    start = time.perf_counter()
+    for k in mine:
+        i, j = tiles[k]
+        (h0, h1), (w0, w1) = h_spans[i], w_spans[j]
+        with torch.no_grad():
+            pixels = vae.decode(latent[:, :, :, h0:h1, w0:w1].to(param.device, param.dtype), temb,
+                                return_dict=False)[0].float()
+        if out is None:
+            frames = pixels.shape[2]
+            out = torch.zeros(1, 3, frames, h * SPATIAL, w * SPATIAL, device=pixels.device)
+        weight = h_weights[i][:, None] * w_weights[j][None, :]
+        out[..., h0 * SPATIAL:h1 * SPATIAL, w0 * SPATIAL:w1 * SPATIAL] += pixels * weight.to(pixels)
+    seconds = time.perf_counter() - start
+    if out is None:  # a rank without tiles still joins the reduce: learn the frame count from the VAE config
+        frames = (f - 1) * vae.config.temporal_compression_ratio + 1
+        out = torch.zeros(1, 3, frames, h * SPATIAL, w * SPATIAL, device=param.device)
+    # partition of unity in pixel space (normalize where 2·overlap exceeded a tile)
+    total = torch.zeros(h * SPATIAL, w * SPATIAL, dtype=torch.float64)
+    for i, j in tiles:
+        (h0, h1), (w0, w1) = h_spans[i], w_spans[j]
+        total[h0 * SPATIAL:h1 * SPATIAL, w0 * SPATIAL:w1 * SPATIAL] += h_weights[i][:, None] * w_weights[j][None, :]
+    if world_size > 1:
+        dist.reduce(out, dst=dst, op=dist.ReduceOp.SUM, group=group)
+    report = {"rank": rank, "tiles": mine, "seconds": seconds}
+    if rank != dst:
+        return None, report
+    if not torch.allclose(total, torch.ones_like(total), rtol=0, atol=1e-12):
+        out = out / total.to(out)
+    return out, report
