@@ -47,6 +47,13 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--pipeline", choices=("two-stage", "distilled"), default="two-stage",
                    help="two-stage: guided stage 1 + distilled-LoRA stage 2; distilled: a distilled checkpoint, "
                         "8 + 3 steps, no guidance, sequence parallel on both stages")
+    p.add_argument("--tiles", default=None, metavar="HxW",
+                   help="stage-2 tiled data parallel grid, e.g. 2x2 (default: balanced from the rank count)")
+    p.add_argument("--tile-overlap", type=int, default=5, help="stage-2 tile overlap in latent cells")
+    p.add_argument("--decode-tiles", default=None, metavar="HxW", help="VAE decode tile grid (default: balanced)")
+    p.add_argument("--decode-overlap", type=int, default=2, help="decode tile overlap in latent cells (×32 px)")
+    p.add_argument("--stage2-sigmas", default=None, help="comma list ending in 0 (default: 0.909375,0.725,0.421875,0;"
+                                                          " tiled: 0.625,0.4,0)")
     p.add_argument("--image", help="first-frame image for image-to-video")
     p.add_argument("--image-strength", type=float, default=1.0, help="0..1")
     p.add_argument("--device", default="cpu" if demo else None, help="cpu, cuda, cuda:1 … (default: cuda if any)")
@@ -121,11 +128,11 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     finally:
         progress.close()
     return _finish(args, result.frames, result.audio, result.sample_rate, result.timings,
-                   [str(r) for r in result.lora_reports], {"load": load_time},
+                   [str(r) for r in result.lora_reports], {"load": load_time}, result.rank_reports,
                    f"LTX-{components.variant} on {device} ({str(dtype).replace('torch.', '')})")
 
 
-def _finish(args, frames, audio, sample_rate, timings, lora_reports, extra_timings, header) -> dict:
+def _finish(args, frames, audio, sample_rate, timings, lora_reports, extra_timings, rank_reports, header) -> dict:
     from .media import write_mp4
 
     t = time.perf_counter()
@@ -137,8 +144,26 @@ def _finish(args, frames, audio, sample_rate, timings, lora_reports, extra_timin
         print(f"  LoRA {report}")
     for stage, seconds in timings.items():
         print(f"  {stage:<14} {seconds:8.3f} s")
+    for report in rank_reports or []:
+        decode = report.get("decode", {})
+        print(f"  rank {report['rank']}: stage 2: {report.get('stage 2')}; decode tiles {decode.get('tiles')} "
+              f"in {decode.get('seconds', 0.0):.3f} s")
     print(f"wrote {args.output}")
     return timings
+
+
+def _grid(value: str | None, overlap: int, what: str):
+    """`"HxW"` -> a spatial TileCountConfig (None stays None). Raises ValidationError naming the value."""
+    from .parallel.tiling import TileCountConfig
+    from .validation import ValidationError
+
+    if value is None:
+        return None
+    try:
+        h, w = (int(x) for x in value.lower().split("x"))
+        return TileCountConfig.spatial(h, w, overlap)
+    except ValueError:
+        raise ValidationError(f"{what}={value!r}: use HxW with positive counts, e.g. 2x2") from None
 
 
 def _request_and_files(args, paths):
@@ -155,7 +180,11 @@ def _request_and_files(args, paths):
     request = GenerateRequest(
         prompt=args.prompt, negative_prompt=args.negative_prompt or DEFAULT_NEGATIVE_PROMPT, width=args.width,
         height=args.height, frames=args.frames, fps=args.fps, steps=args.steps, seed=args.seed, image=args.image,
-        image_strength=args.image_strength, distilled_lora=lora, pipeline=args.pipeline)
+        image_strength=args.image_strength, distilled_lora=lora, pipeline=args.pipeline,
+        tiles=_grid(args.tiles, args.tile_overlap, "--tiles"), tile_overlap=args.tile_overlap,
+        decode_tiles=_grid(args.decode_tiles, args.decode_overlap, "--decode-tiles"),
+        decode_overlap=args.decode_overlap,
+        stage2_sigmas=tuple(float(x) for x in args.stage2_sigmas.split(",")) if args.stage2_sigmas else None)
     request.validate()
     return request, {k: (str(v) if v is not None else None) for k, v in files.items()}
 
@@ -187,7 +216,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
         progress.close()
         client.close()
     return _finish(args, result["frames"], result["audio"], result["sample_rate"], result["timings"],
-                   result["lora_reports"], {"fleet ready": configure_time},
+                   result["lora_reports"], {"fleet ready": configure_time}, result.get("rank_reports"),
                    f"fleet generation {handle.generation}, {len(devices)} ranks on {','.join(devices)} ({dtype}); "
                    f"{result['parallel']}")
 

@@ -140,16 +140,14 @@ class TwoStagePipeline:
     # ---- text ----------------------------------------------------------------------------------------------------
 
     def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
-        """Prompts -> CONDITIONING embeddings `[1, T_i, C]` each (valid tokens only, as ComfyUI stores them)."""
-        hidden, mask = self.gemma.encode(prompts)
-        projection = self.components.text_projection
-        weight = next(projection.parameters())
-        embeds = projection(hidden.to(weight.device, weight.dtype), mask.to(weight.device))
-        out = []
-        for i in range(len(prompts)):
-            valid = int(mask[i].sum())
-            out.append(embeds[i:i + 1, embeds.shape[1] - valid:].float().cpu())
-        return out
+        """Prompts -> CONDITIONING embeddings `[1, T_i, C]` each (valid tokens only, as ComfyUI stores them), through
+        the text service (parallel/gemma.py: one prompt per forward, prompt cache, the fleet's Gemma mode). A bare
+        `GemmaTextEncoder` is wrapped in a one-process service on first use."""
+        if not hasattr(self.gemma, "encode_embeds"):
+            from .parallel.gemma import TextEncoderService
+
+            self.gemma = TextEncoderService.wrap(self.gemma, self.components.text_projection)
+        return self.gemma.encode_embeds(prompts, strict=False)
 
     # ---- stages ----------------------------------------------------------------------------------------------------
 

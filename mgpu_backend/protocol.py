@@ -124,6 +124,15 @@ class FleetConfig:
     stall_timeout_s: float = 300.0
     token_cap: int | None = 65536  # video tokens per rank per SP forward; larger jobs are refused before work
     sequence_parallel: bool = True  # False: every rank computes every stage whole (fleet mechanics, debugging)
+    # Gemma text encoder (parallel/gemma.py): "replicated" (a replica per rank, each encodes everything),
+    # "batch_parallel" (a replica per rank, prompts split over ranks) or "sharded" (one copy over every device,
+    # run from rank 0, embeddings broadcast); jobs may ask for another mode (Gemma is then reloaded)
+    gemma_mode: str = "replicated"
+    gemma_unload: bool = False  # free Gemma after each encode (reloaded on the next cache miss), not loaded at start
+    gemma_reserve_gib: float = 0.0  # kept free on every fleet device when planning Gemma's memory (transformer)
+    # per-device caps for Gemma, Accelerate max_memory style: (("cuda:0", "20GiB"), ("cpu", "64GiB")); a device
+    # named here that is not a fleet device ("cpu", "disk") takes the sharded layers the GPUs cannot hold
+    gemma_max_memory: tuple[tuple[str, str], ...] | None = None
 
     @property
     def world_size(self) -> int:

@@ -115,8 +115,7 @@ class WorkerState:
 
     def __init__(self, config: FleetConfig, rank: int, device: torch.device):
         from .models import loader
-        from .models.gemma import load_gemma
-        from .models.text_projection import check_gemma_matches
+        from .parallel.gemma import TextEncoderService
         from .parallel.plan import build_plan
         from .pipelines import TwoStagePipeline
 
@@ -125,11 +124,16 @@ class WorkerState:
         self.components = loader.load_components(
             config.checkpoint, video_vae=config.video_vae, audio_vae=config.audio_vae,
             text_projection=config.text_projection, upsampler=config.upscaler, dtype=dtype, device=device)
-        self.gemma = load_gemma(config.gemma, device=device, dtype=dtype)
-        check_gemma_matches(self.components.text_projection, self.gemma, config.gemma)
+        # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
+        self.text = TextEncoderService.for_fleet(config, rank, device, self.components.text_projection)
         self.plan = (build_plan(self.components.transformer, rank, config.world_size, device, config.token_cap)
                      if config.sequence_parallel else None)
-        self.pipeline = TwoStagePipeline(self.components, self.gemma, device=device, dtype=dtype, plan=self.plan)
+        self.pipeline = TwoStagePipeline(self.components, self.text, device=device, dtype=dtype, plan=self.plan)
+
+    @property
+    def gemma(self):
+        """This rank's loaded `GemmaTextEncoder` (None when unloaded, or off rank 0 in sharded mode)."""
+        return self.text.encoder
 
 
 def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_flag, heartbeat) -> None:

@@ -14,4 +14,5 @@ def run_generate(state, request, ctx) -> dict:
         return {}
     return {"frames": send_frames(result.frames), "audio": result.audio, "sample_rate": result.sample_rate,
             "video_latent": result.video_latent, "audio_latent": result.audio_latent, "timings": result.timings,
-            "lora_reports": [str(r) for r in result.lora_reports], "parallel": result.parallel_report}
+            "lora_reports": [str(r) for r in result.lora_reports], "parallel": result.parallel_report,
+            "rank_reports": result.rank_reports}

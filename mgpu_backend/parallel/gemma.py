@@ -115,7 +115,8 @@ def activation_bytes(text_config: Mapping, tokens: int, dtype: torch.dtype) -> i
 
 def plan_device_map(layer_sizes: Sequence[int], fixed_sizes: Mapping[str, int],
                     budgets: Mapping[object, int | str], *, overhead: int | str | Mapping = 0,
-                    head: Sequence[str] = HEAD_MODULES, layer_prefix: str = "layers") -> dict[str, object]:
+                    spill: Sequence = (), head: Sequence[str] = HEAD_MODULES,
+                    layer_prefix: str = "layers") -> dict[str, object]:
     """Place a decoder stack on devices: module name -> device key of `budgets` (an Accelerate `device_map`).
 
     Pure function (no torch, no devices). Each decoder layer `f"{layer_prefix}.{i}"` is one whole entry (Gemma's
@@ -130,6 +131,10 @@ def plan_device_map(layer_sizes: Sequence[int], fixed_sizes: Mapping[str, int],
     minimizes the largest load/capacity ratio is used instead (bisection over the ratio with a greedy fill; no
     device goes over its capacity). Devices may be left empty.
 
+    `spill` names devices of `budgets` (e.g. "cpu", "disk" next to GPUs: offload) used only for what the others
+    cannot hold: when everything fits the other devices it is placed there as above; otherwise the other devices
+    are filled in order up to their capacity and the tail of the stack goes to the spill devices, in order.
+
     Raises: GemmaMemoryError with the numbers when the entries do not fit (in total, or as whole layers);
         ValueError for no budgets or a bad size.
     """
@@ -142,11 +147,18 @@ def plan_device_map(layer_sizes: Sequence[int], fixed_sizes: Mapping[str, int],
              + [(f"{layer_prefix}.{i}", int(s)) for i, s in enumerate(layer_sizes)]
              + [(n, int(s)) for n, s in fixed_sizes.items() if n not in head])
     total = sum(s for _, s in items)
-    if total > sum(caps.values()) or _greedy(items, devices, caps) is None:
+    unknown = [d for d in spill if d not in budgets]
+    if unknown:
+        raise ValueError(f"plan_device_map: spill devices {unknown} have no budget")
+    primary = [d for d in devices if d not in spill]
+    ordered = primary + [d for d in devices if d in spill]
+    if total > sum(caps.values()) or _greedy(items, ordered, caps) is None:
         raise GemmaMemoryError(_no_fit_message(items, layer_sizes, budgets, per_dev, caps, layer_prefix))
-    plan = _proportional(items, devices, caps)
+    if not primary or _greedy(items, primary, caps) is None:
+        return _greedy(items, ordered, caps)  # fill the primary devices, spill the rest
+    plan = _proportional(items, primary, caps)
     if plan is None:
-        plan = _min_max_ratio(items, devices, caps)
+        plan = _min_max_ratio(items, primary, caps)
     return plan
 
 
@@ -210,10 +222,9 @@ def _no_fit_message(items, layer_sizes, budgets, per_dev, caps, layer_prefix) ->
     total = sum(s for _, s in items)
     fixed = ", ".join(f"{n} {fmt_bytes(s)}" for n, s in items if not n.startswith(layer_prefix + ".") and s)
     largest = max(layer_sizes) if layer_sizes else 0
-    per = ", ".join(f"{d}: {fmt_bytes(caps[d])}" + (f" ({fmt_bytes(parse_size(budgets[d]))} − "
-                                                     f"{fmt_bytes(parse_size(per_dev.get(d, 0)))} activations)"
-                                                     if parse_size(per_dev.get(d, 0)) else "")
-                    for d in budgets)
+    per = ", ".join(f"{d} {fmt_bytes(parse_size(budgets[d]))}" + (
+        f" − {fmt_bytes(parse_size(per_dev.get(d, 0)))} activations = {fmt_bytes(caps[d])} for weights"
+        if parse_size(per_dev.get(d, 0)) else "") for d in budgets)
     why = ("in total" if total > sum(caps.values()) else
            f"as whole layers (no device has room for the next {fmt_bytes(largest)} decoder layer)")
     return (f"needs {fmt_bytes(total)} of weights ({len(layer_sizes)} whole decoder layers of up to "
@@ -317,27 +328,28 @@ def accelerate_device_map(model: torch.nn.Module, budgets: Mapping, dtype: torch
 def plan_gemma(header, dtype: torch.dtype, budgets: Mapping[str, DeviceBudget], *,
                tokens: int = PLAN_TOKENS) -> dict[str, str]:
     """The sharded device map for a Gemma described by `header` (`models.gemma.read_gemma_header`) on `budgets`
-    (the driver's device first). Activations (`activation_bytes`) are set aside on every accelerator; with an
-    offload device ("cpu"/"disk" next to a GPU) the main device also needs room for the largest streamed layer.
-    A map over "cpu" only (a CPU fleet) is returned as is. Raises GemmaMemoryError with the numbers."""
+    (the driver's device first). Activations (`activation_bytes`) are set aside on the devices that compute (every
+    accelerator; the CPU on a CPU fleet). "cpu"/"disk" next to the compute devices are offload (spill) devices:
+    used only for what the others cannot hold, streamed to the main device (the first accelerator, or the CPU),
+    which then also keeps room for the largest layer. Raises GemmaMemoryError with the numbers."""
     layer_sizes, fixed = header.module_bytes(dtype)
     fixed = {"rotary_emb": 0, **fixed}
     act = activation_bytes(header.text_config, tokens, dtype)
     accel = [d for d in budgets if d not in OFFLOAD_DEVICES]
+    main = accel[0] if accel else "cpu"  # where offloaded ("cpu"/"disk") entries execute
     overhead = {d: act for d in accel}
-    if accel and any(d in OFFLOAD_DEVICES for d in budgets):
-        overhead[accel[0]] += max(layer_sizes, default=0)
-    if not accel:  # everything runs on the CPU: activations live there
-        overhead = {d: act for d in budgets if d == "cpu"}
+    spill = [d for d in budgets if d in OFFLOAD_DEVICES and d != main]
+    overhead[main] = act + (max(layer_sizes, default=0) if spill else 0)  # a streamed layer
     try:
-        return plan_device_map(layer_sizes, fixed, {d: b.budget for d, b in budgets.items()}, overhead=overhead)
+        return plan_device_map(layer_sizes, fixed, {d: b.budget for d, b in budgets.items()}, overhead=overhead,
+                               spill=spill)
     except GemmaMemoryError as exc:
         raise GemmaMemoryError(
             f"Gemma text encoder {header.source} ({str(dtype).replace('torch.', '')}, sharded over "
             f"{', '.join(budgets)}; {fmt_bytes(act)} of activations per device for {tokens} tokens) {exc}. "
             f"Devices: {'; '.join(b.describe() for b in budgets.values())}. Free memory on these devices, lower "
-            f"gemma_reserve_gib, add a device (or 'cpu' in gemma_max_memory to offload), or use the fp8 file "
-            f"with a float8-capable dtype") from None
+            f"gemma_reserve_gib, add a device, or offload with 'cpu' in gemma_max_memory (fp8 files are "
+            f"dequantized to the compute dtype, so they do not shrink this)") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -400,7 +412,7 @@ class TextEncoderService:
             check_gemma_matches(projection, self.header or encoder, gemma_path)
         self.encoder = encoder
         self.layout: str | None = "replica" if encoder is not None else None  # "replica" | "sharded" | None
-        self.loaded_fingerprint = None
+        self.loaded_fingerprint = None  # rank 0's gemma_fingerprint of the loaded file
         self._offload_dir: str | None = None
         self.cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cache_used = 0
@@ -433,7 +445,7 @@ class TextEncoderService:
                   reserve_bytes=int(getattr(config, "gemma_reserve_gib", 0.0) * 2**30),
                   max_memory=dict(getattr(config, "gemma_max_memory", None) or ()))
         if not svc.unload_after:
-            svc.ensure_loaded(svc.mode)
+            svc.ensure_loaded(svc.mode, svc.fingerprint())
         return svc
 
     # ---- compatibility with code that asks the encoder for its sizes -------------------------------------------
@@ -492,34 +504,29 @@ class TextEncoderService:
         return outcome[1]
 
     def ensure_loaded(self, mode: str, fingerprint: tuple | None = None) -> None:
-        """Hold Gemma in the layout `mode` needs (collective). Reloads when the layout or the file changed."""
+        """Hold Gemma in the layout `mode` needs (collective: every rank calls it with rank 0's `fingerprint`,
+        fetched here when not given). Reloads when the layout or the Gemma file changed; refuses with
+        GemmaMemoryError (every rank) before loading when it cannot fit."""
         check_mode(mode)
-        layout = "sharded" if mode == "sharded" and self.world_size >= 1 and self._shards() else "replica"
-        gemma_fp = fingerprint[0] if fingerprint is not None else None
-        if self.layout == layout and (gemma_fp is None or self.loaded_fingerprint in (None, gemma_fp)):
-            return
-        if self.gemma_path is None:
-            if self.layout is None:
+        if self.gemma_path is None:  # an adopted encoder without a file: it is what there is
+            if self.encoder is None:
                 raise ValueError("the text encoder was unloaded and this service has no Gemma path to reload it")
-            return  # an adopted encoder without a file: keep it
+            return
+        fingerprint = self.fingerprint() if fingerprint is None else fingerprint
+        layout = "sharded" if mode == "sharded" else "replica"
+        if self.layout == layout and self.loaded_fingerprint == fingerprint[0]:
+            return
         self.unload()
-        if gemma_fp is not None and self.header is not None:
+        if self.loaded_fingerprint is not None and self.loaded_fingerprint != fingerprint[0]:
             from ..models.gemma import read_gemma_header
-            self.header = read_gemma_header(self.gemma_path)
+            self.header = read_gemma_header(self.gemma_path)  # the file changed since it was last loaded
         if layout == "sharded":
             self._load_sharded()
         else:
             self._load_replicas()
         self.layout = layout
+        self.loaded_fingerprint = fingerprint[0]
         self.stats["loads"] += 1
-        if gemma_fp is not None:
-            self.loaded_fingerprint = gemma_fp
-        else:
-            from ..models.gemma import gemma_fingerprint
-            self.loaded_fingerprint = gemma_fingerprint(self.gemma_path)
-
-    def _shards(self) -> bool:
-        return True
 
     def _load_replicas(self) -> None:
         from ..models.gemma import load_gemma
@@ -611,7 +618,8 @@ class TextEncoderService:
         hidden, mask = self.encoder.encode([prompt], min_length=self.min_length)
         self.stats["forwards"] += 1
         weight = next(self.projection.parameters())
-        embeds = self.projection(hidden.to(weight.device, weight.dtype), mask.to(weight.device))
+        # the projection normalizes in float32 and casts to its weights' dtype itself
+        embeds = self.projection(hidden.to(weight.device), mask.to(weight.device))
         valid = int(mask[0].sum())
         return embeds[:, embeds.shape[1] - valid:].float().cpu().contiguous()
 
@@ -620,7 +628,8 @@ class TextEncoderService:
             return
         size = value.numel() * value.element_size()
         if key in self.cache:
-            self._cache_used -= self.cache.pop(key).numel() * 4
+            old = self.cache.pop(key)
+            self._cache_used -= old.numel() * old.element_size()
         self.cache[key] = value
         self._cache_used += size
         while self._cache_used > self.cache_bytes and len(self.cache) > 1:
@@ -713,6 +722,10 @@ class TextEncoderService:
         for o in gathered:
             merged.update(o[1])
         return [merged[i] for i in range(len(prompts))]
+
+    def gather_stats(self) -> list[dict]:
+        """Every rank's counters (forwards, hits, misses, loads, unloads), rank order. Collective."""
+        return self._all_gather(dict(self.stats))
 
     @staticmethod
     def conditioning(embeds: torch.Tensor, frame_rate: float | None = None) -> list:
