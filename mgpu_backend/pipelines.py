@@ -170,14 +170,15 @@ class TwoStagePipeline:
     def run_stage(self, stage: str, model_fn, video_clean: torch.Tensor, audio_clean: torch.Tensor,
                   sigmas: torch.Tensor, seed: int, video_mask: torch.Tensor | None, audio_frozen: bool,
                   video_guidance: S.GuidanceParams, audio_guidance: S.GuidanceParams,
-                  progress: ProgressFn | None, cancel_check: CancelFn | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  progress: ProgressFn | None, cancel_check: CancelFn | None = None,
+                  noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Noise to `sigmas[0]` and denoise. Latents are packed `[1, T, 128]` float32 (model space).
 
+        `noise`: explicit packed (video, audio) noise (ComfyUI's NOISE); default drawn from `seed`.
         `cancel_check(stage, step)` runs before every step (the fleet makes it a synchronized decision); True
         raises `sampling.SamplingCancelled`."""
         steps = itertools.count()
-        noise_v, noise_a = S.make_av_noise(video_clean.shape, audio_clean.shape, seed)
+        noise_v, noise_a = noise if noise is not None else S.make_av_noise(video_clean.shape, audio_clean.shape, seed)
         start_v = S.noise_latent(video_clean, noise_v, float(sigmas[0]), video_mask)
         start_a = audio_clean if audio_frozen else S.noise_latent(audio_clean, noise_a, float(sigmas[0]))
         try:
@@ -321,8 +322,8 @@ class TwoStagePipeline:
                                                                 request.height // 2, request.width // 2)
         audio_clean = torch.zeros(1, audio_frames, 128)
         self.lora.restore()
-        video1, audio1 = self._sequence_parallel_stage(
-            "stage 1", positive, negative, (frames_lat, h1, w1), audio_frames, request, video_clean, audio_clean,
+        video1, audio1 = self.sequence_parallel_stage(
+            "stage 1", positive, negative, (frames_lat, h1, w1), audio_frames, request.fps, video_clean, audio_clean,
             sigmas1, request.seed, video_mask, False, video_guidance, audio_guidance, progress, cancel_check)
         timings["stage 1"] = time.perf_counter() - t
 
@@ -343,19 +344,19 @@ class TwoStagePipeline:
         reports = self.lora.fuse([lora]) if lora is not None else []
         report = {"rank": plan.rank if plan is not None else 0, "stage 1": plan.describe() if plan else "local"}
         try:
-            stage2 = ("stage 2", positive, None, (frames_lat, h2, w2), audio_frames, request, video_clean2, audio1,
+            stage2 = ("stage 2", positive, None, (frames_lat, h2, w2), audio_frames, request.fps, video_clean2, audio1,
                       sigmas2, request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress,
                       cancel_check)
             if distilled:
-                video2, _ = self._sequence_parallel_stage(*stage2)
+                video2, _ = self.sequence_parallel_stage(*stage2)
                 report["stage 2"] = report["stage 1"]
             elif stage2_tiling is not None:
                 tiled = (plan.tiled(self.components.transformer, (frames_lat, h2, w2), stage2_tiling) if plan
                          else TiledTransformer(self.components.transformer, (frames_lat, h2, w2), stage2_tiling))
-                video2, _ = self._local_stage(*stage2, forward=tiled)
+                video2, _ = self.local_stage(*stage2, forward=tiled)
                 report["stage 2"] = f"{tiled.describe()}; {tiled.compute_seconds:.3f} s in tile forwards"
             else:
-                video2, _ = self._local_stage(*stage2)
+                video2, _ = self.local_stage(*stage2)
                 report["stage 2"] = "local"
         finally:
             self.lora.restore()
@@ -390,23 +391,25 @@ class TwoStagePipeline:
         except ValueError as exc:
             raise V.ValidationError(f"{what}: {exc}") from None
 
-    def _local_stage(self, stage, positive, negative, grid, audio_frames, request, *run_args, forward=None):
-        """A stage every rank runs whole (optionally through a tiled wrapper that splits the work itself)."""
-        model_fn = self._model_fn(positive, negative, *grid, audio_frames, request.fps, forward=forward)
-        return self.run_stage(stage, model_fn, *run_args)
+    def local_stage(self, stage, positive, negative, grid, audio_frames, fps, *run_args, forward=None, noise=None):
+        """A stage every rank runs whole (optionally through a tiled wrapper that splits the work itself).
 
-    def _sequence_parallel_stage(self, stage, positive, negative, grid, audio_frames, request, *run_args):
+        `grid` = latent (F, H, W); `run_args` are `run_stage`'s arguments after `model_fn`."""
+        model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps, forward=forward)
+        return self.run_stage(stage, model_fn, *run_args, noise=noise)
+
+    def sequence_parallel_stage(self, stage, positive, negative, grid, audio_frames, fps, *run_args, noise=None):
         """A stage whose transformer forwards run sequence parallel over the plan's SP group; ranks outside the
-        group skip it and receive the result from rank 0."""
+        group skip it and receive the result from rank 0. One process: a local stage."""
         plan = self.plan
         if plan is None:
-            return self._local_stage(stage, positive, negative, grid, audio_frames, request, *run_args)
+            return self.local_stage(stage, positive, negative, grid, audio_frames, fps, *run_args, noise=noise)
         video, audio = None, None
         if plan.in_sp_group:
-            model_fn = self._model_fn(positive, negative, *grid, audio_frames, request.fps, forward=plan.sp_forward)
+            model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps, forward=plan.sp_forward)
             plan.active_group = plan.sp_group  # the per-step cancel decision is taken within the SP group
             try:
-                video, audio = self.run_stage(stage, model_fn, *run_args)
+                video, audio = self.run_stage(stage, model_fn, *run_args, noise=noise)
             finally:
                 plan.active_group = None
         video_clean, audio_clean = run_args[0], run_args[1]

@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable
 
 REGISTRY: dict[str, Callable] = {}
-_MODULES = ("generate", "diagnostics", "text")
+_MODULES = ("generate", "diagnostics", "text", "stages")
 
 
 def register(kind: str):
