@@ -150,14 +150,25 @@ class ControllerClient:
             other.close()
 
     def run(self, handle: P.FleetHandle, job: P.JobSpec, on_event: Callable[[dict], None] | None = None,
-            on_accepted: Callable[[dict], None] | None = None) -> Any:
+            on_accepted: Callable[[dict], None] | None = None,
+            cancel_requested: Callable[[], bool] | None = None, poll_s: float = 0.2) -> Any:
         """Submit a job and block until it ends, passing progress events to `on_event`.
 
+        `cancel_requested()` is polled every `poll_s` while waiting (ComfyUI's interrupt flag); when it turns True
+        the job is cancelled (all ranks stop at the next step boundary) and JobCancelled is raised.
         Returns the job's result with shared-memory frames already copied into a tensor (and the block freed).
         Raises FleetBusy at once when another job runs; JobCancelled; ControllerError.
         """
         P.send(self._conn, {"op": "submit", "handle": handle, "job": job})
+        cancel_sent = False
         while True:
+            while cancel_requested is not None and not self._conn.poll(poll_s):
+                if not cancel_sent and cancel_requested():
+                    try:
+                        self.cancel(job.job_id)
+                        cancel_sent = True
+                    except P.ControllerError:  # not started yet: try again at the next poll
+                        pass
             event = P.recv(self._conn)
             kind = event["event"]
             if kind == "busy":
