@@ -100,7 +100,8 @@ class Controller:
         if op == "shutdown_fleet":
             self._shutdown_fleet()
             return {"ok": True}
-        if op == "stop":
+        if op == "stop":  # the workers are gone when the client hears back (a new fleet may take the devices)
+            self._shutdown_fleet()
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}"}
 

@@ -25,6 +25,7 @@ timesteps in *sigma units* and the adapter multiplies.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
@@ -273,6 +274,89 @@ def masked_euler_step(
         x0 = x0.float() * m + clean.float() * (1.0 - m)
     v = to_velocity(x, x0, sigma)
     return euler_step(x, v, sigma, sigma_next)
+
+
+def ancestral_step(
+    x: torch.Tensor,
+    x0: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    noise: torch.Tensor | None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+) -> torch.Tensor:
+    """One Euler-ancestral step for flow matching (ComfyUI ``euler_ancestral`` on a CONST/flow model, i.e.
+    ``comfy/k_diffusion/sampling.py::sample_euler_ancestral_RF``; formula re-implemented, float32 math).
+
+    With ``sigma_next == 0`` the result is ``x0``. Otherwise ``sigma_down = sigma_next * (1 + (sigma_next / sigma - 1)
+    * eta)``, ``x' = (sigma_down / sigma) x + (1 - sigma_down / sigma) x0``, then
+    ``x_next = ((1 - sigma_next) / (1 - sigma_down)) x' + s_noise * c * noise`` with
+    ``c = sqrt(sigma_next^2 - sigma_down^2 (1 - sigma_next)^2 / (1 - sigma_down)^2)``. ``eta = 0`` is plain Euler.
+
+    Raises:
+        ValueError: sigma == 0, or a noise tensor is needed (eta > 0, sigma_next > 0) but missing.
+    """
+    s, sn = float(sigma), float(sigma_next)
+    if s == 0.0:
+        raise ValueError("ancestral_step: sigma can't be 0")
+    if sn == 0.0:
+        return x0.float().to(x.dtype)
+    sigma_down = sn * (1.0 + (sn / s - 1.0) * float(eta))
+    ratio = sigma_down / s
+    out = ratio * x.float() + (1.0 - ratio) * x0.float()
+    if eta > 0:
+        if noise is None:
+            raise ValueError("ancestral_step: eta > 0 needs a noise tensor")
+        alpha_next, alpha_down = 1.0 - sn, 1.0 - sigma_down
+        renoise = math.sqrt(max(0.0, sn ** 2 - sigma_down ** 2 * alpha_next ** 2 / alpha_down ** 2))
+        out = (alpha_next / alpha_down) * out + noise.to(out.device, torch.float32) * (float(s_noise) * renoise)
+    return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class AncestralSampler:
+    """Selects Euler-ancestral steps in :func:`denoise_loop` (default there: the reference's Euler step).
+
+    Attributes:
+        noise_fn: ``noise_fn() -> (video_noise, audio_noise)`` packed ``[B, T, 128]`` (either may be None for an
+            absent modality); called once per step whose ``sigma_next`` is not 0 (as ComfyUI draws it), in step order.
+            It must give the same values on every rank (e.g. a seeded CPU generator).
+        eta, s_noise: ComfyUI's ``euler_ancestral`` parameters (defaults 1.0, 1.0).
+    """
+
+    noise_fn: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]]
+    eta: float = 1.0
+    s_noise: float = 1.0
+
+
+_ACTIVE_SAMPLER: AncestralSampler | None = None
+
+
+@contextlib.contextmanager
+def use_sampler(sampler: AncestralSampler | None):
+    """Make ``sampler`` the step rule of every :func:`denoise_loop` call inside the block that does not pass one
+    (a job sets it around a pipeline stage whose loop it does not call itself). ``None``: Euler."""
+    global _ACTIVE_SAMPLER
+    previous, _ACTIVE_SAMPLER = _ACTIVE_SAMPLER, sampler
+    try:
+        yield
+    finally:
+        _ACTIVE_SAMPLER = previous
+
+
+def _masked_ancestral_step(x, x0, sigma, sigma_next, noise, mask, clean, sampler: AncestralSampler):
+    """Ancestral step honouring a per-token mask: tokens blend between the masked Euler result (mask 0: stays
+    ``clean``) and the ancestral result (mask 1) with the mask as weight; x0 is pulled to ``clean`` first, as in
+    :func:`masked_euler_step`."""
+    if mask is None:
+        return ancestral_step(x, x0, sigma, sigma_next, noise, sampler.eta, sampler.s_noise)
+    m = _token_mask(mask, x)
+    if bool((m == 1).all()):
+        return ancestral_step(x, x0, sigma, sigma_next, noise, sampler.eta, sampler.s_noise)
+    x0 = x0.float() * m + clean.float() * (1.0 - m)
+    anc = ancestral_step(x, x0, sigma, sigma_next, noise, sampler.eta, sampler.s_noise).float()
+    euler = euler_step(x, to_velocity(x, x0, sigma), sigma, sigma_next).float()
+    return torch.lerp(euler, anc, m.expand_as(anc)).to(x.dtype)  # weight 0 / 1 give euler / anc exactly
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -573,6 +657,7 @@ def denoise_loop(
     progress_callback: Callable[[int, int], None] | None = None,
     cancel_check: Callable[[], bool] | None = None,
     check_finite: bool = True,
+    sampler: AncestralSampler | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Joint audio+video Euler sampling with guidance (reference ``euler_denoising_loop`` + ``GuidedDenoiser``).
 
@@ -602,6 +687,8 @@ def denoise_loop(
         cancel_check: called before every step; returning True raises :class:`SamplingCancelled` (it may also
             raise its own exception, e.g. ComfyUI's interrupt).
         check_finite: raise :class:`NonFiniteLatentError` naming the modality and step when a latent goes NaN/Inf.
+        sampler: :class:`AncestralSampler` for Euler-ancestral steps (default: the one :func:`use_sampler` set, else
+            the reference Euler step).
 
     Returns:
         ``(video, audio)`` final packed latents (audio is the input object itself when frozen).
@@ -611,6 +698,8 @@ def denoise_loop(
     """
     s = as_sigmas(sigmas)
     total = s.numel() - 1
+    if sampler is None:
+        sampler = _ACTIVE_SAMPLER
     if video is None and audio is None:
         raise ValueError("denoise_loop needs at least one of video / audio")
     for name, x in (("video", video), ("audio", audio)):
@@ -663,14 +752,23 @@ def denoise_loop(
         a_params = NO_GUIDANCE if audio_frozen else audio_guidance
         g_v, g_a = guided_prediction(denoise, video_guidance, a_params, step=i, last=last)
         last = (g_v, g_a)
+        n_v = n_a = None
+        if sampler is not None and sigma_next != 0.0 and sampler.eta > 0:
+            n_v, n_a = sampler.noise_fn()
         if x_v is not None:
             if g_v is None:
                 raise ValueError("model_fn returned no video prediction")
-            x_v = masked_euler_step(x_v, g_v, sigma, sigma_next, vmask, vclean)
+            if sampler is None:
+                x_v = masked_euler_step(x_v, g_v, sigma, sigma_next, vmask, vclean)
+            else:
+                x_v = _masked_ancestral_step(x_v, g_v, sigma, sigma_next, n_v, vmask, vclean, sampler)
         if x_a is not None and not audio_frozen:
             if g_a is None:
                 raise ValueError("model_fn returned no audio prediction")
-            x_a = masked_euler_step(x_a, g_a, sigma, sigma_next, amask, aclean)
+            if sampler is None:
+                x_a = masked_euler_step(x_a, g_a, sigma, sigma_next, amask, aclean)
+            else:
+                x_a = _masked_ancestral_step(x_a, g_a, sigma, sigma_next, n_a, amask, aclean, sampler)
         if check_finite:
             _check_finite(x_v, "video", i + 1)
             _check_finite(None if audio_frozen else x_a, "audio", i + 1)
@@ -681,6 +779,7 @@ def denoise_loop(
 
 __all__ = [
     "AUDIO_GUIDANCE_LTX2",
+    "AncestralSampler",
     "AUDIO_GUIDANCE_LTX23",
     "BASE_SHIFT_ANCHOR",
     "DEFAULT_STEPS",
@@ -698,6 +797,7 @@ __all__ = [
     "TIMESTEP_SCALE",
     "VIDEO_GUIDANCE_LTX2",
     "VIDEO_GUIDANCE_LTX23",
+    "ancestral_step",
     "as_sigmas",
     "combine_guidance",
     "default_guidance",
@@ -713,4 +813,5 @@ __all__ = [
     "schedule_tokens",
     "to_velocity",
     "to_x0",
+    "use_sampler",
 ]

@@ -14,6 +14,57 @@ from ..validation import ValidationError
 from . import register
 
 MODES = ("sequence_parallel", "tiled")
+SAMPLERS = ("euler", "euler_ancestral")
+
+
+def _fit_guidance(p: dict, variant: str, n_blocks: int) -> tuple[S.GuidanceParams, S.GuidanceParams]:
+    """The payload's guidance with `stg_blocks` resolved: "auto" = the reference's STG block for the model version
+    (29 for LTX-2.0, 28 for 2.3), the last block on shallower models (as the CLI does); explicit blocks must exist."""
+    import dataclasses
+
+    video = p.get("video_guidance") or S.NO_GUIDANCE
+    audio = p.get("audio_guidance") or S.NO_GUIDANCE
+    blocks = p.get("stg_blocks")
+    if blocks == "auto":
+        default = S.default_guidance(variant)[0].stg_blocks
+        blocks = tuple(min(b, n_blocks - 1) for b in default)
+    elif blocks is not None:
+        try:
+            blocks = tuple(int(b) for b in blocks)
+        except (TypeError, ValueError):
+            raise ValidationError(f"stg_blocks={blocks!r}: 'auto' or a list of block indices") from None
+    if blocks is not None:
+        video = dataclasses.replace(video, stg_blocks=blocks)
+        audio = dataclasses.replace(audio, stg_blocks=blocks)
+    for name, g in (("video", video), ("audio", audio)):
+        bad = [b for b in g.stg_blocks if not 0 <= b < n_blocks] if g.uses_perturbed else []
+        if bad:
+            raise ValidationError(f"{name} STG block(s) {bad} do not exist: this transformer has blocks "
+                                  f"0..{n_blocks - 1} (use 'auto' for the model's default block)")
+    return video, audio
+
+
+def _ancestral(p: dict, video_shape, audio_shape) -> S.AncestralSampler | None:
+    """`sampler` "euler" (None) or "euler_ancestral": per-step noise as ComfyUI draws it on the CPU for an
+    audio+video latent: one `randn` over the concatenated flat (video, audio) latent per step, from a CPU generator
+    seeded with `seed + 1` (`k_diffusion.sampling.default_noise_sampler`)."""
+    name = p.get("sampler", "euler")
+    if name not in SAMPLERS:
+        raise ValidationError(f"sampler={name!r}: choose one of {', '.join(SAMPLERS)}")
+    if name == "euler":
+        return None
+    eta = float(p.get("eta", 1.0))
+    if not 0.0 <= eta <= 1.0:
+        raise ValidationError(f"eta={eta}: must be in [0, 1]")
+    generator = torch.Generator(device="cpu").manual_seed(int(p.get("seed", 0)) + 1)
+    nv = int(torch.Size(video_shape).numel())
+    na = int(torch.Size(audio_shape).numel())
+
+    def noise_fn():
+        n = torch.randn((1, 1, nv + na), generator=generator, dtype=torch.float32)
+        return (L.pack_video(n[..., :nv].reshape(video_shape)), L.pack_audio(n[..., nv:].reshape(audio_shape)))
+
+    return S.AncestralSampler(noise_fn, eta=eta, s_noise=float(p.get("s_noise", 1.0)))
 
 
 def _check_batch(name: str, x: torch.Tensor | None) -> None:
@@ -31,7 +82,9 @@ def run_sample(state, p: dict, ctx) -> dict:
     `[1, 1, F, H, W]`; 1 = generate), `noise_video` / `noise_audio` (same shapes as the latents), `sigmas` (1-D,
     ending in 0), `fps`, `video_guidance` / `audio_guidance` (`sampling.GuidanceParams`), `mode`
     ("sequence_parallel" | "tiled"), `tiles` (TileCountConfig for tiled; None = balanced), `tile_overlap`,
-    `audio_frozen` (tiled stages always freeze audio), `max_first_sigma` (tiled bound).
+    `audio_frozen` (tiled stages always freeze audio), `max_first_sigma` (tiled bound), `sampler` ("euler" |
+    "euler_ancestral", with `seed`, `eta`, `s_noise`), `stg_blocks` ("auto" or block indices; replaces both
+    guidances' blocks).
     Returns on rank 0: `{"video": [1, 128, F, H, W], "audio": [1, 8, T, 16], "report": str}`.
     Raises ValidationError before any work for bad shapes, modes and tile / sigma requests.
     """
@@ -67,28 +120,41 @@ def run_sample(state, p: dict, ctx) -> dict:
                  else TiledTransformer(pipe.components.transformer, grid, tiling))
     elif pipe.plan is not None:
         pipe.plan.check(f * h * w)
-    video_guidance = p.get("video_guidance") or S.NO_GUIDANCE
-    audio_guidance = p.get("audio_guidance") or S.NO_GUIDANCE
+    video_guidance, audio_guidance = _fit_guidance(p, pipe.components.variant,
+                                                   len(pipe.components.transformer.transformer_blocks))
+    sampler = _ancestral(p, video.shape, audio.shape)
     negative = p.get("negative")
     embeds = [p["positive"]] + ([negative] if negative is not None else [])
-    contexts = text_contexts(pipe.components, [e.float() for e in embeds], dtype=pipe.dtype)
+    try:
+        contexts = text_contexts(pipe.components, [e.float() for e in embeds], dtype=pipe.dtype)
+    except ValueError as exc:  # a conditioning from another model (width) is an input error, raised on every rank
+        raise ValidationError(str(exc)) from None
     positive_ctx = contexts.select(0)
     negative_ctx = contexts.select(1) if negative is not None else None
     if (video_guidance.uses_uncond or audio_guidance.uses_uncond) and negative_ctx is None:
         raise ValidationError("CFG scale ≠ 1 needs a negative conditioning")
     video_mask = p.get("video_mask")
-    token_mask = None if video_mask is None else L.video_token_mask(video_mask.float(), 1, f, h, w)
+    try:
+        token_mask = None if video_mask is None else L.video_token_mask(video_mask.float(), 1, f, h, w)
+    except ValueError as exc:
+        raise ValidationError(f"noise_mask: {exc}") from None
+    if float(p["fps"]) <= 0:
+        raise ValidationError(f"fps={p['fps']}: must be positive")
     audio_frozen = bool(p.get("audio_frozen", False)) or mode == "tiled"
+    for name, n, x in (("noise_video", p["noise_video"], video), ("noise_audio", p["noise_audio"], audio)):
+        if tuple(n.shape) != tuple(x.shape):
+            raise ValidationError(f"{name} of shape {tuple(n.shape)} does not match the latent {tuple(x.shape)}")
     noise = (L.pack_video(p["noise_video"].float()), L.pack_audio(p["noise_audio"].float()))
     args = ("stage", positive_ctx, negative_ctx, grid, audio.shape[2], float(p["fps"]), L.pack_video(video),
             L.pack_audio(audio), sigmas, 0, token_mask, audio_frozen, video_guidance, audio_guidance, ctx.progress,
             ctx.step_boundary)
-    if mode == "tiled":
-        out_video, out_audio = pipe.local_stage(*args, forward=tiled, noise=noise)
-        report = tiled.describe()
-    else:
-        out_video, out_audio = pipe.sequence_parallel_stage(*args, noise=noise)
-        report = pipe.plan.describe() if pipe.plan is not None else "one rank"
+    with S.use_sampler(sampler):
+        if mode == "tiled":
+            out_video, out_audio = pipe.local_stage(*args, forward=tiled, noise=noise)
+            report = tiled.describe()
+        else:
+            out_video, out_audio = pipe.sequence_parallel_stage(*args, noise=noise)
+            report = pipe.plan.describe() if pipe.plan is not None else "one rank"
     if ctx.rank != 0:
         return {}
     return {"video": L.unpack_video(out_video, f, h, w), "audio": L.unpack_audio(out_audio), "report": report}

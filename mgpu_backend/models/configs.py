@@ -96,12 +96,19 @@ def connector_kwargs(meta: dict[str, Any], audio: bool) -> dict[str, Any]:
 _DOWNSAMPLE = {"compress_space_res": "spatial", "compress_time_res": "temporal", "compress_all_res": "spatiotemporal"}
 
 
+_UPSAMPLE = {"compress_all": "spatiotemporal", "compress_space": "spatial", "compress_time": "temporal"}
+
+
 def video_vae_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
     """`config.vae` (ltx-core block list) -> `AutoencoderKLLTX2Video(**kwargs)`.
 
-    Supports the LTX-2 block pattern: encoder `res_x` stages separated by `compress_*_res` downsamplers (each with a
-    channel `multiplier`), decoder `res_x` stages separated by `compress_all` upsamplers. Compression is always 32×
-    spatial, 8× temporal (set explicitly, DESIGN.md §2).
+    Encoder: `res_x` stages separated by `compress_{space,time,all}_res` downsamplers (each with a channel
+    `multiplier`). Decoder: `res_x` stages separated by `compress_all` (LTX-2.0) or `compress_space` /
+    `compress_time` / `compress_all` (LTX-2.3) depth-to-space upsamplers, each dividing the width by its
+    `multiplier` (1 keeps it); the decoder starts at `decoder_base_channels` × the product of the multipliers
+    (ComfyUI's rule; ltx-core hard-codes × 8, the same for the released files). One `spatial_padding_mode` applies to
+    both encoder and decoder, as in ltx-core and ComfyUI (absent: zeros / reflect). Compression is always 32× spatial,
+    8× temporal (set explicitly, DESIGN.md §2).
 
     Raises ValueError naming the block for any other layout.
     """
@@ -116,27 +123,34 @@ def video_vae_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
             enc_channels.append(channels)
         else:
             raise ValueError(f"video VAE config: unsupported encoder block {name!r}")
-    dec_layers, noise, residual, factors = [], [], [], []
-    dec_blocks = list(meta.get("decoder_blocks", []))
-    for name, params in dec_blocks:
+    # decoder, from the latent side (ltx-core builds `reversed(decoder_blocks)`)
+    dec_layers, noise, residual, factors, kinds = [], [], [], [], []
+    for name, params in reversed(list(meta.get("decoder_blocks", []))):
         if name == "res_x":
             dec_layers.append(int(params["num_layers"]))
             noise.append(bool(params.get("inject_noise", False)))
-        elif name == "compress_all":
-            residual.append(bool(params.get("residual", False)))
+        elif name in _UPSAMPLE:
+            kinds.append(_UPSAMPLE[name])
+            residual.append(bool(params.get("residual", False)) if name == "compress_all" else False)
             factors.append(int(params.get("multiplier", 1)))
         else:
             raise ValueError(f"video VAE config: unsupported decoder block {name!r}")
-    base = int(meta.get("decoder_base_channels", 128))
-    # diffusers lists decoder stages from the latent side inward: channels base·2, base·4, …
-    dec_channels = tuple(base * 2 ** (i + 1) for i in range(len(factors)))
+    width = int(meta.get("decoder_base_channels", 128))
+    for factor in factors:
+        width *= factor
+    widths = []  # the width entering each upsampler (diffusers' `decoder_block_out_channels`, latent side first)
+    for factor in factors:
+        widths.append(width)
+        width //= factor
+    mode = meta.get("spatial_padding_mode")
     return dict(
         in_channels=int(meta.get("in_channels", 3)),
         out_channels=int(meta.get("out_channels", 3)),
         latent_channels=int(meta.get("latent_channels", 128)),
         block_out_channels=tuple(enc_channels),
         down_block_types=("LTX2VideoDownBlock3D",) * len(enc_channels),
-        decoder_block_out_channels=dec_channels,
+        # diffusers' decoder reverses these (it takes them pixel side first, like the file's list) ...
+        decoder_block_out_channels=tuple(reversed(widths)),
         layers_per_block=tuple(enc_layers),
         decoder_layers_per_block=tuple(reversed(dec_layers)),
         spatio_temporal_scaling=(True,) * len(enc_channels),
@@ -145,13 +159,14 @@ def video_vae_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
         downsample_type=tuple(downsample),
         upsample_residual=tuple(reversed(residual)),
         upsample_factor=tuple(reversed(factors)),
+        upsample_type=tuple(kinds),  # ... but indexes this one latent side first
         timestep_conditioning=bool(meta.get("timestep_conditioning", False)),
         patch_size=int(meta.get("patch_size", 4)),
         patch_size_t=1,
         encoder_causal=True,
         decoder_causal=bool(meta.get("causal_decoder", False)),
-        encoder_spatial_padding_mode="zeros",
-        decoder_spatial_padding_mode=str(meta.get("spatial_padding_mode", "reflect")),
+        encoder_spatial_padding_mode=str(mode or "zeros"),
+        decoder_spatial_padding_mode=str(mode or "reflect"),
         spatial_compression_ratio=32,
         temporal_compression_ratio=8,
     )

@@ -452,7 +452,8 @@ def load_gemma(path: str | Path, device="cpu", dtype: torch.dtype = torch.float3
 
         accel = [d for d in device_map.values() if d not in ("cpu", "disk")]
         main = _as_device(accel[0] if accel else "cpu")  # offloaded ("cpu"/"disk") entries execute here
-        dispatch_model(enc.model, device_map=dict(device_map), main_device=main,
+        # main_device as a str: Accelerate compares it with "cpu" (a torch.device never equals a str)
+        dispatch_model(enc.model, device_map=dict(device_map), main_device=str(main),
                        offload_dir=str(offload_dir) if offload_dir is not None else None)
         enc.input_device, enc.device_map = main, dict(device_map)
     return enc

@@ -46,6 +46,9 @@ _CONNECTOR_SEGMENTS = {
     "k_norm": "norm_k",
 }
 _VAE_SEGMENTS = {"res_blocks": "resnets"}
+# timestep-conditioned decoders: the decoder-level (not per-block) embedder and output modulation
+_VAE_DECODER_TOP = {"decoder.last_time_embedder.": "decoder.time_embedder.",
+                    "decoder.last_scale_shift_table": "decoder.scale_shift_table"}
 _VOCODER_SEGMENTS = {"ups": "upsamplers", "resblocks": "resnets", "conv_pre": "conv_in", "conv_post": "conv_out",
                      "act_post": "act_out"}
 _LOWPASS = (".downsample.lowpass.filter", ".downsample.filter")  # anti-aliased activations of the AMP1 resblocks
@@ -101,6 +104,9 @@ def video_vae_to_diffusers(key: str, num_down_stages: int = 4) -> str:
     for orig, new in _STATS.items():
         if key == orig:
             return new
+    for orig, new in _VAE_DECODER_TOP.items():
+        if key.startswith(orig):
+            return new + key[len(orig):]
     m = _ENC.match(key)
     if m:
         idx, rest = int(m.group(1)), m.group(2)
@@ -126,6 +132,9 @@ def video_vae_to_original(key: str, num_down_stages: int = 4) -> str:
     for orig, new in _STATS.items():
         if key == new:
             return orig
+    for orig, new in _VAE_DECODER_TOP.items():
+        if key.startswith(new):
+            return orig + key[len(new):]
     key = _rename_segments(key, _invert(_VAE_SEGMENTS))
     if key.startswith("encoder.mid_block."):
         return f"encoder.down_blocks.{2 * num_down_stages}." + key[len("encoder.mid_block."):]

@@ -39,6 +39,7 @@ import re
 import shutil
 import tempfile
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -519,7 +520,11 @@ class TextEncoderService:
         self.unload()
         if self.loaded_fingerprint is not None and self.loaded_fingerprint != fingerprint[0]:
             from ..models.gemma import read_gemma_header
+            from ..models.text_projection import check_gemma_matches
+
             self.header = read_gemma_header(self.gemma_path)  # the file changed since it was last loaded
+            if self.projection is not None:
+                check_gemma_matches(self.projection, self.header, self.gemma_path)
         if layout == "sharded":
             self._load_sharded()
         else:
@@ -599,10 +604,12 @@ class TextEncoderService:
             if getattr(enc, "device_map", None):
                 from accelerate.hooks import remove_hook_from_submodules
                 remove_hook_from_submodules(enc.model)
+            model = weakref.ref(enc.model)
             del enc
-        gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+            if model() is not None:  # held by a reference cycle: collect it now, not at some later gc pass
+                gc.collect()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
         self._drop_offload_dir()
         if had:
             self.stats["unloads"] += 1

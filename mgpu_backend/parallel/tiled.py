@@ -81,7 +81,8 @@ class TiledTransformer:
         return overlaps | (cond[0, :, 0] < 0)
 
     def __call__(self, *, hidden_states, timestep, video_coords, audio_hidden_states, **kwargs):
-        if self.transformer.transformer_blocks[0].video_to_audio_attn.processor is not self._local:
+        blocks = self.transformer.transformer_blocks
+        if blocks and blocks[0].video_to_audio_attn.processor is not self._local:
             self.activate()  # another stage used the shared transformer since (STG never swaps this one)
         b, t, c = hidden_states.shape
         n_gen = self.grid[0] * self.grid[1] * self.grid[2]

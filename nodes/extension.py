@@ -1,0 +1,19 @@
+"""The pack's ComfyExtension: the node list ComfyUI registers."""
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from .decode import DistributedDecodeMGPU
+from .fleet import FleetMGPU
+from .loader import LoadCheckpointMGPU
+from .sampler import SPSamplerMGPU
+from .text_encode import TextEncodeMGPU
+from .upscale import TDPUpscaleMGPU
+
+NODES: list[type[io.ComfyNode]] = [LoadCheckpointMGPU, TextEncodeMGPU, SPSamplerMGPU, TDPUpscaleMGPU,
+                                   DistributedDecodeMGPU, FleetMGPU]
+
+
+class LTX2MultiGPUExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)

@@ -1,0 +1,73 @@
+"""Fleet (MGPU): the controller's and the fleet's status, or shut the fleet down (its devices are freed; the next
+MGPU job starts it again from the handle)."""
+from __future__ import annotations
+
+import time
+
+from comfy_api.latest import io, ui
+
+from ..mgpu_backend import protocol as P
+from .common import CATEGORY, NodeError, check_handle, client, fleet_input
+
+ACTIONS = ("status", "shut down")
+
+
+def format_status(status: dict, handle: P.FleetHandle | None = None) -> str:
+    lines = [f"controller pid {status.get('pid')} ({status.get('socket')})"]
+    fleet = status.get("fleet")
+    if fleet is None:
+        lines.append("no fleet running (the next MGPU job starts one)")
+    else:
+        lines.append(f"fleet generation {fleet['generation']}: {len(fleet['devices'])} rank(s) on "
+                     f"{', '.join(fleet['devices'])}; workers {', '.join(map(str, fleet['worker_pids']))}")
+        lines.append(f"checkpoint {fleet.get('checkpoint')} (loaded in {fleet.get('load_seconds') or 0:.1f} s)")
+        if handle is not None and fleet["generation"] != handle.generation:
+            lines.append(f"this handle is of generation {handle.generation} (the fleet was rebuilt since)")
+    lines.append(f"busy with job {status['busy_job']}" if status.get("busy_job") else "idle")
+    if status.get("last_failure"):
+        lines.append(f"last failure: {status['last_failure']}")
+    return "\n".join(lines)
+
+
+class FleetMGPU(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LTX2MGPU_Fleet",
+            display_name="Fleet (MGPU)",
+            category=CATEGORY,
+            description="Shows the controller and worker fleet status, or shuts the fleet down to free its devices.",
+            inputs=[
+                fleet_input(),
+                io.Combo.Input("action", options=list(ACTIONS), default="status",
+                               tooltip="status: report the fleet. shut down: stop the worker processes and free "
+                                       "their memory (the next MGPU job starts the fleet again)."),
+            ],
+            outputs=[io.String.Output(display_name="status")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs):
+        return time.time()  # a status is never cached
+
+    @classmethod
+    def execute(cls, fleet, action) -> io.NodeOutput:
+        handle = check_handle(fleet)
+        try:
+            c = client(start=False)
+        except P.ControllerError:
+            text = "no controller running (the next MGPU job starts it)"
+            return io.NodeOutput(text, ui=ui.PreviewText(text))
+        try:
+            if action == "shut down":
+                c.shutdown_fleet()
+                text = "fleet shut down; its devices are free (the next MGPU job starts it again)\n"
+                text += format_status(c.status(), handle)
+            else:
+                text = format_status(c.status(), handle)
+        except P.ControllerError as exc:
+            raise NodeError(f"Fleet (MGPU): {exc}") from None
+        finally:
+            c.close()
+        return io.NodeOutput(text, ui=ui.PreviewText(text))

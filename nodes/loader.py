@@ -1,0 +1,198 @@
+"""Load Checkpoint (MGPU): resolve model files from ComfyUI's folders, start (or reuse) the worker fleet, show the plan."""
+from __future__ import annotations
+
+import json
+import os
+
+import folder_paths
+from comfy_api.latest import io, ui
+
+from ..mgpu_backend import protocol as P
+from .common import CATEGORY, Fleet, NodeError, client, guard
+
+NONE = "none"
+UPSCALER_FOLDER = "latent_upscale_models"
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _ensure_upscaler_folder() -> None:
+    """ComfyUI 0.20 knows `latent_upscale_models/`; register it on an older one."""
+    if UPSCALER_FOLDER not in folder_paths.folder_names_and_paths:
+        folder_paths.folder_names_and_paths[UPSCALER_FOLDER] = (
+            [os.path.join(folder_paths.models_dir, UPSCALER_FOLDER)], folder_paths.supported_pt_extensions)
+
+
+def _files(*folders: str) -> list[str]:
+    names: set[str] = set()
+    for folder in folders:
+        try:
+            names.update(folder_paths.get_filename_list(folder))
+        except KeyError:  # a folder this ComfyUI does not know
+            pass
+    return sorted(names)
+
+
+def _gemma_choices() -> list[str]:
+    """Files in `text_encoders/` and Hugging Face folders there (a sub-folder with config.json), shown as 'name/'."""
+    folders = []
+    for base in folder_paths.get_folder_paths("text_encoders"):
+        if os.path.isdir(base):
+            for entry in sorted(os.listdir(base)):
+                if os.path.isfile(os.path.join(base, entry, "config.json")):
+                    folders.append(entry + "/")
+    files = [f for f in _files("text_encoders") if f.endswith((".safetensors", ".sft"))]
+    return sorted(set(folders)) + files
+
+
+def _resolve(name: str, *folders: str) -> str:
+    for folder in folders:
+        try:
+            path = folder_paths.get_full_path(folder, name)
+        except KeyError:
+            path = None
+        if path:
+            return path
+    raise NodeError(f"model file {name!r} not found in {', '.join(f'models/{f}/' for f in folders)}")
+
+
+def _resolve_gemma(name: str) -> str:
+    if name.endswith("/"):
+        for base in folder_paths.get_folder_paths("text_encoders"):
+            path = os.path.join(base, name.rstrip("/"))
+            if os.path.isdir(path):
+                return path
+        raise NodeError(f"Gemma folder {name!r} not found in models/text_encoders/")
+    return _resolve(name, "text_encoders")
+
+
+def _optional(name: str, *folders: str) -> str | None:
+    return None if name in (None, "", NONE) else _resolve(name, *folders)
+
+
+def _heads(checkpoint: str) -> int:
+    """Video attention heads from the checkpoint's `config` metadata (32 for the released models)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(checkpoint, framework="pt") as f:
+            meta = f.metadata() or {}
+        return int(json.loads(meta.get("config", "{}")).get("transformer", {}).get("num_attention_heads", 32))
+    except Exception:  # noqa: BLE001 - the plan is informative; the workers load (and check) the file
+        return 32
+
+
+def _free_memory(devices: tuple[str, ...]) -> str:
+    import torch
+
+    parts = []
+    for dev in dict.fromkeys(devices):
+        if dev.startswith("cuda"):
+            free, total = torch.cuda.mem_get_info(torch.device(dev))
+            parts.append(f"{dev} {free / 2**30:.1f}/{total / 2**30:.1f} GiB free")
+        else:
+            try:
+                avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                parts.append(f"host RAM {avail / 2**30:.1f} GiB free")
+            except (ValueError, OSError):
+                pass
+    return ", ".join(parts)
+
+
+def describe_plan(handle: P.FleetHandle) -> str:
+    cfg = handle.config
+    w = cfg.world_size
+    heads = _heads(cfg.checkpoint)
+    degree = max(d for d in range(1, w + 1) if heads % d == 0)
+    backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
+    sp = (f"sequence parallel degree {degree} (stage 1 splits the video tokens over {degree} ranks)" if degree == w
+          else f"sequence parallel degree {degree} on ranks 0-{degree - 1}: {w} does not divide the {heads} "
+               f"attention heads (valid: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
+    size = sum(os.path.getsize(p) for p in (cfg.checkpoint, cfg.upscaler, cfg.video_vae, cfg.audio_vae,
+                                            cfg.text_projection) if p and os.path.isfile(p))
+    lines = [
+        f"fleet generation {handle.generation}: {w} rank(s) on {', '.join(cfg.devices)} ({backend}), "
+        f"{cfg.dtype}",
+        sp,
+        f"tiled stage 2 / decode: all {w} ranks",
+        f"weights: one full copy per rank (~{size / 2**30:.2f} GiB of files each, plus Gemma, mode "
+        f"{cfg.gemma_mode}) - a latency tool, not a memory tool",
+        f"memory: {_free_memory(cfg.devices)}",
+        f"worker pids: {', '.join(map(str, handle.worker_pids))}",
+    ]
+    return "\n".join(lines)
+
+
+class LoadCheckpointMGPU(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        _ensure_upscaler_folder()
+        return io.Schema(
+            node_id="LTX2MGPU_LoadCheckpoint",
+            display_name="Load Checkpoint (MGPU)",
+            category=CATEGORY,
+            description="Starts (or reuses) the background worker fleet: one process per device, each holding a full "
+                        "copy of the LTX-2 weights. The handle it returns feeds every other MGPU node.",
+            inputs=[
+                io.Combo.Input("checkpoint", options=_files("checkpoints", "diffusion_models"),
+                               tooltip="LTX-2 / LTX-2.3 single-file checkpoint (models/checkpoints/) or a "
+                                       "transformer-only file (models/diffusion_models/, then give the VAE, audio "
+                                       "VAE and text projection files below)."),
+                io.Combo.Input("gemma", options=_gemma_choices(),
+                               tooltip="Gemma 3 text encoder in models/text_encoders/: ComfyUI's single file or a "
+                                       "Hugging Face folder (shown with a trailing '/')."),
+                io.Combo.Input("upscaler", options=[NONE] + _files(UPSCALER_FOLDER), default=NONE,
+                               tooltip="2x spatial latent upscaler (models/latent_upscale_models/), needed by "
+                                       "TDP Upscale (MGPU) when it upscales."),
+                io.String.Input("devices", default="all",
+                                tooltip="Devices of the fleet: 'all', a count ('4'), a CUDA index list ('0,1,3'; "
+                                        "one index: '1,'), or 'cpu:N' for N CPU ranks. Without CUDA, 'all' means "
+                                        "CPU ranks (see world_size)."),
+                io.Int.Input("world_size", default=0, min=0, max=64,
+                             tooltip="Number of ranks: 0 = every device of 'devices' (one CPU rank when 'all' has "
+                                     "no GPU); otherwise caps or sets the count."),
+                io.Combo.Input("weight_dtype", options=list(DTYPES), default="auto",
+                               tooltip="Compute / weight dtype on the workers: auto = bfloat16 on GPUs, float32 on "
+                                       "CPU ranks."),
+                io.Combo.Input("video_vae", options=[NONE] + _files("vae", "checkpoints"), default=NONE,
+                               optional=True,
+                               tooltip="Separate video VAE file, for a transformer-only checkpoint (none = from "
+                                       "the checkpoint)."),
+                io.Combo.Input("audio_vae", options=[NONE] + _files("vae", "checkpoints"), default=NONE,
+                               optional=True,
+                               tooltip="Separate audio VAE + vocoder file, for a transformer-only checkpoint (none = "
+                                       "from the checkpoint)."),
+                io.Combo.Input("text_projection", options=[NONE] + _files("text_encoders", "checkpoints"),
+                               default=NONE, optional=True,
+                               tooltip="Separate text projection file (text_embedding_projection.*), for a "
+                                       "transformer-only checkpoint (none = from the checkpoint)."),
+            ],
+            outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
+                                                                "generation).")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, checkpoint, gemma, upscaler, devices, world_size, weight_dtype, video_vae=NONE,
+                audio_vae=NONE, text_projection=NONE) -> io.NodeOutput:
+        from ..mgpu_backend.client import parse_devices
+
+        with guard("Load Checkpoint (MGPU)"):
+            devs = parse_devices(devices, world_size or None)
+            dtype = weight_dtype if weight_dtype != "auto" else (
+                "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32")
+            config = P.FleetConfig(
+                devices=devs, checkpoint=_resolve(checkpoint, "checkpoints", "diffusion_models"),
+                gemma=_resolve_gemma(gemma), upscaler=_optional(upscaler, UPSCALER_FOLDER),
+                video_vae=_optional(video_vae, "vae", "checkpoints"),
+                audio_vae=_optional(audio_vae, "vae", "checkpoints"),
+                text_projection=_optional(text_projection, "text_encoders", "checkpoints"), dtype=dtype)
+            try:
+                c = client()
+                try:
+                    handle = c.configure(config)
+                finally:
+                    c.close()
+            except P.ControllerError as exc:
+                raise NodeError(f"Load Checkpoint (MGPU): {exc}") from None
+            plan = describe_plan(handle)
+        return io.NodeOutput(handle, ui=ui.PreviewText(plan))

@@ -1,0 +1,69 @@
+"""Text Encode (MGPU): Gemma on the fleet -> two CONDITIONING in ComfyUI's native (unprocessed LTX-2) form."""
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+from comfy_api.latest import io
+
+from .common import CATEGORY, NodeError, fleet_input, guard, run_job
+from .native_types import DEFAULT_FRAME_RATE, make_conditioning
+
+MODES = ("fleet default", "sharded", "batch_parallel", "replicated")
+
+
+@functools.lru_cache(maxsize=1)
+def reference_negative_prompt() -> str:
+    """The reference negative prompt (`mgpu_backend.pipelines.DEFAULT_NEGATIVE_PROMPT`), read from the source so
+    that ComfyUI's start-up does not import diffusers just for a widget default."""
+    source = (Path(__file__).resolve().parent.parent / "mgpu_backend" / "pipelines.py").read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULT_NEGATIVE_PROMPT"
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    return ""
+
+
+class TextEncodeMGPU(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LTX2MGPU_TextEncode",
+            display_name="Text Encode (MGPU)",
+            category=CATEGORY,
+            description="Encodes the prompt and the negative prompt with the fleet's Gemma and the checkpoint's text "
+                        "projection. The outputs are ordinary LTX-2 CONDITIONING (as ComfyUI's own LTX-2 text encoder "
+                        "makes them) and also work with ComfyUI's samplers.",
+            inputs=[
+                fleet_input(),
+                io.String.Input("prompt", multiline=True, default="",
+                                tooltip="What the clip shows and sounds like."),
+                io.String.Input("negative_prompt", multiline=True, default=reference_negative_prompt(),
+                                tooltip="What to steer away from (used by CFG in the SP Sampler). Default: the "
+                                        "reference pipeline's negative prompt."),
+                io.Combo.Input("mode", options=list(MODES), default="fleet default",
+                               tooltip="How Gemma runs: sharded = one copy split over the devices (least memory), "
+                                       "batch_parallel = a replica per device with the two prompts on different "
+                                       "devices, replicated = a replica per device; fleet default = the fleet's "
+                                       "setting. Changing the mode reloads Gemma."),
+                io.Float.Input("frame_rate", default=DEFAULT_FRAME_RATE, min=1.0, max=240.0, step=0.01,
+                               tooltip="Frames per second written into the conditioning (as LTXVConditioning does): "
+                                       "the samplers time video and audio with it. Use the same rate in "
+                                       "LTXVEmptyLatentAudio and CreateVideo."),
+            ],
+            outputs=[io.Conditioning.Output(display_name="positive"),
+                     io.Conditioning.Output(display_name="negative")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, fleet, prompt, negative_prompt, mode, frame_rate) -> io.NodeOutput:
+        with guard("Text Encode (MGPU)"):
+            payload = {"prompts": [prompt, negative_prompt], "mode": None if mode == "fleet default" else mode,
+                       "frame_rate": float(frame_rate)}
+            result = run_job(fleet, "encode_text", payload, node_id=cls.hidden.unique_id, what="Text Encode (MGPU)")
+            embeds = result.get("embeds") if isinstance(result, dict) else None
+            if not embeds or len(embeds) != 2:
+                raise NodeError("Text Encode (MGPU): the fleet returned no embeddings")
+            return io.NodeOutput(make_conditioning(embeds[0], frame_rate), make_conditioning(embeds[1], frame_rate))

@@ -1,0 +1,405 @@
+"""The shipped API workflows queued headless into a live ComfyUI (`POST /prompt`), on the tiny models with 2 CPU
+workers.
+
+Needs a running ComfyUI with this pack in `custom_nodes/` and the server's models folder writable from here:
+
+    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt bash ../shared/tools/comfyui-harness.sh start
+    COMFYUI_URL=http://127.0.0.1:8188 [COMFYUI_DIR=/tmp/comfyui] pytest -m comfyui tests/test_comfyui_live.py
+    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python -m mgpu_backend stop; bash ../shared/tools/comfyui-harness.sh stop
+
+Skipped unless COMFYUI_URL is set and the server answers. The module fixture writes the tiny models
+(`mgpu_backend.models.tiny.make_tiny`, LTX-2.0 layout) and links them into `$COMFYUI_DIR/models/` (or
+`$COMFYUI_MODELS_DIR`) under the names the workflows use. Results are read back through `/history` and `/view`;
+progress through ComfyUI's websocket (a minimal client on the standard library).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import struct
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.comfyui
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = sorted((ROOT / "workflows" / "api").glob("*.json"))
+URL = os.environ.get("COMFYUI_URL", "").rstrip("/")
+COMFY_DIR = Path(os.environ.get("COMFYUI_DIR", "/tmp/comfyui"))
+TIMEOUT_S = 600
+
+# models folder -> file name the workflows use -> key of make_tiny's result
+MODEL_LINKS = {
+    ("checkpoints", "ltx-2.0-tiny.safetensors"): "checkpoint",
+    ("text_encoders", "gemma-3-tiny.safetensors"): "gemma",
+    ("latent_upscale_models", "ltx-20-tiny-spatial-upscaler-x2.safetensors"): "upsampler",
+    ("loras", "ltx-2.0-tiny-distilled-lora.safetensors"): "distilled_lora",
+}
+
+
+# ---- HTTP / websocket helpers ------------------------------------------------------------------------------------
+
+
+def _get(path: str):
+    with urllib.request.urlopen(URL + path, timeout=30) as r:
+        return json.load(r)
+
+
+def _post(path: str, body: dict):
+    req = urllib.request.Request(URL + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+            return json.loads(body) if body.strip() else {}
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"POST {path}: HTTP {exc.code}: {exc.read().decode()[:4000]}") from None
+
+
+def _answers() -> bool:
+    if not URL:
+        return False
+    try:
+        _get("/system_stats")
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class WebSocket:
+    """Just enough of RFC 6455 to read ComfyUI's status messages (text frames; binary previews skipped)."""
+
+    def __init__(self, client_id: str):
+        u = urllib.parse.urlparse(URL)
+        self.sock = socket.create_connection((u.hostname, u.port or 80), timeout=TIMEOUT_S)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((f"GET /ws?clientId={client_id} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
+                           f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                           f"Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self.sock.recv(1)
+            if not chunk:
+                raise ConnectionError("websocket handshake: connection closed")
+            head += chunk
+        assert b" 101 " in head.split(b"\r\n", 1)[0], head
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("websocket closed")
+            buf += chunk
+        return buf
+
+    def messages(self):
+        """Yields ComfyUI's JSON messages (dicts with `type` and `data`)."""
+        while True:
+            b0, b1 = self._read(2)
+            opcode, n = b0 & 0x0F, b1 & 0x7F
+            if n == 126:
+                n = struct.unpack(">H", self._read(2))[0]
+            elif n == 127:
+                n = struct.unpack(">Q", self._read(8))[0]
+            mask = self._read(4) if b1 & 0x80 else None
+            payload = self._read(n)
+            if mask:
+                payload = bytes(c ^ mask[i % 4] for i, c in enumerate(payload))
+            if opcode == 8:
+                return
+            if opcode == 1:
+                yield json.loads(payload)
+
+    def close(self):
+        self.sock.close()
+
+
+def queue(workflow: dict, client_id: str | None = None) -> str:
+    return _post("/prompt", {"prompt": workflow, "client_id": client_id or uuid.uuid4().hex})["prompt_id"]
+
+
+def wait(prompt_id: str, timeout: float = TIMEOUT_S) -> dict:
+    """The prompt's /history entry once it has ended (success, error or interrupt)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = _get(f"/history/{prompt_id}")
+        if prompt_id in h and h[prompt_id].get("status", {}).get("completed") is not None:
+            if h[prompt_id]["status"].get("status_str") in ("success", "error"):
+                return h[prompt_id]
+        time.sleep(0.5)
+    raise AssertionError(f"prompt {prompt_id} did not end within {timeout} s")
+
+
+def messages_of(entry: dict, kind: str) -> list[dict]:
+    return [m[1] for m in entry["status"]["messages"] if m[0] == kind]
+
+
+def fetch_output(item: dict, dest: Path) -> Path:
+    q = urllib.parse.urlencode({"filename": item["filename"], "subfolder": item.get("subfolder", ""),
+                                "type": item.get("type", "output")})
+    dest.write_bytes(urllib.request.urlopen(f"{URL}/view?{q}", timeout=60).read())
+    return dest
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def by_class(workflow: dict, class_type: str) -> str:
+    ids = [k for k, v in workflow.items() if v["class_type"] == class_type]
+    assert ids, f"no {class_type} node"
+    return ids[0]
+
+
+# ---- fixtures ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    if not _answers():
+        pytest.skip("no live ComfyUI: set COMFYUI_URL to a running server (see the module docstring)")
+    info = _get("/object_info/LTX2MGPU_LoadCheckpoint")
+    assert "LTX2MGPU_LoadCheckpoint" in info, "the ltx2-multigpu nodes are not loaded in this ComfyUI"
+    return URL
+
+
+def _tiny_dir() -> dict[str, str]:
+    """The tiny LTX-2.0 set in a stable cache folder (`$LTX2_MGPU_CACHE` or ~/.cache/ltx2-multigpu): the server keeps
+    reading the files after this test session (its cached fleet, later prompts), so not under pytest's tmp dirs,
+    which other sessions rotate. Written once, atomically (make_tiny is deterministic for a seed)."""
+    import shutil
+    import tempfile
+
+    from mgpu_backend.models.tiny import make_tiny
+
+    root = Path(os.environ.get("LTX2_MGPU_CACHE") or Path.home() / ".cache" / "ltx2-multigpu")
+    final = root / "comfyui-tiny-2.0-seed0"
+    names = {"checkpoint": "ltx-2.0-tiny.safetensors", "gemma": "gemma-3-tiny.safetensors",
+             "upsampler": "ltx-20-tiny-spatial-upscaler-x2.safetensors",
+             "distilled_lora": "ltx-2.0-tiny-distilled-lora.safetensors"}
+    if not all((final / n).is_file() for n in names.values()):
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
+        written = make_tiny(staging, "2.0", seed=0)
+        assert all(Path(written[k]).name == n for k, n in names.items()), written
+        try:
+            if final.exists():  # an incomplete set
+                shutil.rmtree(final)
+            staging.rename(final)
+        except OSError:  # written meanwhile by another session: use that one
+            shutil.rmtree(staging, ignore_errors=True)
+    return {k: str(final / n) for k, n in names.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(server):
+    """Tiny LTX-2.0 models linked into the server's models folders under the workflows' names."""
+    models = Path(os.environ.get("COMFYUI_MODELS_DIR", COMFY_DIR / "models"))
+    if not models.is_dir():
+        pytest.skip(f"the server's models folder {models} is not reachable from here (set COMFYUI_DIR or "
+                    f"COMFYUI_MODELS_DIR)")
+    written = _tiny_dir()
+    for (folder, name), key in MODEL_LINKS.items():
+        (models / folder).mkdir(parents=True, exist_ok=True)
+        link = models / folder / name
+        tmp = link.with_name(f".{name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(Path(written[key]).resolve())
+        os.replace(tmp, link)
+    return written
+
+
+# ---- tests -------------------------------------------------------------------------------------------------------
+
+
+def test_workflows_are_api_format():
+    assert WORKFLOWS, "no API workflows in workflows/api/"
+    for path in WORKFLOWS:
+        wf = load(path)
+        for node_id, node in wf.items():
+            assert set(node) >= {"class_type", "inputs"}, (path.name, node_id)
+            for value in node["inputs"].values():
+                if isinstance(value, list):  # a link [node id, output index]
+                    assert value[0] in wf, (path.name, node_id, value)
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
+def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, path, tmp_path):
+    from mgpu_backend.media import probe_mp4
+
+    wf = load(path)
+    # a seed of its own, so that a server that already ran this graph computes it again (ComfyUI caches outputs)
+    wf[by_class(wf, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
+    client_id = uuid.uuid4().hex
+    ws = WebSocket(client_id)
+    try:
+        prompt_id = queue(wf, client_id)
+        progress_nodes, done = set(), False
+        for msg in ws.messages():
+            data = msg.get("data", {})
+            if data.get("prompt_id") not in (None, prompt_id):
+                continue
+            if msg["type"] == "progress":
+                progress_nodes.add(data["node"])
+            if msg["type"] == "execution_error":
+                raise AssertionError(f"{data.get('node_type')}: {data.get('exception_message')}")
+            if msg["type"] == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                done = True
+                break
+        assert done
+    finally:
+        ws.close()
+    entry = wait(prompt_id)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    # per-step progress reached ComfyUI from the fleet's sampling nodes
+    assert by_class(wf, "LTX2MGPU_SPSampler") in progress_nodes
+    videos = [item for out in entry["outputs"].values() for item in out.get("images", [])
+              if item["filename"].endswith(".mp4")]
+    assert videos, entry["outputs"]
+    info = probe_mp4(fetch_output(videos[0], tmp_path / "out.mp4"))
+    latent = wf[by_class(wf, "EmptyLTXVLatentVideo")]["inputs"]
+    upscaled = any(v["class_type"] == "LTX2MGPU_TDPUpscale" and v["inputs"].get("upscale") for v in wf.values())
+    factor = 2 if upscaled else 1
+    assert (info["width"], info["height"]) == (latent["width"] * factor, latent["height"] * factor)
+    assert info["video_frames"] == latent["length"]
+    assert info["audio_channels"] == 2 and info["audio_sample_rate"] > 0
+    assert info["audio_duration"] == pytest.approx(latent["length"] / info["fps"], abs=0.1)
+    loader_ui = entry["outputs"].get(by_class(wf, "LTX2MGPU_LoadCheckpoint"))
+    if loader_ui is not None:  # absent when the loader was cached from an earlier prompt
+        plan = loader_ui["text"][0]
+        assert "2 rank(s) on cpu, cpu" in plan and "sequence parallel degree 2" in plan
+    pids = _fleet_pids()
+    assert pids is None or len(pids) == 2
+
+    # an unchanged graph queued again is served from ComfyUI's cache: nothing recomputed on the fleet
+    again = wait(queue(wf))
+    assert again["status"]["status_str"] == "success"
+    cached = set(messages_of(again, "execution_cached")[0]["nodes"])
+    assert {by_class(wf, "LTX2MGPU_SPSampler"), by_class(wf, "LTX2MGPU_TDPUpscale")} <= cached
+
+
+def _error_of(entry: dict) -> dict:
+    assert entry["status"]["status_str"] == "error", entry["status"]
+    errors = messages_of(entry, "execution_error")
+    assert errors, entry["status"]
+    return errors[0]
+
+
+def test_frames_not_8k_plus_1_is_a_node_error(server, tiny_models):
+    wf = load(WORKFLOWS[0])
+    wf[by_class(wf, "EmptyLTXVLatentVideo")]["inputs"]["length"] = 30
+    wf[by_class(wf, "LTXVEmptyLatentAudio")]["inputs"]["frames_number"] = 30
+    err = _error_of(wait(queue(wf)))
+    assert err["node_type"] == "LTX2MGPU_SPSampler"
+    assert "8k+1" in err["exception_message"] and "SP Sampler (MGPU)" in err["exception_message"]
+    assert _get("/system_stats")  # the server stays up
+
+
+def test_invalid_device_spec_is_a_node_error(server, tiny_models):
+    wf = load(WORKFLOWS[0])
+    wf[by_class(wf, "LTX2MGPU_LoadCheckpoint")]["inputs"]["devices"] = "gpu:7"
+    err = _error_of(wait(queue(wf)))
+    assert err["node_type"] == "LTX2MGPU_LoadCheckpoint"
+    assert "devices='gpu:7'" in err["exception_message"] and "cpu:N" in err["exception_message"]
+    assert _get("/system_stats")
+
+
+def test_interrupt_cancels_the_fleet_job_and_the_next_prompt_runs(server, tiny_models):
+    """ComfyUI's interrupt mid-sampling cancels the fleet job at a step boundary; the same workers serve the next
+    prompt."""
+    wf = load(WORKFLOWS[0])
+    sampler = by_class(wf, "LTX2MGPU_SPSampler")
+    wf[sampler]["inputs"]["steps"] = 200
+    wf[by_class(wf, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
+    client_id = uuid.uuid4().hex
+    ws = WebSocket(client_id)
+    try:
+        prompt_id = queue(wf, client_id)
+        interrupted_at = None
+        for msg in ws.messages():
+            data = msg.get("data", {})
+            if msg["type"] == "progress" and data.get("node") == sampler and interrupted_at is None \
+                    and data["value"] >= 2:
+                _post("/interrupt", {})
+                interrupted_at = data["value"]
+            if msg["type"] == "execution_interrupted" and data.get("prompt_id") == prompt_id:
+                break
+            if msg["type"] == "execution_error":
+                raise AssertionError(data.get("exception_message"))
+            if msg["type"] == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                raise AssertionError("the prompt ran to the end despite the interrupt")
+    finally:
+        ws.close()
+    assert interrupted_at is not None and interrupted_at < 200
+    before = _fleet_pids()
+    # the next prompt (euler_ancestral this time, and a Fleet status node) runs on the same workers
+    wf2 = load(WORKFLOWS[0])
+    wf2[by_class(wf2, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
+    wf2[by_class(wf2, "LTX2MGPU_SPSampler")]["inputs"]["sampler"] = "euler_ancestral"
+    wf2["900"] = {"class_type": "LTX2MGPU_Fleet", "inputs": {"fleet": [by_class(wf2, "LTX2MGPU_LoadCheckpoint"), 0],
+                                                            "action": "status"}}
+    entry = wait(queue(wf2))
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    status = entry["outputs"]["900"]["text"][0]
+    assert "idle" in status and "2 rank(s) on cpu, cpu" in status
+    if before is not None:  # the same worker processes (the cancel kept the fleet)
+        assert _fleet_pids() == before and ", ".join(map(str, before)) in status
+
+
+def _fleet_pids():
+    """The worker PIDs of the server's fleet, read from its controller when this process knows the runtime
+    directory (LTX2_MGPU_RUNTIME_DIR as given to the server); else None."""
+    if not os.environ.get("LTX2_MGPU_RUNTIME_DIR"):
+        return None
+    from mgpu_backend.client import ControllerClient
+
+    c = ControllerClient(start=False)
+    try:
+        fleet = c.status()["fleet"]
+        return None if fleet is None else list(fleet["worker_pids"])
+    finally:
+        c.close()
+
+
+def test_killed_worker_is_a_node_error_and_requeue_succeeds(server, tiny_models):
+    """A worker killed mid-sampling: the node shows the fleet's error (rank, stage, step), ComfyUI stays up, and
+    queuing the unchanged graph again runs on a fresh fleet started from the cached handle's configuration."""
+    if _fleet_pids() is None and not os.environ.get("LTX2_MGPU_RUNTIME_DIR"):
+        pytest.skip("set LTX2_MGPU_RUNTIME_DIR to the server's controller directory to find the worker PIDs")
+    import signal
+
+    wf = load(WORKFLOWS[0])
+    sampler = by_class(wf, "LTX2MGPU_SPSampler")
+    wf[sampler]["inputs"]["steps"] = 60
+    wf[by_class(wf, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
+    client_id = uuid.uuid4().hex
+    ws = WebSocket(client_id)
+    killed = None
+    try:
+        prompt_id = queue(wf, client_id)
+        for msg in ws.messages():
+            data = msg.get("data", {})
+            if msg["type"] == "progress" and data.get("node") == sampler and killed is None and data["value"] >= 2:
+                killed = _fleet_pids()[-1]
+                os.kill(killed, signal.SIGKILL)
+            if msg["type"] in ("execution_error", "execution_success") and data.get("prompt_id") == prompt_id:
+                break
+    finally:
+        ws.close()
+    assert killed is not None
+    err = _error_of(wait(prompt_id))
+    assert err["node_type"] == "LTX2MGPU_SPSampler"
+    assert f"pid {killed}" in err["exception_message"] and "died" in err["exception_message"]
+    assert _get("/system_stats")
+    again = wait(queue(wf))  # the unchanged graph
+    assert again["status"]["status_str"] == "success", again["status"]
+    assert killed not in (_fleet_pids() or [])
