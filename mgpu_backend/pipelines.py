@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from . import latents as L
 from . import sampling as S
 from . import validation as V
 from .denoiser import LTX2Denoiser, TextContext, text_contexts
-from .lora import LoRAFuser, LoRAReport, read_lora
+from .lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from .models.loader import LTX2Components
 from .parallel.decode import decode_tiles
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
@@ -65,7 +66,8 @@ class GenerateRequest:
     video_guidance: S.GuidanceParams | None = None  # None = reference defaults for the model version
     audio_guidance: S.GuidanceParams | None = None
     stage2_sigmas: tuple[float, ...] | None = None  # None: 0.909375, 0.725, 0.421875, 0 — or 0.625, 0.4, 0 tiled
-    distilled_lora: tuple[str, float] | None = None
+    distilled_lora: tuple[str, float] | None = None  # fused for stage 2 only
+    loras: tuple[tuple[str, float], ...] = ()  # user LoRAs (path, strength), fused for both stages
     pipeline: str = "two-stage"  # or "distilled": a distilled checkpoint, SP on both stages, no guidance
     tiles: TileCountConfig | None = None  # stage-2 TDP tiles; None: balanced grid from the fleet size (1 rank: none)
     tile_overlap: int = 5  # latent cells, for the default grid
@@ -87,6 +89,10 @@ class GenerateRequest:
             V.check_file("image", self.image)
         if self.distilled_lora is not None:
             V.check_file("distilled LoRA", self.distilled_lora[0])
+        for path, strength in self.loras:
+            V.check_file("LoRA", path)
+            if not (isinstance(strength, (int, float)) and math.isfinite(strength)):
+                raise V.ValidationError(f"LoRA {path}: strength {strength!r} must be a finite number")
         if self.stage2_sigmas is not None:
             try:
                 S.as_sigmas(self.stage2_sigmas)
@@ -98,7 +104,7 @@ class GenerateRequest:
 class GenerateResult:
     """frames: `[F, H, W, 3]` float32 in 0..1; audio: `[C, S]` float32 in -1..1 at `sample_rate` Hz;
     video_latent `[1, 128, F', H', W']` / audio_latent `[1, 8, T, 16]` (normalized model space, CPU);
-    timings in seconds per stage; lora_reports of stage 2."""
+    timings in seconds per stage; lora_reports: coverage of every fused LoRA, per stage (`LoRAReport.stage`)."""
 
     frames: torch.Tensor
     audio: torch.Tensor
@@ -135,7 +141,9 @@ class TwoStagePipeline:
         self.gemma = gemma
         self.device = torch.device(device)
         self.dtype = dtype
-        self.lora = LoRAFuser(components.transformer)
+        # on a fleet the ranks fuse together: each computes its share of the layers and keeps their clean weights
+        self.lora = (LoRAFuser(components.transformer) if plan is None else
+                     LoRAFuser(components.transformer, rank=plan.rank, world_size=plan.world_size))
 
     # ---- text ----------------------------------------------------------------------------------------------------
 
@@ -286,6 +294,9 @@ class TwoStagePipeline:
                                                              request.tile_overlap, "stage-2 tiles")
         decode_tiling = self._tiling(request.decode_tiles, ranks, (frames_lat, h2, w2), request.decode_overlap,
                                      "decode tiles")
+        if decode_tiling is not None and decode_tiling.frames.num_tiles != 1:
+            raise V.ValidationError("decode tiles: the decode never splits the frame axis (LTX's causal first "
+                                    "frame); use height × width tiles")
         if request.stage2_sigmas is not None:
             sigmas2 = S.as_sigmas(request.stage2_sigmas)
         else:
@@ -295,7 +306,13 @@ class TwoStagePipeline:
                 check_tdp_sigmas(sigmas2, request.tdp_max_first_sigma)
             except ValueError as exc:
                 raise V.ValidationError(str(exc)) from None
-        lora = read_lora(*request.distilled_lora) if request.distilled_lora else None
+        # per-stage LoRA sets: the user's on both stages, the distilled LoRA on stage 2 only; indexed and checked
+        # against the transformer (coverage, widths) before any work
+        user_loras = read_loras(request.loras)
+        stage1_loras = user_loras
+        stage2_loras = user_loras + ([read_lora(*request.distilled_lora)] if request.distilled_lora else [])
+        for loras in (stage1_loras, stage2_loras):
+            self.lora.check(loras)
         if distilled:
             sigmas1 = S.as_sigmas(S.DISTILLED_SIGMAS if request.steps is None else
                                   S.ltx2_sigmas(request.steps))
@@ -321,10 +338,15 @@ class TwoStagePipeline:
             video_clean, video_mask = self._conditioning_latent(request.image, request.image_strength, frames_lat,
                                                                 request.height // 2, request.width // 2)
         audio_clean = torch.zeros(1, audio_frames, 128)
-        self.lora.restore()
-        video1, audio1 = self.sequence_parallel_stage(
-            "stage 1", positive, negative, (frames_lat, h1, w1), audio_frames, request.fps, video_clean, audio_clean,
-            sigmas1, request.seed, video_mask, False, video_guidance, audio_guidance, progress, cancel_check)
+        try:
+            reports = self.lora.apply(stage1_loras, "stage 1")
+            video1, audio1 = self.sequence_parallel_stage(
+                "stage 1", positive, negative, (frames_lat, h1, w1), audio_frames, request.fps, video_clean,
+                audio_clean, sigmas1, request.seed, video_mask, False, video_guidance, audio_guidance, progress,
+                cancel_check)
+        except BaseException:
+            self.lora.after_error()
+            raise
         timings["stage 1"] = time.perf_counter() - t
 
         # 2× latent upscale
@@ -341,9 +363,9 @@ class TwoStagePipeline:
                                                                   request.height, request.width)
             first = video_mask2[0] < 1.0
             video_clean2[:, first] = image_tokens[:, first]
-        reports = self.lora.fuse([lora]) if lora is not None else []
         report = {"rank": plan.rank if plan is not None else 0, "stage 1": plan.describe() if plan else "local"}
         try:
+            reports += self.lora.apply(stage2_loras, "stage 2")
             stage2 = ("stage 2", positive, None, (frames_lat, h2, w2), audio_frames, request.fps, video_clean2, audio1,
                       sigmas2, request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress,
                       cancel_check)
@@ -358,8 +380,10 @@ class TwoStagePipeline:
             else:
                 video2, _ = self.local_stage(*stage2)
                 report["stage 2"] = "local"
-        finally:
-            self.lora.restore()
+        except BaseException:
+            self.lora.after_error()
+            raise
+        self.lora.restore()
         timings["stage 2"] = time.perf_counter() - t
 
         t = time.perf_counter()

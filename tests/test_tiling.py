@@ -164,16 +164,21 @@ def test_balanced_tile_split_refuses_zero():
 
 
 @pytest.mark.parametrize("length,n,requested,expect", [
-    (60, 4, 5, 5), (34, 2, 5, 5), (10, 1, 5, 0), (4, 2, 5, 2), (4, 4, 5, 0), (7, 3, 5, 4), (8, 2, 0, 0),
+    (60, 4, 5, 5), (34, 2, 5, 5), (10, 1, 5, 0), (4, 2, 5, 2), (4, 4, 5, 0), (7, 3, 5, 2), (8, 2, 0, 0),
 ])
 def test_fit_overlap_is_the_largest_that_fits(length, n, requested, expect):
+    """The largest overlap whose tiles fit without three tiles overlapping (no normalization needed)."""
     o = fit_overlap(length, n, requested)
     assert o == expect
     if n > 1:
-        split_axis(length, n, o)  # accepted
-        if o < requested:
-            with pytest.raises(ValueError):
-                split_axis(length, n, o + 1)
+        tiles, normalized = make_tiles((1, 1, length), TileCountConfig(width=DimensionTilingConfig(n, o)))
+        assert not normalized  # accepted, a clean partition of unity
+        if o < requested:  # one more would not fit, or would make three tiles overlap
+            try:
+                _, normalized = make_tiles((1, 1, length), TileCountConfig(width=DimensionTilingConfig(n, o + 1)))
+                assert normalized
+            except ValueError:
+                pass
 
 
 def test_fit_overlap_refuses_too_many_tiles():

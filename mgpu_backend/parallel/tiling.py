@@ -149,11 +149,21 @@ def make_tiles(grid: tuple[int, int, int], config: TileCountConfig) -> tuple[lis
 
 
 def fit_overlap(length: int, num_tiles: int, overlap: int) -> int:
-    """The largest overlap ≤ `overlap` for which `num_tiles` tiles fit an axis of `length` (for default grids on
-    small latents; an explicit request that does not fit is refused by `split_axis` instead)."""
+    """The largest overlap ≤ `overlap` for which `num_tiles` tiles fit an axis of `length` with a clean partition of
+    unity (no three tiles overlapping). For default grids on small latents; an explicit request that does not fit
+    is refused by `split_axis` instead."""
+    if num_tiles == 1:
+        return 0
     for o in range(overlap, -1, -1):
-        if num_tiles == 1 or (length + o * (num_tiles - 1)) // num_tiles > o:
-            return o if num_tiles > 1 else 0
+        try:
+            spans = split_axis(length, num_tiles, o)
+        except ValueError:
+            continue
+        total = torch.zeros(length, dtype=torch.float64)
+        for (start, end), weight in zip(spans, axis_weights(spans, o)):
+            total[start:end] += weight
+        if torch.allclose(total, torch.ones_like(total), rtol=0, atol=1e-12):
+            return o
     raise ValueError(f"{num_tiles} tiles do not fit an axis of {length} latent cells")
 
 
