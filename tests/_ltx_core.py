@@ -59,7 +59,12 @@ def import_ltx_core() -> SimpleNamespace:
         from ltx_core.model.transformer.modality import Modality
         from ltx_core.model.transformer.model_configurator import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModelConfigurator
         from ltx_core.model.upsampler.model_configurator import LatentUpsamplerConfigurator
-        from ltx_core.model.video_vae.model_configurator import VAE_DECODER_COMFY_KEYS_FILTER, VideoDecoderConfigurator
+        from ltx_core.model.video_vae.model_configurator import (
+            VAE_DECODER_COMFY_KEYS_FILTER,
+            VAE_ENCODER_COMFY_KEYS_FILTER,
+            VideoDecoderConfigurator,
+            VideoEncoderConfigurator,
+        )
         from ltx_core.text_encoders.gemma.embeddings_connector import (
             AudioEmbeddings1DConnectorConfigurator,
             Embeddings1DConnectorConfigurator,

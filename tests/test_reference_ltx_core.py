@@ -1,14 +1,15 @@
 """Our components against Lightricks' reference implementation, `ltx-core` 1.0.0, on the same tiny checkpoints.
 
-Both sides read the same original-layout single file (stored bf16) and run in float32: ours through
+Both sides read the same original-layout single file (stored float32 here) and run in float32: ours through
 `mgpu_backend.models.loader.load_components` (diffusers modules, our key maps), the reference through ltx-core's own
 configurators (`from_config(<file's config metadata>)`) and its own key renames (`SDOps`), loaded with
 `strict=True` (see `tests/_ltx_core.py`). Inputs are random; every comparison is on full tensors.
 
 Tolerances (float32 on the CPU; outputs are O(1), max |x| about 3-5):
-- exact (`torch.equal`) for the convolution stacks — latent upsampler, video VAE decoder, audio VAE decoder,
-  vocoders (2.0 HiFi-GAN and the 2.3 BWE chain, stage by stage): both sides run the same float32 ops in the same
-  order, so any difference is a real one.
+- exact (`torch.equal`) for the convolution stacks — latent upsampler, video VAE encoder and decoder (the tiny
+  files, the LTX-2.3 block pattern, a timestep-conditioned decoder), audio VAE decoder, vocoders (2.0 HiFi-GAN and
+  the 2.3 BWE chain, stage by stage): both sides run the same float32 ops in the same order, so any difference is
+  a real one.
 - 1e-6 absolute (about two float32 ulps at these magnitudes) for the feature extractor, the text connectors and the
   transformer forwards: measured bit-identical (max difference 0.0) on torch 2.13 CPU, but the two implementations
   reach attention through different call layouts (separate q/k/v reshapes, RMS-norm, RoPE tables built in float64
@@ -26,9 +27,19 @@ difference of the file):
   before the strict load.
 - the text connectors run one prompt at a time: ltx-core 1.0.0's register replacement indexes with
   `mask.squeeze()` and fails for batch > 1 (DESIGN.md §2); our batched `text_contexts` is compared per prompt.
+- the video encoder: ltx-core ignores `encoder_base_channels` (hard-coded 128, the released value); the LTX-2.3
+  layout test keeps 128 there and small multipliers instead.
+- `SingleGPUModelBuilder.build` loads with `strict=False` and builds on the meta device (the 2.0 caption
+  projections even when asked for the CPU), so the tests build with the configurators and load strictly themselves.
+- the transformer metadata must carry the 17 fixed architecture fields ltx-core asserts (`dropout`,
+  `attention_bias`, ... `use_middle_indices_grid`), and `connector_positional_embedding_max_pos` (ltx-core's
+  default [1] ≠ the [4096] of ComfyUI / diffusers / the released files): the tiny writer states them, as the
+  released files do.
 Skipped cleanly when ltx-core (or einops) is not installed.
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -44,6 +55,7 @@ from mgpu_backend.models.tiny import (  # noqa: E402
     TINY_GEMMA_HIDDEN,
     TINY_GEMMA_LAYERS,
     build_tiny_modules,
+    tiny_vae_metadata,
     write_tiny_checkpoint,
     write_tiny_upsampler,
 )
@@ -192,7 +204,7 @@ def test_text_path_from_hidden_states_matches_reference(variant, ours, ref_text)
     assert torch.equal(ctx.mask.long(), ref.attention_mask.long())
 
 
-# ---- audio, video VAE decoders, upsampler -----------------------------------------------------------------------------
+# ---- audio, video VAE decoders, upsampler ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_vocoder_matches_reference(variant, ours, files, lc):
@@ -266,6 +278,163 @@ def test_video_vae_decoder_matches_reference(variant, ours, files, lc):
     assert torch.equal(got, want), _max_diff(got, want)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_video_vae_encoder_matches_reference(variant, ours, files, lc):
+    """Our `encode` (latent mean, normalized with the file's statistics) = ltx-core `VideoEncoder` (normalized
+    means). The tiny file states `spatial_padding_mode: reflect`, which both encoders honour."""
+    path = files[variant][0]
+    unused = ("per_channel_statistics.mean-of-stds", "per_channel_statistics.channel")
+    ref = load_strict(build(lc.VideoEncoderConfigurator, read_config(lc, path)),
+                      read_state(lc, path, lc.VAE_ENCODER_COMFY_KEYS_FILTER, drop_prefixes=unused))
+    video = torch.rand(1, 3, 9, 64, 96, generator=_gen(12)) * 2 - 1
+    vae = ours[variant].video_vae
+    with torch.no_grad():
+        got = L.normalize_latents(vae.encode(video).latent_dist.mode(), vae.latents_mean, vae.latents_std)
+        want = ref(video)
+    assert got.shape == want.shape == (1, 128, 2, 2, 3)
+    assert torch.equal(got, want), _max_diff(got, want)
+
+
+def _ltx23_vae_metadata() -> dict:
+    """The block pattern of the released LTX-2.3 video VAE (`ltx-2.3-22b-*.safetensors` metadata: the decoder mixes
+    `compress_space`, `compress_time` and `compress_all` with multipliers 2, 2, 1, 2; the encoder's last
+    downsampler keeps the width) at small widths, `spatial_padding_mode: zeros` like the released file.
+    The encoder starts at 128 channels: ltx-core 1.0.0's `VideoEncoder` ignores `encoder_base_channels` (hard-coded
+    128, the released value), so the multipliers are kept small instead."""
+    meta = tiny_vae_metadata()
+    res = lambda n: ["res_x", {"num_layers": n}]  # noqa: E731
+    meta.update({
+        "encoder_base_channels": 128, "decoder_base_channels": 8, "spatial_padding_mode": "zeros",
+        "encoder_blocks": [res(1), ["compress_space_res", {"multiplier": 1}], res(2),
+                           ["compress_time_res", {"multiplier": 1}], res(1), ["compress_all_res", {"multiplier": 2}],
+                           res(1), ["compress_all_res", {"multiplier": 1}], res(1)],
+        "decoder_blocks": [res(2), ["compress_space", {"multiplier": 2}], res(3), ["compress_time", {"multiplier": 2}],
+                           res(1), ["compress_all", {"multiplier": 1}], res(2), ["compress_all", {"multiplier": 2}],
+                           res(1)],
+    })
+    return meta
+
+
+def _write_vae_file(path, meta: dict, seed: int):
+    """A video-VAE-only file (`vae.*` keys, `config.vae`) written from a diffusers module built by our config
+    translation and key map (random weights, statistics included)."""
+    from diffusers import AutoencoderKLLTX2Video
+    from safetensors.torch import save_file
+
+    from mgpu_backend.models import configs, keymaps
+
+    kwargs = configs.video_vae_kwargs(meta)
+    module = AutoencoderKLLTX2Video(**kwargs)
+    g = _gen(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (1 / max(1, p[0].numel()) ** 0.5 if p.ndim > 1 else 0.05))
+        module.latents_mean.copy_(0.1 * torch.randn(128, generator=g))
+        module.latents_std.copy_(0.5 + torch.rand(128, generator=g))
+    stages = len(kwargs["block_out_channels"])
+    state = {keymaps.VIDEO_VAE_PREFIX + keymaps.video_vae_to_original(k, stages): v.contiguous()
+             for k, v in module.state_dict().items()}
+    save_file(state, str(path), metadata={"config": json.dumps({"vae": meta})})
+    return path
+
+
+def test_ltx23_video_vae_layout_matches_reference(tmp_path, lc):
+    """Our loader builds the LTX-2.3 decoder (mixed spatial / temporal / spatio-temporal upsamplers, a multiplier-1
+    stage) with exactly ltx-core's modules: the file loads strictly into both, and decode / encode agree."""
+    from mgpu_backend.models.loader import SafetensorsFile, load_video_vae
+
+    path = _write_vae_file(tmp_path / "ltx-2.3-vae-layout.safetensors", _ltx23_vae_metadata(), seed=13)
+    vae = load_video_vae(SafetensorsFile(path), torch.float32)
+    config = read_config(lc, path)
+    decoder = load_strict(build(lc.VideoDecoderConfigurator, config),
+                          read_state(lc, path, lc.VAE_DECODER_COMFY_KEYS_FILTER))
+    encoder = load_strict(build(lc.VideoEncoderConfigurator, config),
+                          read_state(lc, path, lc.VAE_ENCODER_COMFY_KEYS_FILTER))
+    latent = torch.randn(1, 128, 2, 2, 3, generator=_gen(14))
+    video = torch.rand(1, 3, 9, 64, 96, generator=_gen(15)) * 2 - 1
+    with torch.no_grad():
+        got = vae.decode(L.denormalize_latents(latent, vae.latents_mean, vae.latents_std), return_dict=False)[0]
+        want = decoder(latent)
+        enc = L.normalize_latents(vae.encode(video).latent_dist.mode(), vae.latents_mean, vae.latents_std)
+        enc_want = encoder(video)
+    assert got.shape == want.shape == (1, 3, 9, 64, 96)
+    assert torch.equal(got, want), _max_diff(got, want)
+    assert torch.equal(enc, enc_want), _max_diff(enc, enc_want)
+
+
+def test_timestep_conditioned_video_vae_matches_reference(tmp_path, lc):
+    """A decoder with `timestep_conditioning` (per-block time embedders, the decoder-level `last_time_embedder` /
+    `last_scale_shift_table`) loads through our key map and decodes like ltx-core at the reference's decode
+    timestep 0.05 (ltx-core's decode noise switched off on both sides: the noise itself is the caller's)."""
+    from mgpu_backend.models.loader import SafetensorsFile, load_video_vae
+
+    meta = {**tiny_vae_metadata(), "timestep_conditioning": True}
+    path = _write_vae_file(tmp_path / "ltx-vae-timestep.safetensors", meta, seed=16)
+    vae = load_video_vae(SafetensorsFile(path), torch.float32)
+    decoder = load_strict(build(lc.VideoDecoderConfigurator, read_config(lc, path)),
+                          read_state(lc, path, lc.VAE_DECODER_COMFY_KEYS_FILTER))
+    decoder.decode_noise_scale = 0.0
+    latent = torch.randn(1, 128, 2, 2, 3, generator=_gen(17))
+    with torch.no_grad():
+        got = vae.decode(L.denormalize_latents(latent, vae.latents_mean, vae.latents_std),
+                         torch.tensor([0.05]), return_dict=False)[0]
+        want = decoder(latent, timestep=torch.tensor([0.05]))
+    assert torch.equal(got, want), _max_diff(got, want)
+
+
+_RES = lambda n, **kw: ["res_x", {"num_layers": n, **kw}]  # noqa: E731
+RELEASED_VAE_LAYOUTS = {
+    # ltx-2.3-22b-*.safetensors `config.vae`
+    "2.3": {"encoder_blocks": [_RES(4), ["compress_space_res", {"multiplier": 2}], _RES(6),
+                               ["compress_time_res", {"multiplier": 2}], _RES(4),
+                               ["compress_all_res", {"multiplier": 2}], _RES(2),
+                               ["compress_all_res", {"multiplier": 1}], _RES(2)],
+            "decoder_blocks": [_RES(4), ["compress_space", {"multiplier": 2}], _RES(6),
+                               ["compress_time", {"multiplier": 2}], _RES(4), ["compress_all", {"multiplier": 1}],
+                               _RES(2), ["compress_all", {"multiplier": 2}], _RES(2)],
+            "spatial_padding_mode": "zeros", "timestep_conditioning": False},
+    # ltx-2-19b-*.safetensors (diffusers' LTX-2 converter configuration)
+    "2.0": {"encoder_blocks": [_RES(4), ["compress_space_res", {"multiplier": 2}], _RES(6),
+                               ["compress_time_res", {"multiplier": 2}], _RES(6),
+                               ["compress_all_res", {"multiplier": 2}], _RES(2),
+                               ["compress_all_res", {"multiplier": 2}], _RES(2)],
+            "decoder_blocks": [_RES(5, inject_noise=False), ["compress_all", {"residual": True, "multiplier": 2}]] * 3
+                              + [_RES(5, inject_noise=False)],
+            "timestep_conditioning": False},
+}
+
+
+@pytest.mark.parametrize("layout", ["2.3", "2.0", "2.0-timestep"])
+def test_released_video_vae_layouts_build_reference_modules(layout, lc):
+    """At the released widths (built on the meta device, no memory): the diffusers VAE our config translation builds
+    has, through our key map, exactly the keys and shapes of ltx-core's VideoEncoder + VideoDecoder for the same
+    metadata."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLLTX2Video
+
+    from mgpu_backend.models import configs, keymaps
+
+    meta = {"dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128, "patch_size": 4,
+            "norm_layer": "pixel_norm", "latent_log_var": "uniform", "causal_decoder": False,
+            "encoder_base_channels": 128, "decoder_base_channels": 128,
+            **RELEASED_VAE_LAYOUTS[layout.split("-")[0]]}
+    if layout.endswith("timestep"):
+        meta["timestep_conditioning"] = True
+    kwargs = configs.video_vae_kwargs(meta)
+    with init_empty_weights():
+        ours = AutoencoderKLLTX2Video(**kwargs)
+    stages = len(kwargs["block_out_channels"])
+    got = {keymaps.video_vae_to_original(k, stages): tuple(v.shape) for k, v in ours.state_dict().items()}
+    with torch.device("meta"):
+        decoder = lc.VideoDecoderConfigurator.from_config({"vae": meta})
+        encoder = lc.VideoEncoderConfigurator.from_config({"vae": meta})
+    want = {f"{side}.{k}": tuple(v.shape) for side, module in (("decoder", decoder), ("encoder", encoder))
+            for k, v in module.state_dict().items() if not k.startswith("per_channel_statistics.")}
+    want.update({k: tuple(v.shape) for k, v in encoder.state_dict().items() if k.startswith("per_channel")})
+    assert sorted(set(want) - set(got)) == [] and sorted(set(got) - set(want)) == []
+    assert {k: v for k, v in got.items() if want[k] != v} == {}
+
+
 def test_latent_upsampler_matches_reference(ours, files, lc):
     path = files["2.0"][1]
     ref = load_strict(build(lc.LatentUpsamplerConfigurator, read_config(lc, path)), read_state(lc, path))
@@ -276,7 +445,7 @@ def test_latent_upsampler_matches_reference(ours, files, lc):
     assert torch.equal(got, want), _max_diff(got, want)
 
 
-# ---- transformer ------------------------------------------------------------------------------------------------------
+# ---- transformer ----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def ref_transformers(lc, files):
