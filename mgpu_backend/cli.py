@@ -30,12 +30,16 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
         p.add_argument("--checkpoint", required=True, help="LTX-2 / LTX-2.3 single file, or a transformer-only file")
         p.add_argument("--gemma", required=True, help="Gemma 3 text encoder: ComfyUI single file or HF folder")
         p.add_argument("--upscaler", required=True, help="latent upscaler file (latent_upscale_models/)")
-        p.add_argument("--distilled-lora", metavar="PATH[:STRENGTH]", help="LoRA fused for stage 2 (default 1.0)")
+        p.add_argument("--distilled-lora", metavar="PATH[:STRENGTH]",
+                       help="LoRA fused for stage 2 only (default strength 1.0)")
         p.add_argument("--video-vae", help="video VAE file, for a transformer-only checkpoint")
         p.add_argument("--audio-vae", help="audio VAE + vocoder file, for a transformer-only checkpoint")
         p.add_argument("--text-projection", help="text projection file, for a transformer-only checkpoint")
     else:
         p.add_argument("--variant", choices=("2.0", "2.3"), default="2.0", help="tiny model architecture")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="a LoRA fused for both stages (default strength 1.0); repeatable. Each prints its coverage "
+                        "(layers applied / in the file); one that fits no layer, or another model width, is refused")
     p.add_argument("--prompt", default=DEMO_PROMPT if demo else None, required=not demo)
     p.add_argument("--negative-prompt", default=None, help="default: the reference negative prompt")
     p.add_argument("--width", type=int, default=256 if demo else 768, help="pixels, multiple of 64")
@@ -128,7 +132,7 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     finally:
         progress.close()
     return _finish(args, result.frames, result.audio, result.sample_rate, result.timings,
-                   [str(r) for r in result.lora_reports], {"load": load_time}, result.rank_reports,
+                   [r.detail() for r in result.lora_reports], {"load": load_time}, result.rank_reports,
                    f"LTX-{components.variant} on {device} ({str(dtype).replace('torch.', '')})")
 
 
@@ -169,18 +173,24 @@ def _grid(value: str | None, overlap: int, what: str):
 def _request_and_files(args, paths):
     from .lora import parse_lora_arg
     from .pipelines import DEFAULT_NEGATIVE_PROMPT, GenerateRequest
+    from .validation import ValidationError
 
-    if paths is not None:  # demo
-        files = {"checkpoint": paths["checkpoint"], "gemma": paths["gemma"], "upscaler": paths["upsampler"]}
-        lora = (str(paths["distilled_lora"]), 1.0)
-    else:
-        files = {"checkpoint": args.checkpoint, "gemma": args.gemma, "upscaler": args.upscaler,
-                 "video_vae": args.video_vae, "audio_vae": args.audio_vae, "text_projection": args.text_projection}
-        lora = parse_lora_arg(args.distilled_lora) if args.distilled_lora else None
+    try:
+        user_loras = tuple(parse_lora_arg(a) for a in getattr(args, "lora", None) or ())
+        if paths is not None:  # demo
+            files = {"checkpoint": paths["checkpoint"], "gemma": paths["gemma"], "upscaler": paths["upsampler"]}
+            lora = (str(paths["distilled_lora"]), 1.0)
+        else:
+            files = {"checkpoint": args.checkpoint, "gemma": args.gemma, "upscaler": args.upscaler,
+                     "video_vae": args.video_vae, "audio_vae": args.audio_vae,
+                     "text_projection": args.text_projection}
+            lora = parse_lora_arg(args.distilled_lora) if args.distilled_lora else None
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
     request = GenerateRequest(
         prompt=args.prompt, negative_prompt=args.negative_prompt or DEFAULT_NEGATIVE_PROMPT, width=args.width,
         height=args.height, frames=args.frames, fps=args.fps, steps=args.steps, seed=args.seed, image=args.image,
-        image_strength=args.image_strength, distilled_lora=lora, pipeline=args.pipeline,
+        image_strength=args.image_strength, distilled_lora=lora, loras=user_loras, pipeline=args.pipeline,
         tiles=_grid(args.tiles, args.tile_overlap, "--tiles"), tile_overlap=args.tile_overlap,
         decode_tiles=_grid(args.decode_tiles, args.decode_overlap, "--decode-tiles"),
         decode_overlap=args.decode_overlap,

@@ -161,14 +161,21 @@ class ControllerClient:
         """
         P.send(self._conn, {"op": "submit", "handle": handle, "job": job})
         cancel_sent = False
+
+        def maybe_cancel() -> bool:
+            if cancel_sent or cancel_requested is None or not cancel_requested():
+                return cancel_sent
+            try:
+                self.cancel(job.job_id)
+                return True
+            except P.ControllerError:  # not started yet: try again at the next check
+                return False
+
         while True:
+            # checked before every message too: with fast steps progress events never leave the poll idle
+            cancel_sent = maybe_cancel()
             while cancel_requested is not None and not self._conn.poll(poll_s):
-                if not cancel_sent and cancel_requested():
-                    try:
-                        self.cancel(job.job_id)
-                        cancel_sent = True
-                    except P.ControllerError:  # not started yet: try again at the next poll
-                        pass
+                cancel_sent = maybe_cancel()
             event = P.recv(self._conn)
             kind = event["event"]
             if kind == "busy":

@@ -428,13 +428,17 @@ class TwoStagePipeline:
         plan = self.plan
         if plan is None:
             return self.local_stage(stage, positive, negative, grid, audio_frames, fps, *run_args, noise=noise)
-        video, audio = None, None
-        if plan.in_sp_group:
-            model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps, forward=plan.sp_forward)
-            plan.active_group = plan.sp_group  # the per-step cancel decision is taken within the SP group
+        video_clean, audio_clean = run_args[0], run_args[1]
+        sp = plan.stage(video_clean.shape[1])  # a smaller degree when the split would not pay
+        video, audio, failure = None, None, None
+        if plan.rank < sp.degree:
+            model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps, forward=sp.forward)
+            plan.active_group = sp.group  # the per-step cancel decision is taken within the SP group
             try:
                 video, audio = self.run_stage(stage, model_fn, *run_args, noise=noise)
+            except Exception as exc:  # the ranks outside the group must hear of it, or they wait in the broadcast
+                failure = exc
             finally:
                 plan.active_group = None
-        video_clean, audio_clean = run_args[0], run_args[1]
-        return plan.share(video, audio, video_clean.shape, audio_clean.shape)
+        plan.announce(stage, failure, sp.degree)  # raises on every rank when the group stopped
+        return plan.share(video, audio, video_clean.shape, audio_clean.shape, sp.degree)

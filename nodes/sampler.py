@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import torch
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
+from .lora import loras_input, loras_payload
 from .native_types import (audio_frames_for, check_av_lengths, comfy_nested, frame_rate_of, join_latent,
                            sigmas_tensor, split_conditioning, split_latent, split_noise)
 
@@ -96,6 +97,8 @@ class SPSamplerMGPU(io.ComfyNode):
                 io.Sigmas.Input("sigmas", optional=True,
                                 tooltip="Custom schedule (e.g. LTXVScheduler or ManualSigmas), ending in 0; when "
                                         "connected, 'steps' is ignored."),
+                loras_input("LoRAs for this stage (a LoRA (MGPU) chain): fused on every device for this job and "
+                            "restored after; the coverage (layers applied per LoRA) is shown on the node."),
             ],
             outputs=[io.Latent.Output(display_name="latent")],
             hidden=[io.Hidden.unique_id],
@@ -104,7 +107,7 @@ class SPSamplerMGPU(io.ComfyNode):
     @classmethod
     def execute(cls, fleet, positive, latent, noise, steps, sampler, video_cfg, video_stg, video_rescale,
                 video_modality, audio_cfg, audio_stg, audio_rescale, audio_modality, stg_blocks, negative=None,
-                sigmas=None) -> io.NodeOutput:
+                sigmas=None, loras=None) -> io.NodeOutput:
         from ..mgpu_backend import sampling as S
 
         with guard(NAME):
@@ -134,7 +137,9 @@ class SPSamplerMGPU(io.ComfyNode):
                 "noise_video": noise_video, "noise_audio": noise_audio, "sigmas": schedule, "fps": fps,
                 "video_guidance": video_g, "audio_guidance": audio_g, "stg_blocks": parse_stg_blocks(stg_blocks),
                 "mode": "sequence_parallel", "sampler": sampler, "seed": int(getattr(noise, "seed", 0) or 0),
+                "loras": loras_payload(loras),
             }
             result = run_job(fleet, "sample", payload, node_id=cls.hidden.unique_id, what=NAME)
+            lora_text = "\n".join(f"LoRA {r}" for r in result.get("lora_reports") or ())
             out = join_latent(latent, result["video"], result["audio"])
-        return io.NodeOutput(out)
+        return io.NodeOutput(out, ui=ui.PreviewText(lora_text) if lora_text else None)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from .common import CATEGORY, NodeError, check_handle, fleet_input, guard, run_job
+from .lora import loras_input, loras_payload
 from .native_types import (audio_frames_for, comfy_nested, frame_rate_of, join_latent, sigmas_tensor,
                            split_conditioning, split_latent, split_noise, unnest)
 
@@ -54,6 +55,9 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 io.Sigmas.Input("sigmas", optional=True,
                                 tooltip="Stage-2 schedule ending in 0; default 0.625, 0.4, 0 (the reference's tiled "
                                         "stage 2). Tiles drift apart for a high first sigma: it is bounded."),
+                loras_input("LoRAs for this stage (a LoRA (MGPU) chain), e.g. the LTX-2 distilled LoRA at 1.0: "
+                            "fused on every device for this job and restored after; the coverage is shown on the "
+                            "node."),
             ],
             outputs=[io.Latent.Output(display_name="latent")],
             hidden=[io.Hidden.unique_id],
@@ -61,7 +65,7 @@ class TDPUpscaleMGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, fleet, latent, positive, noise, upscale, tiles_height, tiles_width, overlap,
-                sigmas=None) -> io.NodeOutput:
+                sigmas=None, loras=None) -> io.NodeOutput:
         from ..mgpu_backend import sampling as S
 
         with guard(NAME):
@@ -91,8 +95,9 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 "positive": pos.embeds, "negative": None, "video": video, "audio": audio, "video_mask": video_mask,
                 "noise_video": noise_video, "noise_audio": torch.zeros_like(audio), "sigmas": schedule, "fps": fps,
                 "mode": "tiled", "tiles": tile_config(tiles_height, tiles_width, overlap),
-                "tile_overlap": int(overlap), "audio_frozen": True,
+                "tile_overlap": int(overlap), "audio_frozen": True, "loras": loras_payload(loras),
             }
             result = run_job(fleet, "sample", payload, node_id=cls.hidden.unique_id, what=NAME)
+            lora_text = "\n".join(f"LoRA {r}" for r in result.get("lora_reports") or ())
             out = join_latent(latent, result["video"], audio_in, keep_mask=not upscale)
-        return io.NodeOutput(out)
+        return io.NodeOutput(out, ui=ui.PreviewText(lora_text) if lora_text else None)

@@ -9,10 +9,19 @@ a file of that folder; the parent loads the files and returns the list of per-ra
 value must be `torch.save`-able (tensors, numbers, strings, dicts, lists). An exception in any rank fails the call
 with that rank's traceback (`torch.multiprocessing.ProcessRaisedException`); a rank that dies without one fails it
 with `ProcessExitedException`. Collectives time out after `timeout_s` so a rank that hangs cannot hang the tests.
+
+The ranks import `mgpu_backend` (and `fn`'s test module) afresh from disk, while the tests compare them with
+references this process computed with the code it imported at collection. When the source tree is edited while a
+long session runs (a 13-minute suite in a shared checkout), the two sides run different code and a parity test fails
+with a numeric error that looks like a bug (seen: commit f303e7e changed `default_tiling`'s overlaps mid-run, and
+`test_three_ranks_sp_on_two` reported a relative error of 2.2e-2). `run_ranks` therefore refuses to spawn, naming
+the changed files, when the source of an imported engine / nodes module, of `fn`'s test module or of this helper differs
+from its state at collection.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import sys
 import tempfile
@@ -23,6 +32,46 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+_REPO = Path(__file__).resolve().parent.parent
+_PACKAGES = ("mgpu_backend", "nodes")  # packages of this checkout the ranks import (and the test modules)
+
+
+def _digest(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return "missing"
+
+
+# file -> digest at collection (this module is imported while the test modules are collected, right after conftest
+# and the test modules imported mgpu_backend)
+_SESSION_SOURCES: dict[Path, str] = {p: _digest(p) for d in (*_PACKAGES, "tests")
+                                      for p in (_REPO / d).rglob("*.py")}
+
+
+def _rank_sources(fn: Callable) -> list[Path]:
+    """The files whose code both this process and the ranks run: the imported modules of the engine and the nodes,
+    `fn`'s test module and this helper (other test modules, edited or not, are not imported by the ranks)."""
+    out = {Path(__file__).resolve()}
+    fn_module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    for module in [fn_module, *(m for name, m in list(sys.modules.items()) if name.split(".")[0] in _PACKAGES)]:
+        file = getattr(module, "__file__", None)
+        if file and Path(file).resolve() in _SESSION_SOURCES:
+            out.add(Path(file).resolve())
+    return sorted(out)
+
+
+def check_sources_unchanged(fn: Callable) -> None:
+    """Raise RuntimeError naming the files that changed on disk since collection (see the module docstring): the
+    ranks would run other code than the references this process computed."""
+    changed = [p for p in _rank_sources(fn) if _digest(p) != _SESSION_SOURCES[p]]
+    if changed:
+        names = ", ".join(str(p.relative_to(_REPO)) for p in changed)
+        raise RuntimeError(f"source files changed on disk during this test session: {names}. The spawned ranks would "
+                           f"import the new code while this process computed its references with the old; rerun "
+                           f"the tests (run long suites from a snapshot of the tree, not from a checkout being edited)")
 
 
 def _entry(rank: int, fn: Callable, world_size: int, folder: str, timeout_s: float, args: tuple) -> None:
@@ -41,7 +90,9 @@ def _entry(rank: int, fn: Callable, world_size: int, folder: str, timeout_s: flo
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0) -> list[Any]:
-    """`fn(rank, world_size, *args)` on `world_size` gloo ranks; returns the per-rank results in rank order."""
+    """`fn(rank, world_size, *args)` on `world_size` gloo ranks; returns the per-rank results in rank order.
+    Raises RuntimeError before spawning when the sources changed since this process imported them."""
+    check_sources_unchanged(fn)
     with tempfile.TemporaryDirectory(prefix="sp_ranks_") as folder:
         mp.spawn(_entry, args=(fn, world_size, folder, timeout_s, args), nprocs=world_size, join=True)
         return [torch.load(Path(folder) / f"result_{r}.pt", weights_only=False) for r in range(world_size)]

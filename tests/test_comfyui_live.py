@@ -32,6 +32,7 @@ pytestmark = pytest.mark.comfyui
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = sorted((ROOT / "workflows" / "api").glob("*.json"))
+BASE_WORKFLOW = ROOT / "workflows" / "api" / "ltx2-mgpu-two-stage-t2v.json"  # what the error / interrupt tests vary
 URL = os.environ.get("COMFYUI_URL", "").rstrip("/")
 COMFY_DIR = Path(os.environ.get("COMFYUI_DIR", "/tmp/comfyui"))
 TIMEOUT_S = 600
@@ -218,6 +219,29 @@ def tiny_models(server):
     return written
 
 
+@pytest.fixture(scope="module")
+def example_image():
+    """ComfyUI's input/example.png (shipped with ComfyUI; the image-to-video workflow's Load Image), written if absent."""
+    inputs = COMFY_DIR / "input"
+    if not inputs.is_dir():
+        pytest.skip(f"the server's input folder {inputs} is not reachable from here (set COMFYUI_DIR)")
+    path = inputs / "example.png"
+    if not path.is_file():
+        import numpy as np
+        from PIL import Image
+
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _stage1_size(wf: dict) -> dict:
+    """width / height / length of the stage-1 video latent (EmptyLTXVLatentVideo or LTXVImgToVideo)."""
+    for node in wf.values():
+        if node["class_type"] in ("EmptyLTXVLatentVideo", "LTXVImgToVideo"):
+            return node["inputs"]
+    raise AssertionError("no EmptyLTXVLatentVideo / LTXVImgToVideo node")
+
+
 # ---- tests -------------------------------------------------------------------------------------------------------
 
 
@@ -233,7 +257,7 @@ def test_workflows_are_api_format():
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
-def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, path, tmp_path):
+def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, example_image, path, tmp_path):
     from mgpu_backend.media import probe_mp4
 
     wf = load(path)
@@ -266,8 +290,9 @@ def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, path, tmp_p
               if item["filename"].endswith(".mp4")]
     assert videos, entry["outputs"]
     info = probe_mp4(fetch_output(videos[0], tmp_path / "out.mp4"))
-    latent = wf[by_class(wf, "EmptyLTXVLatentVideo")]["inputs"]
-    upscaled = any(v["class_type"] == "LTX2MGPU_TDPUpscale" and v["inputs"].get("upscale") for v in wf.values())
+    latent = _stage1_size(wf)
+    upscaled = any(v["class_type"] == "LTX2MGPU_TDPUpscale" and v["inputs"].get("upscale") for v in wf.values()) \
+        or any(v["class_type"] == "LTXVLatentUpsampler" for v in wf.values())
     factor = 2 if upscaled else 1
     assert (info["width"], info["height"]) == (latent["width"] * factor, latent["height"] * factor)
     assert info["video_frames"] == latent["length"]
@@ -284,7 +309,8 @@ def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, path, tmp_p
     again = wait(queue(wf))
     assert again["status"]["status_str"] == "success"
     cached = set(messages_of(again, "execution_cached")[0]["nodes"])
-    assert {by_class(wf, "LTX2MGPU_SPSampler"), by_class(wf, "LTX2MGPU_TDPUpscale")} <= cached
+    fleet_nodes = {k for k, v in wf.items() if v["class_type"] in ("LTX2MGPU_SPSampler", "LTX2MGPU_TDPUpscale")}
+    assert fleet_nodes and fleet_nodes <= cached
 
 
 def _error_of(entry: dict) -> dict:
@@ -295,7 +321,7 @@ def _error_of(entry: dict) -> dict:
 
 
 def test_frames_not_8k_plus_1_is_a_node_error(server, tiny_models):
-    wf = load(WORKFLOWS[0])
+    wf = load(BASE_WORKFLOW)
     wf[by_class(wf, "EmptyLTXVLatentVideo")]["inputs"]["length"] = 30
     wf[by_class(wf, "LTXVEmptyLatentAudio")]["inputs"]["frames_number"] = 30
     err = _error_of(wait(queue(wf)))
@@ -305,7 +331,7 @@ def test_frames_not_8k_plus_1_is_a_node_error(server, tiny_models):
 
 
 def test_invalid_device_spec_is_a_node_error(server, tiny_models):
-    wf = load(WORKFLOWS[0])
+    wf = load(BASE_WORKFLOW)
     wf[by_class(wf, "LTX2MGPU_LoadCheckpoint")]["inputs"]["devices"] = "gpu:7"
     err = _error_of(wait(queue(wf)))
     assert err["node_type"] == "LTX2MGPU_LoadCheckpoint"
@@ -316,7 +342,7 @@ def test_invalid_device_spec_is_a_node_error(server, tiny_models):
 def test_interrupt_cancels_the_fleet_job_and_the_next_prompt_runs(server, tiny_models):
     """ComfyUI's interrupt mid-sampling cancels the fleet job at a step boundary; the same workers serve the next
     prompt."""
-    wf = load(WORKFLOWS[0])
+    wf = load(BASE_WORKFLOW)
     sampler = by_class(wf, "LTX2MGPU_SPSampler")
     wf[sampler]["inputs"]["steps"] = 200
     wf[by_class(wf, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
@@ -342,7 +368,7 @@ def test_interrupt_cancels_the_fleet_job_and_the_next_prompt_runs(server, tiny_m
     assert interrupted_at is not None and interrupted_at < 200
     before = _fleet_pids()
     # the next prompt (euler_ancestral this time, and a Fleet status node) runs on the same workers
-    wf2 = load(WORKFLOWS[0])
+    wf2 = load(BASE_WORKFLOW)
     wf2[by_class(wf2, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
     wf2[by_class(wf2, "LTX2MGPU_SPSampler")]["inputs"]["sampler"] = "euler_ancestral"
     wf2["900"] = {"class_type": "LTX2MGPU_Fleet", "inputs": {"fleet": [by_class(wf2, "LTX2MGPU_LoadCheckpoint"), 0],
@@ -377,7 +403,7 @@ def test_killed_worker_is_a_node_error_and_requeue_succeeds(server, tiny_models)
         pytest.skip("set LTX2_MGPU_RUNTIME_DIR to the server's controller directory to find the worker PIDs")
     import signal
 
-    wf = load(WORKFLOWS[0])
+    wf = load(BASE_WORKFLOW)
     sampler = by_class(wf, "LTX2MGPU_SPSampler")
     wf[sampler]["inputs"]["steps"] = 60
     wf[by_class(wf, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
@@ -403,3 +429,89 @@ def test_killed_worker_is_a_node_error_and_requeue_succeeds(server, tiny_models)
     again = wait(queue(wf))  # the unchanged graph
     assert again["status"]["status_str"] == "success", again["status"]
     assert killed not in (_fleet_pids() or [])
+
+
+# ---- native LTX-2 nodes mixed with ours, and the golden graph (need the server's test nodes) ---------------------
+
+
+def _test_nodes_or_skip():
+    if "LTX2MGPU_TestConditioning" not in _get("/object_info/LTX2MGPU_TestConditioning"):
+        pytest.skip("the server has no test nodes: start it with LTX2_MGPU_TEST_NODES=1 (nodes/testing.py)")
+
+
+def _mp4_of(entry: dict, tmp_path: Path) -> dict:
+    from mgpu_backend.media import probe_mp4
+
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    videos = [item for out in entry["outputs"].values() for item in out.get("images", [])
+              if item["filename"].endswith(".mp4")]
+    assert videos, entry["outputs"]
+    return probe_mp4(fetch_output(videos[0], tmp_path / "out.mp4"))
+
+
+def mixed_graph(source: str, seed: int) -> dict:
+    """ComfyUI's own LTX-2 nodes around SP Sampler (MGPU): the test node's native CONDITIONING, EmptyLTXVLatentVideo
+    + LTXVEmptyLatentAudio + LTXVConcatAVLatent, RandomNoise, LTXVScheduler sigmas in; LTXVSeparateAVLatent,
+    VAEDecode (CheckpointLoaderSimple's VAE), LTXVAudioVAEDecode, CreateVideo, SaveVideo out."""
+    base = load(BASE_WORKFLOW)
+    loader = base[by_class(base, "LTX2MGPU_LoadCheckpoint")]  # the same fleet configuration as the workflows
+    ckpt = loader["inputs"]["checkpoint"]
+    n = lambda cls, **inputs: {"class_type": cls, "inputs": inputs}  # noqa: E731
+    return {
+        "1": n("CheckpointLoaderSimple", ckpt_name=ckpt),
+        "2": n("LTX2MGPU_TestConditioning", source=source, seed=5, positive_tokens=12, negative_tokens=9, width=64,
+               frame_rate=25.0, prompt="a lighthouse in a storm, waves crashing", negative_prompt="blurry",
+               gemma=loader["inputs"]["gemma"], checkpoint=ckpt),
+        "3": n("EmptyLTXVLatentVideo", width=128, height=64, length=17, batch_size=1),
+        "4": n("LTXVAudioVAELoader", ckpt_name=ckpt),
+        "5": n("LTXVEmptyLatentAudio", frames_number=17, frame_rate=25, batch_size=1, audio_vae=["4", 0]),
+        "6": n("LTXVConcatAVLatent", video_latent=["3", 0], audio_latent=["5", 0]),
+        "7": n("RandomNoise", noise_seed=seed),
+        "8": n("LTXVScheduler", steps=4, max_shift=2.05, base_shift=0.95, stretch=True, terminal=0.1,
+               latent=["6", 0]),
+        "9": {"class_type": "LTX2MGPU_LoadCheckpoint", "inputs": dict(loader["inputs"])},
+        "10": n("LTX2MGPU_SPSampler", fleet=["9", 0], positive=["2", 0], negative=["2", 1], latent=["6", 0],
+                noise=["7", 0], sigmas=["8", 0], steps=4, sampler="euler", video_cfg=3.0, video_stg=1.0,
+                video_rescale=0.7, video_modality=3.0, audio_cfg=7.0, audio_stg=1.0, audio_rescale=0.7,
+                audio_modality=3.0, stg_blocks="auto"),
+        "11": n("LTXVSeparateAVLatent", av_latent=["10", 0]),
+        "12": n("VAEDecode", samples=["11", 0], vae=["1", 2]),
+        "13": n("LTXVAudioVAEDecode", samples=["11", 1], audio_vae=["4", 0]),
+        "14": n("CreateVideo", images=["12", 0], audio=["13", 0], fps=25.0),
+        "15": n("SaveVideo", video=["14", 0], filename_prefix="ltx2-mgpu/mixed", format="mp4", codec="h264"),
+    }
+
+
+@pytest.mark.parametrize("source", ["random", "tiny gemma"])
+def test_mixed_native_graph_runs(server, tiny_models, source, tmp_path):
+    """Native CONDITIONING (test node: seeded random, or the tiny Gemma through the checkpoint's projection) and
+    native latent / noise / scheduler nodes into SP Sampler (MGPU); its LATENT into ComfyUI's own
+    LTXVSeparateAVLatent, VAEDecode, LTXVAudioVAEDecode, CreateVideo, SaveVideo."""
+    _test_nodes_or_skip()
+    wf = mixed_graph(source, int.from_bytes(os.urandom(4), "little"))
+    entry = wait(queue(wf))
+    info = _mp4_of(entry, tmp_path)
+    assert (info["width"], info["height"]) == (128, 64) and info["video_frames"] == 17
+    assert info["audio_channels"] == 2 and info["audio_sample_rate"] > 0
+    assert info["audio_duration"] == pytest.approx(17 / info["fps"], abs=0.1)
+
+
+def test_golden_graph_reproduces_the_committed_goldens(server, tiny_models):
+    """ComfyUI's native sampling graph of tests/golden/make_golden.py, run on this server now, reproduces the
+    committed golden (t2v, euler, reference-aligned): the goldens tests/test_golden.py holds us to are current."""
+    _test_nodes_or_skip()
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    golden_dir = ROOT / "tests" / "golden"
+    spec = importlib.util.spec_from_file_location("make_golden", golden_dir / "make_golden.py")
+    mg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mg)
+    goldens = load_file(str(golden_dir / "ltx2_golden.safetensors"))
+    entry = mg.run(URL, mg.graph("t2v_euler", "aligned", f"ltx2-mgpu-golden-check-{uuid.uuid4().hex[:8]}/t2v"))
+    for node, modality in (("13", "video"), ("14", "audio")):
+        got = mg.fetch_latent(URL, entry, node)
+        diff = float((got - goldens[f"t2v_euler.aligned.{modality}"]).abs().max())
+        print(f"golden {modality}: max |now - committed| = {diff:.2e}")
+        assert diff <= 1e-5  # same ComfyUI and weights: only thread-count-dependent CPU summation order

@@ -10,6 +10,7 @@ import torch
 from .. import latents as L
 from .. import sampling as S
 from ..denoiser import text_contexts
+from ..lora import read_loras
 from ..validation import ValidationError
 from . import register
 
@@ -84,9 +85,13 @@ def run_sample(state, p: dict, ctx) -> dict:
     ("sequence_parallel" | "tiled"), `tiles` (TileCountConfig for tiled; None = balanced), `tile_overlap`,
     `audio_frozen` (tiled stages always freeze audio), `max_first_sigma` (tiled bound), `sampler` ("euler" |
     "euler_ancestral", with `seed`, `eta`, `s_noise`), `stg_blocks` ("auto" or block indices; replaces both
-    guidances' blocks).
-    Returns on rank 0: `{"video": [1, 128, F, H, W], "audio": [1, 8, T, 16], "report": str}`.
-    Raises ValidationError before any work for bad shapes, modes and tile / sigma requests.
+    guidances' blocks), `loras` (`[(path, strength), …]`: fused into every rank's transformer for this job — each
+    rank computes its share and the fused layers are broadcast — and restored after it, exactly, without reading
+    the checkpoint).
+    Returns on rank 0: `{"video": [1, 128, F, H, W], "audio": [1, 8, T, 16], "report": str, "lora_reports":
+    [str, …] (matched / total layers per LoRA)}`.
+    Raises ValidationError before any work for bad shapes, modes, tile / sigma requests and LoRAs that do not fit the
+    model (none of their layers found, another model width).
     """
     from ..parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
 
@@ -145,19 +150,28 @@ def run_sample(state, p: dict, ctx) -> dict:
         if tuple(n.shape) != tuple(x.shape):
             raise ValidationError(f"{name} of shape {tuple(n.shape)} does not match the latent {tuple(x.shape)}")
     noise = (L.pack_video(p["noise_video"].float()), L.pack_audio(p["noise_audio"].float()))
+    loras = read_loras(p.get("loras"))
+    pipe.lora.check(loras)  # coverage and widths, on every rank alike, before any weight is touched
     args = ("stage", positive_ctx, negative_ctx, grid, audio.shape[2], float(p["fps"]), L.pack_video(video),
             L.pack_audio(audio), sigmas, 0, token_mask, audio_frozen, video_guidance, audio_guidance, ctx.progress,
             ctx.step_boundary)
-    with S.use_sampler(sampler):
-        if mode == "tiled":
-            out_video, out_audio = pipe.local_stage(*args, forward=tiled, noise=noise)
-            report = tiled.describe()
-        else:
-            out_video, out_audio = pipe.sequence_parallel_stage(*args, noise=noise)
-            report = pipe.plan.describe() if pipe.plan is not None else "one rank"
+    try:
+        lora_reports = pipe.lora.apply(loras)
+        with S.use_sampler(sampler):
+            if mode == "tiled":
+                out_video, out_audio = pipe.local_stage(*args, forward=tiled, noise=noise)
+                report = tiled.describe()
+            else:
+                out_video, out_audio = pipe.sequence_parallel_stage(*args, noise=noise)
+                report = pipe.plan.describe() if pipe.plan is not None else "one rank"
+    except BaseException:
+        pipe.lora.after_error()  # one process: restored now; a fleet: at its next job's apply (every rank)
+        raise
+    pipe.lora.restore()
     if ctx.rank != 0:
         return {}
-    return {"video": L.unpack_video(out_video, f, h, w), "audio": L.unpack_audio(out_audio), "report": report}
+    return {"video": L.unpack_video(out_video, f, h, w), "audio": L.unpack_audio(out_audio), "report": report,
+            "lora_reports": [r.detail() for r in lora_reports]}
 
 
 @register("upscale")

@@ -19,6 +19,18 @@ from .tiled import TiledTransformer
 from .tiling import TileCountConfig
 
 DEFAULT_TOKEN_CAP = 65536  # video tokens per rank per forward (≈ 241 frames at 1920×1088 on 2 ranks)
+# Below this many video tokens per rank a GPU forward is launch-bound and splitting further does not pay (measured
+# on H200s: 627 tokens over 2 GPUs ran 2× slower than on one; 1,760 per rank still gained, bench/results/).
+GPU_MIN_TOKENS_PER_RANK = 1536
+
+
+@dataclass
+class SPStage:
+    """The sequence-parallel group one stage runs on: ranks 0..degree-1."""
+
+    degree: int
+    group: dist.ProcessGroup | None
+    forward: SequenceParallelTransformer | None  # None on ranks outside the group, and for degree 1
 
 
 @dataclass
@@ -33,6 +45,18 @@ class ParallelPlan:
     sp_forward: SequenceParallelTransformer | None  # None on ranks outside the SP group
     token_cap: int | None = DEFAULT_TOKEN_CAP
     active_group: dist.ProcessGroup | None = None  # the group of the stage now running (for the cancel check)
+    stages: dict[int, SPStage] | None = None  # every usable SP degree -> its group (built collectively)
+    min_tokens_per_rank: int = 0
+    last_degree: int | None = None  # the degree the last SP stage ran at (job report)
+
+    def stage(self, tokens: int) -> SPStage:
+        """The largest SP degree that keeps at least `min_tokens_per_rank` video tokens per rank (a split that
+        always pays); the full degree when no minimum is set."""
+        stages = self.stages or {self.sp_degree: SPStage(self.sp_degree, self.sp_group, self.sp_forward)}
+        fits = [d for d in stages if d == 1 or tokens >= d * self.min_tokens_per_rank]
+        chosen = stages[max(fits) if fits else min(stages)]
+        self.last_degree = chosen.degree
+        return chosen
 
     @property
     def in_sp_group(self) -> bool:
@@ -45,9 +69,28 @@ class ParallelPlan:
         except ValueError as exc:
             raise ValidationError(str(exc)) from None
 
-    def share(self, video: torch.Tensor | None, audio: torch.Tensor | None, video_shape, audio_shape):
-        """After an SP stage: ranks outside the SP group receive rank 0's latents (no-op when SP spans the fleet)."""
-        if self.sp_degree == self.world_size:
+    def announce(self, stage: str, failure: BaseException | None, degree: int) -> None:
+        """After an SP stage on a sub-group: rank 0 tells every rank whether it finished, was cancelled or failed,
+        so the ranks outside the group stop too instead of waiting in `share`'s broadcast. Re-raises `failure` on
+        the group's ranks; raises SamplingCancelled / RuntimeError on the others."""
+        from ..sampling import SamplingCancelled
+
+        if degree != self.world_size:
+            status = torch.tensor([0 if failure is None else 1 if isinstance(failure, SamplingCancelled) else 2],
+                                  dtype=torch.int32, device=self._comm_device())
+            dist.broadcast(status, src=0)
+            code = int(status.item())
+            if failure is None and code == 1:
+                raise SamplingCancelled(f"{stage} cancelled on the sequence-parallel ranks")
+            if failure is None and code == 2:
+                raise RuntimeError(f"{stage} failed on the sequence-parallel ranks (rank 0 reports the cause)")
+        if failure is not None:
+            raise failure
+
+    def share(self, video: torch.Tensor | None, audio: torch.Tensor | None, video_shape, audio_shape,
+              degree: int | None = None):
+        """After an SP stage: ranks outside its group receive rank 0's latents (no-op when SP spans the fleet)."""
+        if (degree or self.sp_degree) == self.world_size:
             return video, audio
         out = []
         for x, shape in ((video, video_shape), (audio, audio_shape)):
@@ -78,6 +121,9 @@ class ParallelPlan:
     def describe(self) -> str:
         if self.world_size == 1:
             return "one rank"
+        if self.last_degree is not None and self.last_degree < self.sp_degree:
+            return (f"sequence parallel on {self.last_degree} of {self.world_size} ranks: fewer than "
+                    f"{self.min_tokens_per_rank} video tokens per rank would not pay")
         if self.sp_degree == self.world_size:
             return f"sequence parallel over all {self.world_size} ranks"
         return (f"sequence parallel on ranks 0-{self.sp_degree - 1} of {self.world_size} (the SP degree must divide "
@@ -85,14 +131,24 @@ class ParallelPlan:
 
 
 def build_plan(transformer, rank: int, world_size: int, device: torch.device,
-               token_cap: int | None = DEFAULT_TOKEN_CAP) -> ParallelPlan:
-    """Called by every rank of an initialized default process group."""
+               token_cap: int | None = DEFAULT_TOKEN_CAP, min_tokens_per_rank: int | None = 0) -> ParallelPlan:
+    """Called by every rank of an initialized default process group (creating the sub-groups is collective).
+
+    `min_tokens_per_rank`: smaller SP degrees are used for stages with fewer video tokens per rank; None = the GPU
+    default (`GPU_MIN_TOKENS_PER_RANK`) on CUDA, 0 (always the full degree) on CPU.
+    """
+    if min_tokens_per_rank is None:
+        min_tokens_per_rank = GPU_MIN_TOKENS_PER_RANK if device.type == "cuda" else 0
     heads = transformer.config.num_attention_heads
     degree = largest_sp_degree(heads, world_size)
-    group = None
-    if degree != world_size:
-        group = dist.new_group(list(range(degree)))  # collective: every rank calls it
-    forward = None
-    if rank < degree:
-        forward = SequenceParallelTransformer(transformer, Exchange(group, degree, rank), token_cap)
-    return ParallelPlan(rank, world_size, device, degree, group, forward, token_cap)
+    stages = {}
+    # every rank creates every group, in the same order; degree 1 gets a group of rank 0 alone (cancel checks)
+    degrees = [d for d in range(1, degree + 1) if heads % d == 0 and (d == degree or min_tokens_per_rank > 0)]
+    for d in degrees:
+        group = None if d == world_size else dist.new_group(list(range(d)))
+        forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank), token_cap)
+                   if rank < d and d > 1 else None)
+        stages[d] = SPStage(d, group, forward)
+    top = stages[degree]
+    return ParallelPlan(rank, world_size, device, degree, top.group, top.forward, token_cap,
+                        stages=stages, min_tokens_per_rank=min_tokens_per_rank)

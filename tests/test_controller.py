@@ -1,0 +1,327 @@
+"""The background controller as its clients see it: private socket and key, reattaching, busy, stale handles,
+shared-memory frames, the CLI, and a start from ComfyUI's mangled import outside the repository.
+
+One controller for the module (own runtime dir) with a W = 1 CPU fleet on the tiny model, stopped at teardown;
+the CLI `stop` and the mangled-import start use controllers of their own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from contextlib import contextmanager
+from multiprocessing.connection import AuthenticationError, Client
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgpu_backend import protocol as P
+from mgpu_backend.client import ControllerClient
+from mgpu_backend.protocol import ControllerError, FleetBusy, FleetConfig, JobCancelled, JobSpec
+
+REPO = Path(__file__).resolve().parent.parent
+GUARD_S = 180
+
+
+@contextmanager
+def deadline(seconds: float, what: str):
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"{what}: still running after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard(request):
+    with deadline(GUARD_S, request.node.name):
+        yield
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout: float = 30.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def stop_controller(runtime: Path) -> None:
+    """Stop the controller of `runtime` (if one answers) and make sure it and its workers are gone."""
+    pids = []
+    try:
+        client = ControllerClient(runtime, start=False)
+        status = client.status()
+        pids = [status["pid"], *((status["fleet"] or {}).get("worker_pids", []))]
+        client.stop()
+    except (ControllerError, OSError):
+        pass
+    if not wait_gone(pids):
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def short_runtime_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ltx2-tc-"))  # AF_UNIX paths are limited to 107 bytes
+
+
+def tiny_config(tiny_dir, **overrides) -> FleetConfig:
+    files = tiny_dir["2.0"]
+    args = dict(devices=("cpu",), checkpoint=str(files["checkpoint"]), gemma=str(files["gemma"]),
+                upscaler=str(files["upsampler"]), dtype="float32", threads_per_worker=1, stall_timeout_s=60.0)
+    args.update(overrides)
+    return FleetConfig(**args)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    path = short_runtime_dir()
+    yield path
+    stop_controller(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ctl(runtime):
+    return ControllerClient(runtime_dir=runtime)
+
+
+@pytest.fixture(scope="module")
+def handle(ctl, tiny_dir):
+    return ctl.configure(tiny_config(tiny_dir))
+
+
+def _cli(*args, env_extra=None, cwd=REPO) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "mgpu_backend", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---- the private socket ---------------------------------------------------------------------------------------------
+
+def test_runtime_dir_socket_and_key_are_private(ctl, runtime):
+    assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(runtime / P.SOCKET_NAME).st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(runtime / P.SOCKET_NAME).st_mode)
+    assert stat.S_IMODE(os.stat(runtime / P.KEY_NAME).st_mode) == 0o600
+    assert len((runtime / P.KEY_NAME).read_bytes()) == 32
+
+
+def test_wrong_auth_key_is_refused_and_controller_keeps_serving(ctl, runtime):
+    pid = ctl.ping()["pid"]
+    wrong = bytes(b ^ 0xFF for b in (runtime / P.KEY_NAME).read_bytes())
+    for _ in range(2):
+        with pytest.raises(AuthenticationError):
+            Client(str(runtime / P.SOCKET_NAME), family="AF_UNIX", authkey=wrong)
+    assert ctl.ping()["pid"] == pid
+    assert ControllerClient(runtime, start=False).ping()["pid"] == pid
+
+
+# ---- reattaching, busy, stale handles -------------------------------------------------------------------------------
+
+def test_second_client_reattaches_to_the_same_controller_and_fleet(ctl, handle, runtime):
+    first = ctl.status()
+    other = ControllerClient(runtime_dir=runtime)  # start=True, but one answers: nothing is started
+    try:
+        assert other.started_pid is None
+        second = other.status()
+        assert second["pid"] == first["pid"] == ctl.ping()["pid"]
+        assert second["fleet"]["generation"] == first["fleet"]["generation"] == handle.generation
+        assert second["fleet"]["worker_pids"] == list(handle.worker_pids)
+        # the same configuration from the second client reuses the fleet
+        again = other.configure(handle.config)
+        assert again.generation == handle.generation and again.worker_pids == handle.worker_pids
+        out = other.run(again, JobSpec("noop", {"steps": 1}))
+        assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
+    finally:
+        other.close()
+
+
+def test_busy_is_answered_at_once_and_cancel_keeps_the_fleet(ctl, handle, runtime):
+    job = JobSpec("noop", {"steps": 400, "sleep_s": 0.05})  # ~20 s unless cancelled
+    started, outcome = threading.Event(), {}
+
+    def first():
+        try:
+            ctl.run(handle, job, on_event=lambda e: started.set())
+        except Exception as exc:  # noqa: BLE001 (handed to the main thread)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert started.wait(60), "the first job did not start"
+    other = ControllerClient(runtime, start=False)
+    try:
+        with pytest.raises(FleetBusy) as info:
+            other.run(handle, JobSpec("noop", {"steps": 1}))
+        assert job.job_id in str(info.value)
+        assert thread.is_alive(), "FleetBusy came only after the running job ended"
+        with pytest.raises(FleetBusy):
+            other.configure(handle.config)
+        assert other.status()["busy_job"] == job.job_id
+        other.cancel(job.job_id)
+    finally:
+        other.close()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), JobCancelled), outcome
+    status = ctl.status()
+    assert status["busy_job"] is None and status["fleet"]["worker_pids"] == list(handle.worker_pids)
+
+
+def test_unknown_job_kind_is_refused_and_fleet_kept(ctl, handle):
+    with pytest.raises(ControllerError) as info:
+        ctl.run(handle, JobSpec("no-such-kind", None))
+    assert info.value.kind == "validation" and not info.value.fleet_lost
+    assert "unknown job kind 'no-such-kind'" in str(info.value) and "noop" in str(info.value)
+    assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
+
+
+def test_frames_come_back_through_shared_memory(ctl, handle):
+    before = set(os.listdir("/dev/shm"))
+    out = ctl.run(handle, JobSpec("frames", {"shape": (5, 32, 48, 3)}))
+    frames = out["frames"]
+    assert frames.shape == (5, 32, 48, 3) and frames.dtype == torch.float32
+    expected = torch.arange(5, dtype=torch.float32).div(5).view(5, 1, 1, 1).expand(5, 32, 48, 3)
+    assert torch.equal(frames, expected)
+    assert set(os.listdir("/dev/shm")) - before == set(), "the shared-memory block was not freed"
+
+
+def test_fault_injection_is_ignored_without_the_test_switch(ctl, handle):
+    """This controller runs without LTX2_MGPU_TEST_FAULTS=1: a job's `fault` is dropped, the job runs."""
+    out = ctl.run(handle, JobSpec("noop", {"steps": 2}, fault={"rank": 0, "stage": "noop", "step": 0,
+                                                               "kind": "crash"}))
+    assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
+    assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
+
+
+def test_cli_status_shows_the_fleet(ctl, handle, runtime):
+    result = _cli("status", env_extra={"LTX2_MGPU_RUNTIME_DIR": str(runtime)})
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["pid"] == ctl.ping()["pid"]
+    assert status["fleet"]["generation"] == handle.generation
+    assert status["fleet"]["worker_pids"] == list(handle.worker_pids)
+    assert status["fleet"]["open_counts"] == [2]  # checkpoint + upscaler, opened once
+
+
+def test_stale_handle_is_refused(ctl, handle, tiny_dir):
+    """A handle from before a rebuild with another configuration is refused, saying so; the new handle works."""
+    other_config = tiny_config(tiny_dir, stall_timeout_s=61.0)
+    assert other_config != handle.config
+    new = ctl.configure(other_config)
+    assert new.generation > handle.generation
+    assert not set(new.worker_pids) & set(handle.worker_pids)
+    with pytest.raises(ControllerError) as info:
+        ctl.run(handle, JobSpec("noop", {"steps": 1}))
+    message = str(info.value)
+    assert info.value.kind == "stale_handle" and not info.value.fleet_lost
+    assert f"generation {handle.generation} is stale" in message and "another configuration" in message
+    out = ctl.run(new, JobSpec("noop", {"steps": 1}))
+    assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
+    assert ctl.status()["fleet"]["generation"] == new.generation  # the refused handle rebuilt nothing
+
+
+# ---- controllers of their own ---------------------------------------------------------------------------------------
+
+def test_cli_stop_stops_controller_and_workers():
+    runtime = short_runtime_dir()
+    env = {"LTX2_MGPU_RUNTIME_DIR": str(runtime)}
+    try:
+        assert _cli("status", env_extra=env).stdout.strip() == "no controller is running"
+        client = ControllerClient(runtime_dir=runtime)
+        pid = client.ping()["pid"]
+        client.close()
+        result = _cli("stop", env_extra=env)
+        assert result.returncode == 0 and result.stdout.strip() == "controller stopped", result.stderr
+        assert wait_gone([pid]), "the controller still runs after stop"
+        assert not (runtime / P.SOCKET_NAME).exists()
+        assert _cli("status", env_extra=env).stdout.strip() == "no controller is running"
+    finally:
+        stop_controller(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+MANGLED_CLIENT = textwrap.dedent("""
+    import importlib, importlib.util, json, sys
+    repo, runtime, config_json = sys.argv[1], sys.argv[2], sys.argv[3]
+    assert not any(p and repo.rstrip("/") == p.rstrip("/") for p in sys.path), sys.path
+    # what ComfyUI does with a custom node folder: import its __init__ under a name of its own
+    name = "custom_nodes_ltx2_multigpu_0x5f3a"
+    spec = importlib.util.spec_from_file_location(name, repo + "/__init__.py", submodule_search_locations=[repo])
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pack
+    spec.loader.exec_module(pack)
+    client_mod = importlib.import_module(name + ".mgpu_backend.client")
+    protocol = importlib.import_module(name + ".mgpu_backend.protocol")
+    client = client_mod.ControllerClient(runtime_dir=runtime)
+    fields = json.loads(config_json)
+    fields["devices"] = tuple(fields["devices"])
+    handle = client.configure(protocol.FleetConfig(**fields))
+    out = client.run(handle, protocol.JobSpec("noop", {"steps": 1}))
+    print(json.dumps({"started_pid": client.started_pid, "pid": client.ping()["pid"],
+                      "generation": handle.generation, "handle_class": type(handle).__module__,
+                      "tensor": out["tensor"].tolist(), "plain_import": "mgpu_backend" in sys.modules}))
+""")
+
+
+def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_path):
+    """ComfyUI imports the pack under a mangled module name, from its own working directory, without the repo on
+    sys.path: the controller still starts (explicit PYTHONPATH), and objects cross the socket both ways."""
+    runtime = short_runtime_dir()
+    elsewhere = tmp_path / "comfyui-cwd"
+    elsewhere.mkdir()
+    config = tiny_config(tiny_dir)
+    config_json = json.dumps({**config.__dict__, "devices": list(config.devices)})
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LTX2_MGPU_RUNTIME_DIR")}
+    try:
+        result = subprocess.run([sys.executable, "-c", MANGLED_CLIENT, str(REPO), str(runtime), config_json],
+                                cwd=elsewhere, env=env, capture_output=True, text=True, timeout=150)
+        assert result.returncode == 0, result.stderr[-3000:]
+        info = json.loads(result.stdout.strip().splitlines()[-1])
+        assert info["started_pid"] == info["pid"]
+        assert info["handle_class"].startswith("custom_nodes_ltx2_multigpu_0x5f3a.")
+        assert info["plain_import"] is False
+        assert info["tensor"] == [0.0, 1.0, 2.0, 3.0]
+        pid = info["pid"]
+        assert os.readlink(f"/proc/{pid}/cwd") == str(runtime)  # not the repo, not the caller's folder
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        assert environ[b"PYTHONPATH"].decode().split(os.pathsep)[0] == str(REPO)
+        # this (plainly imported) client reattaches to it and sees the fleet the mangled client made
+        client = ControllerClient(runtime, start=False)
+        assert client.status()["fleet"]["generation"] == info["generation"]
+    finally:
+        stop_controller(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)

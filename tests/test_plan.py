@@ -1,0 +1,81 @@
+"""The parallel plan picks a split that pays: fewer SP ranks for stages with few tokens per rank."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from mgpu_backend.models.gemma import load_gemma
+from mgpu_backend.models.loader import load_components
+from mgpu_backend.models.tiny import make_tiny
+from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
+
+torch.set_num_threads(1)
+
+REQUEST = dict(prompt="a fox in the snow", width=128, height=128, frames=9, steps=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("plan"), "2.0", seed=0).items()}
+
+
+def _degrees(rank, world, checkpoint):
+    from mgpu_backend.parallel.plan import build_plan
+
+    components = load_components(checkpoint, dtype=torch.float32)
+    plan = build_plan(components.transformer, rank, world, torch.device("cpu"), min_tokens_per_rank=8)
+    return {tokens: plan.stage(tokens).degree for tokens in (40, 32, 20, 12, 3)}
+
+
+def test_stage_degree_keeps_enough_tokens_per_rank(paths):
+    """8 heads on 4 ranks, at least 8 tokens per rank: 40 and 32 tokens -> 4 ranks, 20 -> 2, 12 and 3 -> 1 —
+    the same decision on every rank (each builds every group)."""
+    results = run_ranks(_degrees, 4, paths["checkpoint"])
+    assert results == [{40: 4, 32: 4, 20: 2, 12: 1, 3: 1}] * 4
+
+
+def _generate(rank, world, paths):
+    from mgpu_backend.parallel.plan import build_plan
+
+    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    plan = build_plan(components.transformer, rank, world, torch.device("cpu"), min_tokens_per_rank=10 ** 6)
+    pipeline = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
+    result = pipeline.generate(GenerateRequest(**REQUEST))
+    return {"audio_latent": result.audio_latent, "report": result.parallel_report}
+
+
+def test_small_stage_runs_on_one_rank_and_equals_one_process(paths):
+    """With a minimum no stage reaches, stage 1 runs on rank 0 alone (the others receive its result): its latent
+    equals the one-process run bit for bit, on every rank, and the report says why."""
+    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    reference = TwoStagePipeline(components, load_gemma(paths["gemma"])).generate(GenerateRequest(**REQUEST))
+    results = run_ranks(_generate, 2, paths)
+    for r in results:
+        assert torch.equal(r["audio_latent"], reference.audio_latent)
+    assert "on 1 of 2 ranks" in results[0]["report"] and "would not pay" in results[0]["report"]
+
+
+def _cancel_on_three(rank, world, paths):
+    from mgpu_backend.parallel.plan import build_plan
+    from mgpu_backend.sampling import SamplingCancelled
+
+    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    plan = build_plan(components.transformer, rank, world, torch.device("cpu"))
+    pipeline = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
+    try:
+        pipeline.generate(GenerateRequest(**REQUEST), cancel_check=lambda stage, step: step == 1)
+    except SamplingCancelled as exc:
+        return {"degree": plan.sp_degree, "cancelled": str(exc)}
+    return {"degree": plan.sp_degree, "cancelled": None}
+
+
+def test_cancel_on_the_sp_subgroup_reaches_the_other_ranks(paths):
+    """3 ranks, SP on ranks 0-1: a cancel taken by the SP group stops rank 2 too (it is told, instead of waiting
+    forever for the stage result)."""
+    results = run_ranks(_cancel_on_three, 3, paths, timeout_s=60.0)
+    assert [r["degree"] for r in results] == [2, 2, 2]
+    assert all(r["cancelled"] for r in results), results
+    assert "sequence-parallel ranks" in results[2]["cancelled"]
