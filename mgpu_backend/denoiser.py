@@ -153,16 +153,18 @@ class LTX2Denoiser:
             context = self.positive
         perturb = skip_self_attention(self.transformer, p.video_stg_blocks, p.audio_stg_blocks) \
             if p.kind == "perturbed" else contextlib.nullcontext()
+        # the sampling state stays where the loop keeps it (small); each forward runs on the model's device
+        device = self.video_coords.device
         with perturb, torch.no_grad():
             video, audio = self.forward(
-                hidden_states=inputs.video.to(self.dtype),
-                audio_hidden_states=inputs.audio.to(self.dtype),
+                hidden_states=inputs.video.to(device, self.dtype),
+                audio_hidden_states=inputs.audio.to(device, self.dtype),
                 encoder_hidden_states=context.video,
                 audio_encoder_hidden_states=context.audio,
-                timestep=inputs.video_timesteps * TIMESTEP_SCALE,
-                audio_timestep=inputs.audio_timesteps * TIMESTEP_SCALE,
-                sigma=inputs.video_sigma * TIMESTEP_SCALE,
-                audio_sigma=inputs.audio_sigma * TIMESTEP_SCALE,
+                timestep=inputs.video_timesteps.to(device) * TIMESTEP_SCALE,
+                audio_timestep=inputs.audio_timesteps.to(device) * TIMESTEP_SCALE,
+                sigma=inputs.video_sigma.to(device) * TIMESTEP_SCALE,
+                audio_sigma=inputs.audio_sigma.to(device) * TIMESTEP_SCALE,
                 encoder_attention_mask=context.mask,
                 audio_encoder_attention_mask=context.mask,
                 video_coords=self.video_coords,
@@ -172,4 +174,4 @@ class LTX2Denoiser:
                 return_dict=False,
             )
         self.forwards += 1
-        return video.float(), audio.float()
+        return video.float().to(inputs.video.device), audio.float().to(inputs.audio.device)
