@@ -84,6 +84,27 @@ class _Progress:
         return self.interrupted or mm.processing_interrupted()
 
 
+# headroom a fleet job needs on each of its GPUs beyond what it already holds (activations, VAE decode tiles)
+FLEET_JOB_HEADROOM_BYTES = 8 * 1024 ** 3
+
+
+def make_room_on_fleet_devices(config: P.FleetConfig) -> None:
+    """Unload ComfyUI's own models from the fleet's GPUs when one of them is short of free memory (the workers are
+    other processes: ComfyUI cannot see what they need, so it must not keep its models there)."""
+    import torch
+
+    indices = sorted({int(d.split(":")[1]) for d in config.devices if d.startswith("cuda:")})
+    if not indices or not torch.cuda.is_available():
+        return
+    short = [i for i in indices if torch.cuda.mem_get_info(i)[0] < FLEET_JOB_HEADROOM_BYTES]
+    if short:
+        import comfy.model_management as mm
+
+        log.info("GPU(s) %s short of memory for the fleet job: unloading ComfyUI's models", short)
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+
+
 def run_job(handle: P.FleetHandle, kind: str, payload: Any, *, node_id: str | None = None,
             what: str = "job") -> Any:
     """Run one job on the fleet: progress into ComfyUI's bar, ComfyUI's interrupt cancels it (every rank stops at
@@ -95,6 +116,7 @@ def run_job(handle: P.FleetHandle, kind: str, payload: Any, *, node_id: str | No
     import comfy.model_management as mm
 
     handle = check_handle(handle)
+    make_room_on_fleet_devices(handle.config)
     progress = _Progress(node_id)
     for attempt in (1, 2):
         if progress.cancel_requested():
