@@ -290,9 +290,9 @@ class TwoStagePipeline:
         if plan is not None:
             plan.check(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
         ranks = plan.world_size if plan is not None else 1
-        stage2_tiling = None if distilled else self._tiling(request.tiles, ranks, (frames_lat, h2, w2),
+        stage2_tiling = None if distilled else self.resolve_tiling(request.tiles, ranks, (frames_lat, h2, w2),
                                                              request.tile_overlap, "stage-2 tiles")
-        decode_tiling = self._tiling(request.decode_tiles, ranks, (frames_lat, h2, w2), request.decode_overlap,
+        decode_tiling = self.resolve_tiling(request.decode_tiles, ranks, (frames_lat, h2, w2), request.decode_overlap,
                                      "decode tiles")
         if decode_tiling is not None and decode_tiling.frames.num_tiles != 1:
             raise V.ValidationError("decode tiles: the decode never splits the frame axis (LTX's causal first "
@@ -404,7 +404,7 @@ class TwoStagePipeline:
                               plan.describe() if plan is not None else "one process", rank_reports)
 
     @staticmethod
-    def _tiling(explicit: TileCountConfig | None, ranks: int, grid: tuple[int, int, int], overlap: int,
+    def resolve_tiling(explicit: TileCountConfig | None, ranks: int, grid: tuple[int, int, int], overlap: int,
                 what: str) -> TileCountConfig | None:
         """An explicit tiling (checked against the grid), or the balanced default for `ranks` (none for one rank)."""
         try:

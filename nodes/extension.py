@@ -1,6 +1,8 @@
 """The pack's ComfyExtension: the node list ComfyUI registers."""
 from __future__ import annotations
 
+import os
+
 from comfy_api.latest import ComfyExtension, io
 
 from .decode import DistributedDecodeMGPU
@@ -13,7 +15,10 @@ from .upscale import TDPUpscaleMGPU
 
 NODES: list[type[io.ComfyNode]] = [LoadCheckpointMGPU, TextEncodeMGPU, SPSamplerMGPU, TDPUpscaleMGPU,
                                    DistributedDecodeMGPU, FleetMGPU, LoRAMGPU]
-NODES += __import__(f"{__package__}.testing", fromlist=["TEST_NODES"]).TEST_NODES if __import__("os").environ.get("LTX2_MGPU_TEST_NODES") == "1" else []  # noqa: E501 - TEST-ONLY nodes (nodes/testing.py)
+if os.environ.get("LTX2_MGPU_TEST_NODES") == "1":  # test-only nodes (nodes/testing.py), never in a user's graph
+    from .testing import TEST_NODES
+
+    NODES += TEST_NODES
 
 
 class LTX2MultiGPUExtension(ComfyExtension):

@@ -115,7 +115,7 @@ def run_sample(state, p: dict, ctx) -> dict:
     tiled = None
     if mode == "tiled":
         ranks = pipe.plan.world_size if pipe.plan is not None else 1
-        tiling = pipe._tiling(p.get("tiles"), max(ranks, 2) if p.get("tiles") is None else ranks, grid,
+        tiling = pipe.resolve_tiling(p.get("tiles"), max(ranks, 2) if p.get("tiles") is None else ranks, grid,
                               int(p.get("tile_overlap", 5)), "tiles")
         try:
             check_tdp_sigmas(sigmas, float(p.get("max_first_sigma", DEFAULT_MAX_FIRST_SIGMA)))
@@ -197,7 +197,8 @@ def run_decode(state, p: dict, ctx) -> dict:
     video = p["video"].float()
     _check_batch("video latent", video)
     ranks = pipe.plan.world_size if pipe.plan is not None else 1
-    tiling = pipe._tiling(p.get("tiles"), ranks, tuple(video.shape[2:]), int(p.get("overlap", 2)), "decode tiles")
+    tiling = pipe.resolve_tiling(p.get("tiles"), ranks, tuple(video.shape[2:]), int(p.get("overlap", 2)),
+                                 "decode tiles")
     frames, report = pipe.decode_video(video, int(p.get("seed", 0)), tiling)
     if ctx.rank != 0:
         return {}
