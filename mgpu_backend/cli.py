@@ -68,6 +68,8 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
                    help="run on a worker fleet: 'all', a count, a CUDA list like '0,1,3', or 'cpu:N' "
                         "(default: in this process)")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (with --devices, or CPU ranks)")
+    p.add_argument("--sp-degree", type=int, default=None,
+                   help="sequence parallel degree (must divide the attention heads; default: the largest valid)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +115,7 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     from .models.text_projection import check_gemma_matches
     from .pipelines import TwoStagePipeline
 
-    if args.devices is not None or args.world_size is not None:
+    if args.devices is not None or args.world_size is not None or args.sp_degree is not None:
         return run_on_fleet(args, paths)
     request, files = _request_and_files(args, paths)  # validated before anything is loaded
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -211,7 +213,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     on_gpu = devices[0].startswith("cuda")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
-    config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, **files)
+    config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree, **files)
     client = ControllerClient()
     t = time.perf_counter()
     handle = client.configure(config)
@@ -272,3 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # engine and fleet errors: the message, not a traceback from deep in the fleet
+        from .models.loader import CheckpointError
+        from .protocol import ControllerError
+
+        if not isinstance(exc, (ControllerError, CheckpointError)):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, CheckpointError) or getattr(exc, "kind", "") in ("validation", "busy") else 1

@@ -125,6 +125,7 @@ class Controller:
                 fleet = self.fleet
                 if fleet is not None and fleet.alive() and fleet.config == config:
                     return P.FleetHandle(fleet.generation, config, fleet.pids)
+                check_config(config)  # before any worker starts; nothing running is touched
                 if fleet is not None:
                     fleet.shutdown()
                     self.fleet = None
@@ -184,6 +185,23 @@ class Controller:
         finally:
             self.current_job = None
             self.job_lock.release()
+
+
+def check_config(config: P.FleetConfig) -> None:
+    """Checks that need only the checkpoint header: an explicit SP degree the heads or the fleet do not allow.
+
+    Raises ControllerError (kind "validation") naming the value and the rule."""
+    if config.sp_degree is None:
+        return
+    from .models.loader import SafetensorsFile
+    from .parallel.plan import check_requested_degree
+    from .validation import ValidationError
+
+    try:
+        heads = int(SafetensorsFile(config.checkpoint).config().get("transformer", {}).get("num_attention_heads", 32))
+        check_requested_degree(heads, config.sp_degree, config.world_size)
+    except (ValidationError, ValueError, FileNotFoundError) as exc:
+        raise P.ControllerError(str(exc), kind="validation") from None
 
 
 def _error(spec: P.JobSpec, message: str, kind: str, fleet_lost: bool = False, details: dict | None = None) -> dict:

@@ -123,6 +123,7 @@ class FleetConfig:
     collective_timeout_s: float = 300.0
     stall_timeout_s: float = 300.0
     token_cap: int | None = 65536  # video tokens per rank per SP forward; larger jobs are refused before work
+    sp_degree: int | None = None  # None: the largest degree ≤ the rank count that divides the heads
     min_tokens_per_rank: int | None = None  # SP on fewer ranks below this; None: 1536 on CUDA, 0 on CPU
     sequence_parallel: bool = True  # False: every rank computes every stage whole (fleet mechanics, debugging)
     # Gemma text encoder (parallel/gemma.py): "replicated" (a replica per rank, each encodes everything),

@@ -102,7 +102,7 @@ def describe_plan(handle: P.FleetHandle) -> str:
     cfg = handle.config
     w = cfg.world_size
     heads = _heads(cfg.checkpoint)
-    degree = max(d for d in range(1, w + 1) if heads % d == 0)
+    degree = cfg.sp_degree or max(d for d in range(1, w + 1) if heads % d == 0)
     backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
     sp = (f"sequence parallel degree {degree} (stage 1 splits the video tokens over {degree} ranks)" if degree == w
           else f"sequence parallel degree {degree} on ranks 0-{degree - 1}: {w} does not divide the {heads} "
@@ -165,6 +165,10 @@ class LoadCheckpointMGPU(io.ComfyNode):
                                default=NONE, optional=True,
                                tooltip="Separate text projection file (text_embedding_projection.*), for a "
                                        "transformer-only checkpoint (none = from the checkpoint)."),
+                io.Int.Input("sp_degree", default=0, min=0, max=64, optional=True,
+                             tooltip="Sequence-parallel degree for stage 1: 0 = the largest that divides the model's "
+                                     "attention heads (32 for LTX-2: 1, 2, 4, 8, …) and fits the ranks; another value "
+                                     "is refused before any worker starts when the heads do not allow it."),
             ],
             outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
                                                                 "generation).")],
@@ -173,7 +177,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, checkpoint, gemma, upscaler, devices, world_size, weight_dtype, video_vae=NONE,
-                audio_vae=NONE, text_projection=NONE) -> io.NodeOutput:
+                audio_vae=NONE, text_projection=NONE, sp_degree=0) -> io.NodeOutput:
         from ..mgpu_backend.client import parse_devices
 
         with guard("Load Checkpoint (MGPU)"):
@@ -185,7 +189,8 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 gemma=_resolve_gemma(gemma), upscaler=_optional(upscaler, UPSCALER_FOLDER),
                 video_vae=_optional(video_vae, "vae", "checkpoints"),
                 audio_vae=_optional(audio_vae, "vae", "checkpoints"),
-                text_projection=_optional(text_projection, "text_encoders", "checkpoints"), dtype=dtype)
+                text_projection=_optional(text_projection, "text_encoders", "checkpoints"), dtype=dtype,
+                sp_degree=sp_degree or None)
             try:
                 c = client()
                 try:

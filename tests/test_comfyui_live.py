@@ -339,6 +339,19 @@ def test_invalid_device_spec_is_a_node_error(server, tiny_models):
     assert _get("/system_stats")
 
 
+def test_sp_degree_the_heads_do_not_allow_is_a_node_error(server, tiny_models):
+    """An explicit SP degree of 3 on the tiny model (8 heads) over 2 ranks: refused by the controller from the
+    checkpoint header before any worker starts; the message names the valid degrees; the fleet in use is kept."""
+    pids_before = _fleet_pids()
+    wf = load(BASE_WORKFLOW)
+    wf[by_class(wf, "LTX2MGPU_LoadCheckpoint")]["inputs"]["sp_degree"] = 3
+    err = _error_of(wait(queue(wf)))
+    assert err["node_type"] == "LTX2MGPU_LoadCheckpoint"
+    assert "degree 3" in err["exception_message"] and "valid degrees: 1, 2" in err["exception_message"]
+    assert _get("/system_stats")
+    assert _fleet_pids() == pids_before
+
+
 def test_interrupt_cancels_the_fleet_job_and_the_next_prompt_runs(server, tiny_models):
     """ComfyUI's interrupt mid-sampling cancels the fleet job at a step boundary; the same workers serve the next
     prompt."""

@@ -79,3 +79,28 @@ def test_cancel_on_the_sp_subgroup_reaches_the_other_ranks(paths):
     assert [r["degree"] for r in results] == [2, 2, 2]
     assert all(r["cancelled"] for r in results), results
     assert "sequence-parallel ranks" in results[2]["cancelled"]
+
+
+def test_explicit_sp_degree_the_heads_do_not_allow_is_refused_before_any_worker(paths, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """`--sp-degree 3` with 8 heads: refused by the controller from the checkpoint header, before a fleet starts,
+    naming the valid degrees; the CLI prints the message (no traceback) and exits 2."""
+    from mgpu_backend import cli
+    from mgpu_backend.controller import check_config
+    from mgpu_backend.protocol import ControllerError, FleetConfig
+
+    config = FleetConfig(devices=("cpu",) * 4, checkpoint=paths["checkpoint"], gemma=paths["gemma"], sp_degree=3)
+    with pytest.raises(ControllerError, match=r"degree 3 is not possible with 8 attention heads on 4 rank\(s\).*"
+                                              r"valid degrees: 1, 2, 4"):
+        check_config(config)
+    check_config(FleetConfig(devices=("cpu",) * 4, checkpoint=paths["checkpoint"], gemma=paths["gemma"],
+                             sp_degree=2))  # allowed
+    monkeypatch.setenv("LTX2_MGPU_RUNTIME_DIR", str(tmp_path / "rt"))
+    code = cli.main(["generate", "--checkpoint", paths["checkpoint"], "--gemma", paths["gemma"], "--upscaler",
+                     paths["upsampler"], "--prompt", "p", "--width", "128", "--height", "128", "--frames", "9",
+                     "--world-size", "4", "--sp-degree", "3", "--output", str(tmp_path / "x.mp4")])
+    err = capsys.readouterr().err
+    try:
+        assert code == 2 and "valid degrees: 1, 2, 4" in err, err
+    finally:
+        cli.main(["stop"])

@@ -130,17 +130,31 @@ class ParallelPlan:
                 f"the attention heads; {self.world_size} does not); the other ranks wait for its result")
 
 
+def check_requested_degree(heads: int, degree: int, world_size: int) -> None:
+    """An explicitly requested SP degree must divide the heads and fit the fleet (raises ValidationError naming the
+    valid degrees)."""
+    valid = [d for d in range(1, min(heads, world_size) + 1) if heads % d == 0]
+    if degree not in valid:
+        raise ValidationError(f"sequence parallel degree {degree} is not possible with {heads} attention heads on "
+                              f"{world_size} rank(s): the degree must divide the heads and be at most the rank "
+                              f"count; valid degrees: {', '.join(map(str, valid))}")
+
+
 def build_plan(transformer, rank: int, world_size: int, device: torch.device,
-               token_cap: int | None = DEFAULT_TOKEN_CAP, min_tokens_per_rank: int | None = 0) -> ParallelPlan:
+               token_cap: int | None = DEFAULT_TOKEN_CAP, min_tokens_per_rank: int | None = 0,
+               sp_degree: int | None = None) -> ParallelPlan:
     """Called by every rank of an initialized default process group (creating the sub-groups is collective).
 
     `min_tokens_per_rank`: smaller SP degrees are used for stages with fewer video tokens per rank; None = the GPU
     default (`GPU_MIN_TOKENS_PER_RANK`) on CUDA, 0 (always the full degree) on CPU.
+    `sp_degree`: an explicit degree (checked by `check_requested_degree`); None = the largest valid one.
     """
     if min_tokens_per_rank is None:
         min_tokens_per_rank = GPU_MIN_TOKENS_PER_RANK if device.type == "cuda" else 0
     heads = transformer.config.num_attention_heads
-    degree = largest_sp_degree(heads, world_size)
+    if sp_degree is not None:
+        check_requested_degree(heads, sp_degree, world_size)
+    degree = sp_degree or largest_sp_degree(heads, world_size)
     stages = {}
     # every rank creates every group, in the same order; degree 1 gets a group of rank 0 alone (cancel checks)
     degrees = [d for d in range(1, degree + 1) if heads % d == 0 and (d == degree or min_tokens_per_rank > 0)]
