@@ -158,6 +158,19 @@ def _finish(args, frames, audio, sample_rate, timings, lora_reports, extra_timin
     return timings
 
 
+def _sigmas(value: str | None):
+    """`"0.625,0.4,0"` -> a tuple of floats (None stays None). Raises ValidationError naming the value."""
+    from .validation import ValidationError
+
+    if value is None:
+        return None
+    try:
+        return tuple(float(x) for x in value.split(","))
+    except ValueError:
+        raise ValidationError(f"--stage2-sigmas={value!r}: use a comma list of numbers ending in 0, "
+                              f"e.g. 0.625,0.4,0") from None
+
+
 def _grid(value: str | None, overlap: int, what: str):
     """`"HxW"` -> a spatial TileCountConfig (None stays None). Raises ValidationError naming the value."""
     from .parallel.tiling import TileCountConfig
@@ -196,7 +209,7 @@ def _request_and_files(args, paths):
         tiles=_grid(args.tiles, args.tile_overlap, "--tiles"), tile_overlap=args.tile_overlap,
         decode_tiles=_grid(args.decode_tiles, args.decode_overlap, "--decode-tiles"),
         decode_overlap=args.decode_overlap,
-        stage2_sigmas=tuple(float(x) for x in args.stage2_sigmas.split(",")) if args.stage2_sigmas else None)
+        stage2_sigmas=_sigmas(args.stage2_sigmas))
     request.validate()
     return request, {k: (str(v) if v is not None else None) for k, v in files.items()}
 
@@ -274,11 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted (a fleet job was cancelled at its next step; the workers stay loaded)", file=sys.stderr)
+        return 130
     except Exception as exc:  # engine and fleet errors: the message, not a traceback from deep in the fleet
         from .models.loader import CheckpointError
         from .protocol import ControllerError
 
-        if not isinstance(exc, (ControllerError, CheckpointError)):
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, CheckpointError) or getattr(exc, "kind", "") in ("validation", "busy") else 1
+        if isinstance(exc, ControllerError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2 if exc.kind in ("validation", "busy", "stale_handle") else 1
+        if isinstance(exc, (CheckpointError, ValueError)):  # bad files and bad values, named by the message
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise

@@ -34,9 +34,13 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
     """
     spec = str(devices if devices is not None else "all").strip().lower()
     cuda = torch.cuda.device_count()
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size={world_size}: need at least one rank")
     if spec.startswith("cpu"):
-        count = int(spec.split(":", 1)[1]) if ":" in spec else (world_size or 1)
-        out = ("cpu",) * count
+        count_text = spec.split(":", 1)[1] if ":" in spec else str(world_size or 1)
+        if not count_text.isdigit() or int(count_text) < 1:
+            raise ValueError(f"devices={devices!r}: 'cpu:N' needs a positive rank count N")
+        out = ("cpu",) * int(count_text)
     elif "," in spec:  # an index list ("0,1,3"; a single index is written "1,")
         indices = [int(s) for s in spec.split(",") if s.strip()]
         if len(set(indices)) != len(indices):
@@ -51,7 +55,8 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
         elif spec.isdigit():
             count = int(spec)
         else:
-            raise ValueError(f"devices={devices!r}: use 'all', a count, a list like '0,1,3', or 'cpu:N'")
+            raise ValueError(f"devices={devices!r}: use 'all', a count, a CUDA index list like '0,1,3' (one index: "
+                             f"'1,'), or 'cpu:N'")
         if count < 1:
             raise ValueError(f"devices={devices!r}: need at least one device")
         if cuda:
@@ -179,7 +184,7 @@ class ControllerClient:
             event = P.recv(self._conn)
             kind = event["event"]
             if kind == "busy":
-                raise P.FleetBusy(f"the fleet is busy with job {event['running']}", kind="busy")
+                raise P.FleetBusy(f"the fleet is busy ({event['running']}); try again when it is done", kind="busy")
             if kind == "accepted":
                 if on_accepted:
                     on_accepted(event)

@@ -119,8 +119,9 @@ class Controller:
     def configure(self, config: P.FleetConfig) -> P.FleetHandle:
         """Reuse the fleet when the configuration is unchanged, else (re)build it. Refused while a job runs."""
         if not self.job_lock.acquire(blocking=False):
-            raise P.FleetBusy(f"the fleet is running job {self.current_job}; reconfigure after it ends", kind="busy")
+            raise P.FleetBusy(f"the fleet is busy ({self.current_job}); reconfigure after it ends", kind="busy")
         try:
+            self.current_job = f"starting a {config.world_size}-rank fleet"  # what status / busy answers show
             with self.fleet_lock:
                 fleet = self.fleet
                 if fleet is not None and fleet.alive() and fleet.config == config:
@@ -132,6 +133,7 @@ class Controller:
                 self.fleet = Fleet(config, next_generation())
                 return P.FleetHandle(self.fleet.generation, config, self.fleet.pids)
         finally:
+            self.current_job = None
             self.job_lock.release()
 
     def _shutdown_fleet(self) -> None:
@@ -144,7 +146,7 @@ class Controller:
         handle: P.FleetHandle = request["handle"]
         spec: P.JobSpec = request["job"]
         if not self.job_lock.acquire(blocking=False):
-            P.send(conn, {"event": "busy", "job_id": spec.job_id, "running": self.current_job})
+            P.send(conn, {"event": "busy", "job_id": spec.job_id, "running": self.current_job or "another job"})
             return
         try:
             fleet = self.fleet
@@ -181,26 +183,29 @@ class Controller:
                 if exc.fleet_lost:
                     self.last_failure = str(exc)
                     self.fleet = None
-                P.send(conn, _error(spec, str(exc), exc.kind, exc.fleet_lost, exc.details))
+                _send_quiet(conn, _error(spec, str(exc), exc.kind, exc.fleet_lost, exc.details))
         finally:
             self.current_job = None
             self.job_lock.release()
 
 
 def check_config(config: P.FleetConfig) -> None:
-    """Checks that need only the checkpoint header: an explicit SP degree the heads or the fleet do not allow.
+    """Checks that need only file headers, before any worker starts (so a running fleet is not torn down for a
+    configuration that cannot work): the checkpoint is a readable LTX-2 file, and an explicit SP degree divides its
+    heads and fits the ranks.
 
-    Raises ControllerError (kind "validation") naming the value and the rule."""
-    if config.sp_degree is None:
-        return
-    from .models.loader import SafetensorsFile
+    Raises ControllerError (kind "validation") naming the file or the value and the rule."""
+    from .models.loader import CheckpointError, SafetensorsFile, transformer_prefix
     from .parallel.plan import check_requested_degree
     from .validation import ValidationError
 
     try:
-        heads = int(SafetensorsFile(config.checkpoint).config().get("transformer", {}).get("num_attention_heads", 32))
-        check_requested_degree(heads, config.sp_degree, config.world_size)
-    except (ValidationError, ValueError, FileNotFoundError) as exc:
+        header = SafetensorsFile(config.checkpoint)
+        transformer_prefix(header)
+        if config.sp_degree is not None:
+            heads = int(header.config().get("transformer", {}).get("num_attention_heads", 32))
+            check_requested_degree(heads, config.sp_degree, config.world_size)
+    except (ValidationError, CheckpointError, FileNotFoundError) as exc:
         raise P.ControllerError(str(exc), kind="validation") from None
 
 

@@ -86,7 +86,10 @@ class GenerateRequest:
             raise V.ValidationError(f"steps={self.steps}: must be a positive integer")
         V.check_unit_interval("image_strength", self.image_strength)
         if self.image is not None:
-            V.check_file("image", self.image)
+            V.check_image(self.image)
+        for name in ("tile_overlap", "decode_overlap"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise V.ValidationError(f"{name}={getattr(self, name)}: must be a non-negative number of latent cells")
         if self.distilled_lora is not None:
             V.check_file("distilled LoRA", self.distilled_lora[0])
         for path, strength in self.loras:

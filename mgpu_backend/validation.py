@@ -63,6 +63,19 @@ def check_file(what: str, path: str | Path | None, required: bool = True) -> Pat
     return p
 
 
+def check_image(path: str | Path) -> Path:
+    """The first-frame image must exist and be a readable image file."""
+    p = check_file("image", path)
+    try:
+        from PIL import Image
+
+        with Image.open(p) as image:
+            image.verify()
+    except Exception as exc:  # PIL raises several types for unreadable files
+        raise ValidationError(f"image: {p} is not a readable image ({type(exc).__name__}: {exc})") from None
+    return p
+
+
 def check_finite(tensor: torch.Tensor | None, stage: str, modality: str) -> None:
     """Non-finite latents after a stage fail early, naming the stage and modality (DESIGN.md §6: non-finite audio
     would otherwise crash the muxer after a full render)."""

@@ -104,3 +104,16 @@ def test_explicit_sp_degree_the_heads_do_not_allow_is_refused_before_any_worker(
         assert code == 2 and "valid degrees: 1, 2, 4" in err, err
     finally:
         cli.main(["stop"])
+
+
+def test_a_bad_checkpoint_is_refused_before_the_running_fleet_is_torn_down(paths, tmp_path):
+    """The controller checks the new checkpoint's header first: a non-LTX file is refused with the file named."""
+    from safetensors.torch import save_file
+
+    from mgpu_backend.controller import check_config
+    from mgpu_backend.protocol import ControllerError, FleetConfig
+
+    other = tmp_path / "other.safetensors"
+    save_file({"model.layers.0.weight": torch.zeros(2, 2)}, str(other))
+    with pytest.raises(ControllerError, match="other.safetensors: not an LTX-2 checkpoint"):
+        check_config(FleetConfig(devices=("cpu",), checkpoint=str(other), gemma=paths["gemma"]))

@@ -25,10 +25,24 @@ def _refused(match: str | None = None, **fields) -> str:
     return str(err.value)
 
 
+def test_unreadable_image_is_refused_naming_the_file(tmp_path):
+    image = tmp_path / "garbage.png"
+    image.write_bytes(b"\x89PNG not really")
+    with pytest.raises(V.ValidationError, match=r"image: .*garbage.png is not a readable image"):
+        GenerateRequest(prompt="x", image=str(image)).validate()
+
+
+def test_negative_tile_overlap_is_refused():
+    with pytest.raises(V.ValidationError, match=r"tile_overlap=-3: must be a non-negative number of latent cells"):
+        GenerateRequest(prompt="x", tile_overlap=-3).validate()
+
+
 def test_default_request_is_valid(tmp_path):
     GenerateRequest(prompt="x").validate()  # 768x512, 121 frames, 24 fps
     image = tmp_path / "first.png"
-    image.write_bytes(b"\x89PNG")
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(image)
     lora = tmp_path / "distilled.safetensors"
     lora.write_bytes(b"")
     GenerateRequest(prompt="x", width=1280, height=704, frames=9, fps=25.0, steps=3, image=str(image),

@@ -177,7 +177,7 @@ def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_ke
     return module.eval().requires_grad_(False)
 
 
-def _transformer_prefix(file: SafetensorsFile) -> str:
+def transformer_prefix(file: SafetensorsFile) -> str:
     """`model.diffusion_model.` for a single file, '' for a `diffusion_models/` transformer-only file."""
     for prefix in (keymaps.TRANSFORMER_PREFIX, ""):
         if prefix + _LTX_MARKER in file.keys:
@@ -217,7 +217,7 @@ def load_transformer(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Modu
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
 
-    prefix = _transformer_prefix(file)
+    prefix = transformer_prefix(file)
     meta = _section(file, "transformer")
     all_keys = file.keys_under(prefix) if prefix else [k for k in file.keys if not k.startswith(_OTHER_PREFIXES)]
     connector_keys = {c: [k for k in all_keys if k[len(prefix):].startswith(c)] for c in keymaps.CONNECTOR_PREFIXES}
