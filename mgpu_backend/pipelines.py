@@ -293,10 +293,10 @@ class TwoStagePipeline:
         if plan is not None:
             plan.check(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
         ranks = plan.world_size if plan is not None else 1
-        stage2_tiling = None if distilled else self.resolve_tiling(request.tiles, ranks, (frames_lat, h2, w2),
-                                                             request.tile_overlap, "stage-2 tiles")
-        decode_tiling = self.resolve_tiling(request.decode_tiles, ranks, (frames_lat, h2, w2), request.decode_overlap,
-                                     "decode tiles")
+        grid2 = (frames_lat, h2, w2)
+        stage2_tiling = None if distilled else self.resolve_tiling(request.tiles, ranks, grid2, request.tile_overlap,
+                                                                   "stage-2 tiles")
+        decode_tiling = self.resolve_tiling(request.decode_tiles, ranks, grid2, request.decode_overlap, "decode tiles")
         if decode_tiling is not None and decode_tiling.frames.num_tiles != 1:
             raise V.ValidationError("decode tiles: the decode never splits the frame axis (LTX's causal first "
                                     "frame); use height × width tiles")
