@@ -224,6 +224,8 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     request, files = _request_and_files(args, paths)
     devices = parse_devices(args.devices if args.devices is not None else "all", args.world_size)
     on_gpu = devices[0].startswith("cuda")
+    if not on_gpu and not str(args.devices or "all").lower().startswith("cpu"):
+        print(f"note: no CUDA device here: running {len(devices)} CPU rank(s) (gloo)", file=sys.stderr)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
     config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree, **files)
@@ -242,7 +244,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
         client.close()
     return _finish(args, result["frames"], result["audio"], result["sample_rate"], result["timings"],
                    result["lora_reports"], {"fleet ready": configure_time}, result.get("rank_reports"),
-                   f"fleet generation {handle.generation}, {len(devices)} ranks on {','.join(devices)} ({dtype}); "
+                   f"fleet generation {handle.generation}, {len(devices)} rank(s) on {','.join(devices)} ({dtype}); "
                    f"{result['parallel']}")
 
 
