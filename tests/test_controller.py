@@ -16,7 +16,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-from contextlib import contextmanager
 from multiprocessing.connection import AuthenticationError, Client
 from pathlib import Path
 
@@ -26,52 +25,16 @@ import torch
 from mgpu_backend import protocol as P
 from mgpu_backend.client import ControllerClient
 from mgpu_backend.protocol import ControllerError, FleetBusy, FleetConfig, JobCancelled, JobSpec
+from _procs import deadline, process_alive as _alive, wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 GUARD_S = 180
-
-
-@contextmanager
-def deadline(seconds: float, what: str):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"{what}: still running after {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)
 def _hang_guard(request):
     with deadline(GUARD_S, request.node.name):
         yield
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout: float = 30.0) -> bool:
-    import time
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def stop_controller(runtime: Path) -> None:

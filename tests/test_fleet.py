@@ -25,8 +25,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,6 +38,7 @@ from mgpu_backend.models.loader import load_components
 from mgpu_backend.parallel.tiling import default_tiling
 from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol import ControllerError, FleetConfig, JobCancelled, JobSpec
+from _procs import deadline, process_alive as _alive, wait_gone
 
 torch.set_num_threads(1)
 
@@ -52,47 +51,10 @@ SP_TOLERANCE = 1e-4
 
 # ---- guards and process helpers ---------------------------------------------------------------------------------
 
-@contextmanager
-def deadline(seconds: float, what: str):
-    """Raise TimeoutError in this (main) thread if the block runs longer than `seconds`: a hang fails the test."""
-
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"{what}: still running after {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @pytest.fixture(autouse=True)
 def _hang_guard(request):
     with deadline(GUARD_S, request.node.name):
         yield
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
-    except ChildProcessError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def pss_kib(pid: int) -> int:

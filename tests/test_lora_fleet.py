@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from _dist import run_ranks
+from _procs import process_alive as _alive
 from mgpu_backend import sampling as S
 from mgpu_backend.lora import LoRAError, LoRAFuser, LoRAReport, assign_owners, read_lora, read_loras
 from mgpu_backend.models import loader
@@ -470,18 +471,6 @@ def ctl():
         if _alive(p):
             os.kill(p, signal.SIGKILL)
     shutil.rmtree(runtime, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _config(files, world: int, dtype: str = "bfloat16"):
