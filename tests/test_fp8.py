@@ -23,6 +23,7 @@ from torch import nn
 from mgpu_backend.models import keymaps
 from mgpu_backend.models.fp8 import FP8Linear, quantize_fp8
 from mgpu_backend.models.loader import CheckpointError, load_components
+from _forward import av_forward
 
 P = keymaps.TRANSFORMER_PREFIX
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec: S.1111.110 = 1.75 · 2^8)
@@ -36,26 +37,6 @@ def _fp8_bound(w: torch.Tensor, scale: float) -> torch.Tensor:
 def _block_linears(module: nn.Module) -> dict[str, nn.Module]:
     """Linear layers inside transformer_blocks, counted on the float32 source modules (not on what was loaded)."""
     return {n: m for n, m in module.named_modules() if n.startswith("transformer_blocks.") and isinstance(m, nn.Linear)}
-
-
-def av_forward(transformer, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One float32 forward on 2×2×3 video tokens, 5 audio tokens, 7 text tokens (2 masked) — as in test_loader."""
-    g = torch.Generator().manual_seed(seed)
-    cfg = transformer.config
-    video = torch.randn(1, 12, cfg.in_channels, generator=g)
-    audio = torch.randn(1, 5, cfg.audio_in_channels, generator=g)
-    ctx_v = torch.randn(1, 7, cfg.caption_channels if cfg.use_prompt_embeddings else cfg.cross_attention_dim,
-                        generator=g)
-    ctx_a = torch.randn(1, 7, cfg.caption_channels if cfg.use_prompt_embeddings else cfg.audio_cross_attention_dim,
-                        generator=g)
-    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
-    with torch.no_grad():
-        return transformer(hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=ctx_v,
-                           audio_encoder_hidden_states=ctx_a, timestep=torch.full((1, 12), 600.0),
-                           audio_timestep=torch.full((1, 5), 300.0), sigma=torch.tensor([600.0]),
-                           audio_sigma=torch.tensor([300.0]), encoder_attention_mask=mask,
-                           audio_encoder_attention_mask=mask, num_frames=2, height=2, width=3, fps=24.0,
-                           audio_num_frames=5, use_cross_timestep=True, return_dict=False)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

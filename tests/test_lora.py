@@ -28,6 +28,7 @@ from torch import nn
 from mgpu_backend.lora import LoRAFuser, LoRAReport, parse_lora_arg, read_lora
 from mgpu_backend.models.fp8 import FP8Linear
 from mgpu_backend.models.loader import SafetensorsFile, load_transformer
+from _forward import av_forward
 
 VARIANTS = ("2.0", "2.3")
 EPS32 = torch.finfo(torch.float32).eps
@@ -36,26 +37,6 @@ _LORA_TARGET = re.compile(
     r"^transformer_blocks\.\d+\.(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
     r"\.(to_q|to_k|to_v|to_out\.0)$"
     r"|^transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)$")
-
-
-def av_forward(transformer, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One float32 forward on 2×2×3 video tokens, 5 audio tokens, 7 text tokens (2 masked) — as in test_loader."""
-    g = torch.Generator().manual_seed(seed)
-    cfg = transformer.config
-    video = torch.randn(1, 12, cfg.in_channels, generator=g)
-    audio = torch.randn(1, 5, cfg.audio_in_channels, generator=g)
-    ctx_v = torch.randn(1, 7, cfg.caption_channels if cfg.use_prompt_embeddings else cfg.cross_attention_dim,
-                        generator=g)
-    ctx_a = torch.randn(1, 7, cfg.caption_channels if cfg.use_prompt_embeddings else cfg.audio_cross_attention_dim,
-                        generator=g)
-    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
-    with torch.no_grad():
-        return transformer(hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=ctx_v,
-                           audio_encoder_hidden_states=ctx_a, timestep=torch.full((1, 12), 600.0),
-                           audio_timestep=torch.full((1, 5), 300.0), sigma=torch.tensor([600.0]),
-                           audio_sigma=torch.tensor([300.0]), encoder_attention_mask=mask,
-                           audio_encoder_attention_mask=mask, num_frames=2, height=2, width=3, fps=24.0,
-                           audio_num_frames=5, use_cross_timestep=True, return_dict=False)
 
 
 def _transformer(path, dtype=torch.float32):
