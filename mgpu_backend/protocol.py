@@ -124,7 +124,9 @@ class FleetConfig:
     stall_timeout_s: float = 300.0
     token_cap: int | None = 65536  # video tokens per rank per SP forward; larger jobs are refused before work
     sp_degree: int | None = None  # None: the largest degree ≤ the rank count that divides the heads
-    min_tokens_per_rank: int | None = None  # SP on fewer ranks below this; None: 1536 on CUDA, 0 on CPU
+    # None: on CUDA the cost model (parallel/cost.py) picks each SP stage's degree, on CPU the full degree; an int:
+    # SP on fewer ranks when a stage has fewer video tokens per rank than this (0: always the full degree)
+    min_tokens_per_rank: int | None = None
     sequence_parallel: bool = True  # False: every rank computes every stage whole (fleet mechanics, debugging)
     # Gemma text encoder (parallel/gemma.py): "replicated" (a replica per rank, each encodes everything),
     # "batch_parallel" (a replica per rank, prompts split over ranks) or "sharded" (one copy over every device,

@@ -140,6 +140,8 @@ class SPSamplerMGPU(io.ComfyNode):
                 "loras": loras_payload(loras),
             }
             result = run_job(fleet, "sample", payload, node_id=cls.hidden.unique_id, what=NAME)
-            lora_text = "\n".join(f"LoRA {r}" for r in result.get("lora_reports") or ())
+            # the job report: the SP degree this stage ran at and why (the cost model's choice), then the LoRAs
+            lines = [str(result["report"])] if result.get("report") else []
+            lines += [f"LoRA {r}" for r in result.get("lora_reports") or ()]
             out = join_latent(latent, result["video"], result["audio"])
-        return io.NodeOutput(out, ui=ui.PreviewText(lora_text) if lora_text else None)
+        return io.NodeOutput(out, ui=ui.PreviewText("\n".join(lines)) if lines else None)

@@ -37,6 +37,39 @@ def test_stage_degree_keeps_enough_tokens_per_rank(paths):
     assert results == [{40: 4, 32: 4, 20: 2, 12: 1, 3: 1}] * 4
 
 
+def _policies(rank, world, checkpoint):
+    """The plan's degree policy per device type and configuration (no CUDA needed: only the policy is read)."""
+    from mgpu_backend.parallel.plan import build_plan
+
+    transformer = load_components(checkpoint, dtype=torch.float32).transformer
+    out = {}
+    for name, device, min_tokens in (("cuda default", "cuda", None), ("cuda explicit", "cuda", 8),
+                                     ("cpu default", "cpu", None)):
+        plan = build_plan(transformer, rank, world, torch.device(device), min_tokens_per_rank=min_tokens)
+        degrees = {tokens: plan.stage(tokens).degree for tokens in (40, 12, 10 ** 6)}
+        out[name] = {"cost": plan.cost_model is not None, "stages": sorted(plan.stages), "degrees": degrees,
+                     "describe": plan.describe(), "shape": plan.shape}
+    return out
+
+
+def test_cuda_fleets_pick_the_degree_by_the_cost_model(paths):
+    """On CUDA (FleetConfig.min_tokens_per_rank None) every degree's group is built and each stage runs at the cost
+    model's choice for this transformer's shape, the report saying why; an explicit minimum replaces the model; CPU
+    fleets keep the full degree."""
+    from mgpu_backend.parallel import cost as C
+
+    results = run_ranks(_policies, 4, paths["checkpoint"])
+    assert all(r == results[0] for r in results[1:])
+    got = results[0]
+    shape = got["cuda default"]["shape"]
+    assert got["cuda default"]["cost"] and shape.blocks < 48 and got["cuda default"]["stages"] == [1, 2, 4]
+    assert got["cuda default"]["degrees"] == {t: C.best_sp_degree(t, [1, 2, 4], shape) for t in (40, 12, 10 ** 6)}
+    assert "the cost model predicts" in got["cuda default"]["describe"]
+    assert not got["cuda explicit"]["cost"] and got["cuda explicit"]["degrees"] == {40: 4, 12: 1, 10 ** 6: 4}
+    assert not got["cpu default"]["cost"] and got["cpu default"]["stages"] == [4]
+    assert got["cpu default"]["degrees"] == {40: 4, 12: 4, 10 ** 6: 4}
+
+
 def _generate(rank, world, paths):
     from mgpu_backend.parallel.plan import build_plan
 

@@ -1,0 +1,145 @@
+"""The scaling cost model (`parallel/cost.py`) and the SP-degree policy built on it: its constants are the fits of
+the measurements it cites, it reproduces them, the collective sizes follow the shapes, and the policy picks the
+fastest predicted degree — never one predicted slower than one GPU — with thresholds at the model's crossovers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mgpu_backend.parallel import cost as C
+from mgpu_backend.parallel.plan import ParallelPlan, SPStage
+
+CPU = torch.device("cpu")
+DEGREES = [1, 2, 4, 8]
+
+
+def test_constants_are_the_fits_of_the_cited_measurements():
+    m, fit = C.DEFAULT, C.fit_compute()
+    assert fit["host_floor"] == pytest.approx(m.host_floor, rel=2e-3)
+    assert fit["c0"] == pytest.approx(m.c0, rel=5e-3)
+    assert fit["c_lin"] == pytest.approx(m.c_lin, rel=5e-3)
+    assert fit["c_attn"] == pytest.approx(m.c_attn, rel=5e-3)
+    assert C.fit_host_per_collective() == pytest.approx(m.host_per_collective, rel=5e-3)
+    assert C.fit_efficiency() == pytest.approx(m.efficiency, rel=0.02)
+
+
+def test_model_reproduces_the_measurements():
+    """Simulated per-rank compute within 5 % (the one outlier excepted), real 2×H200 speedups within 10 %."""
+    m = C.DEFAULT
+    for tokens, by_w in C.SP_FORWARD_H200.items():
+        for w, ms in by_w.items():
+            if (tokens, w) not in C.SP_FORWARD_OUTLIERS:
+                assert max(m.compute(tokens, w), m.host(1, 0)) * 1e3 == pytest.approx(ms, rel=0.05), (tokens, w)
+    for tokens, ms in C.SCALING_2XH200.items():
+        assert m.sp(tokens, 1).total / m.sp(tokens, 2).total == pytest.approx(ms[1] / ms[2], rel=0.02)
+    small = C.SMALL_2XH200
+    assert (m.sp(small["tokens"], 1).total / m.sp(small["tokens"], 2).total
+            == pytest.approx(small["ms"][1] / small["ms"][2], rel=0.10))
+    for tokens, grid in ((14080, (16, 22, 40)), (32640, (16, 34, 60))):
+        predicted = C.predict_tdp(grid, 1).total / C.predict_tdp(grid, 2).total
+        assert predicted == pytest.approx(C.SCALING_2XH200[tokens][1] / C.TDP_2XH200[tokens], rel=0.10)
+
+
+def test_collective_sizes_follow_the_shapes():
+    """Per rank per forward: Ulysses 4·L all_to_all of (W−1)/W of [T/W, 4096] bf16 (DESIGN §9: 12.8 GB at W = 2,
+    5.6 GB at W = 8 for 32,640 tokens); the video→audio K/V gather 2·L all_gather receiving (W−1)·T/W·2048 bf16
+    each — W/4 times the Ulysses bytes; the output gather (W−1)·T/W·128; padding counted."""
+    m = C.DEFAULT
+    c2, c8 = m.sp_collectives(32640, 2), m.sp_collectives(32640, 8)
+    assert c2["ulysses"].bytes == 4 * 48 * 16320 * 4096 * 2 / 2
+    assert c2["ulysses"].bytes / 1e9 == pytest.approx(12.8, abs=0.05)
+    assert c8["ulysses"].bytes / 1e9 == pytest.approx(5.6, abs=0.05)
+    for w, comm in ((2, c2), (8, c8)):
+        assert comm["v2a"].bytes == pytest.approx(comm["ulysses"].bytes * w / 4)
+        assert (comm["ulysses"].count, comm["v2a"].count, comm["gather"].count) == (4 * 48, 2 * 48, 1)
+    odd = m.sp_collectives(627, 2)  # padded to 628: 314 per rank
+    assert odd["gather"].bytes == 1 * 314 * 128 * 2
+    assert m.sp_collectives(627, 1) == {}
+    assert m.sp(32640, 2).comm_seconds == pytest.approx(sum(
+        c.bytes / (450e9 * m.efficiency) + c.count * 25e-6 for c in c2.values()))
+
+
+def test_model_shape_of_a_transformer_config():
+    real = dict(num_layers=48, num_attention_heads=32, attention_head_dim=128, audio_num_attention_heads=32,
+                audio_attention_head_dim=64, in_channels=128, out_channels=None)
+    assert C.ModelShape.of(real) == C.LTX2_19B
+    half = C.ModelShape.of(dict(real, num_layers=24))
+    assert C.DEFAULT.compute(14080, 2, half) == pytest.approx(C.DEFAULT.compute(14080, 2) / 2)
+
+
+def _scan_crossover(hi: int, lo: int, limit: int = 20000) -> int:
+    """Independent of `crossover_tokens`: the first token count at which `hi` ranks are predicted faster than `lo`,
+    by a scan that also checks the sign flips once."""
+    first = None
+    for t in range(1, limit):
+        faster = C.predict_sp(t, hi) < C.predict_sp(t, lo)
+        if faster and first is None:
+            first = t
+        assert not (first is not None and not faster and t > first + 64), f"{hi} vs {lo} flips back at {t}"
+    assert first is not None
+    return first
+
+
+@pytest.mark.parametrize("hi,lo", [(2, 1), (4, 2), (8, 4)])
+def test_policy_thresholds_are_the_model_crossovers(hi, lo):
+    x = _scan_crossover(hi, lo)
+    assert C.crossover_tokens(hi, lo) == x
+    candidates = [d for d in DEGREES if d <= hi]
+    assert C.best_sp_degree(x - 1, candidates) == lo
+    assert C.best_sp_degree(x, candidates) == hi
+
+
+def test_policy_few_tokens_one_gpu_many_tokens_every_gpu():
+    assert C.crossover_tokens(2, 1) > 3520  # 640×352×121 stays on one GPU: launch-bound on two
+    assert C.crossover_tokens(2, 1) < 8160  # 960×544×121 (stage 1 of a 1920×1088 video) splits
+    assert C.best_sp_degree(627, DEGREES) == 1  # measured 2× slower on two H200s
+    assert C.best_sp_degree(3520, DEGREES) == 1
+    assert C.best_sp_degree(32640, DEGREES) == 8
+    assert C.best_sp_degree(32640, [1, 2]) == 2
+
+
+def test_never_picks_a_degree_predicted_slower_than_one_gpu():
+    tokens = sorted({int(100 * 1.15 ** k) for k in range(45)} | {627, 3520, 8160, 14080, 27280, 32640})
+    for candidates in ([2], [1, 2], [1, 2, 4], DEGREES, [2, 4, 8]):
+        for t in tokens:
+            d = C.best_sp_degree(t, candidates)
+            assert d in set(candidates) | {1}
+            assert C.predict_sp(t, d) <= C.predict_sp(t, 1)
+            assert C.predict_sp(t, d) == min(C.predict_sp(t, c) for c in set(candidates) | {1})
+
+
+def test_choice_reason_names_the_degree_and_why():
+    assert C.choice_reason(3520, 1, DEGREES) == (
+        "3,520 video tokens; the cost model predicts 301 ms per forward on 1 rank; 2 ranks would run at 0.68× that "
+        "speed (439 ms, launch-bound: too few tokens per rank to hide the collectives)")
+    text = C.choice_reason(32640, 8, DEGREES)
+    assert text.startswith("32,640 video tokens; the cost model predicts 632 ms per forward on 8 ranks (5.62× one GPU")
+
+
+def _plan(world: int, **kw) -> ParallelPlan:
+    stages = {d: SPStage(d, None, None) for d in DEGREES if d <= world}
+    return ParallelPlan(rank=0, world_size=world, device=CPU, sp_degree=world, sp_group=None, sp_forward=None,
+                        stages=stages, **kw)
+
+
+def test_plan_picks_the_cost_models_degree_and_reports_why():
+    plan = _plan(8, cost_model=C.DEFAULT, shape=C.LTX2_19B)
+    assert plan.stage(3520).degree == 1
+    assert plan.describe().startswith("sequence parallel on 1 of 8 ranks: 3,520 video tokens; the cost model "
+                                      "predicts 301 ms per forward on 1 rank; 2 ranks would run at 0.68×")
+    assert plan.stage(14080).degree == 4
+    assert plan.describe().startswith("sequence parallel on 4 of 8 ranks: 14,080 video tokens; the cost model predicts "
+                                      "439 ms per forward on 4 ranks (2.78× one GPU); 8 ranks would run at 1.00×")
+    assert plan.stage(32640).degree == 8
+    assert plan.describe().startswith("sequence parallel over all 8 ranks: 32,640 video tokens; the cost model")
+
+
+def test_explicit_min_tokens_per_rank_overrides_the_model():
+    """min_tokens_per_rank without a cost model: the old rule (3,520 tokens ≥ 2 × 1,536 -> 2 ranks, where the model
+    would pick 1); 0 = always the full degree."""
+    plan = _plan(8, min_tokens_per_rank=1536)
+    assert plan.stage(3520).degree == 2
+    assert plan.describe() == "sequence parallel on 2 of 8 ranks: fewer than 1536 video tokens per rank would not pay"
+    assert plan.stage(14080).degree == 8 and plan.describe() == "sequence parallel over all 8 ranks"
+    full = _plan(4)
+    assert full.stage(10).degree == 4 and full.describe() == "sequence parallel over all 4 ranks"
