@@ -1,22 +1,30 @@
-"""Transformer forward time at W = 1: ours vs plain diffusers vs Lightricks' reference, and the per-rank compute of a
-W-way sequence-parallel split simulated on one GPU.
+"""Transformer forward time at W = 1: ours (eager and compiled) vs plain diffusers vs Lightricks' reference, and the
+per-rank compute of a W-way sequence-parallel split simulated on one GPU (issue #9).
 
 19B-shaped random bf16 weights are built directly in GPU memory (the real LTX-2.0 config, `--blocks` of the 48;
-times are scaled to 48 blocks, the embeddings and output layers being negligible). Three forwards on the same
-shapes, in one run:
-- ours: `LTX2Denoiser` with our attention processor through `SequenceParallelTransformer` at W = 1;
-- plain diffusers 0.42.1: `LTX2VideoTransformer3DModel` with its default processor (same module, same weights);
-- reference: `ltx_core.model.transformer.LTXModel` (ltx-core 1.0.0, installed for the benchmark only), own weights.
+times are scaled to 48 blocks, the embeddings and output layers being negligible). On the same shapes, in one run:
+- ours: our attention processor and fused norms through `SequenceParallelTransformer` at W = 1 (what a stage runs);
+- plain diffusers 0.42.1: `LTX2VideoTransformer3DModel` with its default processor and norms (a fresh module with
+  the same weights);
+- reference: `ltx_core.model.transformer.LTXModel` (ltx-core 1.0.0, installed for the benchmark only) loaded with
+  **the same weights** (our key map back to the original layout), so its output checks ours: relative L2 error of
+  ours (eager and compiled) against it, bf16 tolerance 2e-2 (8 mantissa bits; different kernels and fusions);
+- ours compiled: `mgpu_backend.compile.compile_blocks` (regional, per block); the first call's time is the compile.
+Ratios: `overhead_vs_reference` = ours eager / reference eager (target ≤ 1.03), `compiled_vs_reference` = ours
+compiled / reference eager (target ≤ 0.90).
 Then the simulated split: each "rank" runs projections / feed-forwards on T/W tokens and attention over all T tokens
-with H/W heads (the exchanges are replaced by local tensor copies of the right shapes), so the number is the per-rank
-compute without communication.
+with H/W heads (the exchanges are local tensor copies of the right shapes), eager — the per-rank compute without
+communication; and at W = 2, compiled, once with the exchanges as custom ops inside the block graph and once with a
+graph break at every exchange (what a plain `dist.all_to_all_single` call would cost under `torch.compile`).
 
-    python bench/bench_sp.py --blocks 8 [--sizes 640x352,1280x704,1920x1088] [--frames 121] [--world 2,4,8]
+    python bench/bench_sp.py --blocks 8 [--sizes 640x352,1280x704,1920x1088] [--frames 121] [--world 2,4,8] \
+        [--json out.json]
     python bench/bench_sp.py --tiny          # CPU smoke check
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -26,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mgpu_backend import latents as L  # noqa: E402
+from mgpu_backend import compile as C  # noqa: E402
 from mgpu_backend.attention import LTX2AttnProcessor, use_processor  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
@@ -46,22 +55,40 @@ LTX2_19B = {  # LTX-2.0 transformer metadata (DESIGN.md §2; diffusers' converte
 }
 
 
-class SimulatedExchange(Exchange):
-    """Shapes of a W-way exchange without communication: this rank's data stands in for the others'."""
+@torch.library.custom_op("ltx2_mgpu_bench::fake_exchange", mutates_args=())
+def fake_exchange(x: torch.Tensor) -> torch.Tensor:
+    """Stands in for a collective (a copy), opaque to the compiler like the real `ltx2_mgpu::all_to_all`."""
+    return x.clone()
 
-    def __init__(self, world_size: int):
+
+@fake_exchange.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class SimulatedExchange(Exchange):
+    """Shapes of a W-way exchange without communication: this rank's data stands in for the others'.
+    `graph_break`: break a compiled graph at every exchange (as an untraceable collective call would)."""
+
+    def __init__(self, world_size: int, graph_break: bool = False):
         super().__init__(None, world_size, 0)
+        self.graph_break = graph_break
+
+    def _exchange(self, x):
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return fake_exchange(x)
 
     def seq_to_heads(self, x):
         b, t, h, d = x.shape
-        return x[:, :, : h // self.world_size].repeat(1, self.world_size, 1, 1)
+        return self._exchange(x[:, :, : h // self.world_size].repeat(1, self.world_size, 1, 1))
 
     def heads_to_seq(self, x):
         b, t, h, d = x.shape
-        return x[:, : t // self.world_size].repeat(1, 1, self.world_size, 1)
+        return self._exchange(x[:, : t // self.world_size].repeat(1, 1, self.world_size, 1))
 
     def all_gather_seq(self, x, dim=1):
-        return torch.cat([x] * self.world_size, dim=dim)
+        return self._exchange(torch.cat([x] * self.world_size, dim=dim))
 
 
 def build_transformer(meta: dict, device, dtype):
@@ -79,9 +106,13 @@ def build_transformer(meta: dict, device, dtype):
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def build_reference(meta: dict, device, dtype):
+def build_reference(meta: dict, device, dtype, weights_from=None):
+    """ltx-core's `LTXModel` for `meta`; with `weights_from` (our diffusers transformer) it gets those weights
+    through our key map back to the original layout (strict), else random ones."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from _ltx_core import import_ltx_core
+
+    from mgpu_backend.models import keymaps
 
     lc = import_ltx_core()
     with torch.device(device):
@@ -89,10 +120,29 @@ def build_reference(meta: dict, device, dtype):
     for module in model.modules():  # ltx-core builds some layers (the 2.0 caption projections) on the meta device
         if any(p.device.type == "meta" for p in module.parameters(recurse=False)):
             module.to_empty(device=device, recurse=False)
+    model = model.to(device, dtype)
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    return lc, model.to(device, dtype).eval().requires_grad_(False)
+        if weights_from is None:
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        else:
+            model.load_state_dict({keymaps.transformer_to_original(k): v
+                                   for k, v in weights_from.state_dict().items()}, strict=True, assign=True)
+    return lc, model.eval().requires_grad_(False)
+
+
+def plain_diffusers(model, meta: dict):
+    """A second `LTX2VideoTransformer3DModel` sharing `model`'s parameters, with diffusers' own processor and norms
+    (ours swaps both in place)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    with torch.device("meta"):
+        plain = LTX2VideoTransformer3DModel(**configs.transformer_kwargs(meta))
+    plain.load_state_dict(model.state_dict(), strict=True, assign=True)
+    device = next(model.parameters()).device
+    for name in ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope"):
+        setattr(plain, name, getattr(model, name))  # the RoPE modules hold computed buffers
+    return plain.eval().requires_grad_(False).to(device)
 
 
 def inputs(model, frames, height, width, fps, device, dtype, audio_tokens=126):
@@ -113,17 +163,60 @@ def inputs(model, frames, height, width, fps, device, dtype, audio_tokens=126):
                 use_cross_timestep=True, return_dict=False), t
 
 
-def timeit(fn, iters, warmup=1):
+def timeit(fn, iters, warmup=2):
+    """Median seconds per call of `fn` over `iters` calls after `warmup` calls."""
     for _ in range(warmup):
         fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
     for _ in range(iters):
+        sync()
+        start = time.perf_counter()
         fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+
+
+def first_call(fn) -> float:
+    """Seconds of one call (the compile, for a compiled module at a new shape)."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+PARITY_TOL = 2e-2  # bf16: 8 mantissa bits, other kernels / fusion order (module docstring)
+
+
+def reference_call(lc, ref, kw):
+    vm = lc.Modality(latent=kw["hidden_states"], sigma=kw["sigma"] / 1000, timesteps=kw["timestep"] / 1000,
+                     positions=kw["video_coords"], context=kw["encoder_hidden_states"], context_mask=None)
+    am = lc.Modality(latent=kw["audio_hidden_states"], sigma=kw["audio_sigma"] / 1000,
+                     timesteps=kw["audio_timestep"] / 1000, positions=kw["audio_coords"],
+                     context=kw["audio_encoder_hidden_states"], context_mask=None)
+    return lambda: ref(vm, am, lc.BatchedPerturbationConfig.empty(1))
+
+
+def simulated_rank(model, kw, tokens, w, exchange):
+    """The forward of one rank of a W-way split (T/W tokens held, `exchange` standing in for the collectives)."""
+    sim = SequenceParallelTransformer(model, exchange)
+    sim.activate()
+    per = tokens // w
+    sim_kw = dict(kw, hidden_states=kw["hidden_states"][:, :per], timestep=kw["timestep"][:, :per],
+                  video_coords=kw["video_coords"][:, :, :per])
+    # the simulated rank already holds its T/W tokens: run the wrapped transformer on them directly
+    return lambda: model(return_dict=False, **sim_kw)
 
 
 def main():
@@ -132,8 +225,13 @@ def main():
     ap.add_argument("--sizes", default="640x352,1280x704,1920x1088")
     ap.add_argument("--frames", type=int, default=121)
     ap.add_argument("--world", default="2,4,8")
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--mode", default=None, help="torch.compile mode (default: inductor's default)")
+    ap.add_argument("--graph-break-size", default="1280x704",
+                    help="size at which W=2 compiled is measured with and without graph breaks ('' = skip)")
+    ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke check with a tiny config")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -143,58 +241,90 @@ def main():
         from mgpu_backend.models.tiny import tiny_transformer_metadata
 
         meta = tiny_transformer_metadata("2.0")
-        args.sizes, args.frames = "128x64", 9
+        args.sizes, args.frames, args.graph_break_size = "128x64", 9, "128x64"
     scale = 48 / meta["num_layers"]
     model = build_transformer(meta, device, dtype)
+    plain = plain_diffusers(model, meta)
     ref = None
     if not args.no_reference:
         try:
-            lc, ref = build_reference(meta, device, dtype)
+            lc, ref = build_reference(meta, device, dtype, weights_from=model)
         except Exception as exc:  # reported, not fatal: the other columns still mean something
             print(f"reference unavailable: {type(exc).__name__}: {exc}")
     worlds = [int(w) for w in args.world.split(",") if w]
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {meta['num_layers']} blocks "
-          f"measured, times scaled ×{scale:g} to 48 blocks, {dtype}")
-    header = f"{'size':>10} {'tokens':>7} {'ours ms':>9} {'diffusers':>10} {'reference':>10} {'ours/ref':>9} " \
-             f"{'diff/ref':>9} " + " ".join(f"{'W=' + str(w) + ' ms':>9} {'eff':>5}" for w in worlds)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{time.strftime('%Y-%m-%d')} device {name}, torch {torch.__version__}, {meta['num_layers']} blocks "
+          f"measured, times scaled ×{scale:g} to 48 blocks, {dtype}, median of {args.iters}")
+    header = (f"{'size':>10} {'tokens':>7} {'ours ms':>8} {'diffusers':>9} {'reference':>9} {'ours/ref':>8} "
+              f"{'diff/ref':>8} {'compiled':>8} {'comp/ref':>8} {'compile s':>9} {'err eager':>9} {'err comp':>9}")
     print(header)
+    results = {"device": name, "date": time.strftime("%Y-%m-%d"), "blocks": meta["num_layers"], "sizes": {}}
+    sims = []
     for size in args.sizes.split(","):
         width, height = (int(v) for v in size.split("x"))
         kw, tokens = inputs(model, args.frames, height, width, 24.0, device, dtype)
+        ours_kw = {k: v for k, v in kw.items() if k != "return_dict"}
+        row = {"tokens": tokens}
         with torch.no_grad():
-            use_processor(model, LTX2AttnProcessor())
+            t_diff = timeit(lambda: plain(**kw), args.iters) * scale
             sp = SequenceParallelTransformer(model, Exchange(None, 1, 0))
             sp.activate()
-            ours_kw = {k: v for k, v in kw.items() if k != "return_dict"}
             t_ours = timeit(lambda: sp(**ours_kw), args.iters) * scale
-            from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnProcessor
-
-            use_processor(model, LTX2AudioVideoAttnProcessor())
-            t_diff = timeit(lambda: model(**kw), args.iters) * scale
-            t_ref = float("nan")
+            out_ours = sp(**ours_kw)
+            t_ref, err_eager, err_comp = float("nan"), float("nan"), float("nan")
             if ref is not None:
-                vm = lc.Modality(latent=kw["hidden_states"], sigma=kw["sigma"] / 1000,
-                                 timesteps=kw["timestep"] / 1000, positions=kw["video_coords"],
-                                 context=kw["encoder_hidden_states"], context_mask=None)
-                am = lc.Modality(latent=kw["audio_hidden_states"], sigma=kw["audio_sigma"] / 1000,
-                                 timesteps=kw["audio_timestep"] / 1000, positions=kw["audio_coords"],
-                                 context=kw["audio_encoder_hidden_states"], context_mask=None)
-                t_ref = timeit(lambda: ref(vm, am, lc.BatchedPerturbationConfig.empty(1)), args.iters) * scale
-            cols = []
+                call_ref = reference_call(lc, ref, kw)
+                t_ref = timeit(call_ref, args.iters) * scale
+                out_ref = call_ref()
+                err_eager = max(rel_l2(out_ours[0], out_ref[0]), rel_l2(out_ours[1], out_ref[1]))
+            t_comp, t_compile = float("nan"), float("nan")
+            if not args.no_compile:
+                C.compile_blocks(model, mode=args.mode)
+                t_compile = first_call(lambda: sp(**ours_kw))
+                t_comp = timeit(lambda: sp(**ours_kw), args.iters) * scale
+                if ref is not None:
+                    out_comp = sp(**ours_kw)
+                    err_comp = max(rel_l2(out_comp[0], out_ref[0]), rel_l2(out_comp[1], out_ref[1]))
+                C.uncompile_blocks(model)
             for w in worlds:
-                sim = SequenceParallelTransformer(model, SimulatedExchange(w))
-                sim.activate()
-                per = tokens // w
-                sim_kw = dict(ours_kw, hidden_states=kw["hidden_states"][:, :per], timestep=kw["timestep"][:, :per],
-                              video_coords=kw["video_coords"][:, :, :per])
-                # the simulated rank already holds its T/W tokens: run the wrapped transformer on them directly
-                t_w = timeit(lambda: model(return_dict=False, **sim_kw), args.iters) * scale
-                cols.append(f"{t_w * 1000:9.1f} {t_ours / (w * t_w):5.2f}")
-        print(f"{size:>10} {tokens:7d} {t_ours * 1000:9.1f} {t_diff * 1000:10.1f} {t_ref * 1000:10.1f} "
-              f"{t_ours / t_ref:9.3f} {t_diff / t_ref:9.3f} " + " ".join(cols))
-        del kw
+                t_w = timeit(simulated_rank(model, ours_kw, tokens, w, SimulatedExchange(w)), args.iters) * scale
+                sims.append((size, tokens, w, t_w, t_ours))
+            if not args.no_compile and size == args.graph_break_size:
+                C.compile_blocks(model)
+                for gb in (False, True):
+                    fn = simulated_rank(model, ours_kw, tokens, 2, SimulatedExchange(2, graph_break=gb))
+                    row["compile_w2_graph_break" if gb else "compile_w2_custom_op"] = {
+                        "compile_s": first_call(fn), "ms": timeit(fn, args.iters) * scale * 1000}
+                row["graph_breaks"] = C.graph_breaks()
+                C.uncompile_blocks(model)
+        row.update(ours_ms=t_ours * 1000, diffusers_ms=t_diff * 1000, reference_ms=t_ref * 1000,
+                   compiled_ms=t_comp * 1000, compile_s=t_compile, overhead_vs_reference=t_ours / t_ref,
+                   compiled_vs_reference=t_comp / t_ref, diffusers_vs_reference=t_diff / t_ref,
+                   rel_l2_eager_vs_reference=err_eager, rel_l2_compiled_vs_reference=err_comp)
+        results["sizes"][size] = row
+        print(f"{size:>10} {tokens:7d} {t_ours * 1000:8.1f} {t_diff * 1000:9.1f} {t_ref * 1000:9.1f} "
+              f"{t_ours / t_ref:8.3f} {t_diff / t_ref:8.3f} {t_comp * 1000:8.1f} {t_comp / t_ref:8.3f} "
+              f"{t_compile:9.1f} {err_eager:9.2e} {err_comp:9.2e}", flush=True)
+        del kw, ours_kw
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    print(f"parity: relative L2 of ours vs reference (same weights) ≤ {PARITY_TOL}: "
+          + ("ok" if all(r["rel_l2_eager_vs_reference"] <= PARITY_TOL and not r["rel_l2_compiled_vs_reference"]
+                         > PARITY_TOL for r in results["sizes"].values()) else "FAILED"))
+    print("\nsimulated W-way split, per-rank compute without communication (eager):")
+    print(f"{'size':>10} {'tokens':>7} {'W':>2} {'rank ms':>8} {'eff':>5}")
+    for size, tokens, w, t_w, t_1 in sims:
+        print(f"{size:>10} {tokens:7d} {w:2d} {t_w * 1000:8.1f} {t_1 / (w * t_w):5.2f}")
+        results["sizes"][size].setdefault("simulated", {})[w] = {"rank_ms": t_w * 1000, "eff": t_1 / (w * t_w)}
+    for size, row in results["sizes"].items():
+        if "compile_w2_custom_op" in row:
+            a, b = row["compile_w2_custom_op"], row["compile_w2_graph_break"]
+            print(f"\ncompiled W=2 rank at {size}: exchanges as custom ops {a['ms']:.1f} ms (compile {a['compile_s']:.1f}"
+                  f" s), graph break at each exchange {b['ms']:.1f} ms (compile {b['compile_s']:.1f} s); graph breaks "
+                  f"recorded: {row['graph_breaks']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

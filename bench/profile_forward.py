@@ -4,7 +4,8 @@ on the same shapes (input for issue #9's speed work).
 19B-shaped random bf16 weights in GPU memory (`--blocks` of the 48), one size, one profiled forward after a warm-up.
 Prints the top operators by CUDA time for each, and the wall time of both.
 
-    python bench/profile_forward.py --blocks 8 --size 1280x704 [--frames 121] [--top 20]
+    python bench/profile_forward.py --blocks 8 --size 1280x704 [--frames 121] [--top 20] \
+        [--compile [--mode max-autotune-no-cudagraphs]] [--no-reference]
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_sp import LTX2_19B, build_reference, build_transformer, inputs  # noqa: E402
+from mgpu_backend import compile as C  # noqa: E402
 from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
 from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
 
@@ -27,6 +29,7 @@ def profile(fn, label: str, top: int) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     fn()
+    fn()  # a compiled module finishes compiling over its first two calls
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
@@ -45,6 +48,9 @@ def main() -> None:
     ap.add_argument("--size", default="1280x704")
     ap.add_argument("--frames", type=int, default=121)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--compile", action="store_true", help="profile ours with compiled blocks")
+    ap.add_argument("--mode", default=None, help="torch.compile mode for --compile")
+    ap.add_argument("--no-reference", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda")
     meta = dict(LTX2_19B, num_layers=args.blocks)
@@ -54,9 +60,15 @@ def main() -> None:
     ours_kw = {k: v for k, v in kw.items() if k != "return_dict"}
     sp = SequenceParallelTransformer(model, Exchange(None, 1, 0))
     sp.activate()
+    if args.compile:
+        C.compile_blocks(model, mode=args.mode)
     with torch.no_grad():
-        profile(lambda: sp(**ours_kw), f"ours ({args.blocks} blocks, {args.size}×{args.frames})", args.top)
+        label = f"ours{' compiled ' + str(args.mode) if args.compile else ''} ({args.blocks} blocks, " \
+                f"{args.size}×{args.frames})"
+        profile(lambda: sp(**ours_kw), label, args.top)
     del model, sp
+    if args.no_reference:
+        return
     torch.cuda.empty_cache()
     lc, ref = build_reference(meta, device, torch.bfloat16)
     vm = lc.Modality(latent=kw["hidden_states"], sigma=kw["sigma"] / 1000, timesteps=kw["timestep"] / 1000,

@@ -4,18 +4,77 @@ Same math as diffusers' `LTX2AudioVideoAttnProcessor` (transformer_ltx2.py): Q/K
 heads, RoPE (interleaved or split) on Q and K, scaled-dot-product attention, optional per-head gates (LTX-2.3),
 output projection — split into `project` / `attend` / `finish` so the sequence-parallel processors
 (`parallel/sequence.py`) can put their exchanges between the steps.
+
+What differs from diffusers is only where the arithmetic happens, the way Lightricks' reference does it (ltx-core
+1.0.0 `rope.precompute_freqs_cis` / `apply_split_rotary_emb`, `utils.rms_norm`), measured on an H200 to be most of
+diffusers' 1.12–1.17× overhead (bench/results/profile_forward_1280x704_h200.txt: ~15 ms of dtype copies in 198 ms):
+- RoPE is applied in the compute dtype with the cos / sin tables cast to it **once per forward** (diffusers upcasts
+  q and k to float32 in every attention and casts back);
+- the blocks' parameter-free RMSNorms run as one fused `torch.nn.functional.rms_norm` kernel
+  (`use_fused_norms`; diffusers' `RMSNorm` makes float32 copies of the hidden states).
+In float32 both are the reference's arithmetic exactly.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
-from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rotary_emb, apply_split_rotary_emb
+from diffusers.models.normalization import RMSNorm
 
 
-def _rope(attn, x: torch.Tensor, freqs) -> torch.Tensor:
-    if attn.rope_type == "interleaved":
-        return apply_interleaved_rotary_emb(x, freqs)
-    return apply_split_rotary_emb(x, freqs)
+class RopeTables:
+    """The RoPE tables of one forward in the compute dtype and the layout `apply_rope` wants, made once per forward.
+
+    diffusers' transformer computes each table (float32, split: cos / sin `[B, H, T, D/2]`; interleaved: `[B, T, C]`)
+    once per forward and passes the same tensors to all 48 blocks; the first attention that sees a table converts it,
+    the other blocks reuse the conversion (keyed by the source tensor, which is kept alive so the key stays unique).
+    Under `torch.compile` the conversion is traced into the graph instead (the compiler fuses it with the rotation).
+    """
+
+    def __init__(self, capacity: int = 8):
+        self.capacity = capacity
+        self._tables: dict[tuple[int, torch.dtype], tuple] = {}
+
+    def get(self, rope_type: str, freqs, dtype: torch.dtype):
+        cos, sin = freqs
+        if torch.compiler.is_compiling():
+            return _convert(rope_type, cos, sin, dtype)
+        key = (id(cos), dtype)
+        hit = self._tables.get(key)
+        if hit is None or hit[0] is not cos:
+            if len(self._tables) >= self.capacity:
+                self._tables.clear()  # a new forward: its tables replace the old ones
+            hit = (cos, _convert(rope_type, cos, sin, dtype))
+            self._tables[key] = hit
+        return hit[1]
+
+
+def _convert(rope_type: str, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
+    if rope_type == "interleaved":
+        return cos.to(dtype), sin.to(dtype)
+    # split: [B, H, T, D/2] -> [B, T, H, 1, D/2], broadcast against q / k viewed as [B, T, H, 2, D/2]
+    return tuple(t.transpose(1, 2).unsqueeze(3).to(dtype) for t in (cos, sin))
+
+
+def apply_rope(rope_type: str, x: torch.Tensor, tables) -> torch.Tensor:
+    """Rotate `x` `[B, T, H·D]` by the tables of `RopeTables.get`, in x's dtype (the reference's arithmetic:
+    `x·cos` then one fused multiply-add per half, ltx-core 1.0.0 `rope.apply_*_rotary_emb`).
+
+    split: the first and second halves of each head's D channels are the rotation pairs;
+    interleaved: channels (2i, 2i+1) are the pairs.
+    """
+    cos, sin = tables
+    if rope_type == "interleaved":
+        pairs = x.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        return x * cos + rotated * sin
+    heads = cos.shape[2]
+    halves = x.unflatten(-1, (heads, 2, -1))  # [B, T, H, 2, D/2]
+    out = halves * cos
+    out[..., 0:1, :].addcmul_(-sin, halves[..., 1:2, :])
+    out[..., 1:2, :].addcmul_(sin, halves[..., 0:1, :])
+    return out.flatten(2)
 
 
 def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -32,6 +91,8 @@ def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
 class LTX2AttnProcessor:
     """Local attention with the diffusers LTX-2 semantics (see module docstring)."""
 
+    rope_tables = RopeTables()  # shared by every processor: the tables are per forward, not per processor
+
     def project(self, attn, hidden_states, encoder_hidden_states, query_rotary_emb, key_rotary_emb):
         """-> q `[B, Tq, H, D]`, k, v `[B, Tk, H, D]` after QK-norm and RoPE."""
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
@@ -39,8 +100,9 @@ class LTX2AttnProcessor:
         k = attn.norm_k(attn.to_k(context))
         v = attn.to_v(context)
         if query_rotary_emb is not None:
-            q = _rope(attn, q, query_rotary_emb)
-            k = _rope(attn, k, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+            key_rotary_emb = key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+            q = apply_rope(attn.rope_type, q, self.rope_tables.get(attn.rope_type, query_rotary_emb, q.dtype))
+            k = apply_rope(attn.rope_type, k, self.rope_tables.get(attn.rope_type, key_rotary_emb, k.dtype))
         return (q.unflatten(2, (attn.heads, -1)), k.unflatten(2, (attn.heads, -1)),
                 v.unflatten(2, (attn.heads, -1)))
 
@@ -65,9 +127,44 @@ class LTX2AttnProcessor:
         return self.finish(attn, hidden_states, out)
 
 
-def use_processor(transformer, processor: LTX2AttnProcessor | None = None) -> None:
-    """Install `processor` (default: a local `LTX2AttnProcessor`) on every attention of the transformer blocks."""
-    processor = processor or LTX2AttnProcessor()
+class FusedRMSNorm(torch.nn.Module):
+    """A parameter-free RMSNorm as one `F.rms_norm` kernel (accumulates in float32, one rounding to x's dtype)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.dim,), eps=self.eps)
+
+
+def use_fused_norms(transformer) -> None:
+    """Replace the blocks' parameter-free diffusers `RMSNorm`s by `FusedRMSNorm` (same math; no state-dict change)."""
     for block in transformer.transformer_blocks:
-        for name in ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn"):
-            getattr(block, name).set_processor(processor)
+        for name, child in list(block.named_children()):
+            if isinstance(child, RMSNorm) and child.weight is None:
+                setattr(block, name, FusedRMSNorm(child.dim[-1] if isinstance(child.dim, tuple) else child.dim,
+                                                  child.eps))
+
+
+def _attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
+                       key_rotary_emb=None, **kwargs):
+    """`LTX2Attention.forward` without its per-call `inspect.signature` of the processor (288 calls per forward;
+    a measurable share of the CPU time that bounds small sizes on an H200): the processor is called directly."""
+    return self.processor(self, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
+                          key_rotary_emb, **kwargs)
+
+
+ATTENTIONS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+
+
+def use_processor(transformer, processor: LTX2AttnProcessor | None = None) -> None:
+    """Install `processor` (default: a local `LTX2AttnProcessor`) on every attention of the transformer blocks,
+    the direct processor call (`_attention_forward`) and the fused norms (`use_fused_norms`)."""
+    processor = processor or LTX2AttnProcessor()
+    use_fused_norms(transformer)
+    for block in transformer.transformer_blocks:
+        for name in ATTENTIONS:
+            attn = getattr(block, name)
+            attn.set_processor(processor)
+            attn.forward = types.MethodType(_attention_forward, attn)

@@ -4,11 +4,48 @@
 arXiv:2309.14509): a rank holding `[B, T/W, H, D]` (its token slice, all heads) ends up with `[B, T, H/W, D]` (all
 tokens, its head slice) and back. The default is `torch.distributed.all_to_all_single`; a faster kernel from
 `kernels/` can replace `Exchange` without touching the model code.
+
+The collectives are registered as PyTorch custom ops (`ltx2_mgpu::all_to_all`, `ltx2_mgpu::all_gather`, with fake
+implementations for shapes), so a transformer block compiled with `torch.compile` keeps them inside its graph
+instead of breaking it in two around every exchange (`mgpu_backend/compile.py`). Custom ops cannot take a process
+group argument: an `Exchange` registers its group under an integer key.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
+
+_GROUPS: dict[int, dist.ProcessGroup | None] = {}  # key -> process group (None: the default group)
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("ltx2_mgpu::all_to_all", mutates_args=())
+def all_to_all(send: torch.Tensor, group_key: int) -> torch.Tensor:
+    """`torch.distributed.all_to_all_single` of a contiguous `[W, ...]` tensor: block j goes to rank j, block j of
+    the result came from rank j."""
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=_GROUPS[group_key])
+    return recv
+
+
+@all_to_all.register_fake
+def _(send, group_key):
+    return torch.empty_like(send)
+
+
+@torch.library.custom_op("ltx2_mgpu::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, group_key: int, world_size: int) -> torch.Tensor:
+    """Every rank's `x` stacked in rank order: `[W, *x.shape]`."""
+    out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))  # gloo wants the ranks along dim 0
+    dist.all_gather_into_tensor(out, x.contiguous(), group=_GROUPS[group_key])
+    return out.view(world_size, *x.shape)
+
+
+@all_gather.register_fake
+def _(x, group_key, world_size):
+    return x.new_empty((world_size, *x.shape))
 
 
 class Exchange:
@@ -16,6 +53,8 @@ class Exchange:
 
     def __init__(self, group: dist.ProcessGroup | None, world_size: int, rank: int):
         self.group, self.world_size, self.rank = group, world_size, rank
+        self.group_key = next(_KEYS)
+        _GROUPS[self.group_key] = group
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """`[B, T/W, H, D]` (this rank's tokens, all heads) -> `[B, T, H/W, D]` (all tokens, this rank's heads).
@@ -30,8 +69,7 @@ class Exchange:
             raise ValueError(f"{h} heads cannot be split over {w} ranks (the SP degree must divide the heads)")
         # send block j = head slice j of my tokens: [W, B, T/W, H/W, D]
         send = x.reshape(b, t_local, w, h // w, d).permute(2, 0, 1, 3, 4).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        recv = all_to_all(send, self.group_key)
         # recv block j = my head slice of rank j's tokens -> tokens in rank order
         return recv.permute(1, 0, 2, 3, 4).reshape(b, w * t_local, h // w, d)
 
@@ -42,8 +80,7 @@ class Exchange:
             return x
         b, t, h_local, d = x.shape
         send = x.reshape(b, w, t // w, h_local, d).permute(1, 0, 2, 3, 4).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        recv = all_to_all(send, self.group_key)
         # recv block j = rank j's head slice of my tokens -> heads in rank order
         return recv.permute(1, 2, 0, 3, 4).reshape(b, t // w, w * h_local, d)
 
@@ -51,6 +88,5 @@ class Exchange:
         """Concatenate every rank's slice along `dim` in rank order."""
         if self.world_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        parts = all_gather(x, self.group_key, self.world_size)  # [W, *x.shape]
+        return torch.cat(parts.unbind(0), dim=dim)
