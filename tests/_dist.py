@@ -1,9 +1,9 @@
 """Run a function on W gloo ranks (CPU) and collect what each rank returns — for tests with real process groups.
 
 `run_ranks(fn, world_size, *args)` spawns W processes (`torch.multiprocessing.spawn`, the "spawn" start method),
-each initializes the default process group with backend gloo and a `file://` rendezvous in a fresh temporary
-folder, sets `torch.set_num_threads(1)`, calls `fn(rank, world_size, *args)` and `torch.save`s its return value to
-a file of that folder; the parent loads the files and returns the list of per-rank results (rank 0 first).
+each initializes the default process group with backend gloo (or `backend=`) and a `file://` rendezvous in a fresh
+temporary folder, sets `torch.set_num_threads(1)`, calls `fn(rank, world_size, *args)` and `torch.save`s its return
+value to a file of that folder; the parent loads the files and returns the list of per-rank results (rank 0 first).
 
 `fn` must be importable by the children (a module-level function of a test module or of this helper); its return
 value must be `torch.save`-able (tensors, numbers, strings, dicts, lists). An exception in any rank fails the call
@@ -74,9 +74,10 @@ def check_sources_unchanged(fn: Callable) -> None:
                            f"the tests (run long suites from a snapshot of the tree, not from a checkout being edited)")
 
 
-def _entry(rank: int, fn: Callable, world_size: int, folder: str, timeout_s: float, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, folder: str, timeout_s: float, args: tuple,
+           backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world_size, *args)
@@ -89,10 +90,12 @@ def _entry(rank: int, fn: Callable, world_size: int, folder: str, timeout_s: flo
     os._exit(0)  # skip the interpreter teardown (seconds per rank with torch loaded); the result is on disk
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0,
+              backend: str = "gloo") -> list[Any]:
     """`fn(rank, world_size, *args)` on `world_size` gloo ranks; returns the per-rank results in rank order.
-    Raises RuntimeError before spawning when the sources changed since this process imported them."""
+    `backend`: the process-group backend ("nccl" needs one GPU per rank; `fn` then picks its device before its first
+    collective). Raises RuntimeError before spawning when the sources changed since this process imported them."""
     check_sources_unchanged(fn)
     with tempfile.TemporaryDirectory(prefix="sp_ranks_") as folder:
-        mp.spawn(_entry, args=(fn, world_size, folder, timeout_s, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(fn, world_size, folder, timeout_s, args, backend), nprocs=world_size, join=True)
         return [torch.load(Path(folder) / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
