@@ -11,7 +11,9 @@ times are scaled to 48 blocks, the embeddings and output layers being negligible
   ours (eager and compiled) against it, bf16 tolerance 2e-2 (8 mantissa bits; different kernels and fusions);
 - ours compiled: `mgpu_backend.compile.compile_blocks` (regional, per block); the first call's time is the compile.
 Ratios: `overhead_vs_reference` = ours eager / reference eager (target ≤ 1.03), `compiled_vs_reference` = ours
-compiled / reference eager (target ≤ 0.90).
+compiled / reference eager (target ≤ 0.90). The forwards compared are timed in turn (a, b, c, a, b, c, …; the
+compiled one with the reference again), so a change in the host's load does not favour one column — at 640×352 the
+forward is bound by the host's kernel launches, not the GPU.
 Then the simulated split: each "rank" runs projections / feed-forwards on T/W tokens and attention over all T tokens
 with H/W heads (the exchanges are local tensor copies of the right shapes), eager — the per-rank compute without
 communication; and at W = 2, compiled, once with the exchanges as custom ops inside the block graph and once with a
@@ -177,6 +179,23 @@ def timeit(fn, iters, warmup=2):
     return sorted(times)[len(times) // 2]
 
 
+def interleaved(fns: dict, iters: int, warmup: int = 2) -> dict:
+    """Median seconds per call of each function, the calls taken in turn (a, b, c, a, b, c, …) so that a change
+    in the host's load (small sizes are launch-bound) falls on every column alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -266,25 +285,28 @@ def main():
         ours_kw = {k: v for k, v in kw.items() if k != "return_dict"}
         row = {"tokens": tokens}
         with torch.no_grad():
-            t_diff = timeit(lambda: plain(**kw), args.iters) * scale
             sp = SequenceParallelTransformer(model, Exchange(None, 1, 0))
             sp.activate()
-            t_ours = timeit(lambda: sp(**ours_kw), args.iters) * scale
             out_ours = sp(**ours_kw)
+            fns = {"ours": lambda: sp(**ours_kw), "diffusers": lambda: plain(**kw)}
             t_ref, err_eager, err_comp = float("nan"), float("nan"), float("nan")
             if ref is not None:
-                call_ref = reference_call(lc, ref, kw)
-                t_ref = timeit(call_ref, args.iters) * scale
+                fns["ref"] = call_ref = reference_call(lc, ref, kw)
                 out_ref = call_ref()
                 err_eager = max(rel_l2(out_ours[0], out_ref[0]), rel_l2(out_ours[1], out_ref[1]))
-            t_comp, t_compile = float("nan"), float("nan")
+            eager = {k: v * scale for k, v in interleaved(fns, args.iters).items()}
+            t_ours, t_diff, t_ref = eager["ours"], eager["diffusers"], eager.get("ref", float("nan"))
+            t_comp, t_compile, t_ref_comp = float("nan"), float("nan"), t_ref
             if not args.no_compile:
                 C.compile_blocks(model, mode=args.mode)
                 t_compile = first_call(lambda: sp(**ours_kw))
-                t_comp = timeit(lambda: sp(**ours_kw), args.iters) * scale
+                fns = {"compiled": lambda: sp(**ours_kw)}
                 if ref is not None:
+                    fns["ref"] = call_ref  # timed again, in turn with the compiled forward
                     out_comp = sp(**ours_kw)
                     err_comp = max(rel_l2(out_comp[0], out_ref[0]), rel_l2(out_comp[1], out_ref[1]))
+                timed = {k: v * scale for k, v in interleaved(fns, args.iters).items()}
+                t_comp, t_ref_comp = timed["compiled"], timed.get("ref", float("nan"))
                 C.uncompile_blocks(model)
             for w in worlds:
                 t_w = timeit(simulated_rank(model, ours_kw, tokens, w, SimulatedExchange(w)), args.iters) * scale
@@ -299,11 +321,11 @@ def main():
                 C.uncompile_blocks(model)
         row.update(ours_ms=t_ours * 1000, diffusers_ms=t_diff * 1000, reference_ms=t_ref * 1000,
                    compiled_ms=t_comp * 1000, compile_s=t_compile, overhead_vs_reference=t_ours / t_ref,
-                   compiled_vs_reference=t_comp / t_ref, diffusers_vs_reference=t_diff / t_ref,
+                   reference_ms_with_compiled=t_ref_comp * 1000, compiled_vs_reference=t_comp / t_ref_comp, diffusers_vs_reference=t_diff / t_ref,
                    rel_l2_eager_vs_reference=err_eager, rel_l2_compiled_vs_reference=err_comp)
         results["sizes"][size] = row
         print(f"{size:>10} {tokens:7d} {t_ours * 1000:8.1f} {t_diff * 1000:9.1f} {t_ref * 1000:9.1f} "
-              f"{t_ours / t_ref:8.3f} {t_diff / t_ref:8.3f} {t_comp * 1000:8.1f} {t_comp / t_ref:8.3f} "
+              f"{t_ours / t_ref:8.3f} {t_diff / t_ref:8.3f} {t_comp * 1000:8.1f} {t_comp / t_ref_comp:8.3f} "
               f"{t_compile:9.1f} {err_eager:9.2e} {err_comp:9.2e}", flush=True)
         del kw, ours_kw
         if device.type == "cuda":

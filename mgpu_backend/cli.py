@@ -68,6 +68,9 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
                    help="run on a worker fleet: 'all', a count, a CUDA list like '0,1,3', or 'cpu:N' "
                         "(default: in this process)")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (with --devices, or CPU ranks)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the transformer blocks: the first job at a size pays the compile, later "
+                        "jobs on the same fleet run faster")
     p.add_argument("--sp-degree", type=int, default=None,
                    help="sequence parallel degree (must divide the attention heads; default: the largest valid)")
 
@@ -124,6 +127,10 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     components = load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=dtype, device=device,
                                  video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
                                  text_projection=files.get("text_projection"))
+    if args.compile:
+        from .compile import compile_blocks
+
+        compile_blocks(components.transformer)
     gemma = load_gemma(files["gemma"], device=device, dtype=dtype)
     check_gemma_matches(components.text_projection, gemma, files["gemma"])
     load_time = time.perf_counter() - t
@@ -228,7 +235,8 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
         print(f"note: no CUDA device here: running {len(devices)} CPU rank(s) (gloo)", file=sys.stderr)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
-    config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree, **files)
+    config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree,
+                         compile=args.compile, **files)
     client = ControllerClient()
     t = time.perf_counter()
     handle = client.configure(config)

@@ -127,6 +127,9 @@ class FleetConfig:
     # None: on CUDA the cost model (parallel/cost.py) picks each SP stage's degree, on CPU the full degree; an int:
     # SP on fewer ranks when a stage has fewer video tokens per rank than this (0: always the full degree)
     min_tokens_per_rank: int | None = None
+    # regional torch.compile of the transformer blocks (mgpu_backend/compile.py): the first job at each size pays the
+    # compile (~10-20 s per shape on an H200), later jobs run ~10 % faster
+    compile: bool = False
     sequence_parallel: bool = True  # False: every rank computes every stage whole (fleet mechanics, debugging)
     # Gemma text encoder (parallel/gemma.py): "replicated" (a replica per rank, each encodes everything),
     # "batch_parallel" (a replica per rank, prompts split over ranks) or "sharded" (one copy over every device,

@@ -124,6 +124,10 @@ class WorkerState:
         self.components = loader.load_components(
             config.checkpoint, video_vae=config.video_vae, audio_vae=config.audio_vae,
             text_projection=config.text_projection, upsampler=config.upscaler, dtype=dtype, device=device)
+        if config.compile:
+            from .compile import compile_blocks
+
+            compile_blocks(self.components.transformer)
         # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
         self.text = TextEncoderService.for_fleet(config, rank, device, self.components.text_projection)
         self.plan = (build_plan(self.components.transformer, rank, config.world_size, device, config.token_cap,

@@ -169,6 +169,10 @@ class LoadCheckpointMGPU(io.ComfyNode):
                              tooltip="Sequence-parallel degree for stage 1: 0 = the largest that divides the model's "
                                      "attention heads (32 for LTX-2: 1, 2, 4, 8, …) and fits the ranks; another value "
                                      "is refused before any worker starts when the heads do not allow it."),
+                io.Boolean.Input("compile", default=False, optional=True,
+                                 tooltip="torch.compile the transformer blocks on the workers: the first generation "
+                                         "at each size pays the compile (tens of seconds); later ones run ~10 % "
+                                         "faster on GPUs. Changing it restarts the fleet."),
             ],
             outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
                                                                 "generation).")],
@@ -177,7 +181,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, checkpoint, gemma, upscaler, devices, world_size, weight_dtype, video_vae=NONE,
-                audio_vae=NONE, text_projection=NONE, sp_degree=0) -> io.NodeOutput:
+                audio_vae=NONE, text_projection=NONE, sp_degree=0, compile=False) -> io.NodeOutput:
         from ..mgpu_backend.client import parse_devices
 
         with guard("Load Checkpoint (MGPU)"):
@@ -190,7 +194,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 video_vae=_optional(video_vae, "vae", "checkpoints"),
                 audio_vae=_optional(audio_vae, "vae", "checkpoints"),
                 text_projection=_optional(text_projection, "text_encoders", "checkpoints"), dtype=dtype,
-                sp_degree=sp_degree or None)
+                sp_degree=sp_degree or None, compile=bool(compile))
             try:
                 c = client()
                 try:

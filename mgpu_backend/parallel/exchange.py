@@ -38,9 +38,13 @@ def _(send, group_key):
 @torch.library.custom_op("ltx2_mgpu::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, group_key: int, world_size: int) -> torch.Tensor:
     """Every rank's `x` stacked in rank order: `[W, *x.shape]`."""
-    out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))  # gloo wants the ranks along dim 0
-    dist.all_gather_into_tensor(out, x.contiguous(), group=_GROUPS[group_key])
-    return out.view(world_size, *x.shape)
+    group = _GROUPS[group_key]
+    out = x.new_empty((world_size, *x.shape))
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(out.view(world_size * x.shape[0], *x.shape[1:]), x.contiguous(), group=group)
+    else:  # gloo: the list form is the one it implements for CPU and CUDA tensors alike
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
+    return out
 
 
 @all_gather.register_fake
