@@ -9,20 +9,27 @@ rank of a W-way split of T video tokens (padded to Tp = W·⌈T/W⌉):
   text cross-attention keys, the many small kernels whose time does not shrink with tokens), c_lin the per-token
   projections / feed-forward / elementwise work on the rank's Tp/W tokens, c_attn the video self-attention over all
   Tp tokens with H/W heads. Fitted (least squares on relative error) to the per-rank times of a W-way split simulated
-  on one H200 in `bench/results/sp_forward_h200.txt` (48 blocks, bf16, 121 frames; W = 1, 2, 4, 8 at 3,520 / 14,080
-  / 32,640 tokens): the points above 1.15× the host floor, without the 3,520-token W = 4 point (276.8 ms, slower than
-  the same split on 8 ranks with half the tokens: an outlier of that one run). Result: c0 = 59.2 ms,
-  c_lin = 64.0 µs per token (≈ 400 TFLOP/s on the 25.8 GFLOP per token of the 48 blocks' matmuls, elementwise
-  work included), c_attn = 1.318 ns per token² (≈ 600 TFLOP/s on 4·4096·48 FLOP per token²). It reproduces the
-  fitted points within 1.6 %, and every point but the outlier within 4.1 %.
+  on one H200 in `bench/results/sp_forward_h200.txt` (eager forward, bf16, 121 frames, 8 blocks timed and scaled ×6
+  to 48; W = 1, 2, 4, 8 at 3,520 / 14,080 / 32,640 tokens): the 8 points above 1.15× the host floor (all of 32,640,
+  W = 1, 2, 4 of 14,080, W = 1 of 3,520). No outlier in this run (`SP_FORWARD_OUTLIERS` is empty; the previous run's
+  3,520-token W = 4 point was one). Result: c0 = 61.2 ms, c_lin = 53.5 µs per token (≈ 480 TFLOP/s on the
+  25.8 GFLOP per token of the 48 blocks' matmuls, elementwise work included), c_attn = 1.312 ns per token² (≈ 600
+  TFLOP/s on 4·4096·48 FLOP per token²). It reproduces every point within 2.7 % (3,520 tokens W = 1: +2.3 %, 14,080
+  W = 4: −2.7 %, 14,080 W = 8, left out as near the floor: −0.5 %).
 - host(W) = h0 + n_coll(W)·h_coll — CPU time to issue one forward. A GPU forward cannot run faster than its kernels
-  are launched: with few tokens the GPU waits for the host (launch-bound). h0 = 206.6 ms (48 blocks) is the floor the
-  simulated split reached at 3,520 tokens (W = 2: 206.9 ms, W = 8: 206.2 ms with 4× fewer tokens). Every collective
-  of the split costs the host h_coll = 0.805 ms (issue through torch.distributed, the exchange's reshapes and
-  copies, and waiting for the slower rank at each rendezvous): fitted to the real 2×H200 run of 627 tokens
-  (`bench/results/scaling_2xh200.txt`, 8 blocks ×6: 238.3 ms on one GPU, 475.1 ms on two = 6·(8·6 + 1)
-  collectives × 0.805 ms more). This is ~30× NCCL's own small-message latency; it is hidden under the GPU work when
-  the forward is compute-bound, so it is a term of the host side only (the max), not added to the GPU time.
+  are launched: with few tokens the GPU waits for the host (launch-bound). h0 = 182.9 ms (48 blocks) is the floor the
+  simulated split reached at 3,520 tokens: the mean of W = 2, 4, 8 (183.3, 184.2, 181.3 ms — 4× fewer tokens per rank
+  and no faster). It was 206.6 ms before the eager forward got faster (RoPE in bf16 with the tables cast once per
+  forward, fused RMSNorms, no per-call `inspect.signature`). Every collective of the split costs the host
+  h_coll = 0.805 ms (issue through torch.distributed, the exchange's reshapes and copies, and waiting for the slower
+  rank at each rendezvous): fitted to the real 2×H200 run of 627 tokens (`bench/results/scaling_2xh200.txt`, 8 blocks
+  ×6: 238.3 ms on one GPU, 475.1 ms on two = 6·(8·6 + 1) collectives × 0.805 ms more). That run used the earlier,
+  slower forward; the difference of its two times is the collectives' host cost whatever the forward's own, so h_coll
+  is kept (not re-measured: the collectives have since become custom ops, which may have changed it). This is ~30×
+  NCCL's own small-message latency; it is hidden under the GPU work when the forward is compute-bound, so it is a term
+  of the host side only (the max), not added to the GPU time. With the lower h0 the collectives' 289 × 0.805 = 233 ms
+  are now more than the floor itself: the launch-bound predictions (every split of 3,520 and 8,160 tokens, W ≥ 4 at
+  14,080) and so the policy's thresholds rest mostly on h_coll.
 - comm(T, W) = Σ over the collectives of bytes / (link · η) + count · λ, with the bytes per rank computed exactly from
   the shapes in `sequence.py` / `exchange.py` (e = 2 bytes, bf16 activations):
     Ulysses (4 all_to_all per block: q, k, v to head slices, the output back): each sends (W−1)/W of its
@@ -33,18 +40,27 @@ rank of a W-way split of T video tokens (padded to Tp = W·⌈T/W⌉):
     output (1 all_gather per forward): (W−1)·Tp/W·128 elements;
     TDP (stage 2, 1 all_reduce per forward of the float32 [T, 128] blend buffer): ring, 2(W−1)/W of it.
   link = 450 GB/s: H200 NVLink 4, 18 links, 900 GB/s bidirectional per GPU = 450 GB/s per direction (through
-  NVSwitch on 4- and 8-GPU boards). λ = 25 µs per collective (assumed, NCCL on NVLink). η = 0.29 (effective
-  130 GB/s) is fitted to the two real 2×H200 SP forwards (1280×704: 1.73×, 1920×1088: 1.80×): their time over the
-  predicted compute (scaled by that run's own W = 1 time against the model, 0.976 and 0.978) leaves 65 and 160 ms
-  for 8.3 and 19.3 GB per rank. That is well below what NCCL reaches on large messages (~0.8): the copies around
-  each collective (permute/contiguous before, the reordering and the gathered parts' cat after) and rank skew are in
-  it. The collective counts are those of `sequence.py` today (6 per block + 1): update `CostModel.sp_collectives`
-  when the exchange changes (e.g. q, k, v fused into one all_to_all).
+  NVSwitch on 4- and 8-GPU boards). λ = 25 µs per collective (assumed, NCCL on NVLink). η = 0.30 (effective
+  135 GB/s) is fitted to the two real 2×H200 SP forwards (1280×704: 1.73×, 1920×1088: 1.80×), measured with the
+  earlier, slower eager forward: their time over the predicted compute, scaled by that run's own W = 1 time against
+  the model (`CostModel.matched`: ×1.109 and ×1.084 — 1,191.9 and 3,472.9 ms against 1,074.6 and 3,205.2; the
+  previous model, fitted to the old forward, had ×0.976 and ×0.978), leaves 60 and 156 ms for 8.3 and 19.3 GB per
+  rank. The model so scaled reproduces those runs' speedups (1.71× and 1.81×: −1.3 %, +0.3 %); for today's forward
+  it predicts 1.69× and 1.80× (the same exchange around less compute). η is well below what NCCL reaches on large
+  messages (~0.8): the copies around each collective (permute/contiguous before, the reordering and the gathered
+  parts' cat after) and rank skew are in it. The collective counts are those of `sequence.py` today (6 per block
+  + 1): update `CostModel.sp_collectives` when the exchange changes (e.g. q, k, v fused into one all_to_all).
 
 The model is H200-specific (used for every CUDA device: on slower GPUs compute is larger against the host and the
-link, so splitting pays earlier than predicted; without NVLink it pays later) and measured on the eager forward (a
-compiled forward lowers h0 and c0: refit from new measurements — the tables below feed `fit_*`). Other widths and
-block counts scale the terms: per-block terms ∝ blocks/48, c_lin ∝ (video_dim/4096)², c_attn ∝ video_dim/4096.
+link, so splitting pays earlier than predicted; without NVLink it pays later) and fitted to the eager forward, the
+default. The compiled forward (`mgpu_backend/compile.py`, optional) is faster: compiled / eager reference 0.82, 0.89,
+0.93 at 3,520 / 14,080 / 32,640 tokens (ours eager is the reference's speed: 0.995, 1.007, 1.002), and a compiled
+W = 2 rank at 14,080 tokens took 503.9 ms against 577.0 eager — the model over-predicts a compiled forward; refit
+from a compiled simulated split (the tables below feed `fit_*`). The times are of 8 blocks scaled ×6 (the previous
+table timed all 48): the per-forward work outside the blocks is counted 6×, so h0 and c0 are if anything high — a
+48-block forward of the end-to-end pipeline (`bench/results/e2e_h200.txt`, its own text and audio lengths) took
+238 ms at 3,520 tokens and 1,041 ms at 14,080, against 259.7 and 1,075.0 here. Other widths and block counts scale
+the terms: per-block terms ∝ blocks/48, c_lin ∝ (video_dim/4096)², c_attn ∝ video_dim/4096.
 
 `best_sp_degree` picks the degree with the lowest predicted time (ties go to fewer ranks), and 1 when no split is
 predicted faster than one GPU: never slower than one GPU by design, within the model. `choice_reason` is the job
@@ -54,18 +70,22 @@ report's sentence. `python bench/scaling_model.py` prints the predicted table
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 BF16 = 2
 FP32 = 4
 
 # ---- the measurements the constants are fitted to (ms per forward, 48 blocks unless said) -------------------------
 # bench/results/sp_forward_h200.txt: one H200, per-rank compute of a W-way split simulated on one GPU (no comm)
-SP_FORWARD_H200 = {3520: {1: 297.6, 2: 206.9, 4: 276.8, 8: 206.2},
-                   14080: {1: 1212.2, 2: 650.5, 4: 354.8, 8: 215.3},
-                   32640: {1: 3531.9, 2: 1809.9, 4: 940.1, 8: 489.7}}
-SP_FORWARD_OUTLIERS = {(3520, 4)}
-SP_FORWARD_FLOOR_POINTS = {(3520, 2), (3520, 8)}  # launch-bound: halving the tokens per rank did not help
+SP_FORWARD_H200 = {3520: {1: 259.7, 2: 183.3, 4: 184.2, 8: 181.3},
+                   14080: {1: 1075.0, 2: 577.0, 4: 323.2, 8: 188.9},
+                   32640: {1: 3154.3, 2: 1636.9, 4: 853.8, 8: 448.6}}
+SP_FORWARD_OUTLIERS: set[tuple[int, int]] = set()  # none in this run (the previous one had 3,520 tokens W = 4)
+SP_FORWARD_FLOOR_POINTS = {(3520, 2), (3520, 4), (3520, 8)}  # launch-bound: fewer tokens per rank did not help
+# compiled (mgpu_backend/compile.py) over the eager reference forward, same run: not fitted (the model is the eager's)
+SP_FORWARD_COMPILED_RATIO_H200 = {3520: 0.824, 14080: 0.889, 32640: 0.926}
+# The runs below were measured with the earlier, slower eager forward (before the bf16 RoPE / fused norms): they
+# calibrate η and h_coll and check TDP, each against the model scaled to its own one-GPU time (`CostModel.matched`).
 # bench/results/scaling_2xh200.txt: real NCCL over 2 × H200 (SP forward; TDP forward of 1×2 tiles, overlap 5)
 SCALING_2XH200 = {14080: {1: 1191.9, 2: 689.7}, 32640: {1: 3472.9, 2: 1925.1}}
 TDP_2XH200 = {14080: 658.2, 32640: 1696.4}
@@ -154,6 +174,17 @@ class CostModel:
         """Effective bytes per second of a collective on one rank."""
         return self.link_GBps * 1e9 * self.efficiency
 
+    def scaled(self, factor: float) -> "CostModel":
+        """The forward's own terms (c0, c_lin, c_attn, the host floor) × `factor`; the communication terms (link, η,
+        λ, host per collective) unchanged: the same exchange around a slower or faster forward."""
+        return replace(self, c0=self.c0 * factor, c_lin=self.c_lin * factor, c_attn=self.c_attn * factor,
+                       host_floor=self.host_floor * factor)
+
+    def matched(self, tokens: int, one_gpu_ms: float, shape: ModelShape = LTX2_19B) -> "CostModel":
+        """`scaled` so that one forward of `tokens` on one GPU takes `one_gpu_ms`: the model of a run measured with
+        another forward (the real 2×H200 runs: the earlier eager forward), compared on its own footing."""
+        return self.scaled(one_gpu_ms / 1e3 / self.sp(tokens, 1, shape).total)
+
     def compute(self, tokens: int, degree: int, shape: ModelShape = LTX2_19B) -> float:
         """GPU compute of one rank (no communication)."""
         padded = degree * -(-tokens // degree)
@@ -198,8 +229,8 @@ class CostModel:
 
 # Fitted constants (rounded; `fit_compute`, `fit_host_per_collective` and `fit_efficiency` recompute them from the
 # measurements above, and tests/test_cost.py checks they agree).
-H200_NVLINK = CostModel(name="H200, NVLink 4 (450 GB/s per direction)", c0=59.2e-3, c_lin=64.0e-6, c_attn=1.318e-9,
-                        host_floor=206.6e-3, host_per_collective=0.805e-3, link_GBps=450.0, efficiency=0.29,
+H200_NVLINK = CostModel(name="H200, NVLink 4 (450 GB/s per direction)", c0=61.2e-3, c_lin=53.5e-6, c_attn=1.312e-9,
+                        host_floor=182.9e-3, host_per_collective=0.805e-3, link_GBps=450.0, efficiency=0.30,
                         latency=25e-6)
 DEFAULT = H200_NVLINK
 
@@ -324,9 +355,9 @@ def fit_efficiency(model: CostModel = DEFAULT, data: dict = SCALING_2XH200) -> f
     the model) is the exchange; least squares of bytes / (link·η) + count·λ on it."""
     num = den = 0.0
     for tokens, ms in data.items():
-        scale = ms[1] / 1e3 / model.sp(tokens, 1).total
+        run = model.matched(tokens, ms[1])
         comm = model.sp_collectives(tokens, 2)
-        exchange = ms[2] / 1e3 - scale * model.compute(tokens, 2) - sum(c.count for c in comm.values()) * model.latency
+        exchange = ms[2] / 1e3 - run.compute(tokens, 2) - sum(c.count for c in comm.values()) * model.latency
         nbytes = sum(c.bytes for c in comm.values())
         num += nbytes * exchange
         den += nbytes * nbytes
