@@ -73,6 +73,10 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
                         "jobs on the same fleet run faster")
     p.add_argument("--sp-degree", type=int, default=None,
                    help="sequence parallel degree (must divide the attention heads; default: the largest valid)")
+    p.add_argument("--guidance-parallel", choices=("auto", "on", "off"), default=None,
+                   help="run a guided stage's guidance passes (cond, uncond, perturbed, isolated) on different ranks "
+                        "instead of sequence parallel: auto (default: on GPUs when the cost model predicts it "
+                        "faster), on, off; fleet runs only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +122,8 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     from .models.text_projection import check_gemma_matches
     from .pipelines import TwoStagePipeline
 
-    if args.devices is not None or args.world_size is not None or args.sp_degree is not None:
+    if (args.devices is not None or args.world_size is not None or args.sp_degree is not None
+            or args.guidance_parallel is not None):
         return run_on_fleet(args, paths)
     request, files = _request_and_files(args, paths)  # validated before anything is loaded
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -236,7 +241,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
     config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree,
-                         compile=args.compile, **files)
+                         compile=args.compile, guidance_parallel=args.guidance_parallel or "auto", **files)
     client = ControllerClient()
     t = time.perf_counter()
     handle = client.configure(config)

@@ -192,13 +192,18 @@ class Controller:
 def check_config(config: P.FleetConfig) -> None:
     """Checks that need only file headers, before any worker starts (so a running fleet is not torn down for a
     configuration that cannot work): the checkpoint is a readable LTX-2 file, and an explicit SP degree divides its
-    heads and fits the ranks.
+    heads and fits the ranks; `guidance_parallel` is a known mode.
 
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
     from .models.loader import CheckpointError, SafetensorsFile, transformer_prefix
+    from .parallel.passes import check_mode
     from .parallel.plan import check_requested_degree
     from .validation import ValidationError
 
+    try:
+        check_mode(config.guidance_parallel)
+    except ValueError as exc:
+        raise P.ControllerError(str(exc), kind="validation") from None
     try:
         header = SafetensorsFile(config.checkpoint)
         transformer_prefix(header)

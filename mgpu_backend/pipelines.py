@@ -182,10 +182,13 @@ class TwoStagePipeline:
                   sigmas: torch.Tensor, seed: int, video_mask: torch.Tensor | None, audio_frozen: bool,
                   video_guidance: S.GuidanceParams, audio_guidance: S.GuidanceParams,
                   progress: ProgressFn | None, cancel_check: CancelFn | None = None,
-                  noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  noise: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  run_passes: S.RunPassesFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Noise to `sigmas[0]` and denoise. Latents are packed `[1, T, 128]` float32 (model space).
 
         `noise`: explicit packed (video, audio) noise (ComfyUI's NOISE); default drawn from `seed`.
+        `run_passes`: how each step's guidance passes are computed (`sampling.denoise_loop`; e.g.
+        `parallel.passes.PassParallel`); default one after the other here.
         `cancel_check(stage, step)` runs before every step (the fleet makes it a synchronized decision); True
         raises `sampling.SamplingCancelled`."""
         steps = itertools.count()
@@ -197,7 +200,8 @@ class TwoStagePipeline:
                 model_fn, start_v, start_a, sigmas, video_mask=video_mask, video_clean=video_clean,
                 audio_frozen=audio_frozen, video_guidance=video_guidance, audio_guidance=audio_guidance,
                 progress_callback=(lambda i, n: progress(stage, i, n)) if progress else None,
-                cancel_check=(lambda: cancel_check(stage, next(steps))) if cancel_check else None)
+                cancel_check=(lambda: cancel_check(stage, next(steps))) if cancel_check else None,
+                run_passes=run_passes)
         except S.NonFiniteLatentError as exc:
             raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
         V.check_finite(video, stage, "video")
@@ -426,22 +430,36 @@ class TwoStagePipeline:
         return self.run_stage(stage, model_fn, *run_args, noise=noise)
 
     def sequence_parallel_stage(self, stage, positive, negative, grid, audio_frames, fps, *run_args, noise=None):
-        """A stage whose transformer forwards run sequence parallel over the plan's SP group; ranks outside the
-        group skip it and receive the result from rank 0. One process: a local stage."""
+        """A stage over the plan's ranks: either every transformer forward sequence parallel over the plan's SP group
+        for this size, or — for a guided stage, when the plan picks it (`ParallelPlan.split`) — the guidance passes
+        of each step spread over ranks 0..g-1 (`parallel.passes.PassParallel`), g ≤ min(W, P) for P passes per
+        step. Ranks outside the group that ran skip the stage and receive the result from rank 0. One process: a
+        local stage. `run_args` are `run_stage`'s arguments after `model_fn`."""
+        from .parallel.passes import PassParallel, pass_bytes
+
         plan = self.plan
         if plan is None:
             return self.local_stage(stage, positive, negative, grid, audio_frames, fps, *run_args, noise=noise)
         video_clean, audio_clean = run_args[0], run_args[1]
-        sp = plan.stage(video_clean.shape[1])  # a smaller degree when the split would not pay
+        audio_frozen, video_guidance, audio_guidance = run_args[5], run_args[6], run_args[7]
+        # the passes denoise_loop runs per step (a frozen audio stream is never guided)
+        passes = len(S.plan_passes(video_guidance, S.NO_GUIDANCE if audio_frozen else audio_guidance))
+        run = plan.split(stage, video_clean.shape[1], passes, pass_bytes(video_clean.shape, audio_clean.shape))
         video, audio, failure = None, None, None
-        if plan.rank < sp.degree:
-            model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps, forward=sp.forward)
-            plan.active_group = sp.group  # the per-step cancel decision is taken within the SP group
+        if plan.rank < run.degree:
+            runner = None
+            if run.kind == "passes":
+                model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps)
+                runner = PassParallel(run.group, run.degree, plan.rank, plan._comm_device())
+            else:
+                model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps, forward=run.forward)
+            plan.active_group = run.group  # the per-step cancel decision is taken within the group that runs
             try:
-                video, audio = self.run_stage(stage, model_fn, *run_args, noise=noise)
+                video, audio = self.run_stage(stage, model_fn, *run_args, noise=noise, run_passes=runner)
             except Exception as exc:  # the ranks outside the group must hear of it, or they wait in the broadcast
                 failure = exc
             finally:
                 plan.active_group = None
-        plan.announce(stage, failure, sp.degree)  # raises on every rank when the group stopped
-        return plan.share(video, audio, video_clean.shape, audio_clean.shape, sp.degree)
+        who = "guidance-parallel ranks" if run.kind == "passes" else "sequence-parallel ranks"
+        plan.announce(stage, failure, run.degree, who)  # raises on every rank when the group stopped
+        return plan.share(video, audio, video_clean.shape, audio_clean.shape, run.degree)

@@ -127,6 +127,10 @@ class FleetConfig:
     # None: on CUDA the cost model (parallel/cost.py) picks each SP stage's degree, on CPU the full degree; an int:
     # SP on fewer ranks when a stage has fewer video tokens per rank than this (0: always the full degree)
     min_tokens_per_rank: int | None = None
+    # guided stages (parallel/passes.py): "auto" (CUDA: the guidance passes of each step on different ranks when the
+    # cost model predicts it faster than the stage's sequence parallelism; CPU: sequence parallel), "on" (whenever a
+    # stage has more than one pass per step and the fleet more than one rank) or "off"
+    guidance_parallel: str = "auto"
     # regional torch.compile of the transformer blocks (mgpu_backend/compile.py): the first job at each size pays the
     # compile (~10-20 s per shape on an H200), later jobs run ~10 % faster
     compile: bool = False

@@ -534,6 +534,9 @@ def combine_guidance(
 
 DenoiseFn = Callable[[GuidancePass], tuple[torch.Tensor | None, torch.Tensor | None]]
 BatchedDenoiseFn = Callable[[list[GuidancePass]], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
+RunPassesFn = Callable[[list[GuidancePass], DenoiseFn], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
+"""``run_passes(passes, denoise) -> [denoise(p) for p in passes]``, computed however the caller likes (e.g.
+``parallel.passes.PassParallel``: each pass on another rank, the results exchanged); one pair per pass, in order."""
 
 
 def guided_prediction(
@@ -544,6 +547,7 @@ def guided_prediction(
     step: int = 0,
     last: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     batched: bool = False,
+    run_passes: RunPassesFn | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Run the forwards guidance needs and combine them per modality (reference ``_guided_denoise``).
 
@@ -556,6 +560,8 @@ def guided_prediction(
         step: step index, for ``skip_step``.
         last: previous step's ``(video, audio)`` guided result, returned for a modality that skips this step.
             If both modalities skip, no forward runs.
+        run_passes: computes the passes instead of ``[denoise_fn(p) for p in passes]`` (see :data:`RunPassesFn`);
+            ``None``: one after the other here. Not with ``batched``.
 
     Passes whose scales make them unused are not run (cfg == 1, stg == 0, modality == 1 for both modalities ->
     one forward).
@@ -564,8 +570,11 @@ def guided_prediction(
         ``(video_x0, audio_x0)`` guided predictions (``None`` where the modality is absent).
 
     Raises:
-        ValueError: a modality skips a step but ``last`` has nothing for it.
+        ValueError: a modality skips a step but ``last`` has nothing for it; ``batched`` with ``run_passes``; a
+            result count that is not the pass count.
     """
+    if batched and run_passes is not None:
+        raise ValueError("guided_prediction: batched and run_passes exclude each other")
     v_skip, a_skip = video_params.skips(step), audio_params.skips(step)
     if (v_skip or a_skip) and last is None:
         raise ValueError(f"step {step} is a skip step but no previous prediction was given")
@@ -576,6 +585,10 @@ def guided_prediction(
         outs = list(denoise_fn(passes))  # type: ignore[arg-type]
         if len(outs) != len(passes):
             raise ValueError(f"batched denoise_fn returned {len(outs)} results for {len(passes)} passes")
+    elif run_passes is not None:
+        outs = list(run_passes(passes, denoise_fn))  # type: ignore[arg-type]
+        if len(outs) != len(passes):
+            raise ValueError(f"run_passes returned {len(outs)} results for {len(passes)} passes")
     else:
         outs = [denoise_fn(p) for p in passes]  # type: ignore[arg-type]
     r = {p.kind: o for p, o in zip(passes, outs)}
@@ -658,6 +671,7 @@ def denoise_loop(
     cancel_check: Callable[[], bool] | None = None,
     check_finite: bool = True,
     sampler: AncestralSampler | None = None,
+    run_passes: RunPassesFn | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Joint audio+video Euler sampling with guidance (reference ``euler_denoising_loop`` + ``GuidedDenoiser``).
 
@@ -689,6 +703,8 @@ def denoise_loop(
         check_finite: raise :class:`NonFiniteLatentError` naming the modality and step when a latent goes NaN/Inf.
         sampler: :class:`AncestralSampler` for Euler-ancestral steps (default: the one :func:`use_sampler` set, else
             the reference Euler step).
+        run_passes: how a step's guidance passes are computed (:data:`RunPassesFn`; default ``None``: one after the
+            other in this process). ``parallel.passes.PassParallel`` spreads them over ranks.
 
     Returns:
         ``(video, audio)`` final packed latents (audio is the input object itself when frozen).
@@ -750,7 +766,7 @@ def denoise_loop(
             return x0_v, x0_a
 
         a_params = NO_GUIDANCE if audio_frozen else audio_guidance
-        g_v, g_a = guided_prediction(denoise, video_guidance, a_params, step=i, last=last)
+        g_v, g_a = guided_prediction(denoise, video_guidance, a_params, step=i, last=last, run_passes=run_passes)
         last = (g_v, g_a)
         n_v = n_a = None
         if sampler is not None and sigma_next != 0.0 and sampler.eta > 0:
@@ -792,6 +808,7 @@ __all__ = [
     "NO_GUIDANCE",
     "NonFiniteLatentError",
     "PASS_KINDS",
+    "RunPassesFn",
     "SamplingCancelled",
     "TDP_STAGE2_SIGMAS",
     "TIMESTEP_SCALE",

@@ -131,7 +131,7 @@ class WorkerState:
         # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
         self.text = TextEncoderService.for_fleet(config, rank, device, self.components.text_projection)
         self.plan = (build_plan(self.components.transformer, rank, config.world_size, device, config.token_cap,
-                                config.min_tokens_per_rank, config.sp_degree)
+                                config.min_tokens_per_rank, config.sp_degree, config.guidance_parallel)
                      if config.sequence_parallel else None)
         self.pipeline = TwoStagePipeline(self.components, self.text, device=device, dtype=dtype, plan=self.plan)
 

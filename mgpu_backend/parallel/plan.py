@@ -9,6 +9,11 @@ measurements) picks the degree with the lowest predicted forward time — fewer 
 per rank are too few to beat one GPU — and the job report says which degree ran and why. An explicit
 `min_tokens_per_rank` replaces the model by the rule "at least that many video tokens per rank" (0: always the full
 degree, the default on CPU fleets).
+
+A guided stage may instead run its guidance passes in parallel (`passes.py`, xDiT's "CFG parallel"): pass j of each
+step on rank j % g, the x0 predictions broadcast within ranks 0..g-1 — on CUDA when the cost model predicts it faster
+than the stage's SP choice (`FleetConfig.guidance_parallel`: "auto", "on", "off"); `split` decides per stage and
+`describe` says which ran.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from .cost import CostModel, ModelShape, best_sp_degree, choice_reason
 from .cost import DEFAULT as DEFAULT_COST_MODEL
 from .decode import decode_tiles
 from .exchange import Exchange
+from .passes import MAX_PASSES, StageSplit, check_mode, choose_split
 from .sequence import SequenceParallelTransformer, check_token_cap, largest_sp_degree
 from .tiled import TiledTransformer
 from .tiling import TileCountConfig
@@ -36,6 +42,25 @@ class SPStage:
     degree: int
     group: dist.ProcessGroup | None
     forward: SequenceParallelTransformer | None  # None on ranks outside the group, and for degree 1
+
+
+@dataclass
+class StageRun:
+    """What one stage runs on (`ParallelPlan.split`): `split.kind` "sequence" (SP over ranks 0..degree-1 with
+    `forward`) or "passes" (the guidance passes spread over ranks 0..degree-1, plain forwards); `group` holds those
+    ranks (None: the whole fleet)."""
+
+    split: StageSplit
+    group: dist.ProcessGroup | None
+    forward: SequenceParallelTransformer | None
+
+    @property
+    def degree(self) -> int:
+        return self.split.degree
+
+    @property
+    def kind(self) -> str:
+        return self.split.kind
 
 
 @dataclass
@@ -56,6 +81,9 @@ class ParallelPlan:
     cost_model: CostModel | None = None  # set: the degree per stage is the cost model's choice (min_tokens ignored)
     shape: ModelShape | None = None  # the transformer's shape for the cost model (None: LTX-2 19B)
     last_reason: str | None = None  # why the last SP stage ran at `last_degree` (job report)
+    guidance_parallel: str = "off"  # "auto" | "on" | "off" (build_plan's default is "auto"; see passes.py)
+    pass_groups: dict[int, dist.ProcessGroup | None] | None = None  # group size g -> ranks 0..g-1 (built collectively)
+    last_split: StageSplit | None = None  # how the last stage run through `split` ran (job report)
 
     def stage(self, tokens: int) -> SPStage:
         """The SP stage for a forward of `tokens` video tokens.
@@ -63,6 +91,7 @@ class ParallelPlan:
         With a cost model: the degree with the lowest predicted forward time among the built stages (1 when no split
         is predicted to beat one GPU). Otherwise the largest degree that keeps at least `min_tokens_per_rank` video
         tokens per rank; the full degree when no minimum is set."""
+        self.last_split = None
         stages = self.stages or {self.sp_degree: SPStage(self.sp_degree, self.sp_group, self.sp_forward)}
         if self.cost_model is not None:
             shape = self.shape or ModelShape()
@@ -78,6 +107,25 @@ class ParallelPlan:
         self.last_degree = chosen.degree
         return chosen
 
+    def split(self, stage: str, tokens: int, passes: int, pass_bytes: float = 0.0) -> StageRun:
+        """How a stage of `tokens` video tokens and `passes` guidance passes per step runs: SP at `stage(tokens)`'s
+        degree, or the passes in parallel (`passes.choose_split`: by `guidance_parallel`, on CUDA with the cost
+        model's predictions — this plan's, or cost.py's default when `min_tokens_per_rank` replaced it).
+        `pass_bytes`: one pass's outputs (the per-step exchange). The same decision on every rank."""
+        sp = self.stage(tokens)
+        model = self.cost_model
+        if model is None and self.device.type == "cuda":
+            model = DEFAULT_COST_MODEL
+        choice = choose_split(self.guidance_parallel, tokens, passes, self.world_size, sp.degree,
+                              list(self.pass_groups or {}), cost_model=model, shape=self.shape or ModelShape(),
+                              nbytes=pass_bytes, token_cap=self.token_cap, stage=stage)
+        if choice.kind == "passes":
+            self.last_split = choice
+            return StageRun(choice, (self.pass_groups or {})[choice.degree], None)
+        if choice.reason:
+            self.last_reason = f"{self.last_reason}; {choice.reason}" if self.last_reason else choice.reason
+        return StageRun(choice, sp.group, sp.forward)
+
     @property
     def in_sp_group(self) -> bool:
         return self.rank < self.sp_degree
@@ -89,10 +137,12 @@ class ParallelPlan:
         except ValueError as exc:
             raise ValidationError(str(exc)) from None
 
-    def announce(self, stage: str, failure: BaseException | None, degree: int) -> None:
-        """After an SP stage on a sub-group: rank 0 tells every rank whether it finished, was cancelled or failed,
-        so the ranks outside the group stop too instead of waiting in `share`'s broadcast. Re-raises `failure` on
-        the group's ranks; raises SamplingCancelled / RuntimeError on the others."""
+    def announce(self, stage: str, failure: BaseException | None, degree: int,
+                 who: str = "sequence-parallel ranks") -> None:
+        """After an SP (or guidance-parallel) stage on a sub-group: rank 0 tells every rank whether it finished, was
+        cancelled or failed, so the ranks outside the group stop too instead of waiting in `share`'s broadcast.
+        Re-raises `failure` on the group's ranks; raises SamplingCancelled / RuntimeError on the others (`who`
+        names the group in their message)."""
         from ..sampling import SamplingCancelled
 
         if degree != self.world_size:
@@ -101,9 +151,9 @@ class ParallelPlan:
             dist.broadcast(status, src=0)
             code = int(status.item())
             if failure is None and code == 1:
-                raise SamplingCancelled(f"{stage} cancelled on the sequence-parallel ranks")
+                raise SamplingCancelled(f"{stage} cancelled on the {who}")
             if failure is None and code == 2:
-                raise RuntimeError(f"{stage} failed on the sequence-parallel ranks (rank 0 reports the cause)")
+                raise RuntimeError(f"{stage} failed on the {who} (rank 0 reports the cause)")
         if failure is not None:
             raise failure
 
@@ -139,9 +189,12 @@ class ParallelPlan:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def describe(self) -> str:
-        """The job report's line: the degree the last SP stage ran at, and why."""
+        """The job report's line: the degree the last SP stage ran at, and why — or, when the last stage ran its
+        guidance passes in parallel, that."""
         if self.world_size == 1:
             return "one rank"
+        if self.last_split is not None and self.last_split.kind == "passes":
+            return self.last_split.describe(self.world_size)
         reason = f": {self.last_reason}" if self.last_reason else ""
         if self.last_degree is not None and self.last_degree < self.sp_degree:
             return f"sequence parallel on {self.last_degree} of {self.world_size} ranks{reason}"
@@ -163,7 +216,7 @@ def check_requested_degree(heads: int, degree: int, world_size: int) -> None:
 
 def build_plan(transformer, rank: int, world_size: int, device: torch.device,
                token_cap: int | None = DEFAULT_TOKEN_CAP, min_tokens_per_rank: int | None = 0,
-               sp_degree: int | None = None) -> ParallelPlan:
+               sp_degree: int | None = None, guidance_parallel: str = "auto") -> ParallelPlan:
     """Called by every rank of an initialized default process group (creating the sub-groups is collective).
 
     `min_tokens_per_rank`: None = the default policy: on CUDA the cost model (`cost.py`) picks each stage's degree,
@@ -171,7 +224,11 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     always the full degree), the cost model off.
     `sp_degree`: an explicit degree (checked by `check_requested_degree`); None = the largest valid one. It is the
     largest degree a stage uses; the policy may still pick fewer ranks.
+    `guidance_parallel`: "auto" | "on" | "off" (`passes.py`): whether a guided stage may run its passes in parallel
+    instead. Its groups (ranks 0..g-1 for g = 2..min(W, 4)) are built when it may be used ("on", or "auto" on CUDA),
+    sharing the SP groups of the same ranks.
     """
+    check_mode(guidance_parallel)
     cost_model = None
     if min_tokens_per_rank is None:
         cost_model = DEFAULT_COST_MODEL if device.type == "cuda" else None
@@ -189,7 +246,14 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
         forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank), token_cap)
                    if rank < d and d > 1 else None)
         stages[d] = SPStage(d, group, forward)
+    pass_groups: dict[int, dist.ProcessGroup | None] = {}
+    if guidance_parallel == "on" or (guidance_parallel == "auto" and device.type == "cuda"):
+        for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
+            pass_groups[g] = (None if g == world_size else stages[g].group if g in stages
+                              else dist.new_group(list(range(g))))
     top = stages[degree]
+    shape = ModelShape.of(transformer.config)
     return ParallelPlan(rank, world_size, device, degree, top.group, top.forward, token_cap,
                         stages=stages, min_tokens_per_rank=min_tokens_per_rank, cost_model=cost_model,
-                        shape=ModelShape.of(transformer.config) if cost_model is not None else None)
+                        shape=shape if cost_model is not None or pass_groups else None,
+                        guidance_parallel=guidance_parallel, pass_groups=pass_groups)
