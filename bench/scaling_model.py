@@ -43,8 +43,8 @@ def main() -> None:
           f"{m.host_per_collective * 1e3:.3f} ms per collective (fitted to the 627-token 2×H200 run); "
           f"forward = max(host, compute + comm)")
     print()
-    print("Stage 1: sequence parallel. Per rank per forward: Ulysses = 4 all_to_all per block (q, k, v, out), "
-          "v2a = 2 all_gather per block (video K, V at the audio width 2048), gather = 1 all_gather of the output")
+    print("Stage 1: sequence parallel. Per rank per forward: Ulysses = 2 all_to_all per block (q, k, v stacked; out), "
+          "v2a = 1 all_gather per block (video K, V stacked, at the audio width 2048), gather = 1 all_gather of the output")
     print("'sim ms' = measured per-rank compute of the split simulated on one H200 (no comm); 'meas ×' = real "
           "2×H200 NCCL speedup, measured with the earlier, slower eager forward (the model's speedup for that "
           "forward is in the checks at the end); 'η=.8 ×' = predicted speedup if the exchange reached 80 % of the "
@@ -133,7 +133,8 @@ def main() -> None:
     print(f"  2×H200 SP {t:>6} tokens: speedup model at the run's forward {speedup(run, t):.3f} (×"
           f"{small['ms'][1] / 1e3 / m.sp(t, 1).total:.3f}), measured {small['ms'][1] / small['ms'][2]:.3f} "
           f"{_dev(speedup(run, t), small['ms'][1] / small['ms'][2])} (h_coll is fitted to it; 8 blocks ×6: "
-          f"{6 * (6 * 8 + 1)} collectives against the model's {6 * 48 + 1}); this forward: {speedup(m, t):.3f}; "
+          f"{6 * (6 * 8 + 1)} collectives, unstacked; this code's stacked exchange: {3 * 48 + 1} per forward); "
+          f"this forward: {speedup(m, t):.3f}; "
           f"W=1 model {m.sp(t, 1).total * 1e3:.1f} ms, measured {small['ms'][1]:.1f} ms")
     for t, ms in C.TDP_2XH200.items():
         grid = {14080: (16, 22, 40), 32640: (16, 34, 60)}[t]

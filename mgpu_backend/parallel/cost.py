@@ -27,14 +27,14 @@ rank of a W-way split of T video tokens (padded to Tp = W·⌈T/W⌉):
   slower forward; the difference of its two times is the collectives' host cost whatever the forward's own, so h_coll
   is kept (not re-measured: the collectives have since become custom ops, which may have changed it). This is ~30×
   NCCL's own small-message latency; it is hidden under the GPU work when the forward is compute-bound, so it is a term
-  of the host side only (the max), not added to the GPU time. With the lower h0 the collectives' 289 × 0.805 = 233 ms
-  are now more than the floor itself: the launch-bound predictions (every split of 3,520 and 8,160 tokens, W ≥ 4 at
-  14,080) and so the policy's thresholds rest mostly on h_coll.
+  of the host side only (the max), not added to the GPU time. With the lower h0 the collectives' 145 × 0.805 = 117 ms
+  (3 per block since q, k, v and K, V are stacked; 289 = 233 ms before) are a large part of the host time: the
+  launch-bound predictions and so the policy's thresholds rest much on h_coll.
 - comm(T, W) = Σ over the collectives of bytes / (link · η) + count · λ, with the bytes per rank computed exactly from
   the shapes in `sequence.py` / `exchange.py` (e = 2 bytes, bf16 activations):
-    Ulysses (4 all_to_all per block: q, k, v to head slices, the output back): each sends (W−1)/W of its
+    Ulysses (2 all_to_all per block: q, k, v stacked to head slices, the output back): each sends (W−1)/W of its
       [Tp/W, video_dim] buffer;
-    video→audio (2 all_gather per block: the video K and V of `video_to_audio_attn`, width = the audio attention's
+    video→audio (1 all_gather per block: the video K and V of `video_to_audio_attn`, stacked, width = the audio attention's
       inner dim, 32 heads × 64 = 2048): each rank receives (W−1)·Tp/W·audio_dim elements per tensor — this grows
       with W (Ulysses shrinks as 1/W): W/4 times the Ulysses bytes — half at W = 2, equal at W = 4, twice at W = 8;
     output (1 all_gather per forward): (W−1)·Tp/W·128 elements;
@@ -48,8 +48,10 @@ rank of a W-way split of T video tokens (padded to Tp = W·⌈T/W⌉):
   rank. The model so scaled reproduces those runs' speedups (1.71× and 1.81×: −1.3 %, +0.3 %); for today's forward
   it predicts 1.69× and 1.80× (the same exchange around less compute). η is well below what NCCL reaches on large
   messages (~0.8): the copies around each collective (permute/contiguous before, the reordering and the gathered
-  parts' cat after) and rank skew are in it. The collective counts are those of `sequence.py` today (6 per block
-  + 1): update `CostModel.sp_collectives` when the exchange changes (e.g. q, k, v fused into one all_to_all).
+  parts' cat after) and rank skew are in it. The collective counts are those of `sequence.py` today: 3 per block
+  (q, k, v stacked into one all_to_all, the output back, K and V stacked into one all_gather) + 1; the 2×H200 runs
+  had 6 per block + 1 (`MEASURED_COLLECTIVES_PER_BLOCK`; `CostModel.matched(..., stacked=False)` models them). Update `CostModel.sp_collectives` when
+  the exchange changes.
 
 The model is H200-specific (used for every CUDA device: on slower GPUs compute is larger against the host and the
 link, so splitting pays earlier than predicted; without NVLink it pays later) and fitted to the eager forward, the
@@ -89,6 +91,9 @@ SP_FORWARD_COMPILED_RATIO_H200 = {3520: 0.824, 14080: 0.889, 32640: 0.926}
 # bench/results/scaling_2xh200.txt: real NCCL over 2 × H200 (SP forward; TDP forward of 1×2 tiles, overlap 5)
 SCALING_2XH200 = {14080: {1: 1191.9, 2: 689.7}, 32640: {1: 3472.9, 2: 1925.1}}
 TDP_2XH200 = {14080: 658.2, 32640: 1696.4}
+# the 2×H200 runs were made when every block ran 6 collectives (q, k, v, out; K, V) — sequence.py now stacks
+# q, k, v into one all_to_all and K, V into one all_gather (3 per block): same bytes, half the calls
+MEASURED_COLLECTIVES_PER_BLOCK = 6
 SMALL_2XH200 = {"tokens": 627, "blocks": 8, "scale": 6, "ms": {1: 238.3, 2: 475.1}}  # 17 frames, 8 blocks ×6
 # bench/results/tdp_decode_h200.txt: one H200, a stage-2 tile forward (8 blocks ×6) by tile tokens
 TDP_TILES_H200 = {32640: 3621.2, 17952: 1764.6, 10560: 902.9, 6080: 498.6}
@@ -168,6 +173,9 @@ class CostModel:
     link_GBps: float
     efficiency: float
     latency: float
+    # the exchange: True = q, k, v stacked into one all_to_all and K, V into one all_gather (sequence.py today,
+    # 3 collectives per block); False = one collective each (6 per block: the code of the 2×H200 runs)
+    stacked: bool = True
 
     @property
     def bandwidth(self) -> float:
@@ -180,10 +188,12 @@ class CostModel:
         return replace(self, c0=self.c0 * factor, c_lin=self.c_lin * factor, c_attn=self.c_attn * factor,
                        host_floor=self.host_floor * factor)
 
-    def matched(self, tokens: int, one_gpu_ms: float, shape: ModelShape = LTX2_19B) -> "CostModel":
+    def matched(self, tokens: int, one_gpu_ms: float, shape: ModelShape = LTX2_19B,
+                stacked: bool = False) -> "CostModel":
         """`scaled` so that one forward of `tokens` on one GPU takes `one_gpu_ms`: the model of a run measured with
-        another forward (the real 2×H200 runs: the earlier eager forward), compared on its own footing."""
-        return self.scaled(one_gpu_ms / 1e3 / self.sp(tokens, 1, shape).total)
+        another forward (the real 2×H200 runs: the earlier eager forward), compared on its own footing; `stacked`:
+        that run's exchange (False for the 2×H200 runs, which exchanged q, k, v, K, V one by one)."""
+        return replace(self.scaled(one_gpu_ms / 1e3 / self.sp(tokens, 1, shape).total), stacked=stacked)
 
     def compute(self, tokens: int, degree: int, shape: ModelShape = LTX2_19B) -> float:
         """GPU compute of one rank (no communication)."""
@@ -205,8 +215,11 @@ class CostModel:
             return {}
         w, local, e = degree, -(-tokens // degree), shape.act_bytes
         return {
-            "ulysses": self._collective(4 * shape.blocks, 4 * shape.blocks * local * shape.video_dim * e * (w - 1) / w),
-            "v2a": self._collective(2 * shape.blocks, 2 * shape.blocks * (w - 1) * local * shape.audio_dim * e),
+            # stacked: q, k, v in one all_to_all, the output in another; K and V in one all_gather (same bytes)
+            "ulysses": self._collective((2 if self.stacked else 4) * shape.blocks,
+                                        4 * shape.blocks * local * shape.video_dim * e * (w - 1) / w),
+            "v2a": self._collective((1 if self.stacked else 2) * shape.blocks,
+                                    2 * shape.blocks * (w - 1) * local * shape.audio_dim * e),
             "gather": self._collective(1, (w - 1) * local * shape.out_channels * e),
         }
 
@@ -347,7 +360,7 @@ def fit_compute(data: dict = SP_FORWARD_H200) -> dict[str, float]:
 def fit_host_per_collective(small: dict = SMALL_2XH200) -> float:
     """Host seconds per collective: the extra time of the launch-bound 2-GPU run over one GPU, per collective."""
     extra = (small["ms"][2] - small["ms"][1]) / 1e3 / small["scale"]
-    return extra / (6 * small["blocks"] + 1)
+    return extra / (MEASURED_COLLECTIVES_PER_BLOCK * small["blocks"] + 1)
 
 
 def fit_efficiency(model: CostModel = DEFAULT, data: dict = SCALING_2XH200) -> float:
@@ -356,7 +369,7 @@ def fit_efficiency(model: CostModel = DEFAULT, data: dict = SCALING_2XH200) -> f
     num = den = 0.0
     for tokens, ms in data.items():
         run = model.matched(tokens, ms[1])
-        comm = model.sp_collectives(tokens, 2)
+        comm = run.sp_collectives(tokens, 2)  # the exchange those runs had (not stacked)
         exchange = ms[2] / 1e3 - run.compute(tokens, 2) - sum(c.count for c in comm.values()) * model.latency
         nbytes = sum(c.bytes for c in comm.values())
         num += nbytes * exchange

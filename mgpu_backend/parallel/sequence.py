@@ -3,10 +3,11 @@
 Every rank runs the same denoising loop on the same full latent (DESIGN.md §4). Inside one transformer forward:
 1. the video tokens are padded with zero tokens to a multiple of W, and rank r takes the contiguous slice
    `[r·Tp/W, (r+1)·Tp/W)` of the latent, the per-token timesteps and the positions; audio and text stay replicated;
-2. video self-attention (`attn1`): after QK-norm and RoPE on the local tokens, an all_to_all gives each rank all
-   tokens for H/W heads; attention with the padded keys masked; all_to_all back (DeepSpeed-Ulysses);
+2. video self-attention (`attn1`): after QK-norm and RoPE on the local tokens, one all_to_all (q, k and v stacked)
+   gives each rank all tokens for H/W heads; attention with the padded keys masked; all_to_all back
+   (DeepSpeed-Ulysses) — 2 collectives per block;
 3. video→audio cross-attention (`video_to_audio_attn`, audio queries replicated, video keys sharded): the video K/V
-   are all_gathered (after QK-norm and RoPE) and the **padded keys are masked here too** (the reference leaves
+   are all_gathered in one collective (after QK-norm and RoPE) and the **padded keys are masked here too** (the reference leaves
    them visible, so its audio drifts when T % W ≠ 0); every rank then computes the same audio update;
    — all_gather of K/V is chosen over a head-split exchange because the audio stream is short (~126 tokens per
    5 s): the attention it replicates is small, and it needs one collective instead of three;
@@ -74,7 +75,8 @@ class UlyssesSelfAttention(LTX2AttnProcessor):
         if attention_mask is not None:
             raise NotImplementedError("a video self-attention mask (IC-LoRA) is not supported under sequence parallel")
         q, k, v = self.project(attn, hidden_states, None, query_rotary_emb, key_rotary_emb)
-        q, k, v = (self.exchange.seq_to_heads(x) for x in (q, k, v))
+        # one all_to_all for q, k and v (stacked along the batch): a third of the collectives' launches and waits
+        q, k, v = self.exchange.seq_to_heads(torch.cat((q, k, v))).chunk(3)
         mask = self.state.key_mask
         out = self.attend(q, k, v, None if mask is None else mask.to(q.dtype))
         out = self.exchange.heads_to_seq(out)
@@ -90,8 +92,7 @@ class GatheredKeysCrossAttention(LTX2AttnProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  query_rotary_emb=None, key_rotary_emb=None, **_):
         q, k, v = self.project(attn, hidden_states, encoder_hidden_states, query_rotary_emb, key_rotary_emb)
-        k = self.exchange.all_gather_seq(k)
-        v = self.exchange.all_gather_seq(v)
+        k, v = self.exchange.all_gather_seq(torch.cat((k, v))).chunk(2)  # one all_gather for K and V
         mask = self.state.key_mask
         if attention_mask is not None:
             raise NotImplementedError("a video→audio attention mask is not supported under sequence parallel")
