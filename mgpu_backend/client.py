@@ -58,7 +58,8 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
             raise ValueError(f"devices={devices!r}: use 'all', a count, a CUDA index list like '0,1,3' (one index: "
                              f"'1,'), or 'cpu:N'")
         if count < 1:
-            raise ValueError(f"devices={devices!r}: need at least one device")
+            raise ValueError(f"devices={devices!r}: a count of 0 devices; a plain number is a count (the first N "
+                             f"GPUs): for GPU 0 alone write '0,' (an index list) or '1'")
         if cuda:
             if count > cuda:
                 raise ValueError(f"devices={devices!r}: asked for {count} GPUs, this machine has {cuda}")

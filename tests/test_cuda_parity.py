@@ -330,12 +330,15 @@ def _request(files: dict, user_loras: dict, image: str) -> GenerateRequest:
 
 
 def _pipeline(models: dict, files: dict, user_loras: dict, image: str, device, dtype, ranks=None,
-              sp_degree: int | None = None) -> dict:
+              sp_degree: int | None = None, guidance_parallel: str = "off") -> dict:
+    """`guidance_parallel`: "off" = stage 1 sequence parallel over the SP degree; "on" = its guidance passes over the
+    ranks (parallel/passes.py)."""
     components = models[PIPELINE_VARIANT]
     plan = None
     if ranks:
         world, rank = ranks
-        plan = build_plan(components.transformer, rank, world, device, min_tokens_per_rank=0, sp_degree=sp_degree)
+        plan = build_plan(components.transformer, rank, world, device, min_tokens_per_rank=0, sp_degree=sp_degree,
+                          guidance_parallel=guidance_parallel)
     gemma = load_gemma(files[PIPELINE_VARIANT]["gemma"], device=device, dtype=dtype)
     result = TwoStagePipeline(components, gemma, device=device, dtype=dtype, plan=plan).generate(
         _request(files, user_loras, image))
@@ -348,7 +351,9 @@ def _everything(models, files, inputs, user_loras, image, device, dtype, ranks=N
                 lora=_lora(models, files, user_loras, inputs, device, dtype, ranks),
                 gemma=_gemma(models, files, device, dtype, ranks),
                 pipeline=_pipeline(models, files, user_loras, image, device, dtype, ranks,
-                                   sp_degree=2 if ranks and ranks[0] == 4 else None))
+                                   sp_degree=2 if ranks and ranks[0] == 4 else None),
+                pipeline_passes=_pipeline(models, files, user_loras, image, device, dtype, ranks,
+                                          guidance_parallel="on") if ranks else None)
 
 
 # ---- rank functions ------------------------------------------------------------------------------------------------
@@ -697,6 +702,20 @@ def test_lora_parity(reference, ranks, world, dtype_name):
 
 
 # ---- the two-stage pipeline ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world,dtype_name", CASES, ids=CASE_IDS)
+def test_guidance_parallel_pipeline_parity(reference, ranks, world, dtype_name):
+    """The same pipeline with stage 1's guidance passes spread over the ranks (4 passes: 2 per rank at W = 2, 1 at
+    W = 4) equals the one-process pipeline within the same bounds (on one device and dtype it is the same forwards)."""
+    results = [r["pipeline_passes"] for r in ranks(world, dtype_name)]
+    want, fp32 = reference(dtype_name)["pipeline"], reference("fp32")["pipeline"]
+    assert f"guidance passes in parallel on {world} ranks" in results[0]["report"], results[0]["report"]
+    for name in SP.LATENTS:
+        _close(results[0][name], want[name], f"passes W={world} {name}", dtype_name, "latent", fp32[name])
+        _same_on_every_rank(results, lambda r: r[name], f"passes {name}")
+    for name in SP.DECODED:
+        _close(results[0][name], want[name], f"passes W={world} {name}", dtype_name, "decoded", fp32[name])
+
 
 @pytest.mark.parametrize("world,dtype_name", CASES, ids=CASE_IDS)
 def test_pipeline_parity(reference, ranks, files, user_loras, image, world, dtype_name):
