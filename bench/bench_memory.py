@@ -18,7 +18,7 @@ so attention runs over all T tokens with H/W heads). Reported per forward (a war
 Not counted: NCCL's own buffers (outside PyTorch's allocator), the CUDA context (~0.5 GiB), the other components a
 worker holds (listed below the table from their parameter bytes: VAEs, connectors, text projection, upscaler, Gemma).
 
-    python bench/bench_memory.py --blocks 8            # on one H200; writes bench/results/memory_h200.txt
+    python bench/bench_memory.py --blocks 8 --out bench/results/memory_h200.txt   # on one H200
     python bench/bench_memory.py --blocks 8 --sizes 1280x704 --world 2 --dtypes fp8
     python bench/bench_memory.py --tiny                # CPU smoke check (tiny configs; no memory statistics on CPU)
 """
@@ -348,7 +348,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fps", type=float, default=24.0)
     ap.add_argument("--world", default="1,2,4,8", help="simulated SP degrees (must divide the 32 heads)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="bf16 weights and/or fp8-resident block Linears")
-    ap.add_argument("--out", default=None, help="results file (default on CUDA: bench/results/memory_h200.txt)")
+    ap.add_argument("--out", default=None, help="also write the table to this file (the shipped H200 figures: bench/results/memory_h200.txt)")
     ap.add_argument("--no-components", action="store_true", help="skip the other-components table")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke check: tiny transformer config, a small size")
     args = ap.parse_args(argv)
@@ -401,7 +401,7 @@ def main(argv=None) -> None:
             log(f"  {'sum without Gemma':<34} {sum(v for k, v in parts.items() if 'Gemma' not in k) / GiB:6.2f} GiB")
         except Exception as exc:  # noqa: BLE001
             log(f"component sizes failed: {type(exc).__name__}: {exc}")
-    out = args.out or (str(RESULTS / "memory_h200.txt") if device.type == "cuda" else None)
+    out = args.out
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text("\n".join(lines) + "\n")

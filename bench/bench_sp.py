@@ -37,7 +37,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mgpu_backend import latents as L  # noqa: E402
 from mgpu_backend import compile as C  # noqa: E402
-from mgpu_backend.attention import LTX2AttnProcessor, use_processor  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
 from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402

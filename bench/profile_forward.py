@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--mode", default=None, help="torch.compile mode for --compile")
     ap.add_argument("--no-reference", action="store_true")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_forward.py profiles CUDA kernels and needs a GPU; for a CPU smoke check of the same "
+                 "forwards run bench/bench_sp.py --tiny")
     device = torch.device("cuda")
     meta = dict(LTX2_19B, num_layers=args.blocks)
     width, height = (int(v) for v in args.size.split("x"))
@@ -63,7 +66,8 @@ def main() -> None:
     if args.compile:
         C.compile_blocks(model, mode=args.mode)
     with torch.no_grad():
-        label = f"ours{' compiled ' + str(args.mode) if args.compile else ''} ({args.blocks} blocks, " \
+        label = f"ours{' compiled (mode ' + (args.mode or 'default') + ')' if args.compile else ''} " \
+                f"({args.blocks} blocks, " \
                 f"{args.size}×{args.frames})"
         profile(lambda: sp(**ours_kw), label, args.top)
     del model, sp

@@ -71,6 +71,9 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks: the first job at a size pays the compile, later "
                         "jobs on the same fleet run faster")
+    p.add_argument("--min-tokens-per-rank", type=int, default=None, metavar="N",
+                   help="split a stage over fewer ranks when it has fewer than N video tokens per rank (0: always "
+                        "every rank); default: on GPUs the cost model picks each stage's split")
     p.add_argument("--sp-degree", type=int, default=None,
                    help="sequence parallel degree (must divide the attention heads; default: the largest valid)")
     p.add_argument("--guidance-parallel", choices=("auto", "on", "off"), default=None,
@@ -123,7 +126,7 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     from .pipelines import TwoStagePipeline
 
     if (args.devices is not None or args.world_size is not None or args.sp_degree is not None
-            or args.guidance_parallel is not None):
+            or args.guidance_parallel is not None or args.min_tokens_per_rank is not None):
         return run_on_fleet(args, paths)
     request, files = _request_and_files(args, paths)  # validated before anything is loaded
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -241,7 +244,8 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
     config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree,
-                         compile=args.compile, guidance_parallel=args.guidance_parallel or "auto", **files)
+                         compile=args.compile, guidance_parallel=args.guidance_parallel or "auto",
+                         min_tokens_per_rank=args.min_tokens_per_rank, **files)
     client = ControllerClient()
     t = time.perf_counter()
     handle = client.configure(config)

@@ -192,7 +192,7 @@ class Controller:
 def check_config(config: P.FleetConfig) -> None:
     """Checks that need only file headers, before any worker starts (so a running fleet is not torn down for a
     configuration that cannot work): the checkpoint is a readable LTX-2 file, and an explicit SP degree divides its
-    heads and fits the ranks; `guidance_parallel` is a known mode.
+    heads and fits the ranks; `guidance_parallel` is a known mode; `min_tokens_per_rank` is not negative.
 
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
     from .models.loader import CheckpointError, SafetensorsFile, transformer_prefix
@@ -204,6 +204,9 @@ def check_config(config: P.FleetConfig) -> None:
         check_mode(config.guidance_parallel)
     except ValueError as exc:
         raise P.ControllerError(str(exc), kind="validation") from None
+    if config.min_tokens_per_rank is not None and config.min_tokens_per_rank < 0:
+        raise P.ControllerError(f"min_tokens_per_rank={config.min_tokens_per_rank}: must be 0 (always every rank) or "
+                                f"a positive video-token count", kind="validation")
     try:
         header = SafetensorsFile(config.checkpoint)
         transformer_prefix(header)

@@ -120,6 +120,14 @@ class GenerateResult:
     rank_reports: list[dict] | None = None  # what every rank did (rank 0 of a fleet; one entry in one process)
 
 
+def _parallel_summary(report: dict, distilled: bool) -> str:
+    """The job header: how stage 1 was split, and stage 2 too when it is also a split stage (distilled preset)."""
+    def named(stage: str) -> str:
+        text = report[stage]
+        return text if text.startswith(f"{stage}:") else f"{stage}: {text}"
+    return f"{named('stage 1')}; {named('stage 2')}" if distilled else report["stage 1"]
+
+
 def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidanceParams:
     """The reference's default STG blocks (29 for LTX-2.0, 28 for 2.3) index the 48-block models; a shallower model
     (the tiny test models) uses its last block instead."""
@@ -378,7 +386,7 @@ class TwoStagePipeline:
                       cancel_check)
             if distilled:
                 video2, _ = self.sequence_parallel_stage(*stage2)
-                report["stage 2"] = report["stage 1"]
+                report["stage 2"] = plan.describe() if plan else "local"  # its own split: the cost model may differ
             elif stage2_tiling is not None:
                 tiled = (plan.tiled(self.components.transformer, (frames_lat, h2, w2), stage2_tiling) if plan
                          else TiledTransformer(self.components.transformer, (frames_lat, h2, w2), stage2_tiling))
@@ -408,7 +416,7 @@ class TwoStagePipeline:
         report["timings"] = dict(timings)
         rank_reports = plan.gather_reports(report) if plan is not None else [report]
         return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports,
-                              plan.describe() if plan is not None else "one process", rank_reports)
+                              _parallel_summary(report, distilled) if plan is not None else "one process", rank_reports)
 
     @staticmethod
     def resolve_tiling(explicit: TileCountConfig | None, ranks: int, grid: tuple[int, int, int], overlap: int,

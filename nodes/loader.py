@@ -104,14 +104,15 @@ def describe_plan(handle: P.FleetHandle) -> str:
     heads = _heads(cfg.checkpoint)
     degree = cfg.sp_degree or max(d for d in range(1, w + 1) if heads % d == 0)
     backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
-    sp = (f"sequence parallel degree {degree} (stage 1 splits the video tokens over {degree} ranks)" if degree == w
+    sp = (f"sequence parallel up to degree {degree} (each stage's split - tokens over ranks, guidance passes over "
+          f"ranks, or one GPU - is chosen per job and shown by the SP Sampler)" if degree == w
           else f"sequence parallel degree {degree} on ranks 0-{degree - 1}: {w} does not divide the {heads} "
                f"attention heads (valid: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
     size = sum(os.path.getsize(p) for p in (cfg.checkpoint, cfg.upscaler, cfg.video_vae, cfg.audio_vae,
                                             cfg.text_projection) if p and os.path.isfile(p))
     lines = [
         f"fleet generation {handle.generation}: {w} rank(s) on {', '.join(cfg.devices)} ({backend}), "
-        f"{cfg.dtype}",
+        f"{cfg.dtype}{', compiled blocks' if cfg.compile else ''}",
         sp,
         f"tiled stage 2 / decode: all {w} ranks",
         f"weights: one full copy per rank (~{size / 2**30:.2f} GiB of files each, plus Gemma, mode "

@@ -389,3 +389,33 @@ def test_fleet_config_cli_and_controller(paths, monkeypatch):
     with pytest.raises(ControllerError, match="guidance_parallel='always'"):
         check_config(FleetConfig(devices=("cpu",), checkpoint=paths["checkpoint"], gemma=paths["gemma"],
                                  guidance_parallel="always"))
+
+
+def test_min_tokens_per_rank_and_compile_flags_reach_the_fleet_config(paths, monkeypatch):
+    """`--min-tokens-per-rank N` alone sends the run to a fleet with that override, `--compile` sets
+    FleetConfig.compile; a negative minimum is refused by the controller before any worker starts."""
+    from mgpu_backend import cli, client
+    from mgpu_backend.controller import check_config
+    from mgpu_backend.protocol import ControllerError, FleetConfig
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class FakeClient:
+        def configure(self, config):
+            seen["config"] = config
+            raise Stop
+
+    monkeypatch.setattr(client, "ControllerClient", FakeClient)
+    args = cli.build_parser().parse_args(
+        ["generate", "--checkpoint", paths["checkpoint"], "--gemma", paths["gemma"], "--upscaler", paths["upsampler"],
+         "--prompt", "p", "--width", "128", "--height", "128", "--frames", "9", "--min-tokens-per-rank", "0",
+         "--compile"])
+    with pytest.raises(Stop):
+        cli.run_generate(args)
+    assert seen["config"].min_tokens_per_rank == 0 and seen["config"].compile is True
+    with pytest.raises(ControllerError, match="min_tokens_per_rank=-5"):
+        check_config(FleetConfig(devices=("cpu",), checkpoint=paths["checkpoint"], gemma=paths["gemma"],
+                                 min_tokens_per_rank=-5))
