@@ -116,6 +116,12 @@ class _Progress:
             self.bar = None
 
 
+def on_fleet(args: argparse.Namespace) -> bool:
+    """A fleet option given: the job runs on the background controller's fleet, else in this process."""
+    return any(getattr(args, name, None) is not None for name in
+               ("devices", "world_size", "sp_degree", "guidance_parallel", "min_tokens_per_rank"))
+
+
 def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     """Run one generation in this process (or on the fleet with --devices / --world-size); write the mp4."""
     import torch
@@ -125,8 +131,7 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     from .models.text_projection import check_gemma_matches
     from .pipelines import TwoStagePipeline
 
-    if (args.devices is not None or args.world_size is not None or args.sp_degree is not None
-            or args.guidance_parallel is not None or args.min_tokens_per_rank is not None):
+    if on_fleet(args):
         return run_on_fleet(args, paths)
     request, files = _request_and_files(args, paths)  # validated before anything is loaded
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -307,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted (a fleet job was cancelled at its next step; the workers stay loaded)", file=sys.stderr)
+        print("interrupted (the fleet job is cancelled at its next step; the workers stay loaded)"
+              if args.command in ("generate", "demo") and on_fleet(args) else "interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # engine and fleet errors: the message, not a traceback from deep in the fleet
         from .models.loader import CheckpointError

@@ -189,3 +189,20 @@ def test_check_finite_names_stage_and_modality():
     latent[0, 0, 0] = math.nan
     with pytest.raises(FloatingPointError, match="^stage 1: the video latent has 1 non-finite values"):
         V.check_finite(latent, "stage 1", "video")
+
+
+@pytest.mark.parametrize("fleet_args, message", [
+    ([], "interrupted\n"),
+    (["--devices", "cpu:2"], "interrupted (the fleet job is cancelled at its next step; the workers stay loaded)\n"),
+])
+def test_ctrl_c_says_what_was_interrupted(monkeypatch, capsys, fleet_args, message):
+    """Ctrl-C exits with 130; only a fleet run says a fleet job was cancelled (an in-process run has no fleet)."""
+    from mgpu_backend import cli
+
+    def interrupted(args, paths=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_generate", interrupted)
+    argv = ["generate", "--checkpoint", "c", "--gemma", "g", "--upscaler", "u", "--prompt", "p", *fleet_args]
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err == message
