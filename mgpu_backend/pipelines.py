@@ -121,11 +121,14 @@ class GenerateResult:
 
 
 def _parallel_summary(report: dict, distilled: bool) -> str:
-    """The job header: how stage 1 was split, and stage 2 too when it is also a split stage (distilled preset)."""
+    """The job header: how stage 1 was split, and stage 2 too when it is also a split stage (distilled preset) that
+    was split differently."""
     def named(stage: str) -> str:
         text = report[stage]
         return text if text.startswith(f"{stage}:") else f"{stage}: {text}"
-    return f"{named('stage 1')}; {named('stage 2')}" if distilled else report["stage 1"]
+    if not distilled or report["stage 2"] == report["stage 1"]:
+        return report["stage 1"]
+    return f"{named('stage 1')}; {named('stage 2')}"
 
 
 def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidanceParams:

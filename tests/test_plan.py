@@ -150,3 +150,19 @@ def test_a_bad_checkpoint_is_refused_before_the_running_fleet_is_torn_down(paths
     save_file({"model.layers.0.weight": torch.zeros(2, 2)}, str(other))
     with pytest.raises(ControllerError, match="other.safetensors: not an LTX-2 checkpoint"):
         check_config(FleetConfig(devices=("cpu",), checkpoint=str(other), gemma=paths["gemma"]))
+
+
+def test_distilled_job_header_names_each_stages_own_split():
+    """The distilled preset splits both stages, possibly differently (the cost model sees different token counts):
+    the job header then names each; one line when they agree; the two-stage header is stage 1's."""
+    from mgpu_backend.pipelines import _parallel_summary
+
+    differ = {"stage 1": "sequence parallel on 1 of 2 ranks: few tokens",
+              "stage 2": "sequence parallel over all 2 ranks: many tokens"}
+    assert _parallel_summary(differ, distilled=True) == ("stage 1: sequence parallel on 1 of 2 ranks: few tokens; "
+                                                         "stage 2: sequence parallel over all 2 ranks: many tokens")
+    assert _parallel_summary(differ, distilled=False) == differ["stage 1"]
+    assert _parallel_summary({"stage 1": "same", "stage 2": "same"}, distilled=True) == "same"
+    passes = {"stage 1": "stage 1: guidance passes in parallel on 2 ranks", "stage 2": "sequence parallel over all"}
+    assert _parallel_summary(passes, distilled=True) == ("stage 1: guidance passes in parallel on 2 ranks; "
+                                                         "stage 2: sequence parallel over all")
