@@ -6,6 +6,7 @@ it), in a new session so that it survives the caller. A later client (e.g. after
 """
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -201,13 +202,37 @@ class ControllerClient:
 
 
 def receive_frames(result: Any) -> Any:
-    """Replace a `{"frames": {"name", "shape", "dtype"}}` shared-memory reference by a tensor and free the block."""
+    """Replace a `{"frames": {"name", "shape", "dtype"}}` shared-memory reference by a tensor and free the block.
+
+    On Linux the block's file is mapped with MAP_POPULATE (its pages mapped in one call, not faulted in one by one:
+    that was most of the hand-back, bench_controller.py) and copied into ordinary memory, so /dev/shm is free again
+    as soon as this returns — ComfyUI may keep the frames for a long time."""
     if not isinstance(result, dict) or not isinstance(result.get("frames"), dict):
         return result
     ref = result["frames"]
+    shape, dtype = tuple(ref["shape"]), np.dtype(ref["dtype"])
+    path = os.path.join(P.SHM_DIR, ref["name"])
+    if os.path.exists(path):
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        try:
+            if nbytes == 0:
+                return {**result, "frames": torch.from_numpy(np.empty(shape, dtype=dtype))}
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                   prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            with mapped:
+                view = np.frombuffer(mapped, dtype=dtype, count=nbytes // dtype.itemsize)
+                frames = torch.from_numpy(view.reshape(shape).copy())
+                del view
+        finally:
+            os.unlink(path)
+        return {**result, "frames": frames}
     shm = shared_memory.SharedMemory(name=ref["name"])
     try:
-        array = np.ndarray(ref["shape"], dtype=ref["dtype"], buffer=shm.buf)
+        array = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
         frames = torch.from_numpy(array.copy())
         del array
     finally:

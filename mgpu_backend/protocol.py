@@ -28,6 +28,9 @@ from typing import Any
 SOCKET_NAME = "controller.sock"
 KEY_NAME = "authkey"
 
+# where POSIX shared memory lives on Linux (`shm_open` names are files here); frames are handed back through it
+SHM_DIR = "/dev/shm"
+
 
 def send(conn, obj: Any) -> None:
     """Send with plain pickle: tensors travel by value. (`Connection.send` uses torch's ForkingPickler once torch is

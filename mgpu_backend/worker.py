@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import FleetConfig, JobSpec
+from .protocol import SHM_DIR, FleetConfig, JobSpec
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
@@ -95,10 +95,29 @@ class JobContext:
 def send_frames(frames: torch.Tensor) -> dict:
     """Put `[F, H, W, 3]` float32 frames in a new shared-memory block; the client unlinks it after reading.
 
-    Returns `{"name", "shape", "dtype"}`. The block is unregistered from this process's resource tracker so that
-    the persistent worker does not unlink it when it exits.
+    Returns `{"name", "shape", "dtype"}` (`name` as `multiprocessing.shared_memory` names it). On Linux the block is a
+    file in /dev/shm written with `os.write` — the kernel allocates and fills its pages in one pass, ~2× faster than
+    faulting in a fresh mapping page by page (measured, 0.75 GiB: 0.46 s against 0.84-1.1 s); elsewhere a
+    `SharedMemory` mapping. Either way the block is not registered with this process's resource tracker, so the
+    persistent worker does not unlink it when it exits. Raises OSError when /dev/shm has no room (the message says
+    how much was needed).
     """
     array = frames.contiguous().numpy()
+    if os.path.isdir(SHM_DIR):
+        name = f"ltx2mgpu-{os.getpid()}-{time.monotonic_ns()}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            view, done = memoryview(array.reshape(-1)).cast("B"), 0  # flat: an empty clip has a 0 in its shape
+            while done < len(view):
+                done += os.write(fd, view[done:done + (1 << 30)])
+        except OSError as exc:
+            os.unlink(path)
+            raise OSError(exc.errno, f"cannot hand back {array.nbytes / 2**30:.2f} GiB of frames through {SHM_DIR}: "
+                                     f"{exc.strerror} (make /dev/shm larger, e.g. docker --shm-size)") from None
+        finally:
+            os.close(fd)
+        return {"name": name, "shape": tuple(array.shape), "dtype": str(array.dtype)}
     shm = shared_memory.SharedMemory(create=True, size=max(1, array.nbytes))
     try:
         view = __import__("numpy").ndarray(array.shape, dtype=array.dtype, buffer=shm.buf)

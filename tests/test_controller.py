@@ -302,3 +302,21 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
     finally:
         stop_controller(runtime)
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.mark.parametrize("shm_dir", ["/dev/shm", "/nonexistent-shm-dir"])
+@pytest.mark.parametrize("shape", [(3, 8, 12, 3), (0, 8, 12, 3)])
+def test_frame_hand_back_round_trip(monkeypatch, shm_dir, shape):
+    """`send_frames` -> `receive_frames` gives the same values in ordinary (writable) memory and frees the block —
+    through a /dev/shm file (Linux) and through `SharedMemory` where that directory does not exist."""
+    from mgpu_backend import client, protocol, worker
+
+    monkeypatch.setattr(protocol, "SHM_DIR", shm_dir)
+    monkeypatch.setattr(worker, "SHM_DIR", shm_dir)
+    before = set(os.listdir("/dev/shm"))
+    frames = torch.rand(shape)
+    ref = worker.send_frames(frames)
+    out = client.receive_frames({"frames": ref, "audio": None})
+    assert torch.equal(out["frames"], frames) and out["audio"] is None
+    out["frames"].add_(1.0)  # a private copy: writable, not a view of the freed block
+    assert set(os.listdir("/dev/shm")) - before == set(), "the shared-memory block was not freed"
