@@ -204,9 +204,9 @@ class ControllerClient:
 def receive_frames(result: Any) -> Any:
     """Replace a `{"frames": {"name", "shape", "dtype"}}` shared-memory reference by a tensor and free the block.
 
-    On Linux the block's file is mapped with MAP_POPULATE (its pages mapped in one call, not faulted in one by one:
-    that was most of the hand-back, bench_controller.py) and copied into ordinary memory, so /dev/shm is free again
-    as soon as this returns — ComfyUI may keep the frames for a long time."""
+    On Linux the block's file is mapped with MAP_POPULATE (its pages mapped in one call, not faulted in one by one)
+    and copied into ordinary memory by torch on all threads, so /dev/shm is free again as soon as this returns —
+    ComfyUI may keep the frames for a long time (a zero-copy view would hold /dev/shm that long)."""
     if not isinstance(result, dict) or not isinstance(result.get("frames"), dict):
         return result
     ref = result["frames"]
@@ -217,15 +217,16 @@ def receive_frames(result: Any) -> Any:
         try:
             if nbytes == 0:
                 return {**result, "frames": torch.from_numpy(np.empty(shape, dtype=dtype))}
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDWR)
             try:
-                mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                   prot=mmap.PROT_READ)
+                mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             finally:
                 os.close(fd)
             with mapped:
-                view = np.frombuffer(mapped, dtype=dtype, count=nbytes // dtype.itemsize)
-                frames = torch.from_numpy(view.reshape(shape).copy())
+                torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+                view = torch.frombuffer(mapped, dtype=torch_dtype).view(shape)
+                # torch's copy runs on all threads: the fresh destination's page faults are shared out too
+                frames = torch.empty(shape, dtype=torch_dtype).copy_(view)
                 del view
         finally:
             os.unlink(path)
