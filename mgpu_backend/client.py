@@ -186,7 +186,8 @@ class ControllerClient:
             event = P.recv(self._conn)
             kind = event["event"]
             if kind == "busy":
-                raise P.FleetBusy(f"the fleet is busy ({event['running']}); try again when it is done", kind="busy")
+                raise P.FleetBusy(f"the fleet is busy with {event['running']}; try again when it is done",
+                                 kind="busy")
             if kind == "accepted":
                 if on_accepted:
                     on_accepted(event)

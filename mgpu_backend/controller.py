@@ -27,7 +27,8 @@ class Controller:
         self.fleet: Fleet | None = None
         self.fleet_lock = threading.Lock()  # guards configure / run / shutdown of the fleet
         self.job_lock = threading.Lock()  # held while a job runs (busy check)
-        self.current_job: str | None = None
+        self.current_job: str | None = None  # the running job's id, or what the fleet is doing ("starting …")
+        self.current_kind: str | None = None  # the running job's kind
         self.last_failure: str | None = None
         self.stopping = threading.Event()
         self.test_faults = os.environ.get("LTX2_MGPU_TEST_FAULTS") == "1"
@@ -119,7 +120,9 @@ class Controller:
     def configure(self, config: P.FleetConfig) -> P.FleetHandle:
         """Reuse the fleet when the configuration is unchanged, else (re)build it. Refused while a job runs."""
         if not self.job_lock.acquire(blocking=False):
-            raise P.FleetBusy(f"the fleet is busy ({self.current_job}); reconfigure after it ends", kind="busy")
+            raise P.FleetBusy(f"the fleet is busy with {self.busy_with()}; try again when it ends (a cancelled "
+                              f"job stops at its next denoising step; a first compiled job finishes compiling "
+                              f"first)", kind="busy")
         try:
             self.current_job = f"starting a {config.world_size}-rank fleet"  # what status / busy answers show
             with self.fleet_lock:
@@ -146,7 +149,7 @@ class Controller:
         handle: P.FleetHandle = request["handle"]
         spec: P.JobSpec = request["job"]
         if not self.job_lock.acquire(blocking=False):
-            P.send(conn, {"event": "busy", "job_id": spec.job_id, "running": self.current_job or "another job"})
+            P.send(conn, {"event": "busy", "job_id": spec.job_id, "running": self.busy_with()})
             return
         try:
             fleet = self.fleet
@@ -169,7 +172,7 @@ class Controller:
                         return
             if spec.fault and not self.test_faults:
                 spec.fault = None
-            self.current_job = spec.job_id
+            self.current_job, self.current_kind = spec.job_id, spec.kind
             P.send(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
                        "worker_pids": list(fleet.pids)})
             try:
@@ -185,8 +188,14 @@ class Controller:
                     self.fleet = None
                 _send_quiet(conn, _error(spec, str(exc), exc.kind, exc.fleet_lost, exc.details))
         finally:
-            self.current_job = None
+            self.current_job = self.current_kind = None
             self.job_lock.release()
+
+    def busy_with(self) -> str:
+        """What the fleet is doing, for busy answers: "a generate job (id)", or "starting a N-rank fleet"."""
+        if self.current_kind is not None:
+            return f"a {self.current_kind} job ({self.current_job})"
+        return self.current_job or "another job"
 
 
 def check_config(config: P.FleetConfig) -> None:

@@ -148,9 +148,9 @@ def test_busy_is_answered_at_once_and_cancel_keeps_the_fleet(ctl, handle, runtim
     try:
         with pytest.raises(FleetBusy) as info:
             other.run(handle, JobSpec("noop", {"steps": 1}))
-        assert job.job_id in str(info.value)
+        assert f"busy with a noop job ({job.job_id})" in str(info.value)
         assert thread.is_alive(), "FleetBusy came only after the running job ended"
-        with pytest.raises(FleetBusy):
+        with pytest.raises(FleetBusy, match=f"busy with a noop job \\({job.job_id}\\); try again when it ends"):
             other.configure(handle.config)
         assert other.status()["busy_job"] == job.job_id
         other.cancel(job.job_id)
