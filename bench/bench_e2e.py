@@ -203,7 +203,8 @@ def main(argv=None) -> None:
                     help="seconds the timed stage 1 may take before a step subset is run instead")
     ap.add_argument("--fp8", action="store_true", help="transformer block Linears resident in fp8 (FP8Linear)")
     ap.add_argument("--no-warmup", action="store_true")
-    ap.add_argument("--out", default=None, help="also write the table to this file (the shipped H200 figures: bench/results/e2e_h200.txt)")
+    ap.add_argument("--out", default=None,
+                    help="also write the table to this file (the shipped H200 figures: bench/results/e2e_h200.txt)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke check: tiny configs at 128×128×9")
     args = ap.parse_args(argv)
     quiet_diffusers()

@@ -348,7 +348,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fps", type=float, default=24.0)
     ap.add_argument("--world", default="1,2,4,8", help="simulated SP degrees (must divide the 32 heads)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="bf16 weights and/or fp8-resident block Linears")
-    ap.add_argument("--out", default=None, help="also write the table to this file (the shipped H200 figures: bench/results/memory_h200.txt)")
+    ap.add_argument("--out", default=None,
+                    help="also write the table to this file (the shipped H200 figures: bench/results/memory_h200.txt)")
     ap.add_argument("--no-components", action="store_true", help="skip the other-components table")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke check: tiny transformer config, a small size")
     args = ap.parse_args(argv)

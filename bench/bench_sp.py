@@ -320,7 +320,8 @@ def main():
                 C.uncompile_blocks(model)
         row.update(ours_ms=t_ours * 1000, diffusers_ms=t_diff * 1000, reference_ms=t_ref * 1000,
                    compiled_ms=t_comp * 1000, compile_s=t_compile, overhead_vs_reference=t_ours / t_ref,
-                   reference_ms_with_compiled=t_ref_comp * 1000, compiled_vs_reference=t_comp / t_ref_comp, diffusers_vs_reference=t_diff / t_ref,
+                   reference_ms_with_compiled=t_ref_comp * 1000, compiled_vs_reference=t_comp / t_ref_comp,
+                   diffusers_vs_reference=t_diff / t_ref,
                    rel_l2_eager_vs_reference=err_eager, rel_l2_compiled_vs_reference=err_comp)
         results["sizes"][size] = row
         print(f"{size:>10} {tokens:7d} {t_ours * 1000:8.1f} {t_diff * 1000:9.1f} {t_ref * 1000:9.1f} "
@@ -340,9 +341,9 @@ def main():
     for size, row in results["sizes"].items():
         if "compile_w2_custom_op" in row:
             a, b = row["compile_w2_custom_op"], row["compile_w2_graph_break"]
-            print(f"\ncompiled W=2 rank at {size}: exchanges as custom ops {a['ms']:.1f} ms (compile {a['compile_s']:.1f}"
-                  f" s), graph break at each exchange {b['ms']:.1f} ms (compile {b['compile_s']:.1f} s); graph breaks "
-                  f"recorded: {row['graph_breaks']}")
+            print(f"\ncompiled W=2 rank at {size}: exchanges as custom ops {a['ms']:.1f} ms "
+                  f"(compile {a['compile_s']:.1f} s), graph break at each exchange {b['ms']:.1f} ms "
+                  f"(compile {b['compile_s']:.1f} s); graph breaks recorded: {row['graph_breaks']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -44,7 +44,8 @@ def main() -> None:
           f"forward = max(host, compute + comm)")
     print()
     print("Stage 1: sequence parallel. Per rank per forward: Ulysses = 2 all_to_all per block (q, k, v stacked; out), "
-          "v2a = 1 all_gather per block (video K, V stacked, at the audio width 2048), gather = 1 all_gather of the output")
+          "v2a = 1 all_gather per block (video K, V stacked, at the audio width 2048), "
+          "gather = 1 all_gather of the output")
     print("'sim ms' = measured per-rank compute of the split simulated on one H200 (no comm); 'meas ×' = real "
           "2×H200 NCCL speedup, measured with the earlier, slower eager forward (the model's speedup for that "
           "forward is in the checks at the end); 'η=.8 ×' = predicted speedup if the exchange reached 80 % of the "

@@ -34,9 +34,10 @@ rank of a W-way split of T video tokens (padded to Tp = W·⌈T/W⌉):
   the shapes in `sequence.py` / `exchange.py` (e = 2 bytes, bf16 activations):
     Ulysses (2 all_to_all per block: q, k, v stacked to head slices, the output back): each sends (W−1)/W of its
       [Tp/W, video_dim] buffer;
-    video→audio (1 all_gather per block: the video K and V of `video_to_audio_attn`, stacked, width = the audio attention's
-      inner dim, 32 heads × 64 = 2048): each rank receives (W−1)·Tp/W·audio_dim elements per tensor — this grows
-      with W (Ulysses shrinks as 1/W): W/4 times the Ulysses bytes — half at W = 2, equal at W = 4, twice at W = 8;
+    video→audio (1 all_gather per block: the video K and V of `video_to_audio_attn`, stacked, width = the audio
+      attention's inner dim, 32 heads × 64 = 2048): each rank receives (W−1)·Tp/W·audio_dim elements per tensor —
+      this grows with W (Ulysses shrinks as 1/W): W/4 times the Ulysses bytes — half at W = 2, equal at W = 4,
+      twice at W = 8;
     output (1 all_gather per forward): (W−1)·Tp/W·128 elements;
     TDP (stage 2, 1 all_reduce per forward of the float32 [T, 128] blend buffer): ring, 2(W−1)/W of it.
   link = 450 GB/s: H200 NVLink 4, 18 links, 900 GB/s bidirectional per GPU = 450 GB/s per direction (through
@@ -50,8 +51,8 @@ rank of a W-way split of T video tokens (padded to Tp = W·⌈T/W⌉):
   messages (~0.8): the copies around each collective (permute/contiguous before, the reordering and the gathered
   parts' cat after) and rank skew are in it. The collective counts are those of `sequence.py` today: 3 per block
   (q, k, v stacked into one all_to_all, the output back, K and V stacked into one all_gather) + 1; the 2×H200 runs
-  had 6 per block + 1 (`MEASURED_COLLECTIVES_PER_BLOCK`; `CostModel.matched(..., stacked=False)` models them). Update `CostModel.sp_collectives` when
-  the exchange changes.
+  had 6 per block + 1 (`MEASURED_COLLECTIVES_PER_BLOCK`; `CostModel.matched(..., stacked=False)` models them).
+  Update `CostModel.sp_collectives` when the exchange changes.
 
 The model is H200-specific (used for every CUDA device: on slower GPUs compute is larger against the host and the
 link, so splitting pays earlier than predicted; without NVLink it pays later) and fitted to the eager forward, the

@@ -7,8 +7,9 @@ Every rank runs the same denoising loop on the same full latent (DESIGN.md §4).
    gives each rank all tokens for H/W heads; attention with the padded keys masked; all_to_all back
    (DeepSpeed-Ulysses) — 2 collectives per block;
 3. video→audio cross-attention (`video_to_audio_attn`, audio queries replicated, video keys sharded): the video K/V
-   are all_gathered in one collective (after QK-norm and RoPE) and the **padded keys are masked here too** (the reference leaves
-   them visible, so its audio drifts when T % W ≠ 0); every rank then computes the same audio update;
+   are all_gathered in one collective (after QK-norm and RoPE) and the **padded keys are masked here too** (the
+   reference leaves them visible, so its audio drifts when T % W ≠ 0); every rank then computes the same audio
+   update;
    — all_gather of K/V is chosen over a head-split exchange because the audio stream is short (~126 tokens per
    5 s): the attention it replicates is small, and it needs one collective instead of three;
 4. text and audio→video cross-attention, feed-forwards and AdaLN are per token: no communication;
