@@ -360,12 +360,9 @@ def test_run_passes_in_the_denoising_loop():
         S.guided_prediction(lambda p: (video, audio), VIDEO_FULL, AUDIO_FULL, run_passes=lambda ps, d: [])
 
 
-def test_fleet_config_cli_and_controller(paths, monkeypatch):
-    """`--guidance-parallel` reaches FleetConfig (the worker hands it to build_plan); the controller refuses an
-    unknown mode before any worker starts."""
+def _fleet_config_from_cli(paths, monkeypatch, *options: str):
+    """The FleetConfig `generate` with `options` would hand the controller (a stand-in client stops it there)."""
     from mgpu_backend import cli, client
-    from mgpu_backend.controller import check_config
-    from mgpu_backend.protocol import ControllerError, FleetConfig
 
     seen = {}
 
@@ -380,11 +377,20 @@ def test_fleet_config_cli_and_controller(paths, monkeypatch):
     monkeypatch.setattr(client, "ControllerClient", FakeClient)
     args = cli.build_parser().parse_args(
         ["generate", "--checkpoint", paths["checkpoint"], "--gemma", paths["gemma"], "--upscaler", paths["upsampler"],
-         "--prompt", "p", "--width", "128", "--height", "128", "--frames", "9", "--devices", "cpu:2",
-         "--guidance-parallel", "on"])
+         "--prompt", "p", "--width", "128", "--height", "128", "--frames", "9", *options])
     with pytest.raises(Stop):
         cli.run_generate(args)
-    assert seen["config"].guidance_parallel == "on"
+    return seen["config"]
+
+
+def test_fleet_config_cli_and_controller(paths, monkeypatch):
+    """`--guidance-parallel` reaches FleetConfig (the worker hands it to build_plan); the controller refuses an
+    unknown mode before any worker starts."""
+    from mgpu_backend.controller import check_config
+    from mgpu_backend.protocol import ControllerError, FleetConfig
+
+    config = _fleet_config_from_cli(paths, monkeypatch, "--devices", "cpu:2", "--guidance-parallel", "on")
+    assert config.guidance_parallel == "on"
     assert FleetConfig(devices=("cpu",), checkpoint="c", gemma="g").guidance_parallel == "auto"
     with pytest.raises(ControllerError, match="guidance_parallel='always'"):
         check_config(FleetConfig(devices=("cpu",), checkpoint=paths["checkpoint"], gemma=paths["gemma"],
@@ -394,28 +400,11 @@ def test_fleet_config_cli_and_controller(paths, monkeypatch):
 def test_min_tokens_per_rank_and_compile_flags_reach_the_fleet_config(paths, monkeypatch):
     """`--min-tokens-per-rank N` alone sends the run to a fleet with that override, `--compile` sets
     FleetConfig.compile; a negative minimum is refused by the controller before any worker starts."""
-    from mgpu_backend import cli, client
     from mgpu_backend.controller import check_config
     from mgpu_backend.protocol import ControllerError, FleetConfig
 
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    class FakeClient:
-        def configure(self, config):
-            seen["config"] = config
-            raise Stop
-
-    monkeypatch.setattr(client, "ControllerClient", FakeClient)
-    args = cli.build_parser().parse_args(
-        ["generate", "--checkpoint", paths["checkpoint"], "--gemma", paths["gemma"], "--upscaler", paths["upsampler"],
-         "--prompt", "p", "--width", "128", "--height", "128", "--frames", "9", "--min-tokens-per-rank", "0",
-         "--compile"])
-    with pytest.raises(Stop):
-        cli.run_generate(args)
-    assert seen["config"].min_tokens_per_rank == 0 and seen["config"].compile is True
+    config = _fleet_config_from_cli(paths, monkeypatch, "--min-tokens-per-rank", "0", "--compile")
+    assert config.min_tokens_per_rank == 0 and config.compile is True
     with pytest.raises(ControllerError, match="min_tokens_per_rank=-5"):
         check_config(FleetConfig(devices=("cpu",), checkpoint=paths["checkpoint"], gemma=paths["gemma"],
                                  min_tokens_per_rank=-5))
