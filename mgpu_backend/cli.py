@@ -40,14 +40,14 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="a LoRA fused for both stages (default strength 1.0); repeatable. Each prints its coverage "
                         "(layers applied / in the file); one that fits no layer, or another model width, is refused")
-    p.add_argument("--prompt", default=DEMO_PROMPT if demo else None, required=not demo)
+    p.add_argument("--prompt", default=DEMO_PROMPT if demo else None, required=not demo, help="what to generate")
     p.add_argument("--negative-prompt", default=None, help="default: the reference negative prompt")
     p.add_argument("--width", type=int, default=256 if demo else 768, help="pixels, multiple of 64")
     p.add_argument("--height", type=int, default=128 if demo else 512, help="pixels, multiple of 64")
     p.add_argument("--frames", type=int, default=25 if demo else 121, help="8k+1")
-    p.add_argument("--fps", type=float, default=24.0)
+    p.add_argument("--fps", type=float, default=24.0, help="frames per second")
     p.add_argument("--steps", type=int, default=8 if demo else None, help="stage-1 steps (default: model's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="noise seed (≥ 0, as ComfyUI's)")
     p.add_argument("--pipeline", choices=("two-stage", "distilled"), default="two-stage",
                    help="two-stage: guided stage 1 + distilled-LoRA stage 2; distilled: a distilled checkpoint, "
                         "8 + 3 steps, no guidance, sequence parallel on both stages")
@@ -58,7 +58,8 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--decode-overlap", type=int, default=2, help="decode tile overlap in latent cells (×32 px)")
     p.add_argument("--stage2-sigmas", default=None, help="comma list ending in 0 (default: 0.909375,0.725,0.421875,0;"
                                                           " tiled: 0.625,0.4,0)")
-    p.add_argument("--image", help="first-frame image for image-to-video")
+    p.add_argument("--image", help="first-frame image for image-to-video: scaled to cover --width × --height "
+                                   "and center-cropped (the reference's resize_and_center_crop)")
     p.add_argument("--image-strength", type=float, default=1.0, help="0..1")
     p.add_argument("--device", default="cpu" if demo else None, help="cpu, cuda, cuda:1 … (default: cuda if any)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -82,15 +83,43 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
                         "faster), on, off; fleet runs only")
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends `(default: X)` to an option's help where there is a default worth showing (not None / off / empty)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = not (action.default is None or action.default is False or action.default == []
+                     or action.default is argparse.SUPPRESS)
+        if (action.option_strings and shown
+                and "%(default)" not in text and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`--pipeline foo` names the choices, not the whole usage) and the defaults in
+    `--help`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mgpu_backend", description=__doc__)
+    from . import __version__
+
+    parser = _Parser(prog="python -m mgpu_backend", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ltx2-multigpu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_args(sub.add_parser("generate", help="two-stage text/image-to-audio+video"), demo=False)
     _add_generate_args(sub.add_parser("demo", help="tiny generated models, CPU, writes an mp4"), demo=True)
     sub.add_parser("status", help="controller and fleet status")
     sub.add_parser("stop", help="stop the background controller and its fleet")
     tiny = sub.add_parser("make-tiny", help="write tiny random-weight models in the real file layouts")
-    tiny.add_argument("directory")
+    tiny.add_argument("directory", help="folder to write the files into")
     tiny.add_argument("--variant", choices=("2.0", "2.3"), default="2.0")
     tiny.add_argument("--seed", type=int, default=0)
     return parser

@@ -74,10 +74,39 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
     return out
 
 
-def _launch(runtime_dir: Path, log_path: Path) -> subprocess.Popen:
+def import_root(runtime_dir: Path) -> Path:
+    """A private directory that holds only a link to this package: the controller's and workers' PYTHONPATH.
+
+    The directory holding `mgpu_backend` is, in a ComfyUI install, the pack folder, whose other top-level folders
+    (`kernels/`, `nodes/`, `tests/`) would shadow installed packages of the same import name in the fleet's
+    processes — `kernels` is Hugging Face's kernel loader, which diffusers imports. Off POSIX (no symlinks) it is the
+    parent directory itself.
+    """
+    if os.name != "posix":
+        return PACKAGE_PARENT
+    root = P.ensure_private_dir(runtime_dir / "pythonpath")
+    link = root / "mgpu_backend"
+    target = PACKAGE_PARENT / "mgpu_backend"
+    if not (link.is_symlink() and Path(os.readlink(link)) == target):
+        tmp = root / f".mgpu_backend.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target, target_is_directory=True)
+        os.replace(tmp, link)  # atomic: a controller starting beside us never sees a missing link
+    return root
+
+
+def controller_env(runtime_dir: Path) -> dict[str, str]:
+    """The controller's environment (its workers inherit it): this process's, with PYTHONPATH = the import root
+    first, then the caller's own entries except the pack folder itself (see `import_root`)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
-                                                                    else []))
+    inherited = [e for e in env.get("PYTHONPATH", "").split(os.pathsep)
+                 if e and Path(e).resolve() != PACKAGE_PARENT]
+    env["PYTHONPATH"] = os.pathsep.join([str(import_root(runtime_dir))] + inherited)
+    return env
+
+
+def _launch(runtime_dir: Path, log_path: Path) -> subprocess.Popen:
+    env = controller_env(runtime_dir)
     log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
     return subprocess.Popen([sys.executable, "-m", "mgpu_backend.controller", "--runtime-dir", str(runtime_dir)],
                             env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -3,7 +3,8 @@
 `seq_to_heads` / `heads_to_seq` are the two Ulysses all_to_all steps (DeepSpeed-Ulysses, Jacobs et al. 2023,
 arXiv:2309.14509): a rank holding `[B, T/W, H, D]` (its token slice, all heads) ends up with `[B, T, H/W, D]` (all
 tokens, its head slice) and back. The default is `torch.distributed.all_to_all_single`; a faster kernel from
-`kernels/` can replace `Exchange` without touching the model code.
+the repository's `kernels/` folder (loaded from its file under a private module name; that folder is not a
+package, see its README) can replace `Exchange` without touching the model code.
 
 The collectives are registered as PyTorch custom ops (`ltx2_mgpu::all_to_all`, `ltx2_mgpu::all_gather`, with fake
 implementations for shapes), so a transformer block compiled with `torch.compile` keeps them inside its graph
