@@ -295,7 +295,10 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
         assert os.readlink(f"/proc/{pid}/cwd") == str(runtime)  # not the repo, not the caller's folder
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        assert environ[b"PYTHONPATH"].decode().split(os.pathsep)[0] == str(REPO)
+        # its import path: the private root that links this repo's mgpu_backend alone (never the pack folder)
+        root = Path(environ[b"PYTHONPATH"].decode().split(os.pathsep)[0])
+        assert root == runtime / "pythonpath"
+        assert (root / "mgpu_backend").resolve() == REPO / "mgpu_backend"
         # this (plainly imported) client reattaches to it and sees the fleet the mangled client made
         client = ControllerClient(runtime, start=False)
         assert client.status()["fleet"]["generation"] == info["generation"]
