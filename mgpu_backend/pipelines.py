@@ -27,7 +27,7 @@ from . import validation as V
 from .denoiser import LTX2Denoiser, TextContext, text_contexts
 from .lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from .models.loader import LTX2Components
-from .parallel.decode import decode_tiles
+from .parallel.decode import decode_tiles, decode_untiled
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
 from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
 
@@ -250,7 +250,7 @@ class TwoStagePipeline:
         param = next(vae.parameters())
         x = L.denormalize_latents(video_latent.float(), vae.latents_mean.float().cpu(), vae.latents_std.float().cpu())
         temb = None
-        if vae.config.timestep_conditioning:  # decode noise as the reference applies it (timestep 0.05, scale 0.025)
+        if vae.config.get("timestep_conditioning", False):  # the conv decoder's option (diffusion decoder: none)  # decode noise as the reference applies it (timestep 0.05, scale 0.025)
             noise = S.make_noise(x.shape, seed)
             x = 0.975 * x + 0.025 * noise
             temb = torch.tensor([0.05], device=param.device, dtype=param.dtype)
@@ -263,8 +263,7 @@ class TwoStagePipeline:
             if pixels is None:
                 return None, report
         else:
-            with torch.no_grad():
-                pixels = vae.decode(x.to(param.device, param.dtype), temb, return_dict=False)[0]
+            pixels = decode_untiled(vae, x, temb)
             report = {"tiles": "untiled", "seconds": time.perf_counter() - start}
         return ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(), report
 
