@@ -3,7 +3,8 @@
 
 The file (what ComfyUI 0.33's `VAELoader` loads; ComfyUI calls the model "LTX 2.4", `CausalDiffusionVAE` in
 `comfy/ldm/lightricks/vae/na_diffusion_decoder.py`; detected in `comfy/sd.py` by the key `decoder.conv_in_x_t.weight`):
-- `encoder.*`: the conv encoder of LTX-2.3 (same latent space), keys as in a 2.3 VAE file;
+- `encoder.*`: the conv encoder of LTX-2.3 (same latent space), keys as in a 2.3 VAE file (loaded into diffusers'
+  `AutoencoderKLLTX2Video` with the 2.3 key map, its decoder dropped, attached as `conv_encoder`);
 - `decoder.*`: the one-step neighborhood-attention diffusion decoder — `conv_in` (Linear latent → stage 1),
   `det_stages.{s}.{b}` NA blocks (`norm1`, `attn.qkv` fused / `attn.q_norm` / `attn.k_norm` / `attn.proj`, `norm2`,
   `mlp.w_up|w_gate|w_down`) with `upsamples.{s}.proj` linear pixel shuffles, then stage 5: `t_embedder.mlp.{0,2}`,
@@ -241,12 +242,30 @@ def _clamped_forward(self, hidden_states: torch.Tensor, block_mask=None) -> torc
     return self.processor(self, hidden_states, block_mask)
 
 
-def build_decoder(config: DiffusionDecoderConfig, backend: str = "auto") -> nn.Module:
-    """An `LTX2VideoDiffusionDecoderModel` (storage as the caller's context gives it) with our NA processor."""
+def _video_vae_class():
     from diffusers import LTX2VideoDiffusionDecoderModel
+
+    class LTX25DiffusionVideoVAE(LTX2VideoDiffusionDecoderModel):
+        """diffusers' `LTX2VideoDiffusionDecoderModel` plus the file's conv encoder (`conv_encoder`: an
+        `AutoencoderKLLTX2Video` whose decoder is dropped, or None when the file has no encoder), so one module is
+        the whole LTX-2.5 video VAE: `encode` as the conv VAE's (`.latent_dist.mode()`), decode through
+        `decode_diffusion` / `parallel/decode.py`."""
+
+        def encode(self, x: torch.Tensor, return_dict: bool = True):
+            encoder = self._modules.get("conv_encoder")
+            if encoder is None:
+                raise ValueError("this diffusion video VAE file has no encoder.* keys: it cannot encode images")
+            return encoder.encode(x, return_dict=return_dict)
+
+    return LTX25DiffusionVideoVAE
+
+
+def build_decoder(config: DiffusionDecoderConfig, backend: str = "auto") -> nn.Module:
+    """An `LTX2VideoDiffusionDecoderModel` (a subclass that can also hold the conv encoder; storage as the caller's
+    context gives it) with our NA processor."""
     from diffusers.models.autoencoders.ltx2_diffusion_decoder import LTX2VideoVaeNeighborhoodAttention
 
-    model = LTX2VideoDiffusionDecoderModel(**config.diffusers_kwargs())
+    model = _video_vae_class()(**config.diffusers_kwargs())
     for module in model.modules():
         if isinstance(module, LTX2VideoVaeNeighborhoodAttention):
             module.set_processor(NeighborhoodAttnProcessor(backend))
@@ -258,8 +277,8 @@ def build_decoder(config: DiffusionDecoderConfig, backend: str = "auto") -> nn.M
 
 @dataclass
 class DiffusionVideoVAE:
-    """A loaded LTX-2.5 diffusion video VAE file: the decoder (diffusers), its config, and the file's encoder keys
-    (the LTX-2.3 conv encoder, loaded by the video-VAE encoder path, not here)."""
+    """A loaded LTX-2.5 diffusion video VAE file: the model (diffusers' decoder with the conv encoder attached as
+    `conv_encoder`), its decoder config, and the file's encoder keys."""
 
     decoder: nn.Module
     config: DiffusionDecoderConfig
@@ -331,8 +350,57 @@ def load_diffusion_vae(path: str | Path | SafetensorsFile, dtype: torch.dtype = 
             tensor = tensor[third * rows:(third + 1) * rows]
         state[mk] = tensor
     model.load_state_dict(state, strict=True, assign=True)
+    if encoder_keys:
+        model.conv_encoder = _load_encoder(file, file.config().get("vae", {}).get("encoder", {}), encoder_keys,
+                                           {k: state[k] for k in ("latents_mean", "latents_std")}, dtype)
     return DiffusionVideoVAE(decoder=model.eval().requires_grad_(False), config=config, encoder_keys=encoder_keys,
                              path=str(file.path))
+
+
+def encoder_vae_metadata(encoder: dict[str, Any]) -> dict[str, Any]:
+    """The file's `config.vae.encoder` (ComfyUI's `CausalDiffusionVAE` fields and defaults) -> the LTX-2.3 `config.vae`
+    fields `configs.video_vae_kwargs` reads (with a minimal stand-in decoder, dropped after construction)."""
+    defaults = {"in_channels": 3, "out_channels": 128, "patch_size": 4, "norm_layer": "pixel_norm",
+                "latent_log_var": "constant", "base_channels": 128, "spatial_padding_mode": "zeros"}
+    enc = {**defaults, **encoder}
+    if "blocks" not in enc:
+        raise ValueError("config.vae.encoder has no 'blocks'")
+    return {"in_channels": enc["in_channels"], "out_channels": 3, "latent_channels": enc["out_channels"],
+            "encoder_base_channels": enc["base_channels"], "patch_size": enc["patch_size"],
+            "norm_layer": enc["norm_layer"], "latent_log_var": enc["latent_log_var"],
+            "spatial_padding_mode": enc["spatial_padding_mode"], "encoder_blocks": enc["blocks"],
+            "decoder_blocks": [["res_x", {"num_layers": 1}], ["compress_all", {"multiplier": 1}],
+                               ["res_x", {"num_layers": 1}]], "decoder_base_channels": 8}
+
+
+def _load_encoder(file: SafetensorsFile, encoder: dict[str, Any], keys: list[str],
+                  statistics: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    """The file's `encoder.*` into an `AutoencoderKLLTX2Video` (its decoder dropped), strictly (the 2.3 key map).
+    Both `latent_log_var` "uniform" and "constant" have 129 output channels and the same mean (channels 0..127)."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    from . import configs, keymaps
+
+    try:
+        kwargs = configs.video_vae_kwargs(encoder_vae_metadata(encoder))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{file.path}: metadata config.vae.encoder: {exc}") from exc
+    stages = len(kwargs["block_out_channels"])
+    with init_empty_weights(include_buffers=False):
+        vae = AutoencoderKLLTX2Video(**kwargs)
+    vae.decoder = None
+    mapped = {keymaps.video_vae_to_diffusers(k, stages): k for k in keys}
+    expected = set(vae.state_dict().keys()) - set(statistics)
+    missing = sorted(keymaps.video_vae_to_original(k, stages) for k in expected - mapped.keys())
+    unexpected = sorted(mapped[k] for k in mapped.keys() - expected)
+    if missing or unexpected:
+        parts = ([f"missing keys: {_format_keys(missing)}"] if missing else []) + \
+                ([f"unexpected keys: {_format_keys(unexpected)}"] if unexpected else [])
+        raise CheckpointError(f"{file.path}: the encoder does not match the expected layout; " + "; ".join(parts))
+    state = {mk: file.tensor(fk).to(dtype) for mk, fk in mapped.items()}
+    state.update(statistics)
+    vae.load_state_dict(state, strict=True, assign=True)
+    return vae.eval().requires_grad_(False)
 
 
 # ---- decode --------------------------------------------------------------------------------------------------------

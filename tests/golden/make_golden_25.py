@@ -14,9 +14,12 @@ What it does:
 2. per case draws a model-space latent (float32, its own seed, stored in the file) and decodes it twice:
    `vae.first_stage_model.decode(latent)` (raw pixels `[1, 3, T, H, W]`, ComfyUI's fixed noise seed 0) and
    `vae.decode(latent)` (the VAEDecode output `[1, T, H, W, 3]`, 0..1);
-3. stores latents, raw pixels (`case/raw`, every third row and column: `[..., ::3, ::3]`, to keep the file small)
+3. stores latents, raw pixels (`case/raw`, every fourth row and column: `[..., ::4, ::4]`, to keep the file small)
    and the VAEDecode output of the smallest case, with the spec and provenance (ComfyUI / torch / comfy-kitchen
    versions, the VAE dtype ComfyUI chose, a sha256 of the tiny file's tensors) as metadata.
+
+4. encodes a seeded pixel video `[1, 3, 9, 64, 64]` in -1..1 (stored bf16, decoded from it exactly) with
+   `vae.first_stage_model.encode` (the conv encoder, then ComfyUI's latent normalization): `encode/latent`.
 
 Cases: `base` (latent 2×3×3: every stage's window shifts at the borders, no clamping), `wide` (3×3×4: a third latent
 frame, a non-square grid), `small` (1×2×2: a single frame and a 2×2 latent, smaller than the 3×3×3 stage-1 kernel
@@ -38,7 +41,7 @@ OUT = HERE / "ltx25_diffusion_vae_golden.safetensors"
 SPEC = {"tiny_seed": 0, "tiny_dtype": "bfloat16", "noise_seed": 0,
         "cases": {"base": {"latent": [2, 3, 3], "seed": 11}, "wide": {"latent": [3, 3, 4], "seed": 12},
                   "small": {"latent": [1, 2, 2], "seed": 13}},
-        "stride": 3, "vae_decode_cases": ["small"]}
+        "stride": 4, "vae_decode_cases": ["small"], "encode": {"pixels": [9, 64, 64], "seed": 21}}
 
 
 def fingerprint(path: Path) -> str:
@@ -98,6 +101,12 @@ def main() -> None:
             with torch.inference_mode():
                 tensors[f"{name}/vae_decode"] = vae.decode(latent.clone()).float().clone().contiguous()
         print(name, tuple(raw.shape), float(raw.abs().max()))
+    enc = SPEC["encode"]
+    g = torch.Generator().manual_seed(enc["seed"])
+    pixels = torch.tanh(torch.randn(1, 3, *enc["pixels"], generator=g)).bfloat16()  # stored bf16: exact input
+    with torch.inference_mode():
+        tensors["encode/latent"] = model.encode(pixels.float()).float().clone().contiguous()
+    tensors["encode/pixels"] = pixels
     provenance = {"comfyui": comfyui_version.__version__, "torch": torch.__version__,
                   "comfy_kitchen": version("comfy-kitchen"), "vae_dtype": str(vae.vae_dtype),
                   "tiny_sha256": digest}
