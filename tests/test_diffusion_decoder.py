@@ -135,3 +135,20 @@ def test_encode_matches_comfyui(golden, tiny_file):
     latent = (mode - vae.latents_mean.view(1, -1, 1, 1, 1)) / vae.latents_std.view(1, -1, 1, 1, 1)
     assert latent.shape == tensors["encode/latent"].shape
     assert (latent - tensors["encode/latent"]).abs().max() <= TOL
+
+
+def test_pipeline_decodes_with_the_diffusion_vae(tiny_dir, tiny_file, golden):
+    """`--video-vae` = the diffusion VAE file: `load_components` routes it to `load_diffusion_vae`, and the
+    pipeline's decode (untiled, and one tile through `parallel/decode.py`) gives ComfyUI's VAEDecode frames."""
+    from mgpu_backend.models.loader import load_components
+    from mgpu_backend.parallel.decode import is_diffusion_decoder
+    from mgpu_backend.parallel.tiling import TileCountConfig
+    from mgpu_backend.pipelines import TwoStagePipeline
+
+    tensors, _, _ = golden
+    components = load_components(tiny_dir["2.3"]["checkpoint"], video_vae=tiny_file, dtype=torch.float32)
+    assert is_diffusion_decoder(components.video_vae)
+    pipe = TwoStagePipeline(components, gemma=None)
+    for tiling in (None, TileCountConfig()):
+        frames, _ = pipe.decode_video(tensors["small/latent"], seed=123, tiling=tiling)  # decode noise: seed 0 always
+        assert (frames[None] - tensors["small/vae_decode"]).abs().max() <= TOL
