@@ -1,5 +1,5 @@
-"""The LTX-2.5 diffusion video decoder, decoded in spatial tiles over simulated ranks on one GPU: seconds per tile
-count against the untiled decode.
+"""The LTX-2.5 diffusion video decoder, decoded in spatial tiles over simulated ranks on one GPU: seconds per
+tile count against the untiled decode.
 
 For each size (default 1280×704×121 and 1920×1088×121; 720 is not a multiple of the VAE's 32 px, ComfyUI's
 EmptyLTXVLatentVideo rounds it to 704) and tile count T (1×1, 1×2, 2×2, 2×4 by default, decode overlap 2 latent cells
@@ -15,8 +15,8 @@ distributed decode equals). Peak memory: the largest tile's (or the untiled) pea
 Anchor: vLLM-Omni's tiled patch-parallel decode of this decoder on 4×H200: 6.57 s → 1.90 s.
 
 Weights are random, full size: ComfyUI 0.33's `LTX_24_VAE_CONFIG` decoder (stages 2048/1024/512/512/256, depths
-4/6/4/2/8, kernels 3×7×7, 3×7×7, 3×5×5, 3×5×5 and 11×11×11, head 64), as diffusers' `LTX2VideoDiffusionDecoderModel`
-with our neighborhood-attention processor (comfy-kitchen's `na3d`: CUDA kernels when its CUDA backend loads, else
+4/6/4/2/8, kernels 3×7×7, 3×7×7, 3×5×5, 3×5×5 and 11×11×11, head 64), as diffusers'
+`LTX2VideoDiffusionDecoderModel` with our neighborhood-attention processor (comfy-kitchen's `na3d`: CUDA kernels when its CUDA backend loads, else
 Triton or eager — printed), built directly in GPU memory in bf16.
 
     python bench/bench_diffusion_decode.py                                   # one H200, the default table

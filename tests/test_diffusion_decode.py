@@ -1,5 +1,5 @@
-"""Distributed decode with the LTX-2.5 diffusion decoder (`parallel/decode.py`): spatial latent tiles with the full
-time axis, round-robin over W = 1, 2 and 3 gloo ranks (`tests/_dist.py`), blended in pixel space, assembled on rank 0 —
+"""Distributed decode with the LTX-2.5 diffusion decoder (`parallel/decode.py`): spatial latent tiles with the
+full time axis, round-robin over W = 1, 2 and 3 gloo ranks (`tests/_dist.py`), blended in pixel space, assembled on rank 0 —
 against the one-process tiled decode of the same tiles, and the tiled decode against the untiled (ComfyUI-equal,
 `tests/test_diffusion_decoder.py`) one away from the seams. Tiny diffusion VAE (`tiny_vae25.py`), fp32, CPU.
 
@@ -13,8 +13,8 @@ Tolerances, and why:
   stage's cells per latent cell): tiny config 1 (stage 1, 3×3×3) + ½ + ½ (stages 2, 3 at 2×) + ¼ (stage 4 at 4×)
   + 2 · 2/8 (two 5×5×5 stage-5 blocks at 8×) = 2.75 cells = 88 px; the window's inward shift at a tile edge is
   inside that reach. Pixels at least R = 3 cells (96 px) from every interior tile edge and outside the overlaps
-  (weight 1) must equal the untiled decode to 5e-5 (rounding of ~30 fp32 layers over different sizes; measured 2e-5). Closer to
-  a seam they differ by up to ~3 (reported, not asserted: the tiling approximation the blend hides).
+  (weight 1) must equal the untiled decode to 5e-5 (rounding of ~30 fp32 layers over different sizes; measured
+  2e-5). Closer to a seam they differ by up to ~3 (reported, not asserted: the tiling approximation the blend hides).
 """
 from __future__ import annotations
 

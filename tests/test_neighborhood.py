@@ -95,7 +95,8 @@ def test_bad_input_is_refused():
 def test_kitchen_cuda_matches_plain(dtype, tol):
     """comfy-kitchen on the GPU (its CUDA / Triton kernels) against the plain fallback in float32 on the same GPU, at
     the decoder's real kernels (3×7×7, 11×11×11) and head width 64 on grids with borders on every side. bf16: the
-    kernels' bf16 inputs and accumulation (outputs are window averages, |values| < 1; bound 3e-2); float32 bound 1e-3 in case a backend computes in TF32."""
+    kernels' bf16 inputs and accumulation (outputs are window averages, |values| < 1; bound 3e-2); float32 bound
+    1e-3 in case a backend computes in TF32."""
     for grid, kernel in (((6, 14, 20), (3, 7, 7)), ((13, 16, 18), (11, 11, 11))):
         q, k, v = (t.cuda() for t in _qkv(grid, seed=7, heads=4, head_dim=64, batch=1))
         ref = na3d_plain(q, k, v, kernel, scale=0.125)

@@ -19,7 +19,8 @@ Which implementation, and why:
   default processor) was not chosen: its block mask is quadratic in the token count (diffusers notes 167 GiB for
   one 69×64×96 stage), so it cannot run the decoder at video sizes.
 
-Both are tested against a brute-force per-query reference on small grids including borders (`tests/test_neighborhood.py`).
+Both are tested against a brute-force per-query reference on small grids including borders
+(`tests/test_neighborhood.py`).
 """
 from __future__ import annotations
 
