@@ -16,8 +16,8 @@ Anchor: vLLM-Omni's tiled patch-parallel decode of this decoder on 4×H200: 6.57
 
 Weights are random, full size: ComfyUI 0.33's `LTX_24_VAE_CONFIG` decoder (stages 2048/1024/512/512/256, depths
 4/6/4/2/8, kernels 3×7×7, 3×7×7, 3×5×5, 3×5×5 and 11×11×11, head 64), as diffusers'
-`LTX2VideoDiffusionDecoderModel` with our neighborhood-attention processor (comfy-kitchen's `na3d`: CUDA kernels when its CUDA backend loads, else
-Triton or eager — printed), built directly in GPU memory in bf16.
+`LTX2VideoDiffusionDecoderModel` with our neighborhood-attention processor (comfy-kitchen's `na3d`: CUDA kernels
+when its CUDA backend loads, else Triton or eager — printed), built directly in GPU memory in bf16.
 
     python bench/bench_diffusion_decode.py                                   # one H200, the default table
     python bench/bench_diffusion_decode.py --sizes 1920x1088x121 --tiles 1x1,2x2,2x4,4x4
