@@ -1,7 +1,8 @@
 """Distributed decode with the LTX-2.5 diffusion decoder (`parallel/decode.py`): spatial latent tiles with the
 full time axis, round-robin over W = 1, 2 and 3 gloo ranks (`tests/_dist.py`), blended in pixel space, assembled on
 rank 0 — against the one-process tiled decode of the same tiles, and the tiled decode against the untiled
-(ComfyUI-equal, `tests/test_diffusion_decoder.py`) one away from the seams. Tiny diffusion VAE (`tiny_vae25.py`), fp32, CPU.
+(ComfyUI-equal, `tests/test_diffusion_decoder.py`) one away from the seams. Tiny diffusion VAE (`tiny_vae25.py`),
+fp32, CPU.
 
 Tolerances, and why:
 - W ranks vs one process: every tile is decoded by the same code on the same inputs — its latent window and its
