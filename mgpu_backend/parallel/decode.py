@@ -27,11 +27,13 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
                  dst: int = 0) -> tuple[torch.Tensor | None, dict]:
     """Decode a de-normalized latent `[1, 128, F, H, W]` (VAE space) in spatial tiles.
 
+    `vae`: the conv `AutoencoderKLLTX2Video` (with `temb` when it is timestep-conditioned) or the LTX-2.5
+    `LTX2VideoDiffusionDecoderModel` (no `temb`; its noise canvas is drawn here on every rank, see the module doc).
     Tiles are `tiling.height × tiling.width` over the latent grid (the frame axis is never split); tile i is
     decoded by rank i mod W. Returns (pixels `[1, 3, F', 32H, 32W]` float32 on rank `dst` — None elsewhere —,
     report dict with this rank's tiles and seconds). Every rank of the group must call it.
 
-    Raises ValueError when tiles would not be larger than the overlap.
+    Raises ValueError when tiles would not be larger than the overlap, or a `temb` for the diffusion decoder.
     """
     if tiling.frames.num_tiles != 1:
         raise ValueError("the decode never splits the frame axis (the causal first frame); use height/width tiles")
