@@ -26,8 +26,9 @@ from . import sampling as S
 from . import validation as V
 from .denoiser import LTX2Denoiser, TextContext, text_contexts
 from .lora import LoRAFuser, LoRAReport, read_lora, read_loras
+from .models.diffusion_decoder import denormalize
 from .models.loader import LTX2Components
-from .parallel.decode import decode_tiles
+from .parallel.decode import decode_tiles, decode_untiled, is_diffusion_decoder
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
 from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
 
@@ -245,12 +246,18 @@ class TwoStagePipeline:
         """`[1, 128, F', H', W']` model-space latent -> (frames `[F, H, W, 3]` float32 0..1, report).
 
         With `tiling`: the spatial tiles are decoded round-robin over the plan's ranks (or all here in one process)
-        and blended; the frames exist on rank 0 only (None elsewhere)."""
+        and blended; the frames exist on rank 0 only (None elsewhere). The LTX-2.5 diffusion decoder ignores `seed`:
+        its noise is ComfyUI's fixed seed 0 (`models/diffusion_decoder.py`)."""
         vae = self.components.video_vae
         param = next(vae.parameters())
-        x = L.denormalize_latents(video_latent.float(), vae.latents_mean.float().cpu(), vae.latents_std.float().cpu())
+        if is_diffusion_decoder(vae):  # de-normalized in the VAE's dtype, as ComfyUI's `un_normalize`
+            x = denormalize(vae, video_latent.float())
+        else:
+            x = L.denormalize_latents(video_latent.float(), vae.latents_mean.float().cpu(),
+                                      vae.latents_std.float().cpu())
         temb = None
-        if vae.config.timestep_conditioning:  # decode noise as the reference applies it (timestep 0.05, scale 0.025)
+        # the conv decoder's decode noise, as the reference applies it (timestep 0.05, scale 0.025)
+        if vae.config.get("timestep_conditioning", False):
             noise = S.make_noise(x.shape, seed)
             x = 0.975 * x + 0.025 * noise
             temb = torch.tensor([0.05], device=param.device, dtype=param.dtype)
@@ -263,8 +270,7 @@ class TwoStagePipeline:
             if pixels is None:
                 return None, report
         else:
-            with torch.no_grad():
-                pixels = vae.decode(x.to(param.device, param.dtype), temb, return_dict=False)[0]
+            pixels = decode_untiled(vae, x, temb)
             report = {"tiles": "untiled", "seconds": time.perf_counter() - start}
         return ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(), report
 

@@ -189,7 +189,8 @@ def run_decode(state, p: dict, ctx) -> dict:
     balanced default; one rank: untiled) and `p["audio"]` once on rank 0.
 
     Returns on rank 0: frames through shared memory, `audio` waveform `[C, S]` and `sample_rate` (None without an
-    audio latent), `report`.
+    audio latent), `report`. Either video decoder: the conv VAE, or LTX-2.5's diffusion decoder (same tiles; its
+    noise is ComfyUI's fixed seed 0, `p["seed"]` only drives the conv decoder's decode noise).
     """
     from ..worker import send_frames
 

@@ -243,6 +243,11 @@ _OTHER_PREFIXES = (keymaps.VIDEO_VAE_PREFIX, keymaps.AUDIO_VAE_PREFIX, keymaps.V
 def load_video_vae(file: SafetensorsFile, dtype: torch.dtype) -> nn.Module:
     from diffusers import AutoencoderKLLTX2Video
 
+    from .diffusion_decoder import is_diffusion_vae, load_diffusion_vae
+
+    if is_diffusion_vae(file):  # LTX-2.5's diffusion-decoder video VAE file (ComfyUI's detection key)
+        return load_diffusion_vae(file, dtype).decoder
+
     prefix = _component_prefix(file, keymaps.VIDEO_VAE_PREFIX, ("per_channel_statistics.mean-of-means",), "video VAE")
     meta = _section(file, "vae")
     kwargs = configs.video_vae_kwargs(meta)

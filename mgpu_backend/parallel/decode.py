@@ -3,6 +3,12 @@ frame makes temporal splits error-prone), decoded round-robin on the ranks, blen
 masks (latent overlap × 32 px), assembled on the driver rank by one reduce.
 
 With `world_size=1` it is the single-process tiled decode of the same tiles (the reference it must match).
+
+Two decoders, one tiling: the conv decoder (`AutoencoderKLLTX2Video`, LTX-2.0 / 2.3 / 2.5) decodes each latent tile;
+the LTX-2.5 diffusion decoder (`LTX2VideoDiffusionDecoderModel`, `models/diffusion_decoder.py`) runs all its stages
+on each latent tile and denoises the tile's window of ONE noise canvas for the whole video — drawn on every rank as
+ComfyUI draws it for an untiled decode (seed 0, the decoder's device and dtype) — so a tile's pixels away from its
+seams equal the untiled decode's, and the result does not depend on which rank decoded which tile.
 """
 from __future__ import annotations
 
@@ -21,16 +27,19 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
                  dst: int = 0) -> tuple[torch.Tensor | None, dict]:
     """Decode a de-normalized latent `[1, 128, F, H, W]` (VAE space) in spatial tiles.
 
+    `vae`: the conv `AutoencoderKLLTX2Video` (with `temb` when it is timestep-conditioned) or the LTX-2.5
+    `LTX2VideoDiffusionDecoderModel` (no `temb`; its noise canvas is drawn here on every rank, see the module doc).
     Tiles are `tiling.height × tiling.width` over the latent grid (the frame axis is never split); tile i is
     decoded by rank i mod W. Returns (pixels `[1, 3, F', 32H, 32W]` float32 on rank `dst` — None elsewhere —,
     report dict with this rank's tiles and seconds). Every rank of the group must call it.
 
-    Raises ValueError when tiles would not be larger than the overlap.
+    Raises ValueError when tiles would not be larger than the overlap, or a `temb` for the diffusion decoder.
     """
     if tiling.frames.num_tiles != 1:
         raise ValueError("the decode never splits the frame axis (the causal first frame); use height/width tiles")
     _, _, f, h, w = latent.shape
     param = next(vae.parameters())
+    decode_tile = _tile_decoder(vae, latent, temb)
     h_spans = split_axis(h, tiling.height.num_tiles, tiling.height.overlap)
     w_spans = split_axis(w, tiling.width.num_tiles, tiling.width.overlap)
     # pixel-space weights: the trapezoid over the overlap measured in pixels
@@ -43,9 +52,7 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
     for k in mine:
         i, j = tiles[k]
         (h0, h1), (w0, w1) = h_spans[i], w_spans[j]
-        with torch.no_grad():
-            pixels = vae.decode(latent[:, :, :, h0:h1, w0:w1].to(param.device, param.dtype), temb,
-                                return_dict=False)[0].float()
+        pixels = decode_tile(h0, h1, w0, w1)
         if out is None:
             frames = pixels.shape[2]
             out = torch.zeros(1, 3, frames, h * SPATIAL, w * SPATIAL, device=pixels.device)
@@ -68,3 +75,39 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
     if not torch.allclose(total, torch.ones_like(total), rtol=0, atol=1e-12):
         out = out / total.to(out)
     return out, report
+
+
+def is_diffusion_decoder(vae) -> bool:
+    """True for the LTX-2.5 diffusion decoder (`LTX2VideoDiffusionDecoderModel`), False for the conv VAE."""
+    from diffusers import LTX2VideoDiffusionDecoderModel
+
+    return isinstance(vae, LTX2VideoDiffusionDecoderModel)
+
+
+def _tile_decoder(vae, latent: torch.Tensor, temb: torch.Tensor | None):
+    """`decode(h0, h1, w0, w1)` -> float32 pixels `[1, 3, F', 32·(h1-h0), 32·(w1-w0)]` of that latent window."""
+    param = next(vae.parameters())
+    if not is_diffusion_decoder(vae):
+        def conv_tile(h0, h1, w0, w1):
+            with torch.no_grad():
+                return vae.decode(latent[:, :, :, h0:h1, w0:w1].to(param.device, param.dtype), temb,
+                                  return_dict=False)[0].float()
+        return conv_tile
+    from ..models.diffusion_decoder import decode_vae_space, noise_canvas
+
+    if temb is not None:
+        raise ValueError("the diffusion decoder takes no decode timestep (temb must be None)")
+    z = latent.to(param.device, param.dtype)
+    canvas = noise_canvas(vae, z)  # the whole video's x_t, identical on every rank
+
+    def diffusion_tile(h0, h1, w0, w1):
+        return decode_vae_space(vae, z[:, :, :, h0:h1, w0:w1],
+                                canvas[..., h0 * SPATIAL:h1 * SPATIAL, w0 * SPATIAL:w1 * SPATIAL]).float()
+    return diffusion_tile
+
+
+def decode_untiled(vae, latent: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode a de-normalized latent `[1, 128, F, H, W]` in one piece -> pixels `[1, 3, F', 32H, 32W]` (the VAE's
+    dtype, about -1..1); either decoder (the diffusion decoder as ComfyUI's untiled VAEDecode: noise seed 0)."""
+    _, _, _, h, w = latent.shape
+    return _tile_decoder(vae, latent, temb)(0, h, 0, w)

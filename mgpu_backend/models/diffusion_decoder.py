@@ -1,0 +1,452 @@
+"""The LTX-2.5 diffusion video VAE file (`vae/` folder): load it strictly, memory-mapped, into diffusers'
+`LTX2VideoDiffusionDecoderModel`, and decode the way ComfyUI 0.33 decodes it.
+
+The file (what ComfyUI 0.33's `VAELoader` loads; ComfyUI calls the model "LTX 2.4", `CausalDiffusionVAE` in
+`comfy/ldm/lightricks/vae/na_diffusion_decoder.py`; detected in `comfy/sd.py` by the key `decoder.conv_in_x_t.weight`):
+- `encoder.*`: the conv encoder of LTX-2.3 (same latent space), keys as in a 2.3 VAE file (loaded into diffusers'
+  `AutoencoderKLLTX2Video` with the 2.3 key map, its decoder dropped, attached as `conv_encoder`);
+- `decoder.*`: the one-step neighborhood-attention diffusion decoder — `conv_in` (Linear latent → stage 1),
+  `det_stages.{s}.{b}` NA blocks (`norm1`, `attn.qkv` fused / `attn.q_norm` / `attn.k_norm` / `attn.proj`, `norm2`,
+  `mlp.w_up|w_gate|w_down`) with `upsamples.{s}.proj` linear pixel shuffles, then stage 5: `t_embedder.mlp.{0,2}`,
+  `conv_in_x_t`, `shared_adaln.proj`, `diff_blocks.{b}` (+ `context_proj`, `scale_shift_table`), `norm_out`,
+  `conv_out`;
+- `per_channel_statistics.{mean-of-means,std-of-means}` (latent statistics; other statistics are unused);
+- metadata `config` = JSON `{"vae": {"model_output_type", "encoder": {...}, "decoder": {...}}}` (ComfyUI reads
+  `json.loads(metadata["config"])["vae"]`, defaults from its `LTX_24_VAE_CONFIG` for absent fields).
+
+Key map to diffusers (the renames of diffusers' `scripts/convert_ltx2_to_diffusers.py`, LTX-2.5 diffusion VAE): the
+fused `attn.qkv` splits into `attn.to_q|to_k|to_v` (rows 0:C, C:2C, 2C:3C); `attn.proj` → `attn.to_out.0`;
+`attn.q_norm|k_norm` → `attn.norm_q|norm_k`; `t_embedder.mlp.0|2` → `t_embedder.timestep_embedder.linear_1|2`;
+`per_channel_statistics.mean-of-means|std-of-means` → `latents_mean|latents_std`. The converter also folds static
+AdaLN gates (`gate_msa`, `gate_mlp`, `gate_ctx`) of Lightricks' original checkpoints and drops `coarse_*` preview
+heads; ComfyUI 0.33 ignores such keys ("folded at export"), so a file carrying them is refused here by name.
+
+Semantics checked against ComfyUI 0.33 (line by line, and by the golden tensors of `tests/golden/make_golden_25.py`):
+same blocks, RMS norms (eps 1e-6), q/k norm → ×head_dim^-½ → interleaved-pair 3-D RoPE (quarter of the head to
+time), SwiGLU width `(int(4·C) + 15) // 16 · 16`, pixel shuffle channel order `(c, p_t, p_h, p_w)` dropping the
+duplicated leading frame, `(k_t // 2) · 2` replicated trailing latent frames cropped after stage 4, AdaLN-Zero with 7
+chunks of which scale/shift 0, 1, 3, 4 are used, timestep `1000 · 1`, a single x0 step. Two differences, both
+resolved to ComfyUI's behaviour here:
+- neighborhood attention: diffusers runs FlexAttention (or NATTEN from the Hub); we install our processor, which calls
+  `comfy_kitchen.na3d` like ComfyUI (`mgpu_backend/parallel/neighborhood.py`);
+- grids smaller than a kernel: diffusers' attention raises, ComfyUI (comfy-kitchen) clamps the window to the axis;
+  we clamp (short or narrow videos decode as in ComfyUI).
+Noise: ComfyUI draws `x_t` with a fresh `torch.Generator(device).manual_seed(0)` in the latent's dtype on its device
+(`CausalDiffusionVAE.decode`); `decode_diffusion` does the same, so one untiled decode equals ComfyUI's VAEDecode.
+"""
+from __future__ import annotations
+
+import json
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+
+from ..parallel.neighborhood import na3d
+from .loader import CheckpointError, SafetensorsFile, _format_keys
+
+DIFFUSION_VAE_MARKER = "decoder.conv_in_x_t.weight"  # ComfyUI's detection key (comfy/sd.py)
+NOISE_SEED = 0  # ComfyUI's fixed decode noise seed (CausalDiffusionVAE.decode)
+UNUSED_STATISTICS = ("per_channel_statistics.channel", "per_channel_statistics.mean-of-stds",
+                     "per_channel_statistics.mean-of-stds_over_std-of-means")
+REFUSED_SUFFIXES = (".gate_msa", ".gate_mlp", ".gate_ctx")  # static gates ComfyUI 0.33 would silently ignore
+
+# ComfyUI 0.33's LTX_24_VAE_CONFIG["decoder"] (the released model's shape): defaults for absent fields
+COMFY_DECODER_DEFAULTS: dict[str, Any] = {
+    "in_channels": 128, "out_channels": 3, "patch_size": 4, "head_dim": 64,
+    "stage_channels": [2048, 1024, 512, 512, 256], "stage_depths": [4, 6, 4, 2, 8],
+    "stage_kernels": [[3, 7, 7], [3, 7, 7], [3, 5, 5], [3, 5, 5], [11, 11, 11]],
+    "upsamples": [[[1, 2, 2], 2], [[2, 1, 1], 2], [[2, 2, 2], 1], [[2, 2, 2], 2]],
+    "stage5_kernel": [11, 11, 11], "t_emb_dim": 384, "timestep_scale_multiplier": 1000.0,
+    "default_num_inference_steps": 1,
+}
+
+
+@dataclass(frozen=True)
+class DiffusionDecoderConfig:
+    """The decoder half of the file's `config.vae` (ComfyUI field names, ComfyUI defaults).
+
+    `stage_kernels` has one `(k_t, k_h, k_w)` per deterministic stage (ComfyUI's list may carry a fifth entry for
+    stage 5, which it does not read; `stage5_kernel` is the stage-5 kernel). `upsamples`: per deterministic stage,
+    the pixel-shuffle stride `(t, h, w)` and the channel reduction factor.
+    """
+
+    in_channels: int = 128
+    out_channels: int = 3
+    patch_size: int = 4
+    head_dim: int = 64
+    stage_channels: tuple[int, ...] = (2048, 1024, 512, 512, 256)
+    stage_depths: tuple[int, ...] = (4, 6, 4, 2, 8)
+    stage_kernels: tuple[tuple[int, int, int], ...] = ((3, 7, 7), (3, 7, 7), (3, 5, 5), (3, 5, 5))
+    upsample_strides: tuple[tuple[int, int, int], ...] = ((1, 2, 2), (2, 1, 1), (2, 2, 2), (2, 2, 2))
+    upsample_reductions: tuple[int, ...] = (2, 2, 1, 2)
+    stage5_kernel: tuple[int, int, int] = (11, 11, 11)
+    t_emb_dim: int = 384
+    timestep_scale_multiplier: float = 1000.0
+    num_inference_steps: int = 1
+    model_output_type: str = "x0"
+
+    @classmethod
+    def from_vae_section(cls, vae: dict[str, Any]) -> "DiffusionDecoderConfig":
+        """From `config["vae"]` of the file. Raises ValueError naming an inconsistent field."""
+        dec = {**COMFY_DECODER_DEFAULTS, **vae.get("decoder", {})}
+        n = len(dec["stage_channels"]) - 1
+        if len(dec["upsamples"]) != n or len(dec["stage_depths"]) != n + 1 or len(dec["stage_kernels"]) < n:
+            raise ValueError(f"diffusion VAE config: {n + 1} stage_channels need {n} upsamples, {n + 1} "
+                             f"stage_depths and {n} stage_kernels, got {dec['upsamples']}, {dec['stage_depths']}, "
+                             f"{dec['stage_kernels']}")
+        cfg = cls(
+            in_channels=int(dec["in_channels"]), out_channels=int(dec["out_channels"]),
+            patch_size=int(dec["patch_size"]), head_dim=int(dec["head_dim"]),
+            stage_channels=tuple(int(c) for c in dec["stage_channels"]),
+            stage_depths=tuple(int(d) for d in dec["stage_depths"]),
+            stage_kernels=tuple(tuple(int(k) for k in ks) for ks in dec["stage_kernels"][:n]),
+            upsample_strides=tuple(tuple(int(s) for s in stride) for stride, _ in dec["upsamples"]),
+            upsample_reductions=tuple(int(r) for _, r in dec["upsamples"]),
+            stage5_kernel=tuple(int(k) for k in dec["stage5_kernel"]),
+            t_emb_dim=int(dec.get("t_emb_dim", 384)),
+            timestep_scale_multiplier=float(dec["timestep_scale_multiplier"]),
+            num_inference_steps=int(dec["default_num_inference_steps"]),
+            model_output_type=str(vae.get("model_output_type", "x0")),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for i, r in enumerate(self.upsample_reductions):
+            if self.stage_channels[i + 1] != self.stage_channels[i] // r:
+                raise ValueError(f"diffusion VAE config: stage_channels[{i + 1}]={self.stage_channels[i + 1]} must be "
+                                 f"stage_channels[{i}] // reduction = {self.stage_channels[i] // r}")
+        for c in self.stage_channels:
+            if c % self.head_dim:
+                raise ValueError(f"diffusion VAE config: stage width {c} is not a multiple of head_dim "
+                                 f"{self.head_dim}")
+        if self.model_output_type not in ("x0", "v"):
+            raise ValueError(f"diffusion VAE config: model_output_type {self.model_output_type!r} is not x0 or v")
+
+    @property
+    def temporal_ratio(self) -> int:
+        return int(torch.tensor([s[0] for s in self.upsample_strides]).prod())
+
+    @property
+    def spatial_ratio(self) -> int:
+        return int(torch.tensor([s[1] for s in self.upsample_strides]).prod()) * self.patch_size
+
+    def diffusers_kwargs(self) -> dict[str, Any]:
+        """`LTX2VideoDiffusionDecoderModel(**kwargs)`."""
+        return dict(
+            out_channels=self.out_channels, latent_channels=self.in_channels, patch_size=self.patch_size,
+            decoder_head_dim=self.head_dim, decoder_stage_channels=self.stage_channels,
+            decoder_stage_depths=self.stage_depths, decoder_stage_kernels=self.stage_kernels,
+            decoder_upsample_strides=self.upsample_strides,
+            decoder_upsample_channel_reductions=self.upsample_reductions, decoder_stage5_kernel=self.stage5_kernel,
+            decoder_t_emb_dim=self.t_emb_dim, decoder_timestep_scale_multiplier=self.timestep_scale_multiplier,
+            decoder_model_output_type=self.model_output_type, decoder_num_inference_steps=self.num_inference_steps,
+            spatial_compression_ratio=self.spatial_ratio, temporal_compression_ratio=self.temporal_ratio,
+        )
+
+    def comfy_decoder_section(self) -> dict[str, Any]:
+        """The `config.vae.decoder` JSON ComfyUI 0.33 reads (for files we write)."""
+        return {
+            "in_channels": self.in_channels, "out_channels": self.out_channels, "patch_size": self.patch_size,
+            "head_dim": self.head_dim, "stage_channels": list(self.stage_channels),
+            "stage_depths": list(self.stage_depths),
+            "stage_kernels": [list(k) for k in self.stage_kernels] + [list(self.stage5_kernel)],
+            "upsamples": [[list(s), r] for s, r in zip(self.upsample_strides, self.upsample_reductions)],
+            "stage5_kernel": list(self.stage5_kernel), "t_emb_dim": self.t_emb_dim,
+            "timestep_scale_multiplier": self.timestep_scale_multiplier,
+            "default_num_inference_steps": self.num_inference_steps,
+        }
+
+
+# ---- key map -------------------------------------------------------------------------------------------------------
+
+_RENAMES = (  # file (ComfyUI) spelling -> diffusers spelling, inside `decoder.`
+    ("t_embedder.mlp.0.", "t_embedder.timestep_embedder.linear_1."),
+    ("t_embedder.mlp.2.", "t_embedder.timestep_embedder.linear_2."),
+    (".attn.proj.", ".attn.to_out.0."),
+    (".attn.q_norm.", ".attn.norm_q."),
+    (".attn.k_norm.", ".attn.norm_k."),
+)
+_STATISTICS = {"per_channel_statistics.mean-of-means": "latents_mean",
+               "per_channel_statistics.std-of-means": "latents_std"}
+_QKV = ("to_q", "to_k", "to_v")
+
+
+def decoder_key_to_diffusers(key: str) -> list[tuple[str, int | None]]:
+    """A file key (`decoder.*` or a used statistic) -> [(diffusers key, row-third index or None)].
+
+    A fused `attn.qkv.{weight,bias}` gives three entries (its row thirds 0, 1, 2 → `to_q`, `to_k`, `to_v`).
+    """
+    if key in _STATISTICS:
+        return [(_STATISTICS[key], None)]
+    new = key
+    for old, rep in _RENAMES:
+        new = new.replace(old, rep)
+    for leaf in ("weight", "bias"):
+        if new.endswith(f".attn.qkv.{leaf}"):
+            stem = new[: -len(f"qkv.{leaf}")]
+            return [(f"{stem}{name}.{leaf}", i) for i, name in enumerate(_QKV)]
+    return [(new, None)]
+
+
+def diffusers_key_to_file(key: str) -> str:
+    """Inverse of `decoder_key_to_diffusers` (`to_q|to_k|to_v` all name the fused `qkv`)."""
+    inverse = {v: k for k, v in _STATISTICS.items()}
+    if key in inverse:
+        return inverse[key]
+    for name in _QKV:
+        key = key.replace(f".attn.{name}.", ".attn.qkv.")
+    for old, rep in _RENAMES:
+        key = key.replace(rep, old)
+    return key
+
+
+def decoder_state_to_comfy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers `LTX2VideoDiffusionDecoderModel.state_dict()` -> the file's keys (q/k/v fused into `qkv`)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        file_key = diffusers_key_to_file(key)
+        if ".attn.qkv." not in file_key:
+            out[file_key] = tensor
+        elif ".attn.to_q." in key:
+            stem, leaf = key.rsplit(".to_q.", 1)
+            out[file_key] = torch.cat([state[f"{stem}.{name}.{leaf}"] for name in _QKV])
+    return out
+
+
+# ---- attention processor -------------------------------------------------------------------------------------------
+
+class NeighborhoodAttnProcessor:
+    """diffusers attention processor for `LTX2VideoVaeNeighborhoodAttention`: project (norm, scale, RoPE — diffusers'
+    `project_qkv`), `na3d` from `parallel/neighborhood.py` (comfy-kitchen when installed), output projection.
+    Takes no block mask (the decoder builds none for a processor that is not diffusers' flex one)."""
+
+    def __init__(self, backend: str = "auto"):
+        self.backend = backend
+
+    def __call__(self, attn, hidden_states: torch.Tensor, block_mask=None) -> torch.Tensor:
+        b, t, h, w, c = hidden_states.shape
+        q, k, v = attn.project_qkv(hidden_states)
+        out = na3d(q, k, v, attn.kernel_size, scale=1.0, backend=self.backend)  # the query is pre-scaled
+        return attn.to_out[0](out.reshape(b, t, h, w, c))
+
+
+def _clamped_forward(self, hidden_states: torch.Tensor, block_mask=None) -> torch.Tensor:
+    """`LTX2VideoVaeNeighborhoodAttention.forward` without its grid-smaller-than-kernel refusal: the window clamps
+    to the axis, as in ComfyUI (comfy-kitchen's `na3d`)."""
+    return self.processor(self, hidden_states, block_mask)
+
+
+def _video_vae_class():
+    from diffusers import LTX2VideoDiffusionDecoderModel
+
+    class LTX25DiffusionVideoVAE(LTX2VideoDiffusionDecoderModel):
+        """diffusers' `LTX2VideoDiffusionDecoderModel` plus the file's conv encoder (`conv_encoder`: an
+        `AutoencoderKLLTX2Video` whose decoder is dropped, or None when the file has no encoder), so one module is
+        the whole LTX-2.5 video VAE: `encode` as the conv VAE's (`.latent_dist.mode()`), decode through
+        `decode_diffusion` / `parallel/decode.py`."""
+
+        def encode(self, x: torch.Tensor, return_dict: bool = True):
+            encoder = self._modules.get("conv_encoder")
+            if encoder is None:
+                raise ValueError("this diffusion video VAE file has no encoder.* keys: it cannot encode images")
+            return encoder.encode(x, return_dict=return_dict)
+
+    return LTX25DiffusionVideoVAE
+
+
+def build_decoder(config: DiffusionDecoderConfig, backend: str = "auto") -> nn.Module:
+    """An `LTX2VideoDiffusionDecoderModel` (a subclass that can also hold the conv encoder; storage as the caller's
+    context gives it) with our NA processor."""
+    from diffusers.models.autoencoders.ltx2_diffusion_decoder import LTX2VideoVaeNeighborhoodAttention
+
+    model = _video_vae_class()(**config.diffusers_kwargs())
+    for module in model.modules():
+        if isinstance(module, LTX2VideoVaeNeighborhoodAttention):
+            module.set_processor(NeighborhoodAttnProcessor(backend))
+            module.forward = types.MethodType(_clamped_forward, module)
+    return model
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class DiffusionVideoVAE:
+    """A loaded LTX-2.5 diffusion video VAE file: the model (diffusers' decoder with the conv encoder attached as
+    `conv_encoder`), its decoder config, and the file's encoder keys."""
+
+    decoder: nn.Module
+    config: DiffusionDecoderConfig
+    encoder_keys: list[str] = field(default_factory=list)
+    path: str = ""
+
+
+def is_diffusion_vae(file: SafetensorsFile) -> bool:
+    return DIFFUSION_VAE_MARKER in file.keys
+
+
+def load_diffusion_vae(path: str | Path | SafetensorsFile, dtype: torch.dtype = torch.bfloat16,
+                       backend: str = "auto") -> DiffusionVideoVAE:
+    """Load the decoder of an LTX-2.5 diffusion video VAE file strictly and memory-mapped.
+
+    Tensors are read through the memory map and assigned (no second copy beyond a dtype cast; the fused `qkv`
+    rows become three views). Floating tensors are cast to `dtype`; the latent statistics stay float32.
+    Raises CheckpointError: not a diffusion VAE file (no `decoder.conv_in_x_t.weight`), bad `config` metadata,
+    missing or unexpected keys (named in the file's spelling), or static gates ComfyUI would ignore.
+    """
+    file = path if isinstance(path, SafetensorsFile) else SafetensorsFile(path)
+    if not is_diffusion_vae(file):
+        raise CheckpointError(f"{file.path}: not an LTX-2.5 diffusion video VAE (no '{DIFFUSION_VAE_MARKER}' key)")
+    try:
+        config = DiffusionDecoderConfig.from_vae_section(file.config().get("vae", {}))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{file.path}: metadata config.vae: {exc}") from exc
+    encoder_keys = [k for k in file.keys if k.startswith("encoder.")]
+    gated = [k for k in file.keys if k.endswith(REFUSED_SUFFIXES) or ".coarse_" in k]
+    if gated:
+        raise CheckpointError(f"{file.path}: the decoder carries static gates / preview heads ComfyUI 0.33 ignores "
+                              f"(convert the file with the gates folded): {_format_keys(gated)}")
+    with init_empty_weights(include_buffers=False):
+        model = build_decoder(config, backend)
+    mapped: dict[str, tuple[str, int | None]] = {}
+    unexpected = []
+    for key in file.keys:
+        if key in encoder_keys or key in UNUSED_STATISTICS:
+            continue
+        if not (key.startswith("decoder.") or key in _STATISTICS):
+            unexpected.append(key)
+            continue
+        for mk, third in decoder_key_to_diffusers(key):
+            mapped[mk] = (key, third)
+    expected = set(model.state_dict().keys())
+    unexpected += sorted({fk for mk, (fk, _) in mapped.items() if mk not in expected})
+    missing = sorted(expected - mapped.keys())
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_format_keys(sorted({diffusers_key_to_file(k) for k in missing}))}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_format_keys(unexpected)}")
+        raise CheckpointError(f"{file.path}: diffusion video VAE does not match the expected layout; "
+                              + "; ".join(parts))
+    state = {}
+    cache: dict[str, torch.Tensor] = {}
+    for mk, (fk, third) in mapped.items():
+        tensor = cache.get(fk)
+        if tensor is None:
+            tensor = file.tensor(fk)
+            if mk in ("latents_mean", "latents_std"):
+                tensor = tensor.float()
+            elif tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            cache[fk] = tensor
+        if third is not None:
+            rows = tensor.shape[0] // 3
+            tensor = tensor[third * rows:(third + 1) * rows]
+        state[mk] = tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    if encoder_keys:
+        model.conv_encoder = _load_encoder(file, file.config().get("vae", {}).get("encoder", {}), encoder_keys,
+                                           {k: state[k] for k in ("latents_mean", "latents_std")}, dtype)
+    return DiffusionVideoVAE(decoder=model.eval().requires_grad_(False), config=config, encoder_keys=encoder_keys,
+                             path=str(file.path))
+
+
+def encoder_vae_metadata(encoder: dict[str, Any]) -> dict[str, Any]:
+    """The file's `config.vae.encoder` (ComfyUI's `CausalDiffusionVAE` fields and defaults) -> the LTX-2.3 `config.vae`
+    fields `configs.video_vae_kwargs` reads (with a minimal stand-in decoder, dropped after construction)."""
+    defaults = {"in_channels": 3, "out_channels": 128, "patch_size": 4, "norm_layer": "pixel_norm",
+                "latent_log_var": "constant", "base_channels": 128, "spatial_padding_mode": "zeros"}
+    enc = {**defaults, **encoder}
+    if "blocks" not in enc:
+        raise ValueError("config.vae.encoder has no 'blocks'")
+    return {"in_channels": enc["in_channels"], "out_channels": 3, "latent_channels": enc["out_channels"],
+            "encoder_base_channels": enc["base_channels"], "patch_size": enc["patch_size"],
+            "norm_layer": enc["norm_layer"], "latent_log_var": enc["latent_log_var"],
+            "spatial_padding_mode": enc["spatial_padding_mode"], "encoder_blocks": enc["blocks"],
+            "decoder_blocks": [["res_x", {"num_layers": 1}], ["compress_all", {"multiplier": 1}],
+                               ["res_x", {"num_layers": 1}]], "decoder_base_channels": 8}
+
+
+def _load_encoder(file: SafetensorsFile, encoder: dict[str, Any], keys: list[str],
+                  statistics: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    """The file's `encoder.*` into an `AutoencoderKLLTX2Video` (its decoder dropped), strictly (the 2.3 key map).
+    Both `latent_log_var` "uniform" and "constant" have 129 output channels and the same mean (channels 0..127)."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    from . import configs, keymaps
+
+    try:
+        kwargs = configs.video_vae_kwargs(encoder_vae_metadata(encoder))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{file.path}: metadata config.vae.encoder: {exc}") from exc
+    stages = len(kwargs["block_out_channels"])
+    with init_empty_weights(include_buffers=False):
+        vae = AutoencoderKLLTX2Video(**kwargs)
+    vae.decoder = None
+    mapped = {keymaps.video_vae_to_diffusers(k, stages): k for k in keys}
+    expected = set(vae.state_dict().keys()) - set(statistics)
+    missing = sorted(keymaps.video_vae_to_original(k, stages) for k in expected - mapped.keys())
+    unexpected = sorted(mapped[k] for k in mapped.keys() - expected)
+    if missing or unexpected:
+        parts = ([f"missing keys: {_format_keys(missing)}"] if missing else []) + \
+                ([f"unexpected keys: {_format_keys(unexpected)}"] if unexpected else [])
+        raise CheckpointError(f"{file.path}: the encoder does not match the expected layout; " + "; ".join(parts))
+    state = {mk: file.tensor(fk).to(dtype) for mk, fk in mapped.items()}
+    state.update(statistics)
+    vae.load_state_dict(state, strict=True, assign=True)
+    return vae.eval().requires_grad_(False)
+
+
+# ---- decode --------------------------------------------------------------------------------------------------------
+
+def denormalize(decoder: nn.Module, latent: torch.Tensor) -> torch.Tensor:
+    """Model-space latent -> VAE space in the decoder's dtype and device, as ComfyUI's `un_normalize` (in the
+    latent's dtype after the cast: `x · std + mean`)."""
+    param = next(decoder.parameters())
+    x = latent.to(param.device, param.dtype)
+    std = decoder.latents_std.view(1, -1, 1, 1, 1).to(x)
+    mean = decoder.latents_mean.view(1, -1, 1, 1, 1).to(x)
+    return x * std + mean
+
+
+def noise_canvas(decoder: nn.Module, z: torch.Tensor, seed: int = NOISE_SEED) -> torch.Tensor:
+    """The stage-5 start noise `x_t` for the whole video `[B, 3, (F-1)·8+1, 32·H, 32·W]` as ComfyUI draws it: a fresh
+    generator on z's device seeded `seed`, `torch.randn` in z's dtype."""
+    cfg = decoder.config
+    b, _, f, h, w = z.shape
+    frames = (f - 1) * cfg.temporal_compression_ratio + 1
+    shape = (b, cfg.out_channels, frames, h * cfg.spatial_compression_ratio, w * cfg.spatial_compression_ratio)
+    generator = torch.Generator(device=z.device).manual_seed(seed)
+    return torch.randn(shape, generator=generator, device=z.device, dtype=z.dtype)
+
+
+def decode_vae_space(decoder: nn.Module, z: torch.Tensor, x_t: torch.Tensor) -> torch.Tensor:
+    """VAE-space latent `z` `[B, 128, F, H, W]` and its noise `x_t` -> pixels `[B, 3, (F-1)·8+1, 32H, 32W]` (about
+    -1..1, not clamped): stages 1-4, then the stage-5 step(s)."""
+    inner = decoder.decoder
+    with torch.no_grad():
+        context = inner.forward_stage_4(inner.forward_stages_1_to_3(z))
+        if tuple(x_t.shape[2:]) != (context.shape[1], context.shape[2] * inner.patch_size,
+                                    context.shape[3] * inner.patch_size):
+            raise ValueError(f"noise shape {tuple(x_t.shape)} does not fit the context grid {tuple(context.shape)}")
+        return inner.denoise(context, x_t, inner.default_num_inference_steps)
+
+
+def decode_diffusion(decoder: nn.Module, latent: torch.Tensor, seed: int = NOISE_SEED) -> torch.Tensor:
+    """Model-space latent `[B, 128, F, H, W]` -> pixels `[B, 3, (F-1)·8+1, 32H, 32W]`, untiled; equal to ComfyUI 0.33's
+    `CausalDiffusionVAE.decode` (before VAEDecode's `(x + 1) / 2` clamp to 0..1)."""
+    z = denormalize(decoder, latent)
+    return decode_vae_space(decoder, z, noise_canvas(decoder, z, seed))
+
+
+def metadata_json(config: DiffusionDecoderConfig, encoder: dict[str, Any]) -> str:
+    """The file's `config` metadata string."""
+    return json.dumps({"vae": {"_class_name": "CausalDiffusionVAE", "dims": 3,
+                               "model_output_type": config.model_output_type, "encoder": encoder,
+                               "decoder": config.comfy_decoder_section()}})
