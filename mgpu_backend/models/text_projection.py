@@ -17,6 +17,12 @@ Gemma's stacked hidden states `[B, T, H, L]` (H = 3840, L = 49 for Gemma 3 12B) 
   (which concatenates `(video, audio)`; the transformer splits at its video cross-attention width,
   `av_model.py::preprocess_text_embeds`).
 
+* LTX-2.5 ("2.5"): the 2.3 formula (ComfyUI `lt.py::DualLinearProjection`, chosen by `sd_detect` from the
+  `video_aggregate_embed` / `audio_aggregate_embed` keys) on Gemma 4 12B's hidden states; the projection is bundled
+  in the Gemma 4 text-encoder file (`text_encoders/gemma4-12b-with-proj-ltx-2.5-*`, prefix
+  `text_embedding_projection.`) and its sizes follow the Gemma config: in_features = hidden_size ·
+  (num_hidden_layers + 1) (3840 · 49), video 4096 + audio 2048 for the 12B (`load_bundled_projection`).
+
 Checkpoint keys (prefix `text_embedding_projection.`): 2.0 `aggregate_embed.weight` [3840, 188160] (ComfyUI's
 re-saved files may use the bare `weight`); 2.3 `video_aggregate_embed.{weight,bias}` [4096, 188160] / [4096] and
 `audio_aggregate_embed.{weight,bias}` [2048, 188160] / [2048] (also the layout of Kijai's
@@ -40,6 +46,9 @@ EPS = 1e-6
 SCALE_2_0 = 8.0
 LTX23_VIDEO_DIM = 4096
 LTX23_AUDIO_DIM = 2048
+#: variants whose projection is the dual (video + audio) Linear pair
+DUAL_VARIANTS = ("2.3", "2.5")
+VARIANTS = ("2.0",) + DUAL_VARIANTS
 
 
 def masked_mean_range_norm(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -74,7 +83,8 @@ class TextProjection(nn.Module):
     """The checkpoint's feature extractor (module docstring has formulas and sources).
 
     Attributes:
-        variant: "2.0" (single `aggregate_embed`, no bias) or "2.3" (`video_aggregate_embed` + `audio_aggregate_embed`).
+        variant: "2.0" (single `aggregate_embed`, no bias) or "2.3" / "2.5" (`video_aggregate_embed` +
+            `audio_aggregate_embed`; 2.5's is bundled in the Gemma 4 file).
         in_features: H·L (188160 for Gemma 3 12B).
         out_features: 3840 (2.0) or video + audio widths, 6144 (2.3).
         video_dim: output width of the video part (3840 for 2.0, 4096 for 2.3).
@@ -87,37 +97,45 @@ class TextProjection(nn.Module):
             self.aggregate_embed = nn.Linear(in_features, int(out_features), bias=False, dtype=dtype, device=device)
             self.video_dim = int(out_features)
             self.out_features = int(out_features)
-        elif variant == "2.3":
+        elif variant in DUAL_VARIANTS:
             v, a = out_features
             self.video_aggregate_embed = nn.Linear(in_features, v, bias=True, dtype=dtype, device=device)
             self.audio_aggregate_embed = nn.Linear(in_features, a, bias=True, dtype=dtype, device=device)
             self.video_dim = v
             self.out_features = v + a
         else:
-            raise ValueError(f"variant must be '2.0' or '2.3', got {variant!r}")
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         self.variant = variant
         self.in_features = in_features
         self.requires_grad_(False)
 
     @classmethod
     def from_state_dict(cls, sd: dict[str, torch.Tensor], prefix: str = DEFAULT_PREFIX,
-                        dtype: torch.dtype | None = None) -> TextProjection:
+                        dtype: torch.dtype | None = None, variant: str | None = None) -> TextProjection:
         """Build from the keys under `prefix` (other keys of `sd` are not looked at).
 
-        2.0 expects exactly `aggregate_embed.weight` (or the bare `weight` of ComfyUI re-saves); 2.3 exactly
+        2.0 expects exactly `aggregate_embed.weight` (or the bare `weight` of ComfyUI re-saves); 2.3 / 2.5 exactly
         `video_aggregate_embed.{weight,bias}` and `audio_aggregate_embed.{weight,bias}`. `dtype`: cast weights to it
-        (default: keep the stored dtype; fp8-stored weights are refused).
-        Raises: ValueError naming the missing / unexpected keys, a shape mismatch, or no keys under `prefix`.
+        (default: keep the stored dtype; fp8-stored weights are refused). `variant`: the label of a dual projection
+        ("2.3" when not given; "2.5" for the one bundled with Gemma 4); it must fit the keys.
+        Raises: ValueError naming the missing / unexpected keys, a shape mismatch, no keys under `prefix`, or a
+        `variant` the keys contradict.
         """
         sub = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
         if not sub:
             raise ValueError(f"no text projection keys under prefix {prefix!r} "
                              f"(expected {prefix}aggregate_embed.weight or {prefix}video_aggregate_embed.weight)")
         if any(k.startswith(("video_aggregate_embed.", "audio_aggregate_embed.")) for k in sub):
-            variant = "2.3"
+            if variant not in (None,) + DUAL_VARIANTS:
+                raise ValueError(f"text projection under {prefix!r} has video/audio_aggregate_embed keys (a dual "
+                                 f"projection: LTX-2.3 or 2.5), not the layout of LTX-{variant}")
+            variant = variant or "2.3"
             expected = {f"{m}.{p}" for m in ("video_aggregate_embed", "audio_aggregate_embed")
                         for p in ("weight", "bias")}
         else:
+            if variant not in (None, "2.0"):
+                raise ValueError(f"text projection under {prefix!r} has a single aggregate_embed (LTX-2.0), not the "
+                                 f"dual layout of LTX-{variant}")
             variant = "2.0"
             expected = {"weight"} if "weight" in sub and "aggregate_embed.weight" not in sub \
                 else {"aggregate_embed.weight"}
@@ -137,9 +155,9 @@ class TextProjection(nn.Module):
             vw, vb = sub["video_aggregate_embed.weight"], sub["video_aggregate_embed.bias"]
             aw, ab = sub["audio_aggregate_embed.weight"], sub["audio_aggregate_embed.bias"]
             if vw.shape[1] != aw.shape[1] or vb.shape != (vw.shape[0],) or ab.shape != (aw.shape[0],):
-                raise ValueError(f"text projection (LTX-2.3) shape mismatch: video weight {tuple(vw.shape)}, "
+                raise ValueError(f"text projection (LTX-{variant}) shape mismatch: video weight {tuple(vw.shape)}, "
                                  f"bias {tuple(vb.shape)}; audio weight {tuple(aw.shape)}, bias {tuple(ab.shape)}")
-            mod = cls("2.3", vw.shape[1], (vw.shape[0], aw.shape[0]), dtype=dtype or vw.dtype)
+            mod = cls(variant, vw.shape[1], (vw.shape[0], aw.shape[0]), dtype=dtype or vw.dtype)
             mod.video_aggregate_embed.weight.copy_(vw)
             mod.video_aggregate_embed.bias.copy_(vb)
             mod.audio_aggregate_embed.weight.copy_(aw)
@@ -203,17 +221,55 @@ def split_video_audio(embeds: torch.Tensor, variant: str, video_dim: int = LTX23
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Video and audio text features from CONDITIONING embeddings `[..., C]`.
 
-    2.0: both streams get the same 3840-wide tensor. 2.3: `[..., :video_dim]` and `[..., video_dim:]` (4096 + 2048),
-    as ComfyUI `av_model.py::preprocess_text_embeds` splits them.
-    Raises: ValueError for an unknown variant or a 2.3 tensor not wider than `video_dim`.
+    2.0: both streams get the same 3840-wide tensor. 2.3 / 2.5: `[..., :video_dim]` and `[..., video_dim:]`
+    (4096 + 2048), as ComfyUI `av_model.py::preprocess_text_embeds` splits them.
+    Raises: ValueError for an unknown variant or a 2.3 / 2.5 tensor not wider than `video_dim`.
     """
     if variant == "2.0":
         return embeds, embeds
-    if variant == "2.3":
+    if variant in DUAL_VARIANTS:
         if embeds.shape[-1] <= video_dim:
-            raise ValueError(f"LTX-2.3 embeddings must be wider than video_dim={video_dim}, got {embeds.shape[-1]}")
+            raise ValueError(f"LTX-{variant} embeddings must be wider than video_dim={video_dim}, got "
+                             f"{embeds.shape[-1]}")
         return embeds[..., :video_dim], embeds[..., video_dim:]
-    raise ValueError(f"variant must be '2.0' or '2.3', got {variant!r}")
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def load_bundled_projection(path, dtype: torch.dtype | None = None, device=None) -> TextProjection:
+    """The LTX-2.5 text projection bundled in a Gemma 4 text-encoder file (keys `text_embedding_projection.
+    {video,audio}_aggregate_embed.{weight,bias}`), variant "2.5".
+
+    Reads only those tensors (memory-mapped through safetensors); bf16 as stored (or cast to `dtype`), ComfyUI int8
+    (`int8_tensorwise`, optionally convrot) dequantized once (`models.gemma.read_weight`) into `dtype` (default
+    bfloat16 then). Strict: any other key under the prefix, or a missing one, is named in the ValueError.
+    Raises: FileNotFoundError; ValueError naming the file when it bundles no projection or a wrong layout.
+    """
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from .gemma import _AUX_SUFFIXES, quant_configs, read_weight
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text encoder file not found: {path}")
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        names = sorted(k for k in keys if k.startswith(DEFAULT_PREFIX) and not k.endswith(_AUX_SUFFIXES))
+        if not names:
+            raise ValueError(f"{path}: no text projection bundled (rule: LTX-2.5's Gemma 4 file carries "
+                             f"{DEFAULT_PREFIX}video_aggregate_embed.* / audio_aggregate_embed.*)")
+        confs = quant_configs(f, keys, f.metadata() or {}, str(path))
+        sd = {}
+        for k in names:
+            t = read_weight(f, k, keys, confs, str(path))
+            sd[k] = t.to(dtype or (t.dtype if f.get_slice(k).get_dtype() in ("BF16", "F16", "F32")
+                                   else torch.bfloat16))
+    try:
+        mod = TextProjection.from_state_dict(sd, prefix=DEFAULT_PREFIX, variant="2.5")
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    return mod.to(device) if device is not None else mod
 
 
 def check_gemma_matches(projection: TextProjection, encoder, gemma_path) -> None:
