@@ -1,0 +1,137 @@
+"""Gemma 4 (LTX-2.5) on the fleet: the text service (parallel/gemma.py) sharded with Accelerate and batch-parallel,
+with the projection bundled in the Gemma 4 file, on W = 1, 2 and 3 gloo ranks (CPU, float32, one thread).
+
+Reference: the one-process encode of each prompt on its own — `load_gemma(file).encode([prompt])` followed by the
+bundled projection (`load_bundled_projection`), valid tokens only. Every mode must equal it bit for bit
+(`torch.equal`), as for Gemma 3 (tests/test_gemma_parallel.py). "Two devices" on a CPU machine: a sharded run whose
+device map splits the decoder layers over "cpu" and "disk" (Accelerate `dispatch_model` with disk offload; each
+`Gemma4UnifiedTextDecoderLayer` whole on one device). The tiny file has 12 layers here (two full-attention layers;
+48 only matter for ComfyUI's detection) to keep the spawned ranks fast.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from mgpu_backend.models.gemma import load_gemma, read_gemma_header
+from mgpu_backend.models.text_projection import TextProjection, load_bundled_projection
+from mgpu_backend.models.tiny_gemma4 import write_tiny_gemma4
+from mgpu_backend.parallel import gemma as G
+from mgpu_backend.validation import ValidationError
+
+torch.set_num_threads(1)
+
+PROMPTS = ["A cinematic shot of a red car driving along a coastal road at sunset, waves below.", "Rain.",
+           "<|turn>user\nA dog jumps into the lake.<turn|>", "Rain.", "Snow covers the quiet mountain village."]
+PLAN_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory) -> str:
+    return str(write_tiny_gemma4(tmp_path_factory.mktemp("gemma4_fleet") / "gemma4-tiny.safetensors", seed=1,
+                                 num_layers=12))
+
+
+def _reference(path: str, prompts) -> list[torch.Tensor]:
+    enc, proj = load_gemma(path), load_bundled_projection(path, dtype=torch.float32)
+    out = []
+    for p in prompts:
+        hidden, mask = enc.encode([p])
+        out.append(proj(hidden, mask).float()[:, -int(mask.sum()):])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(gemma4) -> list[torch.Tensor]:
+    return _reference(gemma4, PROMPTS)
+
+
+def _equal(a, b) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _split_budgets(path: str) -> dict[str, int]:
+    """cpu + disk: the CPU holds embed_tokens and three decoder layers besides its activations and one streamed
+    layer; the rest must go to the disk."""
+    header = read_gemma_header(path)
+    layers, fixed = header.module_bytes(torch.float32)
+    act = G.activation_bytes(header.text_config, PLAN_TOKENS, torch.float32)
+    return {"cpu": act + max(layers) + fixed["embed_tokens"] + sum(layers[:3]) + 1024, "disk": 2**30}
+
+
+def _scenarios(rank: int, world: int, path: str) -> dict:
+    out: dict = {}
+    # projection=None: the service takes the one bundled in the Gemma 4 file
+    svc = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
+                               plan_tokens=PLAN_TOKENS)
+    out["projection"] = (svc.projection.variant, svc.projection_source == path)
+    out["replicated"] = svc.encode(PROMPTS)
+    svc.clear_cache()
+    out["batch_parallel"] = svc.encode(PROMPTS, mode="batch_parallel")
+    out["batch_parallel_report"] = dict(svc.last_report)
+    svc.clear_cache()
+    out["sharded"] = svc.encode(PROMPTS, mode="sharded")
+    out["sharded_report"] = dict(svc.last_report)
+    out["sharded_holds"] = svc.encoder is not None
+    svc.unload()
+    split = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
+                                 plan_tokens=PLAN_TOKENS, mode="sharded", max_memory=_split_budgets(path))
+    out["split"] = split.encode(PROMPTS)
+    out["split_map"] = dict(split.device_map)
+    if rank == 0:  # Accelerate's hooks sit on whole decoder layers
+        out["hooked"] = sorted({type(m).__name__ for m in split.encoder.model.modules() if hasattr(m, "_hf_hook")})
+    split.unload()
+    try:
+        svc.encode(["only one"], mode="batch_parallel")
+    except ValidationError as exc:
+        out["one_prompt_error"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_mode_equals_the_one_process_encode(gemma4, reference, world):
+    results = run_ranks(_scenarios, world, gemma4)
+    for rank, r in enumerate(results):
+        assert r["projection"] == ("2.5", True)
+        for key in ("replicated", "batch_parallel", "sharded", "split"):
+            assert _equal(r[key], reference), (world, rank, key)
+        assert r["sharded_holds"] == (rank == 0)
+        assert r["sharded_report"]["forwards_here"] == (4 if rank == 0 else 0)  # 4 distinct prompts
+        assert set(r["split_map"].values()) == {"cpu", "disk"}
+        assert all(k in ("embed_tokens", "rotary_emb", "norm") or k.startswith("layers.") and k.count(".") == 1
+                   for k in r["split_map"]), r["split_map"]
+        assert "nothing to split" in r["one_prompt_error"]
+    assert "Gemma4UnifiedTextDecoderLayer" in results[0]["hooked"]
+    split = [r["batch_parallel_report"]["forwards_here"] for r in results]
+    assert sum(split) == 4 and min(split) >= 1, split  # the prompts were spread over every rank
+
+
+def test_accelerate_plan_keeps_gemma4_layers_whole(gemma4):
+    import transformers
+
+    header = read_gemma_header(gemma4)
+    config = transformers.Gemma4UnifiedTextConfig(**{k: v for k, v in header.text_config.items()
+                                                      if k != "model_type"})
+    with torch.device("meta"):
+        model = transformers.Gemma4UnifiedTextModel(config)
+    layers, fixed = header.module_bytes(torch.float32)
+    total = sum(layers) + sum(fixed.values())
+    budgets = {"cpu": total // 2, "disk": total}
+    plan = G.accelerate_device_map(model, budgets, dtype=torch.float32)
+    assert all(not k.startswith("layers.") or k.count(".") == 1 for k in plan), plan  # no layer split
+    assert G.NO_SPLIT[1] == type(model.layers[0]).__name__
+
+
+def test_projection_passed_next_to_a_bundled_one_must_match(gemma4):
+    g = torch.Generator().manual_seed(0)
+    wrong = TextProjection.from_state_dict({"aggregate_embed.weight": torch.randn(48, 32 * 13, generator=g)},
+                                           prefix="")
+    with pytest.raises(ValueError, match="the text projection passed is LTX-2.0's, but the Gemma file"):
+        G.TextEncoderService(gemma4, wrong)
+    narrow = TextProjection("2.5", 32 * 13, (48, 32))
+    with pytest.raises(ValueError, match="not the one bundled in the Gemma file"):
+        G.TextEncoderService(gemma4, narrow)
+    same = load_bundled_projection(gemma4, dtype=torch.float32)
+    svc = G.TextEncoderService(gemma4, same, projection_source=gemma4)
+    assert svc.projection is same
