@@ -135,3 +135,47 @@ def test_projection_passed_next_to_a_bundled_one_must_match(gemma4):
     same = load_bundled_projection(gemma4, dtype=torch.float32)
     svc = G.TextEncoderService(gemma4, same, projection_source=gemma4)
     assert svc.projection is same
+
+
+# ---- the encode_text job with a Gemma 4 service: ComfyUI's native 2.5 CONDITIONING ---------------------------------
+
+def _job_on_ranks(rank: int, world: int, path: str, prompts: list[str]) -> dict:
+    from types import SimpleNamespace
+
+    from mgpu_backend.jobs.text import run_encode_text
+
+    service = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
+                                   plan_tokens=PLAN_TOKENS, mode="batch_parallel")
+    ctx = SimpleNamespace(rank=rank, step_boundary=lambda stage, step: False, progress=lambda *a: None)
+    return run_encode_text(SimpleNamespace(text=service), {"prompts": prompts, "frame_rate": 24.0}, ctx)
+
+
+def test_encode_text_job_gives_comfyui_s_conditioning_for_2_5(tmp_path):
+    """The job (what Text Encode (MGPU) runs on the fleet) on 2 ranks, batch-parallel, on the 48-layer tiny file the
+    ComfyUI golden was made from: each CONDITIONING is ComfyUI's `CLIPTextEncode` output (tolerance of
+    tests/test_gemma4.py for our unpadded encode) plus the `frame_rate` LTXVConditioning adds, and the pack's own
+    CONDITIONING reader takes it."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from nodes import native_types as NT
+
+    golden_path = Path(__file__).resolve().parent / "golden" / "gemma4_golden.safetensors"
+    golden = load_file(str(golden_path))
+    with safe_open(str(golden_path), framework="pt") as f:
+        meta = f.metadata()
+    prompts = json.loads(meta["prompts"])
+    path = str(write_tiny_gemma4(tmp_path / "gemma4-12b-with-proj-ltx-2.5-tiny-bf16.safetensors", seed=0))
+    result, other = run_ranks(_job_on_ranks, 2, path, prompts)
+    assert other == {} and result["report"]["mode"] == "batch_parallel" and min(result["forwards_per_rank"]) >= 1
+    for i, conditioning in enumerate(result["conditioning"]):
+        (cond, extra), = conditioning
+        assert sorted(set(extra) - {"frame_rate"}) == json.loads(meta["extra_keys"])[f"p{i}.bf16"]
+        assert extra["frame_rate"] == 24.0 and extra["pooled_output"] is None and extra["unprocessed_ltxav_embeds"]
+        assert cond.dtype == torch.float32 and cond.shape == golden[f"p{i}.cond_bf16"].shape
+        assert (cond - golden[f"p{i}.cond_bf16"]).abs().max() <= 2e-3, i
+        parts = NT.split_conditioning(conditioning)
+        assert torch.equal(parts.embeds, cond) and parts.frame_rate == 24.0
