@@ -38,12 +38,13 @@ class TextContext:
         return TextContext(self.video[index:index + 1], self.audio[index:index + 1], self.mask[index:index + 1])
 
 
-def split_embeds(embeds: torch.Tensor, variant: str, video_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CONDITIONING embeddings -> (video input, audio input) of the connectors.
+def split_embeds(embeds: torch.Tensor, family, video_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CONDITIONING embeddings -> (video input, audio input) of the connectors, by the family's text split.
 
-    LTX-2.0: one `[B, T, 3840]` tensor feeds both connectors; LTX-2.3: `[B, T, 4096 + 2048]` is split.
+    LTX-2.0: one `[B, T, 3840]` tensor feeds both connectors; LTX-2.3 / 2.5: `[B, T, 4096 + 2048]` is split at the
+    video width (ComfyUI `av_model.py::preprocess_text_embeds`).
     """
-    if variant == "2.3":
+    if family.splits_text:
         return embeds[..., :video_dim], embeds[..., video_dim:]
     return embeds, embeds
 
@@ -61,11 +62,11 @@ def text_contexts(components, embeds: list[torch.Tensor], dtype: torch.dtype | N
     param = next(video_connector.parameters())
     dtype = dtype or param.dtype
     device = param.device
-    width = video_connector.inner_dim + (audio_connector.inner_dim if components.variant == "2.3" else 0)
+    width = components.family.conditioning_width(video_connector.inner_dim, audio_connector.inner_dim)
     for e in embeds:
         if e.ndim != 3 or e.shape[0] != 1 or e.shape[-1] != width:
             raise ValueError(f"conditioning embeddings of shape {tuple(e.shape)} do not fit this checkpoint's text "
-                             f"connectors (expected [1, T, {width}] for LTX-{components.variant})")
+                             f"connectors (expected [1, T, {width}] for {components.family.display})")
     registers = video_connector.num_learnable_registers or 1
     longest = max(e.shape[1] for e in embeds)
     length = max(MIN_CONTEXT_TOKENS, math.ceil(longest / registers) * registers)
@@ -75,7 +76,7 @@ def text_contexts(components, embeds: list[torch.Tensor], dtype: torch.dtype | N
         t = e.shape[1]
         batch[i, length - t:] = e[0].to(device=device, dtype=dtype)
         mask[i, length - t:] = 1
-    video_in, audio_in = split_embeds(batch, components.variant, video_connector.inner_dim)
+    video_in, audio_in = split_embeds(batch, components.family, video_connector.inner_dim)
     additive = ((mask - 1).to(dtype) * torch.finfo(dtype).max).view(len(embeds), 1, 1, length)
     with torch.no_grad():
         video, video_mask = video_connector(video_in, additive)

@@ -35,6 +35,8 @@ import math
 import torch
 from torch import nn
 
+from .families import PROJECTION_DUAL, PROJECTION_SINGLE
+
 DEFAULT_PREFIX = "text_embedding_projection."
 EPS = 1e-6
 SCALE_2_0 = 8.0
@@ -74,28 +76,31 @@ class TextProjection(nn.Module):
     """The checkpoint's feature extractor (module docstring has formulas and sources).
 
     Attributes:
-        variant: "2.0" (single `aggregate_embed`, no bias) or "2.3" (`video_aggregate_embed` + `audio_aggregate_embed`).
+        kind: "single_linear" (LTX-2.0: one `aggregate_embed`, no bias) or "dual_linear" (LTX-2.3 / 2.5:
+            `video_aggregate_embed` + `audio_aggregate_embed`); ComfyUI `lt.py::sd_detect` names,
+            `families.PROJECTION_SINGLE` / `PROJECTION_DUAL`.
         in_features: H·L (188160 for Gemma 3 12B).
         out_features: 3840 (2.0) or video + audio widths, 6144 (2.3).
         video_dim: output width of the video part (3840 for 2.0, 4096 for 2.3).
     """
 
-    def __init__(self, variant: str, in_features: int, out_features: int | tuple[int, int],
+    def __init__(self, kind: str, in_features: int, out_features: int | tuple[int, int],
                  dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        if variant == "2.0":
+        if kind == PROJECTION_SINGLE:
             self.aggregate_embed = nn.Linear(in_features, int(out_features), bias=False, dtype=dtype, device=device)
             self.video_dim = int(out_features)
             self.out_features = int(out_features)
-        elif variant == "2.3":
+        elif kind == PROJECTION_DUAL:
             v, a = out_features
             self.video_aggregate_embed = nn.Linear(in_features, v, bias=True, dtype=dtype, device=device)
             self.audio_aggregate_embed = nn.Linear(in_features, a, bias=True, dtype=dtype, device=device)
             self.video_dim = v
             self.out_features = v + a
         else:
-            raise ValueError(f"variant must be '2.0' or '2.3', got {variant!r}")
-        self.variant = variant
+            raise ValueError(f"text projection kind must be {PROJECTION_SINGLE!r} or {PROJECTION_DUAL!r}, "
+                             f"got {kind!r}")
+        self.kind = kind
         self.in_features = in_features
         self.requires_grad_(False)
 
@@ -114,32 +119,32 @@ class TextProjection(nn.Module):
             raise ValueError(f"no text projection keys under prefix {prefix!r} "
                              f"(expected {prefix}aggregate_embed.weight or {prefix}video_aggregate_embed.weight)")
         if any(k.startswith(("video_aggregate_embed.", "audio_aggregate_embed.")) for k in sub):
-            variant = "2.3"
+            kind = PROJECTION_DUAL
             expected = {f"{m}.{p}" for m in ("video_aggregate_embed", "audio_aggregate_embed")
                         for p in ("weight", "bias")}
         else:
-            variant = "2.0"
+            kind = PROJECTION_SINGLE
             expected = {"weight"} if "weight" in sub and "aggregate_embed.weight" not in sub \
                 else {"aggregate_embed.weight"}
         missing = sorted(prefix + k for k in expected - sub.keys())
         unexpected = sorted(prefix + k for k in sub.keys() - expected)
         if missing or unexpected:
-            raise ValueError(f"text projection (LTX-{variant}) state dict mismatch: missing keys {missing}, "
+            raise ValueError(f"text projection ({kind}) state dict mismatch: missing keys {missing}, "
                              f"unexpected keys {unexpected}")
         for k, v in sub.items():
             if not v.is_floating_point() or v.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 raise ValueError(f"{prefix}{k}: dtype {v.dtype} is not supported for the text projection")
-        if variant == "2.0":
+        if kind == PROJECTION_SINGLE:
             w = sub["weight"] if "weight" in expected else sub["aggregate_embed.weight"]
-            mod = cls("2.0", w.shape[1], w.shape[0], dtype=dtype or w.dtype)
+            mod = cls(PROJECTION_SINGLE, w.shape[1], w.shape[0], dtype=dtype or w.dtype)
             mod.aggregate_embed.weight.copy_(w)
         else:
             vw, vb = sub["video_aggregate_embed.weight"], sub["video_aggregate_embed.bias"]
             aw, ab = sub["audio_aggregate_embed.weight"], sub["audio_aggregate_embed.bias"]
             if vw.shape[1] != aw.shape[1] or vb.shape != (vw.shape[0],) or ab.shape != (aw.shape[0],):
-                raise ValueError(f"text projection (LTX-2.3) shape mismatch: video weight {tuple(vw.shape)}, "
+                raise ValueError(f"text projection ({kind}) shape mismatch: video weight {tuple(vw.shape)}, "
                                  f"bias {tuple(vb.shape)}; audio weight {tuple(aw.shape)}, bias {tuple(ab.shape)}")
-            mod = cls("2.3", vw.shape[1], (vw.shape[0], aw.shape[0]), dtype=dtype or vw.dtype)
+            mod = cls(PROJECTION_DUAL, vw.shape[1], (vw.shape[0], aw.shape[0]), dtype=dtype or vw.dtype)
             mod.video_aggregate_embed.weight.copy_(vw)
             mod.video_aggregate_embed.bias.copy_(vb)
             mod.audio_aggregate_embed.weight.copy_(aw)
@@ -159,9 +164,9 @@ class TextProjection(nn.Module):
                              f"{tuple(hidden_states.shape)} and {tuple(attention_mask.shape)}")
         _, _, h, l = hidden_states.shape  # noqa: E741
         if h * l != self.in_features:
-            raise ValueError(f"text projection (LTX-{self.variant}) expects {self.in_features} features per token, "
+            raise ValueError(f"text projection ({self.kind}) expects {self.in_features} features per token, "
                              f"got hidden {h} x {l} states = {h * l}")
-        if self.variant == "2.0":
+        if self.kind == PROJECTION_SINGLE:
             lin = self.aggregate_embed
             x = masked_mean_range_norm(hidden_states.to(lin.weight.device), attention_mask)
             return lin(x.to(lin.weight.dtype)).float()
@@ -199,21 +204,22 @@ def make_conditioning(embeds: torch.Tensor, attention_mask: torch.Tensor, frame_
     return [[cond, extra]]
 
 
-def split_video_audio(embeds: torch.Tensor, variant: str, video_dim: int = LTX23_VIDEO_DIM
+def split_video_audio(embeds: torch.Tensor, kind: str, video_dim: int = LTX23_VIDEO_DIM
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Video and audio text features from CONDITIONING embeddings `[..., C]`.
 
     2.0: both streams get the same 3840-wide tensor. 2.3: `[..., :video_dim]` and `[..., video_dim:]` (4096 + 2048),
     as ComfyUI `av_model.py::preprocess_text_embeds` splits them.
-    Raises: ValueError for an unknown variant or a 2.3 tensor not wider than `video_dim`.
+    `kind`: the projection kind (`single_linear`: 2.0, `dual_linear`: 2.3 / 2.5).
+    Raises: ValueError for an unknown kind or a dual tensor not wider than `video_dim`.
     """
-    if variant == "2.0":
+    if kind == PROJECTION_SINGLE:
         return embeds, embeds
-    if variant == "2.3":
+    if kind == PROJECTION_DUAL:
         if embeds.shape[-1] <= video_dim:
-            raise ValueError(f"LTX-2.3 embeddings must be wider than video_dim={video_dim}, got {embeds.shape[-1]}")
+            raise ValueError(f"video+audio embeddings must be wider than video_dim={video_dim}, got {embeds.shape[-1]}")
         return embeds[..., :video_dim], embeds[..., video_dim:]
-    raise ValueError(f"variant must be '2.0' or '2.3', got {variant!r}")
+    raise ValueError(f"text projection kind must be {PROJECTION_SINGLE!r} or {PROJECTION_DUAL!r}, got {kind!r}")
 
 
 def check_gemma_matches(projection: TextProjection, encoder, gemma_path) -> None:
@@ -223,5 +229,5 @@ def check_gemma_matches(projection: TextProjection, encoder, gemma_path) -> None
     if got != projection.in_features:
         raise ValueError(
             f"Gemma text encoder {gemma_path} gives hidden_size {encoder.hidden_size} x {encoder.num_hidden_states} "
-            f"hidden states = {got} features per token, but the checkpoint's text projection (LTX-"
-            f"{projection.variant}) expects in_features={projection.in_features} (Gemma 3 12B: 3840 x 49 = 188160)")
+            f"hidden states = {got} features per token, but the checkpoint's text projection ("
+            f"{projection.kind}) expects in_features={projection.in_features} (Gemma 3 12B: 3840 x 49 = 188160)")
