@@ -86,6 +86,21 @@ def text_contexts(components, embeds: list[torch.Tensor], dtype: torch.dtype | N
     return TextContext(video, audio, keep)
 
 
+def keyframe_token_mask(video_coords: torch.Tensor, num_generated: int | None = None) -> torch.Tensor:
+    """`[B, T, 1]` float marker of the video tokens whose latent frame encodes one pixel frame: generated tokens whose
+    time interval starts at 0 (the causal first latent frame), never the conditioning / guide tokens after the first
+    `num_generated` (None: every token is generated). What LTX-2.5's `keyframes_abs_pos_embedding` is added to.
+
+    Source: ComfyUI 0.33 `comfy/ldm/lightricks/model.py::keyframes_abs_pos_mask` (applied after `patchify_proj` on
+    every forward; guide tokens excluded); diffusers' `video_keyframes_mask` argument takes the marker.
+    `video_coords`: `[B, 3, T, 2]` in any unit whose time origin is the clip start.
+    """
+    mask = video_coords[:, 0, :, 0] == 0
+    if num_generated is not None:
+        mask[:, num_generated:] = False
+    return mask.unsqueeze(-1).float()
+
+
 class _SkipSelfAttention:
     """STG perturbation: the attention output is replaced by its value projection (diffusers'
     `LTX2PerturbedAttnProcessor` with every item perturbed; reference: ltx-core `SkipSelfAttention` perturbation)."""
@@ -127,11 +142,15 @@ class LTX2Denoiser:
         video_coords: `[1, 3, Tv, 2]`, audio_coords: `[1, 1, Ta, 2]` (see `latents.video_coords/audio_coords`).
         dtype: compute dtype of the forward.
         forward: what runs the forward (default the transformer itself; a `SequenceParallelTransformer` for SP).
+        num_generated: generated video tokens (later tokens are conditioning / guides); None: all of them.
+    A transformer with LTX-2.5's `keyframes_abs_pos_embedding` gets its frame-0 marker (`keyframe_token_mask`) as
+    the per-token `video_keyframes_mask` on every forward, as ComfyUI applies it.
     Returns velocities in float32 (diffusers convention: v = noise - x0).
     """
 
     def __init__(self, transformer, positive: TextContext, negative: TextContext | None,
-                 video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, forward=None):
+                 video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, forward=None,
+                 num_generated: int | None = None):
         self.transformer = transformer
         self.forward = forward or transformer  # e.g. a SequenceParallelTransformer around `transformer`
         # the resident transformer is shared by every stage: install this stage's attention processors
@@ -141,6 +160,9 @@ class LTX2Denoiser:
             use_processor(transformer, LTX2AttnProcessor())
         self.positive, self.negative = positive, negative
         self.video_coords, self.audio_coords = video_coords, audio_coords
+        self.keyframes_mask = None
+        if getattr(transformer.config, "use_keyframes_abs_pos_embedding", False):
+            self.keyframes_mask = keyframe_token_mask(video_coords, num_generated).to(dtype)
         self.dtype = dtype
         self.forwards = 0
 
@@ -173,6 +195,7 @@ class LTX2Denoiser:
                 isolate_modalities=p.kind == "isolated",
                 use_cross_timestep=True,
                 return_dict=False,
+                **({"video_keyframes_mask": self.keyframes_mask} if self.keyframes_mask is not None else {}),
             )
         self.forwards += 1
         return video.float().to(inputs.video.device), audio.float().to(inputs.audio.device)
