@@ -203,10 +203,22 @@ def make_inputs(spec: dict, cond_width: int):
 
 
 def fingerprint(paths: dict) -> str:
+    """A digest of the files' tensors and metadata (not their bytes: safetensors writes the metadata entries in an
+    arbitrary order)."""
+    import torch
+    from safetensors import safe_open
+
     digest = hashlib.sha256()
     for name in sorted(paths):
-        digest.update(name.encode())
-        digest.update(Path(paths[name]).read_bytes())
+        with safe_open(str(paths[name]), "pt") as f:
+            digest.update(name.encode())
+            digest.update(json.dumps(f.metadata(), sort_keys=True).encode())
+            for key in sorted(f.keys()):
+                tensor = f.get_tensor(key)
+                digest.update(key.encode())
+                digest.update(str(tensor.dtype).encode())
+                digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                              if tensor.numel() else b"")
     return digest.hexdigest()[:16]
 
 
