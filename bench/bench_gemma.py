@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     weights = sum(layers) + sum(fixed.values())
     result["weights_gib"] = weights / 2**30
     in_features = header.hidden_size * header.num_hidden_states
-    projection = TextProjection("2.0", in_features, header.hidden_size, dtype=torch.bfloat16, device=device)
+    projection = TextProjection("single_linear", in_features, header.hidden_size, dtype=torch.bfloat16, device=device)
     torch.nn.init.normal_(projection.aggregate_embed.weight, std=in_features ** -0.5)
 
     # 1. one device

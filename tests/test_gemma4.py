@@ -196,7 +196,7 @@ def test_hidden_states_equal_transformers_from_pretrained(files, enc, tmp_path):
 def test_hidden_states_and_conditioning_equal_comfyui(files, enc, golden):
     g, meta = golden
     projection = load_bundled_projection(files["bf16"], dtype=torch.float32)
-    assert projection.variant == "2.5" and (projection.in_features, projection.out_features) == (32 * 49, 96)
+    assert projection.kind == "dual_linear" and (projection.in_features, projection.out_features) == (32 * 49, 96)
     for i, prompt in enumerate(json.loads(meta["prompts"])):
         hidden_p, cond_p = _encode_at_comfy_positions(enc, projection, prompt)
         hidden, cond = _encode(enc, projection, prompt)
@@ -208,7 +208,7 @@ def test_hidden_states_and_conditioning_equal_comfyui(files, enc, golden):
         assert (cond - g[f"p{i}.cond_bf16"]).abs().max() <= 2e-3, i
         (tensor, extra), = make_conditioning(cond, torch.ones(cond.shape[:2], dtype=torch.long))
         assert sorted(extra) == json.loads(meta["extra_keys"])[f"p{i}.bf16"] + [] and torch.equal(tensor, cond)
-    video, audio = split_video_audio(cond, "2.5", projection.video_dim)
+    video, audio = split_video_audio(cond, projection.kind, projection.video_dim)
     assert video.shape[-1] == 64 and audio.shape[-1] == 32
 
 
@@ -235,7 +235,7 @@ def test_dequantize_int8_inverts_the_convrot_quantizer():
     assert (back - w).abs().max() <= scale.max() * 4  # half a step per rotated entry, summed over a group of 16
     plain = dequantize_int8(qw, scale, {"format": "int8_tensorwise"})
     assert not torch.allclose(plain, w, atol=0.1)  # without the rotation it is another matrix
-    with pytest.raises(ValueError, match="power of 4"):
+    with pytest.raises(ValueError, match="must be a power of 4"):
         dequantize_int8(qw, scale, {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 8})
 
 
@@ -270,3 +270,17 @@ def test_multimodal_embedders_are_ignored(files, enc, tmp_path):
     save_file(sd, str(tmp_path / "with_mm.safetensors"))
     other = load_gemma(tmp_path / "with_mm.safetensors")
     assert torch.equal(other.encode(["Rain."])[0], enc.encode(["Rain."])[0])
+
+
+def test_the_family_table_names_the_classes_gemma_py_runs():
+    from mgpu_backend.models.families import get_family
+    from mgpu_backend.models.gemma import ARCHITECTURES
+    from mgpu_backend.parallel.gemma import NO_SPLIT
+
+    for name in ("2.0", "2.3", "2.5"):
+        spec = get_family(name).text_encoder
+        arch = ARCHITECTURES[spec.architecture]
+        assert (spec.model_class, spec.config_class, spec.decoder_layer_class) == (
+            arch.model_class, arch.config_class, arch.no_split_module)
+        assert spec.decoder_layer_class in NO_SPLIT
+        assert (spec.projection_location == "text_encoder") == (arch.projection_prefix is not None)

@@ -65,7 +65,7 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
     # projection=None: the service takes the one bundled in the Gemma 4 file
     svc = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
                                plan_tokens=PLAN_TOKENS)
-    out["projection"] = (svc.projection.variant, svc.projection_source == path)
+    out["projection"] = (svc.projection.kind, svc.projection_source == path)
     out["replicated"] = svc.encode(PROMPTS)
     svc.clear_cache()
     out["batch_parallel"] = svc.encode(PROMPTS, mode="batch_parallel")
@@ -93,7 +93,7 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
 def test_every_mode_equals_the_one_process_encode(gemma4, reference, world):
     results = run_ranks(_scenarios, world, gemma4)
     for rank, r in enumerate(results):
-        assert r["projection"] == ("2.5", True)
+        assert r["projection"] == ("dual_linear", True)
         for key in ("replicated", "batch_parallel", "sharded", "split"):
             assert _equal(r[key], reference), (world, rank, key)
         assert r["sharded_holds"] == (rank == 0)
@@ -127,14 +127,22 @@ def test_projection_passed_next_to_a_bundled_one_must_match(gemma4):
     g = torch.Generator().manual_seed(0)
     wrong = TextProjection.from_state_dict({"aggregate_embed.weight": torch.randn(48, 32 * 13, generator=g)},
                                            prefix="")
-    with pytest.raises(ValueError, match="the text projection passed is LTX-2.0's, but the Gemma file"):
+    with pytest.raises(ValueError, match="the text projection passed .single_linear.*is not the one bundled"):
         G.TextEncoderService(gemma4, wrong)
-    narrow = TextProjection("2.5", 32 * 13, (48, 32))
+    narrow = TextProjection("dual_linear", 32 * 13, (48, 32))
     with pytest.raises(ValueError, match="not the one bundled in the Gemma file"):
         G.TextEncoderService(gemma4, narrow)
     same = load_bundled_projection(gemma4, dtype=torch.float32)
     svc = G.TextEncoderService(gemma4, same, projection_source=gemma4)
     assert svc.projection is same
+
+
+def test_the_gemma_file_must_be_the_family_s_text_encoder(gemma4):
+    from mgpu_backend.models.families import get_family
+
+    G.TextEncoderService(gemma4, None, family=get_family("2.5"))
+    with pytest.raises(ValueError, match=r"is gemma4, but LTX-2.3 uses gemma3 \(gemma_3_12B_it"):
+        G.TextEncoderService(gemma4, None, family=get_family("2.3"))
 
 
 # ---- the encode_text job with a Gemma 4 service: ComfyUI's native 2.5 CONDITIONING ---------------------------------

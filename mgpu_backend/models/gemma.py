@@ -25,8 +25,9 @@ transformers 5 `models/gemma4_unified` (`Gemma4UnifiedTextConfig`, `Gemma4Unifie
 * int8-convrot file: every decoder-layer Linear weight is int8 with a float32 per-row `weight_scale` [out, 1] and a
   `comfy_quant` JSON `{"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": G}`: dequantized here once
   at load (resident in `dtype`) as `(q · scale)` rotated back group-wise by the normalized regular Hadamard matrix
-  (comfy-kitchen `TensorWiseINT8Layout.dequantize` / `dequantize_int8_convrot_weight`); plain `int8_tensorwise`
-  (no rotation, scalar or per-row scale) is read the same way.
+  (comfy-kitchen `TensorWiseINT8Layout.dequantize` / `dequantize_int8_convrot_weight`; the math is
+  `models.quant`'s, shared with the transformer's resident int8 layers); plain `int8_tensorwise` (no rotation,
+  scalar or per-row scale) is read the same way.
 * Prompt handling (ComfyUI `Gemma4SDTokenizer` with `min_length` 1024 from `ltxav_gemma4_tokenizer`): no template
   (CLIPTextEncode passes `skip_template=True`), ids = [<bos>=2] + tokenizer.json ids of the text (no special-token
   splitting of our own and no dropped first id: the tokenizer matches its added tokens itself); `\\(`/`\\)` become
@@ -72,7 +73,6 @@ the same order as ComfyUI's `intermediate_output="all"` and transformers' `hidde
 """
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -509,38 +509,20 @@ def _refuse_unsupported(formats: dict[str, str], keys: set[str], source: str) ->
             f"gemma4-12b-with-proj-ltx-2.5-bf16 / -comfy-int8-convrot.")
 
 
-@functools.lru_cache(maxsize=8)
-def convrot_hadamard(size: int) -> torch.Tensor:
-    """ConvRot's normalized regular Hadamard matrix `H4^{⊗k} / sqrt(size)` (float32, symmetric, orthogonal; size a
-    power of 4). Source: comfy-kitchen `tensor/int8_utils.py::_build_hadamard`. Raises ValueError otherwise."""
-    if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
-        raise ValueError(f"convrot_groupsize must be a power of 4 (>= 4), got {size}")
-    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
-    h = h4
-    while h.shape[0] < size:
-        h = torch.kron(h, h4)
-    return (h / size ** 0.5).float()
-
-
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, conf: dict, name: str = "") -> torch.Tensor:
-    """ComfyUI `int8_tensorwise` weight -> float32: `q · scale` (scale 0-d or per row [out, 1]), then, for a
-    ConvRot layer (`conf["convrot"]`), each group of `convrot_groupsize` input columns rotated back by `Hᵀ`
-    (comfy-kitchen `dequantize_int8_convrot_weight`: `_rotate_weight(q·s, H)`; H is symmetric and orthogonal).
-    Raises ValueError naming `name` for a scale that does not broadcast or columns not divisible by the group."""
-    x = q.float()
-    scale = scale.float()
-    if scale.numel() != 1 and (scale.ndim != x.ndim or scale.shape[0] != x.shape[0] or scale.shape[1:] != (1,)):
-        raise ValueError(f"{name}: int8 weight {tuple(x.shape)} has a weight_scale of shape {tuple(scale.shape)} "
+    """ComfyUI `int8_tensorwise` weight -> float32 (`models.quant.dequantize_int8`: `q · scale`, scale 0-d or per
+    row [out, 1], rotated back group-wise by the ConvRot Hadamard matrix when `conf` says `convrot`).
+    Raises ValueError naming `name` for a scale that does not broadcast or a bad group size."""
+    from .quant import convrot_group
+    from .quant import dequantize_int8 as _dequantize
+
+    if scale.numel() != 1 and (scale.ndim != q.ndim or scale.shape[0] != q.shape[0] or scale.shape[1:] != (1,)):
+        raise ValueError(f"{name}: int8 weight {tuple(q.shape)} has a weight_scale of shape {tuple(scale.shape)} "
                          f"(rule: one scale, or one per row [out, 1])")
-    x = x * (scale if scale.numel() != 1 else scale.reshape(()))
-    if conf.get("convrot", (conf.get("params") or {}).get("convrot", False)):
-        group = int(conf.get("convrot_groupsize", (conf.get("params") or {}).get("convrot_groupsize", 256)))
-        out_f, in_f = x.shape
-        if in_f % group:
-            raise ValueError(f"{name}: {in_f} input columns are not a multiple of convrot_groupsize {group}")
-        h = convrot_hadamard(group)
-        x = (x.reshape(out_f, in_f // group, group) @ h.T).reshape(out_f, in_f)
-    return x
+    try:
+        return _dequantize(q, scale.reshape(()) if scale.numel() == 1 else scale, convrot_group(conf))
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def read_weight(f, key: str, keys: set[str], confs: dict[str, dict], source: str) -> torch.Tensor:

@@ -392,6 +392,8 @@ class TextEncoderService:
         plan_tokens: prompt length the memory plan assumes; min_length: left-pad every prompt to this length.
         cache_bytes: LRU cache budget (0 disables the cache).
         encoder: an already loaded `GemmaTextEncoder` to adopt (one process; held as a replica).
+        family: the checkpoint's `models.families.ModelFamily`, when known: the Gemma file must be its text encoder
+            (`check_text_encoder_family`).
     Raises: ValueError (from the header, or `check_gemma_matches`) when Gemma and the projection do not match.
     """
 
@@ -399,7 +401,8 @@ class TextEncoderService:
                  dtype: torch.dtype = torch.float32, rank: int = 0, world_size: int = 1, group=None,
                  devices: Sequence | None = None, mode: str = "replicated", unload: bool = False,
                  reserve_bytes: int = 0, max_memory: Mapping | None = None, plan_tokens: int = PLAN_TOKENS,
-                 min_length: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES, encoder=None):
+                 min_length: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES, encoder=None,
+                 family=None):
         from ..models.gemma import read_gemma_header
         from ..models.text_projection import check_gemma_matches
 
@@ -414,6 +417,8 @@ class TextEncoderService:
         self.reserve_bytes, self.max_memory = int(reserve_bytes), dict(max_memory or {})
         self.plan_tokens, self.min_length, self.cache_bytes = plan_tokens, min_length, int(cache_bytes)
         self.header = read_gemma_header(gemma_path) if gemma_path is not None else None
+        if family is not None and self.header is not None:
+            check_text_encoder_family(self.header, family)
         bundled = self.header.projection_shapes if self.header is not None else {}
         if bundled and projection is None:
             from ..models.text_projection import load_bundled_projection
@@ -450,10 +455,16 @@ class TextEncoderService:
         return svc
 
     @classmethod
-    def for_fleet(cls, config, rank: int, device, projection) -> TextEncoderService:
+    def for_fleet(cls, config, rank: int, device, projection, family=None) -> TextEncoderService:
         """The service of one worker from its `protocol.FleetConfig` (collective: every rank calls it; creates the
-        gloo group on GPU fleets). Gemma is loaded here in the configured mode unless `gemma_unload` is set."""
-        svc = cls(config.gemma, projection, projection_source=config.text_projection or config.checkpoint,
+        gloo group on GPU fleets). Gemma is loaded here in the configured mode unless `gemma_unload` is set.
+        `projection` None with a Gemma 4 file: the projection bundled in it (LTX-2.5); `family`: the checkpoint's
+        model family, checked against the Gemma file."""
+        if projection is None:
+            projection_source = config.text_projection
+        else:
+            projection_source = config.text_projection or config.checkpoint
+        svc = cls(config.gemma, projection, projection_source=projection_source, family=family,
                   device=device, dtype=getattr(torch, config.dtype), rank=rank, world_size=config.world_size,
                   group=make_group(config.world_size, config.collective_timeout_s), devices=config.devices,
                   mode=getattr(config, "gemma_mode", "replicated"), unload=getattr(config, "gemma_unload", False),
@@ -756,20 +767,27 @@ class TextEncoderService:
         return make_conditioning(embeds, torch.ones(embeds.shape[:2], dtype=torch.long), frame_rate)
 
 
+def check_text_encoder_family(header, family) -> None:
+    """Raise ValueError naming the file and both names when the Gemma file (`models.gemma.GemmaHeader`) is not the
+    text encoder `family` (`models.families.ModelFamily`) was trained with: LTX-2.0 / 2.3 use Gemma 3 12B
+    (`gemma_3_12B_it*`), LTX-2.5 Gemma 4 12B with its projection (`gemma4-12b-with-proj-ltx-2.5-*`); the widths
+    alone (3840 x 49 for both) cannot tell them apart."""
+    want = family.text_encoder.architecture
+    if header.architecture.name != want:
+        files = ", ".join(family.text_encoder.released_files) or want
+        raise ValueError(f"Gemma text encoder {header.source} is {header.architecture.name}, but {family.display} "
+                         f"uses {want} ({files}); pick the text encoder of the checkpoint's model family")
+
+
 def _check_bundled_shapes(projection, bundled: Mapping[str, tuple], gemma_path) -> None:
-    """A projection passed next to a Gemma file that bundles its own must be LTX-2.5's and have its shapes (a 2.0 /
-    2.3 checkpoint's projection has the same widths for the 12B Gemmas but was trained on Gemma 3's features)."""
-    if projection.variant != "2.5":
-        raise ValueError(f"the text projection passed is LTX-{projection.variant}'s, but the Gemma file {gemma_path} "
-                         f"is LTX-2.5's Gemma 4 text encoder with its own projection bundled; rule: LTX-2.0 / 2.3 "
-                         f"use Gemma 3 (gemma_3_12B_it*), LTX-2.5 uses Gemma 4 with the projection from its file")
-    want = {"in": bundled.get("video_aggregate_embed.weight", (0, 0))[1],
+    """A projection passed next to a Gemma file that bundles its own must have the bundled one's kind and shapes."""
+    want = {"kind": "dual_linear", "in": bundled.get("video_aggregate_embed.weight", (0, 0))[1],
             "video": bundled.get("video_aggregate_embed.weight", (0, 0))[0],
             "audio": bundled.get("audio_aggregate_embed.weight", (0, 0))[0]}
-    have = {"in": projection.in_features, "video": projection.video_dim,
+    have = {"kind": projection.kind, "in": projection.in_features, "video": projection.video_dim,
             "audio": projection.out_features - projection.video_dim}
     if want != have:
-        raise ValueError(f"the text projection passed (LTX-{projection.variant}: {have}) is not the one bundled in "
+        raise ValueError(f"the text projection passed ({projection.kind}: {have}) is not the one bundled in "
                          f"the Gemma file {gemma_path} ({want}); rule: a Gemma 4 file brings its own LTX-2.5 "
                          f"projection, pass none or that one")
 
