@@ -138,7 +138,8 @@ def test_config_and_header(files, enc):
     c = h.text_config
     assert (c["hidden_size"], c["num_hidden_layers"], c["head_dim"], c["global_head_dim"]) == (32, 48, 256, 512)
     assert (c["num_attention_heads"], c["num_key_value_heads"], c["num_global_key_value_heads"]) == (4, 2, 1)
-    assert c["attention_k_eq_v"] and c["layer_types"][5] == "full_attention" and c["layer_types"][4] != c["layer_types"][5]
+    assert c["attention_k_eq_v"] and c["layer_types"][5] == "full_attention"
+    assert c["layer_types"][4] == "sliding_attention"
     assert h.stored_dtypes["layers.0.mlp.up_proj.weight"] == "I8" and enc.num_hidden_states == 49
     assert h.projection_shapes["video_aggregate_embed.weight"] == (64, 32 * 49)
     layers, fixed = h.module_bytes(torch.float32)
@@ -257,7 +258,8 @@ def test_refusals_name_the_file_and_the_rule(files, tmp_path):
         load_bundled_projection(tmp_path / "lm_only.safetensors")
     missing = {k: v for k, v in sd.items() if k != "model.layers.7.mlp.up_proj.weight"}
     save_file(missing, str(tmp_path / "missing.safetensors"))
-    with pytest.raises(ValueError, match=r"(?s)missing.safetensors: weights do not match the gemma4 config.*layers.7.mlp"):
+    with pytest.raises(ValueError, match=r"(?s)missing.safetensors: weights do not match the gemma4 config.*"
+                                         r"layers.7.mlp"):
         load_gemma(tmp_path / "missing.safetensors")
 
 

@@ -285,7 +285,8 @@ LTX_2_5 = ModelFamily(
     transformer_flags={**_LTX23_FLAGS, "ff_bias": False},
     components=(_TRANSFORMER, _VIDEO_CONNECTOR, _AUDIO_CONNECTOR,
                 _text_projection("text_encoder", "text_encoders",
-                                 notes="bundled in `gemma4-12b-with-proj-ltx-2.5-*` (text_projection.load_bundled_projection)"),
+                                 notes="bundled in `gemma4-12b-with-proj-ltx-2.5-*` "
+                                       "(text_projection.load_bundled_projection)"),
                 _VIDEO_VAE, _AUDIO_VAE, _VOCODER, _UPSAMPLER),
     text_encoder=TextEncoderSpec(
         # Gemma 4 12B ("unified", encoder-free) fine-tuned for LTX; transformers 5 `models/gemma4_unified`, ComfyUI

@@ -95,8 +95,8 @@ GEMMA3_12B_CONSTANTS = {
 }
 
 _LM_PREFIXES = ("language_model.model.", "model.language_model.", "model.")
-_IGNORED_PREFIXES = ("vision_model.", "vision_tower.", "multi_modal_projector.", "audio_projector.", "model.vision_tower.",
-                     "model.multi_modal_projector.", "language_model.lm_head.", "lm_head.", "model.lm_head.",
+_IGNORED_PREFIXES = ("vision_model.", "vision_tower.", "multi_modal_projector.", "audio_projector.",
+                     "model.vision_tower.", "model.multi_modal_projector.", "language_model.lm_head.", "lm_head.", "model.lm_head.",
                      "text_embedding_projection.", "hf_asset__")
 _IGNORED_KEYS = ("spiece_model", "tokenizer_json", "scaled_fp8")
 _FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}

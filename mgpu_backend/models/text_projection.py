@@ -275,4 +275,5 @@ def check_gemma_matches(projection: TextProjection, encoder, gemma_path) -> None
         raise ValueError(
             f"Gemma text encoder {gemma_path} gives hidden_size {encoder.hidden_size} x {encoder.num_hidden_states} "
             f"hidden states = {got} features per token, but the checkpoint's text projection ("
-            f"{projection.kind}) expects in_features={projection.in_features} (the 12B Gemma 3 and Gemma 4: 3840 x 49 = 188160)")
+            f"{projection.kind}) expects in_features={projection.in_features} (the 12B Gemma 3 and Gemma 4: "
+            f"3840 x 49 = 188160)")

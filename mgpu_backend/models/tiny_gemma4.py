@@ -94,8 +94,8 @@ def tiny_gemma4_tokenizer_json(vocab_size: int = TINY_VOCAB_TARGET) -> bytes:
     n = sp.get_piece_size()
     vocab = {sp.id_to_piece(i): i for i in range(n)}
     scores = {sp.id_to_piece(i): sp.get_score(i) for i in range(n)}
-    merged = {sp.id_to_piece(i) for i in range(n)
-              if not (sp.is_unknown(i) or sp.is_control(i) or sp.is_byte(i)) and sp.id_to_piece(i) not in SPECIAL_SYMBOLS}
+    merged = {sp.id_to_piece(i) for i in range(n) if not (sp.is_unknown(i) or sp.is_control(i) or sp.is_byte(i))
+              and sp.id_to_piece(i) not in SPECIAL_SYMBOLS}
     merges = generate_merges(vocab, scores, skip_tokens=set(vocab) - merged)
     backend = GemmaTokenizer(vocab=vocab, merges=merges).backend_tokenizer
     backend.add_special_tokens([AddedToken(s, special=True, normalized=False)
