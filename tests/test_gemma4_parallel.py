@@ -187,3 +187,37 @@ def test_encode_text_job_gives_comfyui_s_conditioning_for_2_5(tmp_path):
         assert (cond - golden[f"p{i}.cond_bf16"]).abs().max() <= 2e-3, i
         parts = NT.split_conditioning(conditioning)
         assert torch.equal(parts.embeds, cond) and parts.frame_rate == 24.0
+
+
+def test_12b_shaped_sizes_equal_accelerate_s_and_the_plan_keeps_layers_whole():
+    """Header-based sizes of a Gemma 4 12B-shaped model (meta device, nothing allocated; shapes inferred by our own
+    rules from the state dict) equal Accelerate's `compute_module_sizes` per decoder layer; both planners keep every
+    `Gemma4UnifiedTextDecoderLayer` whole; the activation estimate plans for the 512-wide heads."""
+    from accelerate.utils import compute_module_sizes
+    from transformers import Gemma4UnifiedTextConfig, Gemma4UnifiedTextModel
+
+    from mgpu_backend.models.gemma import GEMMA4, GemmaHeader, infer_gemma4_text_config
+
+    config = Gemma4UnifiedTextConfig(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                     num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                     global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                     vocab_size=262144)
+    with torch.device("meta"):
+        model = Gemma4UnifiedTextModel(config).to(torch.bfloat16)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    text_config = infer_gemma4_text_config(shapes, "12b-shaped")
+    assert text_config["layer_types"] == list(config.layer_types)
+    header = GemmaHeader("12b-shaped", text_config, shapes, {k: "BF16" for k in shapes}, GEMMA4)
+    layers, fixed = header.module_bytes(torch.bfloat16)
+    sizes = compute_module_sizes(model, dtype=torch.bfloat16)
+    assert layers == [sizes[f"layers.{i}"] for i in range(48)]
+    assert layers[0] == 224_148_993 * 2 and layers[5] == 241_844_225 * 2  # sliding / full-attention layer
+    assert sum(layers) + sum(fixed.values()) == 11_907_350_320 * 2  # the 12B language model in bf16
+    budgets = {"cuda:0": 12 * 2**30, "cuda:1": 12 * 2**30}
+    ours = G.plan_device_map(layers, {"rotary_emb": 0, **fixed}, budgets)
+    assert all(k in ("embed_tokens", "rotary_emb", "norm") or k.count(".") == 1 for k in ours)
+    theirs = G.accelerate_device_map(model, budgets, dtype=torch.bfloat16)
+    assert not any(k.count(".") > 1 for k in theirs), "Accelerate split a decoder layer"
+    act = G.activation_bytes(text_config, 1024, torch.bfloat16)
+    q_full = 1024 * 16 * 512 * 2  # one full-attention query tensor at 1024 tokens, bf16
+    assert act >= 2 * 1024 * 3840 * 49 + q_full
