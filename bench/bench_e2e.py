@@ -121,14 +121,16 @@ def build_components(args, device, dtype) -> LTX2Components:
         meta, vae, audio, voc, ups = dict(LTX2_19B, num_layers=args.blocks), LTX2_VIDEO_VAE, {}, {}, {}
         text_features = 3840 * 49  # Gemma 3 12B: hidden 3840 × 49 hidden states
     voc_cls, voc_kwargs = configs.vocoder_kwargs(voc)
+    from mgpu_backend.models.families import get_family
+
     return LTX2Components(
-        variant="2.0",
+        family=get_family("2.0"),
         transformer=build_transformer(meta, device, dtype, fp8=args.fp8, seed=0),
         video_connector=_build(lambda: LTX2ConnectorTransformer1d(**configs.connector_kwargs(meta, audio=False)),
                                device, dtype, 1),
         audio_connector=_build(lambda: LTX2ConnectorTransformer1d(**configs.connector_kwargs(meta, audio=True)),
                                device, dtype, 2),
-        text_projection=_build(lambda: TextProjection("2.0", text_features, meta["caption_channels"]), device, dtype,
+        text_projection=_build(lambda: TextProjection("single_linear", text_features, meta["caption_channels"]), device, dtype,
                                3),
         video_vae=_build(lambda: AutoencoderKLLTX2Video(**configs.video_vae_kwargs(vae)), device, dtype, 4),
         audio_vae=_build(lambda: build_audio_vae(**configs.audio_vae_kwargs(audio)), device, dtype, 5),
@@ -196,7 +198,7 @@ def main(argv=None) -> None:
     ap.add_argument("--height", type=int, default=704)
     ap.add_argument("--frames", type=int, default=121)
     ap.add_argument("--fps", type=float, default=24.0)
-    ap.add_argument("--steps", type=int, default=S.DEFAULT_STEPS["2.0"], help="stage-1 steps of the recipe")
+    ap.add_argument("--steps", type=int, default=S.default_steps("2.0"), help="stage-1 steps of the recipe")
     ap.add_argument("--stage1-steps", type=int, default=None,
                     help="stage-1 steps actually run (time scaled ×steps/K); default: all, unless over the budget")
     ap.add_argument("--stage1-budget", type=float, default=100.0,

@@ -1,4 +1,4 @@
-"""Gemma 3 text encoder on one GPU vs sharded over {GPU, CPU} (parallel/gemma.py, issue 6).
+"""Gemma 3 / Gemma 4 text encoder on one GPU vs sharded over {GPU, CPU} or {GPU, GPU} (parallel/gemma.py, issues 6, 18).
 
 A 12B-shaped Gemma 3 (hidden 3840, 48 layers, 16 heads / 8 KV heads of 256, MLP 15360, vocab 262208) with random
 bf16 weights is written once as a ComfyUI single file (`--file`, ~23.4 GB; reused when it exists), with the test
@@ -13,6 +13,11 @@ text projection 188160 -> 3840):
 
     python bench/bench_gemma.py --file /tmp/gemma12b.safetensors --out bench/results/gemma_h200.json
     python bench/bench_gemma.py --small --device cpu            # CPU smoke check (offload to "disk")
+
+`--arch gemma4`: a Gemma 4 12B-shaped model instead (LTX-2.5's text encoder: 48 layers, sliding 16 heads / 8 KV
+heads of 256, full-attention layers every 6th with one KV head of 512 and no v_proj, MLP 15360, vocab 262144, ~23.8 GB
+bf16), written in ComfyUI's layout with the tiny tokenizer.json and a random LTX-2.5 projection (188160 -> 4096 + 2048)
+bundled, which the service loads from the file. `--shard-over cuda:1` shards over two GPUs instead of GPU + CPU.
 """
 from __future__ import annotations
 
@@ -34,6 +39,12 @@ from mgpu_backend.parallel import gemma as G  # noqa: E402
 
 GEMMA3_12B = dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=256, vocab_size=262208)
+GEMMA4_12B = dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
+                  attention_k_eq_v=True, vocab_size=262144)
+GEMMA4_SMALL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+                    attention_k_eq_v=True, vocab_size=4096)
 SMALL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=4096)
 SENTENCE = ("A cinematic shot of a red car driving along a coastal road at sunset while waves crash against the "
@@ -60,6 +71,42 @@ def write_random_gemma(path: Path, shape: dict, device: str, seed: int = 0) -> N
             std = 0.5 / t.shape[1] ** 0.5
         sd["model." + name] = (torch.randn(t.shape, generator=gen, device=device) * std).to(torch.bfloat16).cpu()
     sd["spiece_model"] = torch.frombuffer(bytearray(tiny_spiece_model()), dtype=torch.uint8).clone()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path), metadata={"format": "pt"})
+
+
+def write_random_gemma4(path: Path, shape: dict, device: str, seed: int = 0) -> None:
+    """Random bf16 Gemma 4 weights in ComfyUI's LTX-2.5 single-file layout (`model.` + the bundled
+    `text_embedding_projection.{video,audio}_aggregate_embed` + `tokenizer_json`), scaled as
+    `models.tiny_gemma4.tiny_gemma4_weights` (norms ~1, q/k norms d^-1/4, layer scalars in [0.5, 1])."""
+    from safetensors.torch import save_file
+    from transformers import Gemma4UnifiedTextConfig, Gemma4UnifiedTextModel
+
+    from mgpu_backend.models.tiny_gemma4 import tiny_gemma4_tokenizer_json
+
+    with torch.device("meta"):
+        meta = Gemma4UnifiedTextModel(Gemma4UnifiedTextConfig(**shape))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sd = {}
+    for name, t in meta.state_dict().items():
+        r = torch.randn(t.shape, generator=gen, device=device)
+        if name == "embed_tokens.weight":
+            w = r * 0.05
+        elif name.endswith("layer_scalar"):
+            w = 0.5 + 0.5 * torch.rand(t.shape, generator=gen, device=device)
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            w = t.shape[0] ** -0.25 * (1 + 0.1 * r)
+        elif t.ndim == 1:
+            w = 1 + 0.1 * r
+        else:
+            w = r * (0.5 / t.shape[1] ** 0.5)
+        sd["model." + name] = w.to(torch.bfloat16).cpu()
+    in_features = shape["hidden_size"] * (shape["num_hidden_layers"] + 1)
+    for part, width in (("video_aggregate_embed", 4096), ("audio_aggregate_embed", 2048)):
+        w = torch.randn(width, in_features, generator=gen, device=device) * in_features ** -0.5
+        sd[f"text_embedding_projection.{part}.weight"] = w.to(torch.bfloat16).cpu()
+        sd[f"text_embedding_projection.{part}.bias"] = torch.zeros(width, dtype=torch.bfloat16)
+    sd["tokenizer_json"] = torch.frombuffer(bytearray(tiny_gemma4_tokenizer_json()), dtype=torch.uint8).clone()
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(path), metadata={"format": "pt"})
 
@@ -123,26 +170,35 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--gpu-cap", type=float, default=None,
                     help="GiB of the device for the sharded run (default: about half the weights)")
-    ap.add_argument("--small", action="store_true", help="a small Gemma-3-shaped model (smoke check)")
+    ap.add_argument("--small", action="store_true", help="a small model of the architecture (smoke check)")
+    ap.add_argument("--arch", choices=("gemma3", "gemma4"), default="gemma3")
+    ap.add_argument("--shard-over", default=None,
+                    help="second device of the sharded run (default: cpu offload; e.g. cuda:1 for two GPUs)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    shape = SMALL if args.small else GEMMA3_12B
-    path = Path(args.file if not args.small or args.file != ap.get_default("file") else
-                "/tmp/gemma3-small-random.safetensors")
-    result: dict = {"shape": shape, "device": str(device), "dtype": "bfloat16"}
+    gemma4 = args.arch == "gemma4"
+    shape = (GEMMA4_SMALL if gemma4 else SMALL) if args.small else (GEMMA4_12B if gemma4 else GEMMA3_12B)
+    path = Path(args.file if args.file != ap.get_default("file") else
+                f"/tmp/{args.arch}-{'small' if args.small else '12b'}-random.safetensors")
+    result: dict = {"arch": args.arch, "shape": shape, "device": str(device), "dtype": "bfloat16"}
     t = time.perf_counter()
     if not path.exists():
-        write_random_gemma(path, shape, args.device if device.type == "cuda" else "cpu")
+        (write_random_gemma4 if gemma4 else write_random_gemma)(path, shape,
+                                                               args.device if device.type == "cuda" else "cpu")
         result["write_s"] = time.perf_counter() - t
     header = read_gemma_header(path)
     layers, fixed = header.module_bytes(torch.bfloat16)
     weights = sum(layers) + sum(fixed.values())
     result["weights_gib"] = weights / 2**30
     in_features = header.hidden_size * header.num_hidden_states
-    projection = TextProjection("2.0", in_features, header.hidden_size, dtype=torch.bfloat16, device=device)
-    torch.nn.init.normal_(projection.aggregate_embed.weight, std=in_features ** -0.5)
+    if gemma4:
+        projection = None  # the service loads the one bundled in the file
+    else:
+        projection = TextProjection("single_linear", in_features, header.hidden_size, dtype=torch.bfloat16,
+                                    device=device)
+        torch.nn.init.normal_(projection.aggregate_embed.weight, std=in_features ** -0.5)
 
     # 1. one device
     t = time.perf_counter()
@@ -155,10 +211,12 @@ def main(argv=None) -> dict:
     del one
 
     # 2. sharded over {device, cpu} (a CPU run offloads to "disk" instead)
-    offload = "cpu" if device.type == "cuda" else "disk"
+    offload = args.shard_over or ("cpu" if device.type == "cuda" else "disk")
     cap = args.gpu_cap * 2**30 if args.gpu_cap else weights / 2 + G.activation_bytes(
         header.text_config, G.PLAN_TOKENS, torch.bfloat16) + max(layers)
-    max_memory = {G.device_key(device): int(cap), offload: "1TiB"}
+    # a second accelerator gets the same cap (an even two-GPU split); cpu / disk take the rest (offload)
+    max_memory = {G.device_key(device): int(cap),
+                  offload: int(cap) if offload.startswith("cuda") else "1TiB"}
     t = time.perf_counter()
     sharded = G.TextEncoderService(path, projection, projection_source="random", device=device,
                                    dtype=torch.bfloat16, mode="sharded", max_memory=max_memory)
@@ -177,7 +235,7 @@ def main(argv=None) -> dict:
     result["embeds_max_abs_diff"] = float((embeds1 - embeds2).abs().max())
     print(json.dumps(result, indent=2))
     o, s = result["one_device"], result["sharded"]
-    label = "small Gemma 3-shaped" if args.small else "Gemma 3 12B-shaped"
+    label = f"{'small' if args.small else '12B-shaped'} {'Gemma 4' if gemma4 else 'Gemma 3'}"
     print(f"\n| {label}, bf16, {o['tokens']} tokens | forward | encode (+{header.num_hidden_states} states to CPU, projection) "
           f"| GPU resident | GPU peak |\n|---|---|---|---|---|")
     for name, r in ((f"one device ({device})", o), (f"sharded {{{device}, {offload}}}", s)):

@@ -213,7 +213,7 @@ def component_bytes(dtype: torch.dtype) -> dict[str, int]:
         out = {
             "text connectors (video + audio)": sum(size(LTX2ConnectorTransformer1d(
                 **configs.connector_kwargs(LTX2_19B, audio=a)), dtype) for a in (False, True)),
-            "text projection 188160->3840": size(TextProjection("2.0", 3840 * 49, 3840), dtype),
+            "text projection 188160->3840": size(TextProjection("single_linear", 3840 * 49, 3840), dtype),
             "video VAE (encoder + decoder)": size(AutoencoderKLLTX2Video(**configs.video_vae_kwargs(
                 LTX2_VIDEO_VAE)), dtype),
             "audio VAE": size(build_audio_vae(**configs.audio_vae_kwargs({})), dtype),

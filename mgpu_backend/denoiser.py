@@ -38,12 +38,13 @@ class TextContext:
         return TextContext(self.video[index:index + 1], self.audio[index:index + 1], self.mask[index:index + 1])
 
 
-def split_embeds(embeds: torch.Tensor, variant: str, video_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CONDITIONING embeddings -> (video input, audio input) of the connectors.
+def split_embeds(embeds: torch.Tensor, family, video_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CONDITIONING embeddings -> (video input, audio input) of the connectors, by the family's text split.
 
-    LTX-2.0: one `[B, T, 3840]` tensor feeds both connectors; LTX-2.3: `[B, T, 4096 + 2048]` is split.
+    LTX-2.0: one `[B, T, 3840]` tensor feeds both connectors; LTX-2.3 / 2.5: `[B, T, 4096 + 2048]` is split at the
+    video width (ComfyUI `av_model.py::preprocess_text_embeds`).
     """
-    if variant == "2.3":
+    if family.splits_text:
         return embeds[..., :video_dim], embeds[..., video_dim:]
     return embeds, embeds
 
@@ -61,11 +62,11 @@ def text_contexts(components, embeds: list[torch.Tensor], dtype: torch.dtype | N
     param = next(video_connector.parameters())
     dtype = dtype or param.dtype
     device = param.device
-    width = video_connector.inner_dim + (audio_connector.inner_dim if components.variant == "2.3" else 0)
+    width = components.family.conditioning_width(video_connector.inner_dim, audio_connector.inner_dim)
     for e in embeds:
         if e.ndim != 3 or e.shape[0] != 1 or e.shape[-1] != width:
             raise ValueError(f"conditioning embeddings of shape {tuple(e.shape)} do not fit this checkpoint's text "
-                             f"connectors (expected [1, T, {width}] for LTX-{components.variant})")
+                             f"connectors (expected [1, T, {width}] for {components.family.display})")
     registers = video_connector.num_learnable_registers or 1
     longest = max(e.shape[1] for e in embeds)
     length = max(MIN_CONTEXT_TOKENS, math.ceil(longest / registers) * registers)
@@ -75,7 +76,7 @@ def text_contexts(components, embeds: list[torch.Tensor], dtype: torch.dtype | N
         t = e.shape[1]
         batch[i, length - t:] = e[0].to(device=device, dtype=dtype)
         mask[i, length - t:] = 1
-    video_in, audio_in = split_embeds(batch, components.variant, video_connector.inner_dim)
+    video_in, audio_in = split_embeds(batch, components.family, video_connector.inner_dim)
     additive = ((mask - 1).to(dtype) * torch.finfo(dtype).max).view(len(embeds), 1, 1, length)
     with torch.no_grad():
         video, video_mask = video_connector(video_in, additive)
@@ -83,6 +84,21 @@ def text_contexts(components, embeds: list[torch.Tensor], dtype: torch.dtype | N
         video = video * keep.unsqueeze(-1)
         audio, _ = audio_connector(audio_in, additive)
     return TextContext(video, audio, keep)
+
+
+def keyframe_token_mask(video_coords: torch.Tensor, num_generated: int | None = None) -> torch.Tensor:
+    """`[B, T, 1]` float marker of the video tokens whose latent frame encodes one pixel frame: generated tokens whose
+    time interval starts at 0 (the causal first latent frame), never the conditioning / guide tokens after the first
+    `num_generated` (None: every token is generated). What LTX-2.5's `keyframes_abs_pos_embedding` is added to.
+
+    Source: ComfyUI 0.33 `comfy/ldm/lightricks/model.py::keyframes_abs_pos_mask` (applied after `patchify_proj` on
+    every forward; guide tokens excluded); diffusers' `video_keyframes_mask` argument takes the marker.
+    `video_coords`: `[B, 3, T, 2]` in any unit whose time origin is the clip start.
+    """
+    mask = video_coords[:, 0, :, 0] == 0
+    if num_generated is not None:
+        mask[:, num_generated:] = False
+    return mask.unsqueeze(-1).float()
 
 
 class _SkipSelfAttention:
@@ -126,11 +142,15 @@ class LTX2Denoiser:
         video_coords: `[1, 3, Tv, 2]`, audio_coords: `[1, 1, Ta, 2]` (see `latents.video_coords/audio_coords`).
         dtype: compute dtype of the forward.
         forward: what runs the forward (default the transformer itself; a `SequenceParallelTransformer` for SP).
+        num_generated: generated video tokens (later tokens are conditioning / guides); None: all of them.
+    A transformer with LTX-2.5's `keyframes_abs_pos_embedding` gets its frame-0 marker (`keyframe_token_mask`) as
+    the per-token `video_keyframes_mask` on every forward, as ComfyUI applies it.
     Returns velocities in float32 (diffusers convention: v = noise - x0).
     """
 
     def __init__(self, transformer, positive: TextContext, negative: TextContext | None,
-                 video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, forward=None):
+                 video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, forward=None,
+                 num_generated: int | None = None):
         self.transformer = transformer
         self.forward = forward or transformer  # e.g. a SequenceParallelTransformer around `transformer`
         # the resident transformer is shared by every stage: install this stage's attention processors
@@ -140,6 +160,9 @@ class LTX2Denoiser:
             use_processor(transformer, LTX2AttnProcessor())
         self.positive, self.negative = positive, negative
         self.video_coords, self.audio_coords = video_coords, audio_coords
+        self.keyframes_mask = None
+        if getattr(transformer.config, "use_keyframes_abs_pos_embedding", False):
+            self.keyframes_mask = keyframe_token_mask(video_coords, num_generated).to(dtype)
         self.dtype = dtype
         self.forwards = 0
 
@@ -172,6 +195,7 @@ class LTX2Denoiser:
                 isolate_modalities=p.kind == "isolated",
                 use_cross_timestep=True,
                 return_dict=False,
+                **({"video_keyframes_mask": self.keyframes_mask} if self.keyframes_mask is not None else {}),
             )
         self.forwards += 1
         return video.float().to(inputs.video.device), audio.float().to(inputs.audio.device)

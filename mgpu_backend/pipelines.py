@@ -46,6 +46,7 @@ DEFAULT_NEGATIVE_PROMPT = (
 )  # reference DEFAULT_NEGATIVE_PROMPT (ltx_pipelines/utils/constants.py)
 
 PIPELINES = ("two-stage", "distilled")
+SAMPLERS = ("euler", "euler_ancestral")
 ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
 CancelFn = Callable[[str, int], bool]  # (stage, step about to run) -> stop now
 
@@ -66,10 +67,13 @@ class GenerateRequest:
     image_strength: float = 1.0
     video_guidance: S.GuidanceParams | None = None  # None = reference defaults for the model version
     audio_guidance: S.GuidanceParams | None = None
-    stage2_sigmas: tuple[float, ...] | None = None  # None: 0.909375, 0.725, 0.421875, 0 — or 0.625, 0.4, 0 tiled
+    stage2_sigmas: tuple[float, ...] | None = None  # None: the family's (2.0/2.3: 0.909375, 0.725, 0.421875, 0;
+    # 2.5: 0.85, 0.725, 0.4219, 0) — or 0.625, 0.4, 0 tiled
     distilled_lora: tuple[str, float] | None = None  # fused for stage 2 only
     loras: tuple[tuple[str, float], ...] = ()  # user LoRAs (path, strength), fused for both stages
-    pipeline: str = "two-stage"  # or "distilled": a distilled checkpoint, SP on both stages, no guidance
+    pipeline: str | None = None  # "two-stage", "distilled" (a distilled checkpoint, SP on both stages, no guidance)
+    # or None: the model family's recipe (2.0 / 2.3: two-stage; 2.5: distilled, ComfyUI's video_ltx2_5_t2v)
+    sampler: str | None = None  # "euler" / "euler_ancestral" on both stages; None: the family's recipe
     tiles: TileCountConfig | None = None  # stage-2 TDP tiles; None: balanced grid from the fleet size (1 rank: none)
     tile_overlap: int = 5  # latent cells, for the default grid
     decode_tiles: TileCountConfig | None = None  # decode tiles; None: balanced grid from the fleet size
@@ -78,8 +82,10 @@ class GenerateRequest:
 
     def validate(self) -> None:
         """Raise `ValidationError` naming the value and the rule (before any work)."""
-        if self.pipeline not in PIPELINES:
+        if self.pipeline is not None and self.pipeline not in PIPELINES:
             raise V.ValidationError(f"pipeline={self.pipeline!r}: choose one of {', '.join(PIPELINES)}")
+        if self.sampler is not None and self.sampler not in SAMPLERS:
+            raise V.ValidationError(f"sampler={self.sampler!r}: choose one of {', '.join(SAMPLERS)}")
         V.check_frames(self.frames)
         V.check_size(self.width, self.height, two_stage=True)
         V.check_positive("fps", self.fps)
@@ -130,6 +136,25 @@ def _parallel_summary(report: dict, distilled: bool) -> str:
     if not distilled or report["stage 2"] == report["stage 1"]:
         return report["stage 1"]
     return f"{named('stage 1')}; {named('stage 2')}"
+
+
+def ancestral_sampler(name: str, seed: int, video_shape, audio_shape) -> S.AncestralSampler | None:
+    """`"euler"` -> None (the reference's Euler step); `"euler_ancestral"` -> ComfyUI's sampler (eta 1, s_noise 1)
+    with per-step noise from a CPU generator seeded with `seed + 1` (as `k_diffusion.sampling.default_noise_sampler`),
+    one draw over the packed (video, audio) tokens per step — the same on every rank. `audio_shape` None: a frozen
+    audio stream (no audio noise)."""
+    if name == "euler":
+        return None
+    generator = torch.Generator(device="cpu").manual_seed(int(seed) + 1)
+    nv = int(torch.Size(video_shape).numel())
+    na = int(torch.Size(audio_shape).numel()) if audio_shape is not None else 0
+
+    def noise_fn():
+        n = torch.randn(nv + na, generator=generator, dtype=torch.float32)
+        audio = n[nv:].reshape(audio_shape) if audio_shape is not None else None
+        return n[:nv].reshape(video_shape), audio
+
+    return S.AncestralSampler(noise_fn)
 
 
 def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidanceParams:
@@ -294,13 +319,15 @@ class TwoStagePipeline:
 
         Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
         request.validate()
-        variant = self.components.variant
-        distilled = request.pipeline == "distilled"
+        family = self.components.family
+        recipe = family.recipe
+        distilled = (request.pipeline or recipe.pipeline) == "distilled"
+        sampler_name = request.sampler or recipe.sampler
         n_blocks = len(self.components.transformer.transformer_blocks)
         if distilled:  # the distilled model runs without guidance (reference distilled pipeline)
             default_v = default_a = S.NO_GUIDANCE
         else:
-            default_v, default_a = (_fit_stg_blocks(g, n_blocks) for g in S.default_guidance(variant))
+            default_v, default_a = (_fit_stg_blocks(g, n_blocks) for g in S.default_guidance(family))
         video_guidance = request.video_guidance or default_v
         audio_guidance = request.audio_guidance or default_a
         for g in (video_guidance, audio_guidance):
@@ -324,7 +351,7 @@ class TwoStagePipeline:
         if request.stage2_sigmas is not None:
             sigmas2 = S.as_sigmas(request.stage2_sigmas)
         else:
-            sigmas2 = S.as_sigmas(S.TDP_STAGE2_SIGMAS if stage2_tiling else S.DISTILLED_STAGE2_SIGMAS)
+            sigmas2 = S.as_sigmas(S.TDP_STAGE2_SIGMAS if stage2_tiling else recipe.stage2_sigmas)
         if stage2_tiling is not None:
             try:
                 check_tdp_sigmas(sigmas2, request.tdp_max_first_sigma)
@@ -338,10 +365,10 @@ class TwoStagePipeline:
         for loras in (stage1_loras, stage2_loras):
             self.lora.check(loras)
         if distilled:
-            sigmas1 = S.as_sigmas(S.DISTILLED_SIGMAS if request.steps is None else
+            sigmas1 = S.as_sigmas((recipe.stage1_sigmas or S.DISTILLED_SIGMAS) if request.steps is None else
                                   S.ltx2_sigmas(request.steps))
         else:  # reference ti2vid_two_stages: the scheduler at its default 4096 tokens
-            sigmas1 = S.ltx2_sigmas(request.steps or S.DEFAULT_STEPS[variant])
+            sigmas1 = S.ltx2_sigmas(request.steps or S.default_steps(family))
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
 
@@ -364,10 +391,11 @@ class TwoStagePipeline:
         audio_clean = torch.zeros(1, audio_frames, 128)
         try:
             reports = self.lora.apply(stage1_loras, "stage 1")
-            video1, audio1 = self.sequence_parallel_stage(
-                "stage 1", positive, negative, (frames_lat, h1, w1), audio_frames, request.fps, video_clean,
-                audio_clean, sigmas1, request.seed, video_mask, False, video_guidance, audio_guidance, progress,
-                cancel_check)
+            with S.use_sampler(ancestral_sampler(sampler_name, request.seed, video_clean.shape, audio_clean.shape)):
+                video1, audio1 = self.sequence_parallel_stage(
+                    "stage 1", positive, negative, (frames_lat, h1, w1), audio_frames, request.fps, video_clean,
+                    audio_clean, sigmas1, request.seed, video_mask, False, video_guidance, audio_guidance, progress,
+                    cancel_check)
         except BaseException:
             self.lora.after_error()
             raise
@@ -393,16 +421,21 @@ class TwoStagePipeline:
             stage2 = ("stage 2", positive, None, (frames_lat, h2, w2), audio_frames, request.fps, video_clean2, audio1,
                       sigmas2, request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress,
                       cancel_check)
+            stage2_sampler = S.use_sampler(ancestral_sampler(sampler_name, request.seed + 1, video_clean2.shape,
+                                                             None))
             if distilled:
-                video2, _ = self.sequence_parallel_stage(*stage2)
+                with stage2_sampler:
+                    video2, _ = self.sequence_parallel_stage(*stage2)
                 report["stage 2"] = plan.describe() if plan else "local"  # its own split: the cost model may differ
             elif stage2_tiling is not None:
                 tiled = (plan.tiled(self.components.transformer, (frames_lat, h2, w2), stage2_tiling) if plan
                          else TiledTransformer(self.components.transformer, (frames_lat, h2, w2), stage2_tiling))
-                video2, _ = self.local_stage(*stage2, forward=tiled)
+                with stage2_sampler:
+                    video2, _ = self.local_stage(*stage2, forward=tiled)
                 report["stage 2"] = f"{tiled.describe()}; {tiled.compute_seconds:.3f} s in tile forwards"
             else:
-                video2, _ = self.local_stage(*stage2)
+                with stage2_sampler:
+                    video2, _ = self.local_stage(*stage2)
                 report["stage 2"] = "local"
         except BaseException:
             self.lora.after_error()

@@ -431,21 +431,32 @@ VIDEO_GUIDANCE_LTX23 = GuidanceParams(cfg_scale=3.0, stg_scale=1.0, stg_blocks=(
 AUDIO_GUIDANCE_LTX23 = GuidanceParams(cfg_scale=7.0, stg_scale=1.0, stg_blocks=(28,), rescale=0.7, modality_scale=3.0)
 """Reference ``LTX_2_3_PARAMS.audio_guider_params``."""
 
-DEFAULT_STEPS = {"2.0": 40, "2.3": 30}
-"""Reference default stage-1 step counts (``LTX_2_PARAMS`` / ``LTX_2_3_PARAMS.num_inference_steps``)."""
+def default_steps(family) -> int:
+    """Reference default stage-1 step count of a guided stage 1 for the model family (name or `ModelFamily`):
+    ``LTX_2_PARAMS`` / ``LTX_2_3_PARAMS.num_inference_steps`` (40 / 30); a distilled family's schedule length.
+
+    Raises ValueError for an unknown family."""
+    from .models.families import get_family
+
+    recipe = get_family(family).recipe
+    return recipe.stage1_steps or len(recipe.stage1_sigmas) - 1
 
 
-def default_guidance(model_version: str = "2.0") -> tuple[GuidanceParams, GuidanceParams]:
-    """``(video, audio)`` stage-1 guidance defaults of the reference for ``"2.0"`` or ``"2.3"`` (2.4 = 2.3).
+def default_guidance(family) -> tuple[GuidanceParams, GuidanceParams]:
+    """``(video, audio)`` guided stage-1 defaults of the reference for the model family (name or `ModelFamily`):
+    CFG 3 / 7, STG 1 on the family's block (29 for LTX-2.0, 28 for 2.3 and 2.5), rescale 0.7, modality 3.
 
     Raises:
-        ValueError: unknown version.
+        ValueError: unknown family.
     """
-    if model_version in ("2", "2.0"):
+    from .models.families import get_family
+
+    block = get_family(family).recipe.stg_block
+    if block == 29:
         return VIDEO_GUIDANCE_LTX2, AUDIO_GUIDANCE_LTX2
-    if model_version in ("2.3", "2.4"):
+    if block == 28:
         return VIDEO_GUIDANCE_LTX23, AUDIO_GUIDANCE_LTX23
-    raise ValueError(f"unknown LTX model version {model_version!r}; expected '2.0' or '2.3'")
+    return (GuidanceParams(3.0, 1.0, (block,), 0.7, 3.0), GuidanceParams(7.0, 1.0, (block,), 0.7, 3.0))
 
 
 @dataclass(frozen=True)
@@ -798,7 +809,7 @@ __all__ = [
     "AncestralSampler",
     "AUDIO_GUIDANCE_LTX23",
     "BASE_SHIFT_ANCHOR",
-    "DEFAULT_STEPS",
+    "default_steps",
     "DISTILLED_SIGMAS",
     "DISTILLED_STAGE2_SIGMAS",
     "GuidanceParams",

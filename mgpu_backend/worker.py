@@ -148,7 +148,8 @@ class WorkerState:
 
             compile_blocks(self.components.transformer)
         # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
-        self.text = TextEncoderService.for_fleet(config, rank, device, self.components.text_projection)
+        self.text = TextEncoderService.for_fleet(config, rank, device, self.components.text_projection,
+                                                 family=self.components.family)
         self.plan = (build_plan(self.components.transformer, rank, config.world_size, device, config.token_cap,
                                 config.min_tokens_per_rank, config.sp_degree, config.guidance_parallel)
                      if config.sequence_parallel else None)

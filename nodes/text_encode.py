@@ -1,4 +1,12 @@
-"""Text Encode (MGPU): Gemma on the fleet -> two CONDITIONING in ComfyUI's native (unprocessed LTX-2) form."""
+"""Text Encode (MGPU): Gemma on the fleet -> two CONDITIONING in ComfyUI's native (unprocessed LTX-2) form.
+
+The fleet's text encoder is the file picked from `models/text_encoders/` in the loader: Gemma 3 12B for LTX-2.0 / 2.3
+(with the checkpoint's text projection) or, for LTX-2.5, Gemma 4 12B with its projection bundled
+(`gemma4-12b-with-proj-ltx-2.5-{bf16,comfy-int8-convrot}`). Either way the outputs are what ComfyUI's own
+`CLIPLoader(type="ltxv")` + `CLIPTextEncode` + `LTXVConditioning` give (`[[cond [1, T, C], {"pooled_output": None,
+"unprocessed_ltxav_embeds": True, "frame_rate": fps}]]`, checked against ComfyUI 0.33 for 2.5 in
+tests/test_gemma4_parallel.py), so graphs built from ComfyUI's 2.5 templates can swap their text nodes for this one.
+"""
 from __future__ import annotations
 
 import ast
@@ -32,9 +40,10 @@ class TextEncodeMGPU(io.ComfyNode):
             node_id="LTX2MGPU_TextEncode",
             display_name="Text Encode (MGPU)",
             category=CATEGORY,
-            description="Encodes the prompt and the negative prompt with the fleet's Gemma and the checkpoint's text "
-                        "projection. The outputs are ordinary LTX-2 CONDITIONING (as ComfyUI's own LTX-2 text encoder "
-                        "makes them) and also work with ComfyUI's samplers.",
+            description="Encodes the prompt and the negative prompt with the fleet's Gemma (Gemma 3 with the "
+                        "checkpoint's text projection for LTX-2.0 / 2.3; Gemma 4 with the projection bundled in its "
+                        "file for LTX-2.5). The outputs are ordinary LTX-2 CONDITIONING (as ComfyUI's own CLIPLoader "
+                        "type ltxv + CLIP Text Encode make them) and also work with ComfyUI's samplers.",
             inputs=[
                 fleet_input(),
                 io.String.Input("prompt", multiline=True, default="",

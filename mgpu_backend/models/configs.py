@@ -22,8 +22,12 @@ def is_ltx23(transformer_meta: dict[str, Any]) -> bool:
     return any(bool(transformer_meta.get(flag, False)) for flag in _V23_FLAGS)
 
 
-def transformer_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
+def transformer_kwargs(meta: dict[str, Any], keyframes_embedding: bool = False) -> dict[str, Any]:
     """`config.transformer` -> `LTX2VideoTransformer3DModel(**kwargs)`.
+
+    `keyframes_embedding`: build the LTX-2.5 `keyframes_abs_pos_embedding` `[1, inner_dim]` (ComfyUI and this
+    loader detect it from the file's keys, not from the metadata). `ff_bias` / `audio_ff_bias` /
+    `use_prompt_adaln_single` come from the metadata (LTX-2.5: `ff_bias: false`), as ComfyUI reads them.
 
     Raises ValueError when the video and audio head counts differ (ltx-core asserts they match; the a2v / v2a
     cross-attention runs on the audio head layout).
@@ -67,6 +71,7 @@ def transformer_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
         ff_bias=bool(meta.get("ff_bias", True)),
         audio_ff_bias=bool(meta.get("audio_ff_bias", True)),
         use_prompt_adaln_single=bool(meta.get("use_prompt_adaln_single", True)),
+        use_keyframes_abs_pos_embedding=bool(keyframes_embedding),
     )
 
 

@@ -1,7 +1,37 @@
-"""Gemma 3 text encoder for LTX-2 / LTX-2.3: loads ComfyUI's single file or a Hugging Face folder and returns
-ALL hidden states (embeddings + every layer), as ComfyUI's LTX-2 text encoder does.
+"""Gemma text encoders for LTX-2: Gemma 3 12B (LTX-2.0 / 2.3) and Gemma 4 12B (LTX-2.5). Loads ComfyUI's single
+file (or, for Gemma 3, a Hugging Face folder) and returns ALL hidden states (embeddings + every layer), as ComfyUI's
+LTX-2 text encoders do.
 
-Runs on transformers' `Gemma3TextModel` (language model only; the vision tower and projector are not loaded).
+Runs on transformers' `Gemma3TextModel` / `Gemma4UnifiedTextModel` (language model only; vision/audio embedders and
+projectors are not loaded). The two architectures are described by `GEMMA3` / `GEMMA4` (`TextEncoderArch`) and
+told apart by their keys (`detect_architecture`: Gemma 4 decoder layers carry a learned `layer_scalar`).
+
+Gemma 4 (LTX-2.5; facts from ComfyUI 0.33 `comfy/sd.py` (`detect_te_model` -> GEMMA_4_12B, `load_text_encoder_
+state_dicts`), `comfy/text_encoders/gemma4.py` (`Gemma4_12B_Config`, `Gemma4Transformer`, `TransformerBlockGemma4`,
+`Gemma4Attention`, `Gemma4SDTokenizer`), `comfy/text_encoders/lt.py` (`ltxav_gemma4_tokenizer`, `LTXAVTEModel`) and
+transformers 5 `models/gemma4_unified` (`Gemma4UnifiedTextConfig`, `Gemma4UnifiedTextModel`)):
+* File `models/text_encoders/gemma4-12b-with-proj-ltx-2.5-{bf16,comfy-int8-convrot}.safetensors`: the language model
+  under `model.` (`embed_tokens.weight` [262144, 3840]; 48 `layers.N.` with q/k/o projections, q/k norms, the MLP,
+  four norms and `layer_scalar` [1]; sliding layers (5 of every 6) have head_dim 256, 8 key/value heads and a
+  `v_proj`; full-attention layers (`N % 6 == 5`) have head_dim 512, ONE key/value head and no `v_proj` — V is the
+  raw K projection (`attention_k_eq_v`); `norm.weight`), the LTX text projection under `text_embedding_projection.`
+  (read by `text_projection.load_bundled_projection`), the tokenizer as the uint8 tensor `tokenizer_json` (a
+  Hugging Face tokenizer.json), and multimodal embedders (`vision_model.*`, `multi_modal_projector.*`,
+  `audio_projector.*`, ignored here). No config is stored: it is inferred from shapes (`infer_gemma4_text_config`).
+* Forward (both implementations agree): embeddings · sqrt(H); per layer pre-norm attention with RMS-normed q and k
+  (weights), V RMS-normed WITHOUT a weight, attention scale 1.0, RoPE theta 1e4 on sliding layers and theta 1e6 on
+  a quarter of the 512 dims ("proportional") on full layers, sliding window 1024, norms multiply by the weight
+  itself (not 1 + weight), and the layer output multiplied by `layer_scalar`.
+* int8-convrot file: every decoder-layer Linear weight is int8 with a float32 per-row `weight_scale` [out, 1] and a
+  `comfy_quant` JSON `{"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": G}`: dequantized here once
+  at load (resident in `dtype`) as `(q · scale)` rotated back group-wise by the normalized regular Hadamard matrix
+  (comfy-kitchen `TensorWiseINT8Layout.dequantize` / `dequantize_int8_convrot_weight`; the math is
+  `models.quant`'s, shared with the transformer's resident int8 layers); plain `int8_tensorwise` (no rotation,
+  scalar or per-row scale) is read the same way.
+* Prompt handling (ComfyUI `Gemma4SDTokenizer` with `min_length` 1024 from `ltxav_gemma4_tokenizer`): no template
+  (CLIPTextEncode passes `skip_template=True`), ids = [<bos>=2] + tokenizer.json ids of the text (no special-token
+  splitting of our own and no dropped first id: the tokenizer matches its added tokens itself); `\\(`/`\\)` become
+  `(`/`)`. ComfyUI's textual-inversion syntax (` embedding:NAME`) is not interpreted (it is tokenized as text).
 
 Layouts accepted (facts from ComfyUI 0.20.1 `comfy/sd.py`, `comfy/text_encoders/lt.py`, `llama.py`, `utils.py`,
 `ops.py`, `quant_ops.py` and Lightricks' `ltx-core` `text_encoders/gemma/gemma_assets.py`, `encoder_configurator.py`):
@@ -65,11 +95,62 @@ GEMMA3_12B_CONSTANTS = {
 }
 
 _LM_PREFIXES = ("language_model.model.", "model.language_model.", "model.")
-_IGNORED_PREFIXES = ("vision_model.", "vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                     "model.multi_modal_projector.", "language_model.lm_head.", "lm_head.", "model.lm_head.",
+_IGNORED_PREFIXES = ("vision_model.", "vision_tower.", "multi_modal_projector.", "audio_projector.",
+                     "model.vision_tower.", "model.multi_modal_projector.", "language_model.lm_head.", "lm_head.", "model.lm_head.",
                      "text_embedding_projection.", "hf_asset__")
 _IGNORED_KEYS = ("spiece_model", "tokenizer_json", "scaled_fp8")
 _FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+#: ComfyUI's int8 layout (comfy/quant_ops.py QUANT_ALGOS): int8 weight + float32 weight_scale, optional ConvRot
+INT8_FORMATS = ("int8_tensorwise",)
+#: quantization side tensors next to a weight (not weights themselves)
+_AUX_SUFFIXES = (".comfy_quant", ".weight_scale", ".scale_weight", ".input_scale", ".scale_input", ".weight_scale_2")
+#: Constants of ComfyUI's `Gemma4_12B_Config` not visible in tensor shapes (equal to transformers'
+#: `Gemma4UnifiedTextConfig` defaults): sliding window 1024, RoPE theta 1e4 (sliding) / 1e6 on a quarter of the
+#: dims (full attention, "proportional"), RMSNorm eps 1e-6, max positions 131072.
+GEMMA4_12B_CONSTANTS = {
+    "sliding_window": 1024, "rope_theta_sliding": 10_000.0, "rope_theta_full": 1_000_000.0,
+    "partial_rotary_factor_full": 0.25, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+}
+
+
+@dataclass(frozen=True)
+class TextEncoderArch:
+    """One Gemma generation as the LTX-2 text encoder (the text-encoder part of a model family).
+
+    Attributes:
+        name: "gemma3" | "gemma4".
+        config_class / model_class: transformers classes building the language model.
+        no_split_module: the decoder-layer class Accelerate must keep whole on one device.
+        tokenizer_key: the tensor holding the tokenizer in ComfyUI's single file ("spiece_model": SentencePiece
+            model proto; "tokenizer_json": a tokenizer.json).
+        projection_prefix: where the LTX text projection lives: None = in the LTX checkpoint (LTX-2.0 / 2.3);
+            "text_embedding_projection." = bundled in the text-encoder file (LTX-2.5).
+        drops_first_id_with_specials: ComfyUI's Gemma 3 path drops the first tokenizer id when a prompt contains
+            its special strings; Gemma 4 does not.
+    The number of hidden states is always num_hidden_layers + 1 (embeddings first).
+    """
+
+    name: str
+    config_class: str
+    model_class: str
+    no_split_module: str
+    tokenizer_key: str
+    projection_prefix: str | None
+    drops_first_id_with_specials: bool
+
+
+GEMMA3 = TextEncoderArch("gemma3", "Gemma3TextConfig", "Gemma3TextModel", "Gemma3DecoderLayer", "spiece_model",
+                         None, True)
+GEMMA4 = TextEncoderArch("gemma4", "Gemma4UnifiedTextConfig", "Gemma4UnifiedTextModel",
+                         "Gemma4UnifiedTextDecoderLayer", "tokenizer_json", "text_embedding_projection.", False)
+ARCHITECTURES = {a.name: a for a in (GEMMA3, GEMMA4)}
+
+
+def detect_architecture(lm_keys) -> TextEncoderArch:
+    """GEMMA4 when the language model's decoder layers carry `layer_scalar` (keys without the `model.` prefix),
+    else GEMMA3. (ComfyUI's own rule for the 12B: `model.layers.47.self_attn.q_norm.weight` present and
+    `model.layers.5.self_attn.v_proj.weight` absent.)"""
+    return GEMMA4 if any(re.fullmatch(r"layers\.\d+\.layer_scalar", k) for k in lm_keys) else GEMMA3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,12 +164,15 @@ class GemmaPromptTokenizer:
     (`from_tokenizer_json`, through the `tokenizers` library).
     """
 
-    def __init__(self, encode_fn, vocab_lookup, vocab_size: int, source: str):
+    def __init__(self, encode_fn, vocab_lookup, vocab_size: int, source: str, architecture: TextEncoderArch = GEMMA3):
         self._encode = encode_fn          # str -> list[int], no BOS/EOS
         self._lookup = vocab_lookup       # piece -> id or None
         self.vocab_size = vocab_size
         self.source = source
-        if vocab_size >= 262144:
+        self.architecture = architecture
+        if not architecture.drops_first_id_with_specials:
+            self.special_tokens = {}      # Gemma 4: the tokenizer.json matches its own added tokens
+        elif vocab_size >= 262144:
             self.special_tokens = dict(COMFY_SPECIAL_TOKENS)
         else:
             self.special_tokens = {s: i for s in COMFY_SPECIAL_TOKENS if (i := vocab_lookup(s)) is not None}
@@ -106,12 +190,13 @@ class GemmaPromptTokenizer:
         return cls(lambda s: sp.encode(s, add_bos=False, add_eos=False), lookup, sp.get_piece_size(), source)
 
     @classmethod
-    def from_tokenizer_json(cls, data: bytes, source: str = "<tokenizer.json>") -> GemmaPromptTokenizer:
+    def from_tokenizer_json(cls, data: bytes, source: str = "<tokenizer.json>",
+                            architecture: TextEncoderArch = GEMMA3) -> GemmaPromptTokenizer:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(data.decode("utf-8"))
         return cls(lambda s: tok.encode(s, add_special_tokens=False).ids, tok.token_to_id,
-                   tok.get_vocab_size(with_added_tokens=True), source)
+                   tok.get_vocab_size(with_added_tokens=True), source, architecture)
 
     def prompt_ids(self, text: str) -> list[int]:
         """Ids for one prompt: `[BOS] + ids(text)` with ComfyUI's escapes and special-token handling."""
@@ -144,11 +229,13 @@ class GemmaTextEncoder(nn.Module):
         text_config: the `Gemma3TextConfig`.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: GemmaPromptTokenizer, source: str):
+    def __init__(self, model: nn.Module, tokenizer: GemmaPromptTokenizer, source: str,
+                 architecture: TextEncoderArch = GEMMA3):
         super().__init__()
         self.model = model
         self.tokenizer = tokenizer
         self.source = source
+        self.architecture = architecture
         self.text_config = model.config
         #: where the input ids go: the embedding's device, or for a model dispatched over several devices with
         #: Accelerate (`load_gemma(device_map=...)`) the first device of the map (its main/execution device)
@@ -277,44 +364,195 @@ def infer_text_config(shapes: dict[str, tuple[int, ...]], source: str) -> dict:
     }
 
 
-def _quant_formats(f, keys: set[str], meta: dict, source: str) -> dict[str, str]:
-    """Layer name (full key prefix) -> quantization format, from `_quantization_metadata` and `.comfy_quant`."""
-    formats: dict[str, str] = {}
+def infer_gemma4_text_config(shapes: dict[str, tuple[int, ...]], source: str) -> dict:
+    """Gemma 4 (transformers `Gemma4UnifiedTextConfig`) text config from language-model tensor shapes (keys without
+    prefix).
+
+    Rules: hidden_size, vocab_size from `embed_tokens.weight`; num_hidden_layers = 1 + the largest layer index; each
+    layer's head width = its `self_attn.q_norm.weight` width; head_dim = the smaller width (sliding layers),
+    global_head_dim = the larger (full-attention layers; the two must differ); layer_types: "full_attention" where
+    the width is global_head_dim, else "sliding_attention" (the last layer must be full attention);
+    attention_k_eq_v = the full-attention layers have no `v_proj` (all or none; every sliding layer has one);
+    num_attention_heads = q_proj rows / head width (equal on both kinds); num_key_value_heads = k_proj rows /
+    head_dim on sliding layers, num_global_key_value_heads = k_proj rows / global_head_dim on full layers;
+    intermediate_size = `mlp.gate_proj` rows (equal on every layer). Everything else: `GEMMA4_12B_CONSTANTS`.
+    For the 12B file: 3840, 262144, 48 layers, 256 / 512, 16 heads, 8 / 1 key/value heads, 15360, every 6th full.
+
+    Raises: ValueError naming `source`, the layer and the rule when a tensor is missing or shapes disagree.
+    """
+    def need(k):
+        if k not in shapes:
+            raise ValueError(f"{source}: cannot infer the Gemma 4 config, tensor {k!r} is missing (rule: a Gemma 4 "
+                             f"language model has embed_tokens, layers.N.self_attn.{{q,k}}_proj/q_norm, mlp, ...)")
+        return shapes[k]
+
+    vocab, hidden = need("embed_tokens.weight")
+    layer_ids = {int(m.group(1)) for k in shapes if (m := re.match(r"layers\.(\d+)\.", k))}
+    if not layer_ids:
+        raise ValueError(f"{source}: no 'layers.N.' tensors found")
+    n = max(layer_ids) + 1
+    if layer_ids != set(range(n)):
+        raise ValueError(f"{source}: layer indices are not contiguous 0..{n - 1}: missing "
+                         f"{sorted(set(range(n)) - layer_ids)}")
+    widths = [need(f"layers.{i}.self_attn.q_norm.weight")[0] for i in range(n)]
+    head_dim, global_head_dim = min(widths), max(widths)
+    if head_dim == global_head_dim:
+        raise ValueError(f"{source}: every layer has head width {head_dim}; rule: Gemma 4 full-attention layers have "
+                         f"a wider head (q_norm width) than sliding layers, which is how they are told apart")
+    full = [i for i in range(n) if widths[i] == global_head_dim]
+    if full[-1] != n - 1:
+        raise ValueError(f"{source}: the last layer ({n - 1}) has head width {widths[-1]}, not {global_head_dim}; "
+                         f"rule: the last Gemma 4 layer is a full-attention layer")
+    has_v = [f"layers.{i}.self_attn.v_proj.weight" in shapes for i in range(n)]
+    no_v_sliding = [i for i in range(n) if i not in full and not has_v[i]]
+    if no_v_sliding:
+        raise ValueError(f"{source}: sliding layers {no_v_sliding[:8]} have no self_attn.v_proj.weight (rule: only "
+                         f"full-attention layers may reuse K as V)")
+    k_eq_v = {has_v[i] for i in full}
+    if len(k_eq_v) > 1:
+        raise ValueError(f"{source}: some full-attention layers have a v_proj and some do not "
+                         f"({[i for i in full if has_v[i]][:8]} have one); rule: all or none")
+    heads, kv, global_kv, inter = None, None, None, None
+    for i in range(n):
+        hd = widths[i]
+        q_rows = need(f"layers.{i}.self_attn.q_proj.weight")[0]
+        k_rows = need(f"layers.{i}.self_attn.k_proj.weight")[0]
+        g_rows = need(f"layers.{i}.mlp.gate_proj.weight")[0]
+        if q_rows % hd or k_rows % hd:
+            raise ValueError(f"{source}: layer {i}: q_proj/k_proj rows {q_rows}/{k_rows} are not multiples of its "
+                             f"head width {hd} (q_norm width)")
+        h = q_rows // hd
+        if heads not in (None, h):
+            raise ValueError(f"{source}: layer {i} has {h} query heads, layer 0 has {heads}; rule: one head count")
+        heads = h
+        if i in full:
+            if global_kv not in (None, k_rows // hd):
+                raise ValueError(f"{source}: layer {i} has {k_rows // hd} key/value heads, other full-attention layers "
+                                 f"{global_kv}")
+            global_kv = k_rows // hd
+        else:
+            if kv not in (None, k_rows // hd):
+                raise ValueError(f"{source}: layer {i} has {k_rows // hd} key/value heads, other sliding layers {kv}")
+            kv = k_rows // hd
+        if inter not in (None, g_rows):
+            raise ValueError(f"{source}: layer {i} has MLP width {g_rows}, layer 0 has {inter}; rule: one MLP width")
+        inter = g_rows
+    c = GEMMA4_12B_CONSTANTS
+    return {
+        "model_type": "gemma4_unified_text", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": n, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "global_head_dim": global_head_dim,
+        "num_global_key_value_heads": global_kv, "attention_k_eq_v": not has_v[full[0]],
+        "layer_types": ["full_attention" if i in full else "sliding_attention" for i in range(n)],
+        "sliding_window": c["sliding_window"], "rms_norm_eps": c["rms_norm_eps"],
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": c["max_position_embeddings"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": c["rope_theta_sliding"]},
+            "full_attention": {"rope_type": "proportional", "rope_theta": c["rope_theta_full"],
+                               "partial_rotary_factor": c["partial_rotary_factor_full"]}},
+        "num_kv_shared_layers": 0, "use_double_wide_mlp": False, "final_logit_softcapping": 30.0,
+        "pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID,
+    }
+
+
+def infer_config(shapes: dict[str, tuple[int, ...]], source: str, architecture: TextEncoderArch) -> dict:
+    """The text config of `architecture` from language-model shapes (`infer_text_config` or
+    `infer_gemma4_text_config`)."""
+    if architecture is GEMMA4:
+        return infer_gemma4_text_config(shapes, source)
+    return infer_text_config(shapes, source)
+
+
+def quant_configs(f, keys: set[str], meta: dict, source: str) -> dict[str, dict]:
+    """Layer name (full key prefix) -> its quantization config (`{"format": ..., ...}`), from the safetensors
+    metadata `_quantization_metadata` and the per-layer uint8 JSON tensors `<layer>.comfy_quant`; legacy
+    `scaled_fp8` files give `{"format": "float8_e4m3fn"}` for each `<layer>.scale_weight`.
+    Raises ValueError naming the file for an unreadable config."""
+    confs: dict[str, dict] = {}
     if "_quantization_metadata" in meta:
         try:
             layers = json.loads(meta["_quantization_metadata"]).get("layers", {})
         except (ValueError, AttributeError) as e:
             raise ValueError(f"{source}: unreadable '_quantization_metadata' metadata: {e}") from e
-        formats.update({k: v.get("format") for k, v in layers.items()})
+        confs.update({k: dict(v) for k, v in layers.items()})
     for k in keys:
         if k.endswith(".comfy_quant"):
             raw = bytes(f.get_tensor(k).to(torch.uint8).tolist())
             try:
-                formats[k[: -len(".comfy_quant")]] = json.loads(raw.decode("utf-8")).get("format")
-            except ValueError as e:
+                confs[k[: -len(".comfy_quant")]] = dict(json.loads(raw.decode("utf-8")))
+            except (ValueError, TypeError) as e:
                 raise ValueError(f"{source}: unreadable quantization config {k!r}: {e}") from e
     if "scaled_fp8" in keys:
         for k in keys:
             if k.endswith(".scale_weight"):
-                formats.setdefault(k[: -len(".scale_weight")], "float8_e4m3fn")
-    return formats
+                confs.setdefault(k[: -len(".scale_weight")], {"format": "float8_e4m3fn"})
+    return confs
+
+
+def _quant_formats(f, keys: set[str], meta: dict, source: str) -> dict[str, str]:
+    """Layer name (full key prefix) -> quantization format (`quant_configs`' "format" values)."""
+    return {k: v.get("format") for k, v in quant_configs(f, keys, meta, source).items()}
 
 
 def _refuse_unsupported(formats: dict[str, str], keys: set[str], source: str) -> None:
-    bad = {k: v for k, v in formats.items() if v not in _FP8_FORMATS}
+    bad = {k: v for k, v in formats.items() if v not in _FP8_FORMATS and v not in INT8_FORMATS}
     if not bad:
         bad = {k[: -len(".weight_scale_2")]: "nvfp4" for k in keys if k.endswith(".weight_scale_2")}
     if bad:
         layer, fmt = sorted(bad.items())[0]
         raise ValueError(
             f"{source}: layer {layer!r} is stored as {fmt!r} ({len(bad)} such layers; an fp4-mixed ComfyUI text "
-            f"encoder such as gemma_3_12B_it_fp4_mixed.safetensors). Rule: Gemma files must be bf16/fp16/fp32 or "
-            f"per-tensor scaled fp8 (float8_e4m3fn/float8_e5m2 + weight_scale); nvfp4/mxfp8 block-scaled weights "
-            f"are not supported. Use gemma_3_12B_it.safetensors or gemma_3_12B_it_fp8_scaled.safetensors.")
+            f"encoder such as gemma_3_12B_it_fp4_mixed.safetensors). Rule: Gemma files must be bf16/fp16/fp32, "
+            f"per-tensor scaled fp8 (float8_e4m3fn/float8_e5m2 + weight_scale) or ComfyUI's int8 "
+            f"(int8_tensorwise, optionally convrot); nvfp4/mxfp8 block-scaled weights are not supported. Use "
+            f"gemma_3_12B_it.safetensors / gemma_3_12B_it_fp8_scaled.safetensors, or for LTX-2.5 "
+            f"gemma4-12b-with-proj-ltx-2.5-bf16 / -comfy-int8-convrot.")
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, conf: dict, name: str = "") -> torch.Tensor:
+    """ComfyUI `int8_tensorwise` weight -> float32 (`models.quant.dequantize_int8`: `q · scale`, scale 0-d or per
+    row [out, 1], rotated back group-wise by the ConvRot Hadamard matrix when `conf` says `convrot`).
+    Raises ValueError naming `name` for a scale that does not broadcast or a bad group size."""
+    from .quant import convrot_group
+    from .quant import dequantize_int8 as _dequantize
+
+    if scale.numel() != 1 and (scale.ndim != q.ndim or scale.shape[0] != q.shape[0] or scale.shape[1:] != (1,)):
+        raise ValueError(f"{name}: int8 weight {tuple(q.shape)} has a weight_scale of shape {tuple(scale.shape)} "
+                         f"(rule: one scale, or one per row [out, 1])")
+    try:
+        return _dequantize(q, scale.reshape(()) if scale.numel() == 1 else scale, convrot_group(conf))
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def read_weight(f, key: str, keys: set[str], confs: dict[str, dict], source: str) -> torch.Tensor:
+    """Tensor `key` of the open safetensors file `f`, dequantized when stored quantized: scaled fp8
+    (`weight · weight_scale` / legacy `scale_weight`, per tensor) or ComfyUI int8 (`dequantize_int8`), float32 then;
+    otherwise the stored floating tensor as is. Raises ValueError naming the file and key for an integer tensor
+    without an int8 config, a non-scalar fp8 scale or a missing int8 scale."""
+    t = f.get_tensor(key)
+    layer = key[: -len(".weight")] if key.endswith(".weight") else None
+    if t.dtype in _FP8_FORMATS.values():
+        scale = torch.ones((), dtype=torch.float32)
+        for sfx in (".weight_scale", ".scale_weight"):
+            if layer is not None and layer + sfx in keys:
+                scale = f.get_tensor(layer + sfx).float()
+        if scale.numel() != 1:
+            raise ValueError(f"{source}: fp8 tensor {key!r} has a non-scalar scale of shape "
+                             f"{tuple(scale.shape)}; only per-tensor scaled fp8 is supported")
+        return t.float() * scale
+    if t.dtype == torch.int8 and layer is not None and confs.get(layer, {}).get("format") in INT8_FORMATS:
+        if layer + ".weight_scale" not in keys:
+            raise ValueError(f"{source}: int8 weight {key!r} has no {layer + '.weight_scale'!r}")
+        return dequantize_int8(t, f.get_tensor(layer + ".weight_scale"), confs[layer], f"{source}: {key}")
+    if not t.is_floating_point():
+        raise ValueError(f"{source}: tensor {key!r} has dtype {t.dtype}; rule: weights must be floating point or "
+                         f"quantized in a supported layout (scaled fp8, int8_tensorwise with its comfy_quant config)")
+    return t
 
 
 def _collect(files: list[Path], prefix: str, dtype: torch.dtype, source: str) -> _Collected:
-    """Read the language-model tensors of `files`, strip `prefix`, dequantize fp8, cast to `dtype` (CPU)."""
+    """Read the language-model tensors of `files`, strip `prefix`, dequantize fp8 / int8, cast to `dtype` (CPU)."""
     from safetensors import safe_open
 
     col = _Collected()
@@ -323,9 +561,8 @@ def _collect(files: list[Path], prefix: str, dtype: torch.dtype, source: str) ->
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
             meta = f.metadata() or {}
-            formats = _quant_formats(f, keys, meta, f"{path}")
-            _refuse_unsupported(formats, keys, f"{path}")
-            aux_suffixes = (".comfy_quant", ".weight_scale", ".scale_weight", ".input_scale", ".scale_input")
+            confs = quant_configs(f, keys, meta, f"{path}")
+            _refuse_unsupported({k: v.get("format") for k, v in confs.items()}, keys, f"{path}")
             for k in sorted(keys):
                 if k in _IGNORED_KEYS or k.startswith(_IGNORED_PREFIXES):
                     col.ignored.append(k)
@@ -333,23 +570,9 @@ def _collect(files: list[Path], prefix: str, dtype: torch.dtype, source: str) ->
                 if not k.startswith(prefix):
                     unexpected.append(k)
                     continue
-                if k.endswith(aux_suffixes):
+                if k.endswith(_AUX_SUFFIXES):
                     continue
-                t = f.get_tensor(k)
-                layer = k[: -len(".weight")] if k.endswith(".weight") else None
-                if t.dtype in _FP8_FORMATS.values():
-                    scale = torch.ones((), dtype=torch.float32)
-                    for s in (".weight_scale", ".scale_weight"):
-                        if layer is not None and layer + s in keys:
-                            scale = f.get_tensor(layer + s).float()
-                    if scale.numel() != 1:
-                        raise ValueError(f"{path}: fp8 tensor {k!r} has a non-scalar scale of shape "
-                                         f"{tuple(scale.shape)}; only per-tensor scaled fp8 is supported")
-                    t = t.float() * scale
-                elif not t.is_floating_point():
-                    raise ValueError(f"{path}: tensor {k!r} has dtype {t.dtype}; rule: language-model weights "
-                                     f"must be floating point (quantized formats other than scaled fp8 are refused)")
-                col.tensors[k[len(prefix):]] = t.to(dtype)
+                col.tensors[k[len(prefix):]] = read_weight(f, k, keys, confs, str(path)).to(dtype)
     if unexpected:
         raise ValueError(f"{source}: unexpected tensors outside the language model prefix {prefix!r}: "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
@@ -389,20 +612,20 @@ def _as_device(where) -> torch.device:
 
 
 def _build_model(text_config: dict, tensors: dict[str, torch.Tensor], device, source: str,
-                 device_map: dict | None = None) -> nn.Module:
-    from transformers import Gemma3TextConfig, Gemma3TextModel
+                 device_map: dict | None = None, architecture: TextEncoderArch = GEMMA3) -> nn.Module:
+    import transformers
 
     cfg = dict(text_config)
     cfg.pop("model_type", None)
-    config = Gemma3TextConfig(**cfg)
+    config = getattr(transformers, architecture.config_class)(**cfg)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = Gemma3TextModel(config)
+        model = getattr(transformers, architecture.model_class)(config)
     try:
         model.load_state_dict({k: v.to(_map_device(device_map, k, device)) for k, v in tensors.items()},
                               strict=True, assign=True)
     except RuntimeError as e:
-        raise ValueError(f"{source}: weights do not match the Gemma 3 config "
+        raise ValueError(f"{source}: weights do not match the {architecture.name} config "
                          f"(hidden={config.hidden_size}, layers={config.num_hidden_layers}): {e}") from e
     # Non-persistent buffers are not in the checkpoint: recreate them for real (they were built on meta).
     model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5,
@@ -466,7 +689,15 @@ def _load_single_file(path: Path, device, dtype, device_map: dict | None = None)
     with safe_open(source, framework="pt") as f:
         keys = set(f.keys())
         meta = f.metadata() or {}
-        if "spiece_model" in keys:
+        prefix = _detect_prefix(keys, source)
+        arch = detect_architecture(k[len(prefix):] for k in keys if k.startswith(prefix))
+        if arch is GEMMA4:
+            if "tokenizer_json" not in keys:
+                raise ValueError(f"{source}: Gemma 4 file without a tokenizer (rule: ComfyUI's Gemma 4 files embed "
+                                 f"the Hugging Face tokenizer.json as the uint8 tensor 'tokenizer_json')")
+            tokenizer = GemmaPromptTokenizer.from_tokenizer_json(
+                bytes(f.get_tensor("tokenizer_json").to(torch.uint8).numpy().tobytes()), source, GEMMA4)
+        elif "spiece_model" in keys:
             tokenizer = GemmaPromptTokenizer.from_spiece_proto(
                 bytes(f.get_tensor("spiece_model").to(torch.uint8).numpy().tobytes()), source)
         elif "tokenizer_json" in keys:
@@ -475,13 +706,13 @@ def _load_single_file(path: Path, device, dtype, device_map: dict | None = None)
         else:
             raise ValueError(f"{source}: no tokenizer in the file (rule: ComfyUI Gemma files embed the SentencePiece "
                              f"model as the uint8 tensor 'spiece_model')")
-    prefix = _detect_prefix(keys, source)
     col = _collect([path], prefix, dtype, source)
-    if "gemma_config" in meta:   # ltx-core packed TE file
+    if "gemma_config" in meta and arch is GEMMA3:   # ltx-core packed TE file
         text_config = _text_config_from_json(json.loads(meta["gemma_config"]), source)
     else:
-        text_config = infer_text_config({k: tuple(v.shape) for k, v in col.tensors.items()}, source)
-    return GemmaTextEncoder(_build_model(text_config, col.tensors, device, source, device_map), tokenizer, source)
+        text_config = infer_config({k: tuple(v.shape) for k, v in col.tensors.items()}, source, arch)
+    return GemmaTextEncoder(_build_model(text_config, col.tensors, device, source, device_map, arch), tokenizer,
+                            source, arch)
 
 
 def _text_config_from_json(config: dict, source: str) -> dict:
@@ -529,16 +760,13 @@ def _load_folder(folder: Path, device, dtype, device_map: dict | None = None) ->
 # Headers only (memory planning, cache keys): nothing is loaded
 # ----------------------------------------------------------------------------------------------------------------
 
-_AUX_SUFFIXES = (".comfy_quant", ".weight_scale", ".scale_weight", ".input_scale", ".scale_input", ".weight_scale_2")
-
-
 @dataclass
 class GemmaHeader:
     """What the safetensors headers (and config.json) of a Gemma file or folder say, without reading weights.
 
     Attributes:
         source: the file or folder.
-        text_config: the Gemma 3 text config dict (as `load_gemma` builds the model from).
+        text_config: the text config dict (as `load_gemma` builds the model from).
         shapes: language-model tensor name (no prefix, e.g. "layers.3.mlp.up_proj.weight") -> shape; the
             quantization side tensors (`weight_scale`, `comfy_quant`, ...) are not listed.
         stored_dtypes: the same names -> safetensors dtype string ("BF16", "F8_E4M3", ...).
@@ -548,6 +776,10 @@ class GemmaHeader:
     text_config: dict
     shapes: dict[str, tuple[int, ...]]
     stored_dtypes: dict[str, str]
+    architecture: TextEncoderArch = GEMMA3
+    #: the bundled LTX text projection's tensors (keys under `architecture.projection_prefix`, prefix stripped,
+    #: quantization side tensors left out) -> shape; empty when the file has none
+    projection_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def hidden_size(self) -> int:
@@ -611,22 +843,25 @@ def read_gemma_header(path: str | Path) -> GemmaHeader:
                 sl = f.get_slice(k)
                 infos[k] = (tuple(int(d) for d in sl.get_shape()), str(sl.get_dtype()))
     prefix = _detect_prefix(set(infos), source)
-    shapes, dtypes = {}, {}
+    shapes, dtypes, projection = {}, {}, {}
     for k, (shape, dt) in infos.items():
-        if k in _IGNORED_KEYS or k.startswith(_IGNORED_PREFIXES) or not k.startswith(prefix):
-            continue
         if k.endswith(_AUX_SUFFIXES):
+            continue
+        if k.startswith(GEMMA4.projection_prefix):
+            projection[k[len(GEMMA4.projection_prefix):]] = shape
+        if k in _IGNORED_KEYS or k.startswith(_IGNORED_PREFIXES) or not k.startswith(prefix):
             continue
         shapes[k[len(prefix):]] = shape
         dtypes[k[len(prefix):]] = dt
+    arch = detect_architecture(shapes)
     if path.is_dir():
         text_config = _text_config_from_json(json.loads((path / "config.json").read_text()),
                                              str(path / "config.json"))
-    elif "gemma_config" in meta:
+    elif "gemma_config" in meta and arch is GEMMA3:
         text_config = _text_config_from_json(json.loads(meta["gemma_config"]), source)
     else:
-        text_config = infer_text_config(shapes, source)
-    return GemmaHeader(source, text_config, shapes, dtypes)
+        text_config = infer_config(shapes, source, arch)
+    return GemmaHeader(source, text_config, shapes, dtypes, arch, projection if arch is GEMMA4 else {})
 
 
 def gemma_fingerprint(path: str | Path) -> tuple:

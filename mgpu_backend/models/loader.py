@@ -25,12 +25,15 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 
-from . import configs, keymaps
+from . import configs, keymaps, quant
+from .families import ModelFamily, detect_family, get_family
 from .fp8 import FP8_DTYPES, INPUT_SCALE_SUFFIX, SCALE_SUFFIX, swap_in_fp8_linears
 
 # a key every LTX-2 audio+video transformer has (ComfyUI's detection uses the same two)
 _LTX_MARKER = "adaln_single.emb.timestep_embedder.linear_1.bias"
 _AV_MARKER = "audio_adaln_single.linear.weight"
+# LTX-2.5(.1+): learned embedding of single-pixel-frame tokens; ComfyUI builds it when the key is present
+KEYFRAME_EMBEDDING_KEY = "keyframes_abs_pos_embedding"
 
 
 OPEN_COUNT = 0  # safetensors files opened by this process (the fleet reports it: weights are read once per worker)
@@ -75,6 +78,9 @@ class SafetensorsFile:
     def tensor_dtype(self, key: str) -> torch.dtype:
         return _SAFETENSORS_DTYPES[self._handle.get_slice(key).get_dtype()]
 
+    def tensor_shape(self, key: str) -> list[int]:
+        return list(self._handle.get_slice(key).get_shape())
+
     def keys_under(self, prefix: str) -> list[str]:
         return [k for k in self.keys if k.startswith(prefix)]
 
@@ -88,13 +94,15 @@ _SAFETENSORS_DTYPES = {
 
 @dataclass
 class LTX2Components:
-    """The modules of one LTX-2 / LTX-2.3 model, as diffusers runs them.
+    """The modules of one LTX-2 / LTX-2.3 / LTX-2.5 model, as diffusers runs them.
 
-    `text_projection` is the checkpoint's feature extractor (Gemma hidden states -> CONDITIONING, DESIGN.md §3);
-    `video_connector` / `audio_connector` turn that CONDITIONING into the transformer's context at sampling time.
+    `family` is the model-family record (`families.ModelFamily`): code asks it, never a version string.
+    `text_projection` is the feature extractor (Gemma hidden states -> CONDITIONING, DESIGN.md §3; None when the
+    family bundles it with a text encoder that was not given); `video_connector` / `audio_connector` turn that
+    CONDITIONING into the transformer's context at sampling time.
     """
 
-    variant: str  # "2.0" or "2.3"
+    family: ModelFamily
     transformer: nn.Module
     video_connector: nn.Module
     audio_connector: nn.Module
@@ -105,6 +113,11 @@ class LTX2Components:
     upsampler: nn.Module | None = None
     config: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def variant(self) -> str:
+        """The family's name ("2.0", "2.3", "2.5"), for messages and file names."""
+        return self.family.name
 
     def modules(self) -> dict[str, nn.Module]:
         names = ("transformer", "video_connector", "audio_connector", "text_projection", "video_vae", "audio_vae",
@@ -142,17 +155,31 @@ def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_ke
     with init_empty_weights(include_buffers=False):
         module = factory()
     mapped: dict[str, str] = {}
+    markers: dict[str, dict] = {}  # module path of a quantized layer -> its `.comfy_quant` dict
     for key in file_keys:
         if key.endswith(ignored_suffixes):
             continue
+        if key.endswith("." + quant.COMFY_QUANT_SUFFIX):
+            layer_key = key[len(prefix): -len(quant.COMFY_QUANT_SUFFIX)] + "weight"
+            try:
+                markers[to_diffusers(layer_key)[: -len(".weight")]] = quant.parse_comfy_quant(file.tensor(key), key)
+            except ValueError as exc:
+                raise CheckpointError(f"{file.path}: {component}: {exc}") from exc
+            continue
         mapped[to_diffusers(key[len(prefix):])] = key
-    fp8_weights = {mk: file.tensor_dtype(fk) for mk, fk in mapped.items()
-                   if mk.endswith(".weight") and file.tensor_dtype(fk) in FP8_DTYPES}
+    int8_layers, fp8_weights = _quantized_layers(file, component, mapped, markers)
     if fp8_weights:
         input_scaled = {mk[: -len(INPUT_SCALE_SUFFIX) - 1] for mk in mapped if mk.endswith("." + INPUT_SCALE_SUFFIX)}
         try:
             swap_in_fp8_linears(module, fp8_weights, compute_dtype=dtype, input_scale_names=input_scaled)
         except (ValueError, AttributeError) as exc:  # an fp8 weight of a non-Linear, or of no layer at all
+            raise CheckpointError(f"{file.path}: {component}: {exc}") from exc
+    if int8_layers:
+        scale_shapes = {path: tuple(file.tensor_shape(mapped[path + "." + SCALE_SUFFIX]))
+                        for path in int8_layers if path + "." + SCALE_SUFFIX in mapped}
+        try:
+            quant.swap_in_int8_linears(module, int8_layers, dtype, scale_shapes)
+        except (ValueError, AttributeError) as exc:
             raise CheckpointError(f"{file.path}: {component}: {exc}") from exc
     expected = set(module.state_dict().keys())
     missing = sorted(expected - mapped.keys())
@@ -167,14 +194,58 @@ def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_ke
             parts.append(f"unexpected keys: {_format_keys(unexpected)}")
         raise CheckpointError(f"{file.path}: {component} does not match the expected layout; " + "; ".join(parts))
     state = {}
+    own = module.state_dict()
     for mk, fk in mapped.items():
         tensor = file.tensor(fk)
-        keep = tensor.dtype in FP8_DTYPES or mk.endswith((SCALE_SUFFIX, INPUT_SCALE_SUFFIX))
+        if mk in fp8_weights and tensor.dtype == torch.uint8:  # legacy ComfyUI files: fp8 bytes stored as uint8
+            tensor = tensor.view(fp8_weights[mk])
+        keep = tensor.dtype in FP8_DTYPES or tensor.dtype == torch.int8 or mk.endswith((SCALE_SUFFIX,
+                                                                                          INPUT_SCALE_SUFFIX))
         if tensor.is_floating_point() and not keep:
             tensor = tensor.to(dtype)
+        if keep and tensor.shape != own[mk].shape and tensor.numel() == own[mk].numel() == 1:
+            tensor = tensor.reshape(own[mk].shape)  # a per-tensor scale stored as [1]
         state[mk] = tensor
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval().requires_grad_(False)
+
+
+def _quantized_layers(file: SafetensorsFile, component: str, mapped: dict[str, str], markers: dict[str, dict]
+                      ) -> tuple[dict[str, dict], dict[str, torch.dtype]]:
+    """Sort the quantized Linear weights of a component: `(int8 layers {path: marker}, fp8 weights {key: dtype})`.
+
+    fp8 weights are found by their stored dtype (Lightricks' scaled-fp8 files carry no marker) or by a float8
+    `.comfy_quant` marker (legacy uint8 storage included); int8 weights need an `int8_tensorwise` marker.
+    Raises CheckpointError naming the layer for an unsupported format, a marker without its weight, or an int8
+    weight without a marker (it would otherwise be read as plain numbers).
+    """
+    int8_layers: dict[str, dict] = {}
+    fp8_weights: dict[str, torch.dtype] = {}
+    for path, conf in markers.items():
+        fmt = conf["format"]
+        weight = path + ".weight"
+        if weight not in mapped:
+            raise CheckpointError(f"{file.path}: {component}: quantization marker for {path} has no weight")
+        if fmt in quant.FLOAT8_FORMATS:
+            fp8_weights[weight] = quant.FLOAT8_FORMATS[fmt]
+        elif fmt == quant.INT8_FORMAT:
+            if file.tensor_dtype(mapped[weight]) != torch.int8:
+                raise CheckpointError(f"{file.path}: {mapped[weight]}: marked {fmt} but stored as "
+                                      f"{file.tensor_dtype(mapped[weight])}")
+            int8_layers[path] = conf
+        else:
+            raise CheckpointError(f"{file.path}: {component}: layer {mapped[weight]} uses the quantization format "
+                                  f"{fmt!r}; supported: {', '.join(quant.SUPPORTED_FORMATS)}")
+    for mk, fk in mapped.items():
+        if not mk.endswith(".weight"):
+            continue
+        stored = file.tensor_dtype(fk)
+        if stored in FP8_DTYPES and mk not in fp8_weights:
+            fp8_weights[mk] = stored
+        elif stored == torch.int8 and mk[: -len(".weight")] not in int8_layers:
+            raise CheckpointError(f"{file.path}: {fk} is stored as int8 without a '.comfy_quant' marker naming its "
+                                  f"format")
+    return int8_layers, fp8_weights
 
 
 def transformer_prefix(file: SafetensorsFile) -> str:
@@ -222,7 +293,8 @@ def load_transformer(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Modu
     all_keys = file.keys_under(prefix) if prefix else [k for k in file.keys if not k.startswith(_OTHER_PREFIXES)]
     connector_keys = {c: [k for k in all_keys if k[len(prefix):].startswith(c)] for c in keymaps.CONNECTOR_PREFIXES}
     transformer_keys = [k for k in all_keys if not k[len(prefix):].startswith(keymaps.CONNECTOR_PREFIXES)]
-    kwargs = configs.transformer_kwargs(meta)
+    kwargs = configs.transformer_kwargs(
+        meta, keyframes_embedding=prefix + KEYFRAME_EMBEDDING_KEY in file.keys)  # from the keys, as ComfyUI
     transformer = load_module(lambda: LTX2VideoTransformer3DModel(**kwargs), file, transformer_keys, prefix,
                               keymaps.transformer_to_diffusers, dtype, "transformer",
                               to_original=keymaps.transformer_to_original)
@@ -324,31 +396,50 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
                     audio_vae: str | Path | None = None, text_projection: str | Path | None = None,
                     upsampler: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu") -> LTX2Components:
-    """Load every component of an LTX-2 / LTX-2.3 model.
+    """Load every component of an LTX-2 / LTX-2.3 / LTX-2.5 model, slot by slot of its family's component table.
 
     Args:
-        checkpoint: single-file checkpoint, or a transformer-only file (then `video_vae`, `audio_vae` and
-            `text_projection` name the files holding those components; each falls back to `checkpoint`).
-        upsampler: optional latent-upscaler file.
-        dtype: compute dtype of the modules (fp8-stored Linear weights stay fp8; the vocoder stays float32).
+        checkpoint: the transformer file: a single-file checkpoint (every slot in one file) or a transformer-only
+            file (`diffusion_models/`; bf16, scaled fp8, or ComfyUI's `.comfy_quant` fp8 / int8(-convrot)).
+        video_vae, audio_vae: per-component files of those slots (`vae/`); each falls back to `checkpoint`.
+        text_projection: the file holding the text projection: for LTX-2.0 / 2.3 a projection file (falls back to
+            `checkpoint`), for LTX-2.5 the text-encoder file it is bundled in (without one: no projection).
+        upsampler: optional latent-upscaler file (`latent_upscale_models/`).
+        dtype: compute dtype of the modules (quantized Linear weights stay resident quantized; the vocoder stays
+            float32).
     Raises: FileNotFoundError, CheckpointError (family, metadata, strict key mismatch), each naming the file.
     """
     main = SafetensorsFile(checkpoint)
     transformer, video_connector, audio_connector, meta = load_transformer(main, dtype)
-    files = {"video_vae": video_vae, "audio_vae": audio_vae, "text_projection": text_projection}
-    opened = {name: SafetensorsFile(p) if p is not None else main for name, p in files.items()}
+    family = detect_family(meta, main.keys, transformer_prefix(main))
+    given = {"video_vae": video_vae, "audio_vae": audio_vae, "upsampler": upsampler}
+    opened: dict[str, SafetensorsFile | None] = {"transformer": main}
+    for slot, path in given.items():
+        if path is not None:
+            opened[slot] = SafetensorsFile(path)
+        elif any(spec.required for spec in family.slot_components(slot)):
+            opened[slot] = main  # a single-file checkpoint holds this slot too
+        else:
+            opened[slot] = None
+    # the text projection: in the checkpoint (2.0 / 2.3, or a file of its own) or in the text-encoder file (2.5)
+    if text_projection is not None:
+        projection_file = SafetensorsFile(text_projection)
+    else:
+        projection_file = main if family.component("text_projection").file_slot == "transformer" else None
     components = LTX2Components(
-        variant="2.3" if configs.is_ltx23(meta) else "2.0",
+        family=family,
         transformer=transformer,
         video_connector=video_connector,
         audio_connector=audio_connector,
-        text_projection=load_text_projection(opened["text_projection"], dtype),
+        text_projection=load_text_projection(projection_file, dtype) if projection_file is not None else None,
         video_vae=load_video_vae(opened["video_vae"], dtype),
         audio_vae=None, vocoder=None,
-        upsampler=load_upsampler(upsampler, dtype) if upsampler is not None else None,
+        upsampler=load_upsampler(opened["upsampler"], dtype) if opened["upsampler"] is not None else None,
         config=main.config(),
-        sources={"checkpoint": str(main.path), **{n: str(f.path) for n, f in opened.items()},
-                 **({"upsampler": str(upsampler)} if upsampler is not None else {})},
+        sources={"checkpoint": str(main.path), "video_vae": str(opened["video_vae"].path),
+                 "audio_vae": str(opened["audio_vae"].path),
+                 **({"text_projection": str(projection_file.path)} if projection_file is not None else {}),
+                 **({"upsampler": str(opened["upsampler"].path)} if opened["upsampler"] is not None else {})},
     )
     components.audio_vae, components.vocoder = load_audio_vae_and_vocoder(opened["audio_vae"], dtype)
     return components.to(device)

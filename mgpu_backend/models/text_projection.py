@@ -17,6 +17,12 @@ Gemma's stacked hidden states `[B, T, H, L]` (H = 3840, L = 49 for Gemma 3 12B) 
   (which concatenates `(video, audio)`; the transformer splits at its video cross-attention width,
   `av_model.py::preprocess_text_embeds`).
 
+* LTX-2.5: the 2.3 formula (`dual_linear`: ComfyUI `lt.py::DualLinearProjection`, chosen by `sd_detect` from the
+  `video_aggregate_embed` / `audio_aggregate_embed` keys) on Gemma 4 12B's hidden states; the projection is bundled
+  in the Gemma 4 text-encoder file (`text_encoders/gemma4-12b-with-proj-ltx-2.5-*`, prefix
+  `text_embedding_projection.`) and its sizes follow the Gemma config: in_features = hidden_size ·
+  (num_hidden_layers + 1) (3840 · 49), video 4096 + audio 2048 for the 12B (`load_bundled_projection`).
+
 Checkpoint keys (prefix `text_embedding_projection.`): 2.0 `aggregate_embed.weight` [3840, 188160] (ComfyUI's
 re-saved files may use the bare `weight`); 2.3 `video_aggregate_embed.{weight,bias}` [4096, 188160] / [4096] and
 `audio_aggregate_embed.{weight,bias}` [2048, 188160] / [2048] (also the layout of Kijai's
@@ -34,6 +40,8 @@ import math
 
 import torch
 from torch import nn
+
+from .families import PROJECTION_DUAL, PROJECTION_SINGLE
 
 DEFAULT_PREFIX = "text_embedding_projection."
 EPS = 1e-6
@@ -74,28 +82,31 @@ class TextProjection(nn.Module):
     """The checkpoint's feature extractor (module docstring has formulas and sources).
 
     Attributes:
-        variant: "2.0" (single `aggregate_embed`, no bias) or "2.3" (`video_aggregate_embed` + `audio_aggregate_embed`).
+        kind: "single_linear" (LTX-2.0: one `aggregate_embed`, no bias) or "dual_linear" (LTX-2.3 / 2.5:
+            `video_aggregate_embed` + `audio_aggregate_embed`); ComfyUI `lt.py::sd_detect` names,
+            `families.PROJECTION_SINGLE` / `PROJECTION_DUAL`.
         in_features: H·L (188160 for Gemma 3 12B).
         out_features: 3840 (2.0) or video + audio widths, 6144 (2.3).
         video_dim: output width of the video part (3840 for 2.0, 4096 for 2.3).
     """
 
-    def __init__(self, variant: str, in_features: int, out_features: int | tuple[int, int],
+    def __init__(self, kind: str, in_features: int, out_features: int | tuple[int, int],
                  dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        if variant == "2.0":
+        if kind == PROJECTION_SINGLE:
             self.aggregate_embed = nn.Linear(in_features, int(out_features), bias=False, dtype=dtype, device=device)
             self.video_dim = int(out_features)
             self.out_features = int(out_features)
-        elif variant == "2.3":
+        elif kind == PROJECTION_DUAL:
             v, a = out_features
             self.video_aggregate_embed = nn.Linear(in_features, v, bias=True, dtype=dtype, device=device)
             self.audio_aggregate_embed = nn.Linear(in_features, a, bias=True, dtype=dtype, device=device)
             self.video_dim = v
             self.out_features = v + a
         else:
-            raise ValueError(f"variant must be '2.0' or '2.3', got {variant!r}")
-        self.variant = variant
+            raise ValueError(f"text projection kind must be {PROJECTION_SINGLE!r} or {PROJECTION_DUAL!r}, "
+                             f"got {kind!r}")
+        self.kind = kind
         self.in_features = in_features
         self.requires_grad_(False)
 
@@ -114,32 +125,32 @@ class TextProjection(nn.Module):
             raise ValueError(f"no text projection keys under prefix {prefix!r} "
                              f"(expected {prefix}aggregate_embed.weight or {prefix}video_aggregate_embed.weight)")
         if any(k.startswith(("video_aggregate_embed.", "audio_aggregate_embed.")) for k in sub):
-            variant = "2.3"
+            kind = PROJECTION_DUAL
             expected = {f"{m}.{p}" for m in ("video_aggregate_embed", "audio_aggregate_embed")
                         for p in ("weight", "bias")}
         else:
-            variant = "2.0"
+            kind = PROJECTION_SINGLE
             expected = {"weight"} if "weight" in sub and "aggregate_embed.weight" not in sub \
                 else {"aggregate_embed.weight"}
         missing = sorted(prefix + k for k in expected - sub.keys())
         unexpected = sorted(prefix + k for k in sub.keys() - expected)
         if missing or unexpected:
-            raise ValueError(f"text projection (LTX-{variant}) state dict mismatch: missing keys {missing}, "
+            raise ValueError(f"text projection ({kind}) state dict mismatch: missing keys {missing}, "
                              f"unexpected keys {unexpected}")
         for k, v in sub.items():
             if not v.is_floating_point() or v.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 raise ValueError(f"{prefix}{k}: dtype {v.dtype} is not supported for the text projection")
-        if variant == "2.0":
+        if kind == PROJECTION_SINGLE:
             w = sub["weight"] if "weight" in expected else sub["aggregate_embed.weight"]
-            mod = cls("2.0", w.shape[1], w.shape[0], dtype=dtype or w.dtype)
+            mod = cls(PROJECTION_SINGLE, w.shape[1], w.shape[0], dtype=dtype or w.dtype)
             mod.aggregate_embed.weight.copy_(w)
         else:
             vw, vb = sub["video_aggregate_embed.weight"], sub["video_aggregate_embed.bias"]
             aw, ab = sub["audio_aggregate_embed.weight"], sub["audio_aggregate_embed.bias"]
             if vw.shape[1] != aw.shape[1] or vb.shape != (vw.shape[0],) or ab.shape != (aw.shape[0],):
-                raise ValueError(f"text projection (LTX-2.3) shape mismatch: video weight {tuple(vw.shape)}, "
+                raise ValueError(f"text projection ({kind}) shape mismatch: video weight {tuple(vw.shape)}, "
                                  f"bias {tuple(vb.shape)}; audio weight {tuple(aw.shape)}, bias {tuple(ab.shape)}")
-            mod = cls("2.3", vw.shape[1], (vw.shape[0], aw.shape[0]), dtype=dtype or vw.dtype)
+            mod = cls(PROJECTION_DUAL, vw.shape[1], (vw.shape[0], aw.shape[0]), dtype=dtype or vw.dtype)
             mod.video_aggregate_embed.weight.copy_(vw)
             mod.video_aggregate_embed.bias.copy_(vb)
             mod.audio_aggregate_embed.weight.copy_(aw)
@@ -159,9 +170,9 @@ class TextProjection(nn.Module):
                              f"{tuple(hidden_states.shape)} and {tuple(attention_mask.shape)}")
         _, _, h, l = hidden_states.shape  # noqa: E741
         if h * l != self.in_features:
-            raise ValueError(f"text projection (LTX-{self.variant}) expects {self.in_features} features per token, "
+            raise ValueError(f"text projection ({self.kind}) expects {self.in_features} features per token, "
                              f"got hidden {h} x {l} states = {h * l}")
-        if self.variant == "2.0":
+        if self.kind == PROJECTION_SINGLE:
             lin = self.aggregate_embed
             x = masked_mean_range_norm(hidden_states.to(lin.weight.device), attention_mask)
             return lin(x.to(lin.weight.dtype)).float()
@@ -199,21 +210,61 @@ def make_conditioning(embeds: torch.Tensor, attention_mask: torch.Tensor, frame_
     return [[cond, extra]]
 
 
-def split_video_audio(embeds: torch.Tensor, variant: str, video_dim: int = LTX23_VIDEO_DIM
+def split_video_audio(embeds: torch.Tensor, kind: str, video_dim: int = LTX23_VIDEO_DIM
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Video and audio text features from CONDITIONING embeddings `[..., C]`.
 
     2.0: both streams get the same 3840-wide tensor. 2.3: `[..., :video_dim]` and `[..., video_dim:]` (4096 + 2048),
     as ComfyUI `av_model.py::preprocess_text_embeds` splits them.
-    Raises: ValueError for an unknown variant or a 2.3 tensor not wider than `video_dim`.
+    `kind`: the projection kind (`single_linear`: 2.0, `dual_linear`: 2.3 / 2.5).
+    Raises: ValueError for an unknown kind or a dual tensor not wider than `video_dim`.
     """
-    if variant == "2.0":
+    if kind == PROJECTION_SINGLE:
         return embeds, embeds
-    if variant == "2.3":
+    if kind == PROJECTION_DUAL:
         if embeds.shape[-1] <= video_dim:
-            raise ValueError(f"LTX-2.3 embeddings must be wider than video_dim={video_dim}, got {embeds.shape[-1]}")
+            raise ValueError(f"video+audio embeddings must be wider than video_dim={video_dim}, got {embeds.shape[-1]}")
         return embeds[..., :video_dim], embeds[..., video_dim:]
-    raise ValueError(f"variant must be '2.0' or '2.3', got {variant!r}")
+    raise ValueError(f"text projection kind must be {PROJECTION_SINGLE!r} or {PROJECTION_DUAL!r}, got {kind!r}")
+
+
+def load_bundled_projection(path, dtype: torch.dtype | None = None, device=None) -> TextProjection:
+    """The LTX-2.5 text projection bundled in a Gemma 4 text-encoder file (keys `text_embedding_projection.
+    {video,audio}_aggregate_embed.{weight,bias}`), kind `dual_linear`.
+
+    Reads only those tensors (memory-mapped through safetensors); floating tensors as stored (or cast to `dtype`),
+    ComfyUI int8 (`int8_tensorwise`, optionally convrot) dequantized once (`models.gemma.read_weight`) into `dtype`
+    (default bfloat16 then). Strict: any other key under the prefix, or a missing one, is named in the ValueError.
+    Raises: FileNotFoundError; ValueError naming the file when it bundles no projection or a wrong layout.
+    """
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from .gemma import _AUX_SUFFIXES, quant_configs, read_weight
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text encoder file not found: {path}")
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        names = sorted(k for k in keys if k.startswith(DEFAULT_PREFIX) and not k.endswith(_AUX_SUFFIXES))
+        if not names:
+            raise ValueError(f"{path}: no text projection bundled (rule: LTX-2.5's Gemma 4 file carries "
+                             f"{DEFAULT_PREFIX}video_aggregate_embed.* / audio_aggregate_embed.*)")
+        confs = quant_configs(f, keys, f.metadata() or {}, str(path))
+        sd = {}
+        for k in names:
+            stored_float = f.get_slice(k).get_dtype() in ("BF16", "F16", "F32")
+            t = read_weight(f, k, keys, confs, str(path))
+            sd[k] = t.to(dtype or (t.dtype if stored_float else torch.bfloat16))
+    try:
+        mod = TextProjection.from_state_dict(sd, prefix=DEFAULT_PREFIX)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    if mod.kind != PROJECTION_DUAL:
+        raise ValueError(f"{path}: the bundled text projection is {mod.kind}; rule: LTX-2.5's is {PROJECTION_DUAL}")
+    return mod.to(device) if device is not None else mod
 
 
 def check_gemma_matches(projection: TextProjection, encoder, gemma_path) -> None:
@@ -223,5 +274,6 @@ def check_gemma_matches(projection: TextProjection, encoder, gemma_path) -> None
     if got != projection.in_features:
         raise ValueError(
             f"Gemma text encoder {gemma_path} gives hidden_size {encoder.hidden_size} x {encoder.num_hidden_states} "
-            f"hidden states = {got} features per token, but the checkpoint's text projection (LTX-"
-            f"{projection.variant}) expects in_features={projection.in_features} (Gemma 3 12B: 3840 x 49 = 188160)")
+            f"hidden states = {got} features per token, but the checkpoint's text projection ("
+            f"{projection.kind}) expects in_features={projection.in_features} (the 12B Gemma 3 and Gemma 4: "
+            f"3840 x 49 = 188160)")

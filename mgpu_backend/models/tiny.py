@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from . import configs, keymaps
+from . import configs, keymaps, quant
+from .families import PROJECTION_DUAL, get_family
 from .fp8 import SCALE_SUFFIX, quantize_fp8
 
 TINY_GEMMA_HIDDEN = 64
@@ -57,16 +58,10 @@ def tiny_transformer_metadata(variant: str) -> dict[str, Any]:
         "positional_embedding_type": "rope", "use_audio_video_cross_attention": True, "share_ff": False,
         "av_cross_ada_norm": True, "norm_eps": 1e-06, "attention_type": "default",
     }
-    if variant == "2.3":
-        meta.update({
-            "apply_gated_attention": True, "cross_attention_adaln": True,
-            "caption_proj_before_connector": True, "caption_projection_first_linear": False,
-            "caption_proj_input_norm": False, "caption_projection_second_linear": False,
-            "connector_apply_gated_attention": True,
-            "audio_connector_num_attention_heads": 8, "audio_connector_attention_head_dim": 4,
-        })
-    elif variant != "2.0":
-        raise ValueError(f"variant must be '2.0' or '2.3', got {variant!r}")
+    family = get_family(variant)  # raises ValueError naming the known families
+    meta.update(family.transformer_flags)
+    if family.splits_text:  # per-modality connectors: the audio one at the audio width
+        meta.update({"audio_connector_num_attention_heads": 8, "audio_connector_attention_head_dim": 4})
     return meta
 
 
@@ -104,7 +99,7 @@ def tiny_vocoder_metadata(variant: str) -> dict[str, Any]:
                "upsample_kernel_sizes": [16, 15, 8, 4, 4], "resblock_kernel_sizes": [3, 7, 11],
                "resblock_dilation_sizes": [[1, 3, 5]] * 3, "stereo": True, "resblock": "1", "num_mels": 64,
                "output_sample_rate": 24000}
-    if variant == "2.0":
+    if not get_family(variant).vocoder_bwe:
         return hifigan
     amp = {"resblock": "AMP1", "activation": "snakebeta", "stereo": True, "num_mels": 64,
            "use_tanh_at_final": False, "use_bias_at_final": False, "resblock_kernel_sizes": [3, 7, 11],
@@ -204,14 +199,17 @@ def build_tiny_modules(variant: str, seed: int) -> dict[str, nn.Module]:
     from .text_projection import TextProjection
 
     generator = torch.Generator().manual_seed(seed)
+    family = get_family(variant)
     tmeta = tiny_transformer_metadata(variant)
     voc_cls, voc_kwargs = configs.vocoder_kwargs(tiny_vocoder_metadata(variant))
+    kind = family.text_encoder.projection_kind
     modules = {
-        "transformer": LTX2VideoTransformer3DModel(**configs.transformer_kwargs(tmeta)),
+        "transformer": LTX2VideoTransformer3DModel(**configs.transformer_kwargs(
+            tmeta, keyframes_embedding=family.keyframe_embedding)),
         "video_connector": LTX2ConnectorTransformer1d(**configs.connector_kwargs(tmeta, audio=False)),
         "audio_connector": LTX2ConnectorTransformer1d(**configs.connector_kwargs(tmeta, audio=True)),
-        "text_projection": TextProjection(variant, TINY_TEXT_FEATURES,
-                                          (64, 32) if variant == "2.3" else TINY_GEMMA_HIDDEN),
+        "text_projection": TextProjection(kind, TINY_TEXT_FEATURES,
+                                          (64, 32) if kind == PROJECTION_DUAL else TINY_GEMMA_HIDDEN),
         "video_vae": AutoencoderKLLTX2Video(**configs.video_vae_kwargs(tiny_vae_metadata())),
         "audio_vae": build_audio_vae(**configs.audio_vae_kwargs(tiny_audio_vae_metadata())),
         "vocoder": getattr(vocoder_module, voc_cls)(**voc_kwargs),
@@ -259,6 +257,112 @@ def write_tiny_checkpoint(path: Path, variant: str = "2.0", seed: int = 0, dtype
     return path
 
 
+# ---- per-component files (ComfyUI's folders: diffusion_models/, vae/, latent_upscale_models/) ----------------------
+
+#: ConvRot group size of the tiny int8 twin: a power of 4 that divides every tiny Linear's input width (32 … 256);
+#: ComfyUI's default (the released files) is 256.
+TINY_CONVROT_GROUP = 16
+TRANSFORMER_QUANTIZATIONS = ("int8-convrot", "fp8")
+
+
+def _comfy_quantize(state: dict[str, torch.Tensor], quantization: str) -> dict[str, torch.Tensor]:
+    """ComfyUI's quantized layout for every 2-D `.weight` inside `transformer_blocks` (bare keys):
+
+    * "int8-convrot": `weight` int8 (rotated by the group Hadamard, then per-row scale), `weight_scale [out, 1]`,
+      `comfy_quant` = `{"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": 16}`;
+    * "fp8": `weight` float8_e4m3fn, per-tensor `weight_scale` and `input_scale`, `comfy_quant` =
+      `{"format": "float8_e4m3fn"}`.
+    Other tensors are kept as they are.
+    """
+    out = {}
+    for key, tensor in state.items():
+        if not (key.startswith("transformer_blocks.") and key.endswith(".weight") and tensor.ndim == 2):
+            out[key] = tensor
+            continue
+        layer = key[: -len("weight")]
+        if quantization == "int8-convrot":
+            q, scale = quant.quantize_int8(tensor.float(), TINY_CONVROT_GROUP)
+            conf = {"format": quant.INT8_FORMAT, "convrot": True, "convrot_groupsize": TINY_CONVROT_GROUP}
+        elif quantization == "fp8":
+            q, scale = quantize_fp8(tensor.float())
+            out[layer + "input_scale"] = torch.ones((), dtype=torch.float32)
+            conf = {"format": "float8_e4m3fn"}
+        else:
+            raise ValueError(f"quantization={quantization!r}: choose one of {', '.join(TRANSFORMER_QUANTIZATIONS)}")
+        out[key] = q
+        out[layer + SCALE_SUFFIX] = scale
+        out[layer + quant.COMFY_QUANT_SUFFIX] = quant.encode_comfy_quant(conf)
+    return out
+
+
+def _save(path: Path, state: dict[str, torch.Tensor], config: dict[str, Any], variant: str) -> Path:
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor.float()).all():
+            raise AssertionError(f"tiny model tensor {key} is not finite")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path),
+              metadata={"config": json.dumps(config), "model_version": f"ltx-{variant}-tiny"})
+    return path
+
+
+def write_tiny_transformer(path: Path, variant: str, seed: int = 0, modules: dict[str, nn.Module] | None = None,
+                           quantization: str | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`diffusion_models/` layout (what ComfyUI's `UNETLoader` loads): bare transformer + text-connector keys
+    (`video_embeddings_connector.*`, `audio_embeddings_connector.*`), `config` metadata with the `transformer`
+    section. `quantization`: None (floating `dtype`), "int8-convrot" or "fp8" (ComfyUI `.comfy_quant` layouts)."""
+    modules = modules or build_tiny_modules(variant, seed)
+    state: dict[str, torch.Tensor] = {}
+    state.update(_original_state(modules["transformer"], "", keymaps.transformer_to_original, dtype))
+    for name, prefix in zip(("video_connector", "audio_connector"), keymaps.CONNECTOR_PREFIXES):
+        state.update(_original_state(modules[name], prefix, keymaps.connector_to_original, dtype))
+    if quantization is not None:
+        state = _comfy_quantize(state, quantization)
+    return _save(path, state, {"transformer": tiny_transformer_metadata(variant)}, variant)
+
+
+def write_tiny_video_vae(path: Path, variant: str, seed: int = 0, modules: dict[str, nn.Module] | None = None,
+                         dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`vae/` conv-decoder video VAE (`ltx-2.5-video-vae-conv` layout, what ComfyUI's `VAELoader` loads): bare
+    `encoder.*`, `decoder.*`, `per_channel_statistics.*` keys, `config` metadata with the `vae` section."""
+    modules = modules or build_tiny_modules(variant, seed)
+    state = _original_state(modules["video_vae"], "", keymaps.video_vae_to_original, dtype)
+    state["per_channel_statistics.mean-of-stds"] = torch.ones(128, dtype=dtype)
+    return _save(path, state, {"vae": tiny_vae_metadata()}, variant)
+
+
+def write_tiny_audio_vae(path: Path, variant: str, seed: int = 0, modules: dict[str, nn.Module] | None = None,
+                         dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`vae/` audio VAE + vocoder (`ltx-2.5-audio-vae` layout, ComfyUI's `VAELoader` detects it by the vocoder keys):
+    `audio_vae.*` and `vocoder.*` keys (vocoder float32), `config` metadata with `audio_vae` and `vocoder`."""
+    modules = modules or build_tiny_modules(variant, seed)
+    state = _original_state(modules["audio_vae"], keymaps.AUDIO_VAE_PREFIX, keymaps.audio_vae_to_original, dtype)
+    state.update(_original_state(modules["vocoder"], keymaps.VOCODER_PREFIX, keymaps.vocoder_to_original,
+                                 torch.float32))
+    return _save(path, state, {"audio_vae": tiny_audio_vae_metadata(), "vocoder": tiny_vocoder_metadata(variant)},
+                 variant)
+
+
+def write_tiny_component_files(directory: Path, variant: str = "2.5", seed: int = 0,
+                               modules: dict[str, nn.Module] | None = None) -> dict[str, Path]:
+    """The per-component files of a tiny model in ComfyUI's folder layouts (no text encoder, no diffusion decoder):
+
+    `transformer` (bf16) and `transformer_int8` (its int8-convrot twin, same weights) for `diffusion_models/`,
+    `video_vae` (conv decoder) and `audio_vae` for `vae/`, `upsampler` for `latent_upscale_models/`.
+    """
+    directory = Path(directory)
+    modules = modules or build_tiny_modules(variant, seed)
+    name = f"ltx-{variant}-tiny"
+    return {
+        "transformer": write_tiny_transformer(directory / f"{name}-transformer.safetensors", variant, seed, modules),
+        "transformer_int8": write_tiny_transformer(directory / f"{name}-transformer-int8-convrot.safetensors",
+                                                   variant, seed, modules, quantization="int8-convrot"),
+        "video_vae": write_tiny_video_vae(directory / f"{name}-video-vae-conv.safetensors", variant, seed, modules),
+        "audio_vae": write_tiny_audio_vae(directory / f"{name}-audio-vae.safetensors", variant, seed, modules),
+        "upsampler": write_tiny_upsampler(directory / f"{name}-spatial-upscaler-x2.safetensors", seed, modules),
+    }
+
+
 def write_tiny_upsampler(path: Path, seed: int = 0, modules: dict[str, nn.Module] | None = None) -> Path:
     """`latent_upscale_models/` layout: bare keys + `config` metadata."""
     modules = modules or build_tiny_modules("2.0", seed)
@@ -288,25 +392,38 @@ def write_tiny_lora(path: Path, variant: str = "2.0", seed: int = 0, rank: int =
 
 
 def make_tiny(directory: Path, variant: str = "2.0", seed: int = 0) -> dict[str, Path]:
-    """Write the full tiny model set into `directory`: checkpoint, fp8 twin, upscaler, distilled LoRA and Gemma.
+    """Write the full tiny model set of a family into `directory`.
 
-    Returns a dict of the written paths: `checkpoint`, `checkpoint_fp8`, `upsampler`, `distilled_lora`, `gemma`.
+    Families whose releases are single files (LTX-2.0, 2.3): `checkpoint`, `checkpoint_fp8`, `upsampler`,
+    `distilled_lora`, `gemma`. Families released per component (LTX-2.5): `write_tiny_component_files`'s files plus
+    `text_encoder` (Gemma 4 with the text projection bundled) and `video_vae_diffusion` (the diffusion-decoder VAE).
     """
     from .tiny_gemma import write_tiny_gemma
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    family = get_family(variant)
     modules = build_tiny_modules(variant, seed)
-    tag = variant.replace(".", "")
-    paths = {
-        "checkpoint": write_tiny_checkpoint(directory / f"ltx-{variant}-tiny.safetensors", variant, seed,
-                                            modules=modules),
-        "checkpoint_fp8": write_tiny_checkpoint(directory / f"ltx-{variant}-tiny-fp8.safetensors", variant, seed,
-                                                fp8=True, modules=modules),
-        "upsampler": write_tiny_upsampler(directory / f"ltx-{tag}-tiny-spatial-upscaler-x2.safetensors", seed,
-                                          modules=modules),
-        "distilled_lora": write_tiny_lora(directory / f"ltx-{variant}-tiny-distilled-lora.safetensors", variant, seed),
-        "gemma": write_tiny_gemma(directory / "gemma-3-tiny.safetensors", seed=seed,
-                                  hidden_size=TINY_GEMMA_HIDDEN, num_layers=TINY_GEMMA_LAYERS),
-    }
+    if not family.per_component_release:
+        tag = variant.replace(".", "")
+        return {
+            "checkpoint": write_tiny_checkpoint(directory / f"ltx-{variant}-tiny.safetensors", variant, seed,
+                                                modules=modules),
+            "checkpoint_fp8": write_tiny_checkpoint(directory / f"ltx-{variant}-tiny-fp8.safetensors", variant, seed,
+                                                    fp8=True, modules=modules),
+            "upsampler": write_tiny_upsampler(directory / f"ltx-{tag}-tiny-spatial-upscaler-x2.safetensors", seed,
+                                              modules=modules),
+            "distilled_lora": write_tiny_lora(directory / f"ltx-{variant}-tiny-distilled-lora.safetensors", variant,
+                                              seed),
+            "gemma": write_tiny_gemma(directory / "gemma-3-tiny.safetensors", seed=seed,
+                                      hidden_size=TINY_GEMMA_HIDDEN, num_layers=TINY_GEMMA_LAYERS),
+        }
+    paths = write_tiny_component_files(directory, variant, seed, modules)
+    # ---- the parts written by the Gemma 4 and diffusion-decoder modules (issue 18: h18b, h18c) ----
+    from .tiny_gemma4 import write_tiny_gemma4
+    from .tiny_vae25 import write_tiny_diffusion_vae
+
+    paths["text_encoder"] = write_tiny_gemma4(directory / f"gemma4-tiny-with-proj-ltx-{variant}.safetensors", seed)
+    paths["video_vae_diffusion"] = write_tiny_diffusion_vae(directory / f"ltx-{variant}-tiny-video-vae.safetensors",
+                                                            seed)
     return paths

@@ -53,8 +53,9 @@ from ..validation import ValidationError
 MODES = ("replicated", "batch_parallel", "sharded")
 #: modules placed with the first decoder layer's predecessor (before layer 0), in this order
 HEAD_MODULES = ("embed_tokens", "rotary_emb")
-#: Accelerate's no-split class for Gemma 3 (each decoder layer stays whole on one device)
-NO_SPLIT = ("Gemma3DecoderLayer",)
+#: Accelerate's no-split classes: the decoder layers of Gemma 3 and Gemma 4 (`models.gemma.TextEncoderArch`); each
+#: decoder layer stays whole on one device
+NO_SPLIT = ("Gemma3DecoderLayer", "Gemma4UnifiedTextDecoderLayer")
 #: prompt length the activation estimate plans for (ComfyUI pads Gemma prompts to 1024 tokens)
 PLAN_TOKENS = 1024
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -104,7 +105,8 @@ def activation_bytes(text_config: Mapping, tokens: int, dtype: torch.dtype) -> i
     h, layers = int(text_config["hidden_size"]), int(text_config["num_hidden_layers"])
     inter = int(text_config["intermediate_size"])
     heads, kv = int(text_config["num_attention_heads"]), int(text_config["num_key_value_heads"])
-    head_dim = int(text_config.get("head_dim") or h // heads)
+    # Gemma 4's full-attention layers are wider (global_head_dim 512 vs 256): plan for the widest layer
+    head_dim = max(int(text_config.get("head_dim") or h // heads), int(text_config.get("global_head_dim") or 0))
     retained = tokens * h * (layers + 1)
     transient = tokens * (2 * inter + 2 * (heads + 2 * kv) * head_dim + 4 * h) + heads * tokens * tokens
     return (retained + transient) * e
@@ -374,8 +376,11 @@ class TextEncoderService:
 
     Args:
         gemma_path: Gemma file or folder (`models.gemma.load_gemma`).
-        projection: the checkpoint's `TextProjection` on this rank (feature extractor).
-        projection_source: the file the projection came from (cache key); default: the module's identity.
+        projection: the checkpoint's `TextProjection` on this rank (feature extractor). None with a Gemma 4 file
+            that bundles the LTX-2.5 projection: that one is loaded (`text_projection.load_bundled_projection`,
+            in `dtype` on `device`); a projection passed with such a file must have the bundled one's shapes.
+        projection_source: the file the projection came from (cache key); default: the module's identity (the
+            Gemma file for a bundled projection).
         device, dtype: this rank's device and the compute dtype.
         rank, world_size, group: this rank in the fleet; `group` is the process group for the service's messages
             (`make_group`: gloo; None = the default group). world_size 1 needs no process group.
@@ -387,6 +392,8 @@ class TextEncoderService:
         plan_tokens: prompt length the memory plan assumes; min_length: left-pad every prompt to this length.
         cache_bytes: LRU cache budget (0 disables the cache).
         encoder: an already loaded `GemmaTextEncoder` to adopt (one process; held as a replica).
+        family: the checkpoint's `models.families.ModelFamily`, when known: the Gemma file must be its text encoder
+            (`check_text_encoder_family`).
     Raises: ValueError (from the header, or `check_gemma_matches`) when Gemma and the projection do not match.
     """
 
@@ -394,7 +401,8 @@ class TextEncoderService:
                  dtype: torch.dtype = torch.float32, rank: int = 0, world_size: int = 1, group=None,
                  devices: Sequence | None = None, mode: str = "replicated", unload: bool = False,
                  reserve_bytes: int = 0, max_memory: Mapping | None = None, plan_tokens: int = PLAN_TOKENS,
-                 min_length: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES, encoder=None):
+                 min_length: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES, encoder=None,
+                 family=None):
         from ..models.gemma import read_gemma_header
         from ..models.text_projection import check_gemma_matches
 
@@ -409,6 +417,17 @@ class TextEncoderService:
         self.reserve_bytes, self.max_memory = int(reserve_bytes), dict(max_memory or {})
         self.plan_tokens, self.min_length, self.cache_bytes = plan_tokens, min_length, int(cache_bytes)
         self.header = read_gemma_header(gemma_path) if gemma_path is not None else None
+        if family is not None and self.header is not None:
+            check_text_encoder_family(self.header, family)
+        bundled = self.header.projection_shapes if self.header is not None else {}
+        if bundled and projection is None:
+            from ..models.text_projection import load_bundled_projection
+
+            projection = load_bundled_projection(gemma_path, dtype=dtype, device=self.device)
+            self.projection = projection
+            self.projection_source = projection_source if projection_source is not None else str(gemma_path)
+        elif bundled:
+            _check_bundled_shapes(projection, bundled, gemma_path)
         if projection is not None:
             check_gemma_matches(projection, self.header or encoder, gemma_path)
         self.encoder = encoder
@@ -436,10 +455,16 @@ class TextEncoderService:
         return svc
 
     @classmethod
-    def for_fleet(cls, config, rank: int, device, projection) -> TextEncoderService:
+    def for_fleet(cls, config, rank: int, device, projection, family=None) -> TextEncoderService:
         """The service of one worker from its `protocol.FleetConfig` (collective: every rank calls it; creates the
-        gloo group on GPU fleets). Gemma is loaded here in the configured mode unless `gemma_unload` is set."""
-        svc = cls(config.gemma, projection, projection_source=config.text_projection or config.checkpoint,
+        gloo group on GPU fleets). Gemma is loaded here in the configured mode unless `gemma_unload` is set.
+        `projection` None with a Gemma 4 file: the projection bundled in it (LTX-2.5); `family`: the checkpoint's
+        model family, checked against the Gemma file."""
+        if projection is None:
+            projection_source = config.text_projection
+        else:
+            projection_source = config.text_projection or config.checkpoint
+        svc = cls(config.gemma, projection, projection_source=projection_source, family=family,
                   device=device, dtype=getattr(torch, config.dtype), rank=rank, world_size=config.world_size,
                   group=make_group(config.world_size, config.collective_timeout_s), devices=config.devices,
                   mode=getattr(config, "gemma_mode", "replicated"), unload=getattr(config, "gemma_unload", False),
@@ -740,6 +765,31 @@ class TextEncoderService:
         from ..models.text_projection import make_conditioning
 
         return make_conditioning(embeds, torch.ones(embeds.shape[:2], dtype=torch.long), frame_rate)
+
+
+def check_text_encoder_family(header, family) -> None:
+    """Raise ValueError naming the file and both names when the Gemma file (`models.gemma.GemmaHeader`) is not the
+    text encoder `family` (`models.families.ModelFamily`) was trained with: LTX-2.0 / 2.3 use Gemma 3 12B
+    (`gemma_3_12B_it*`), LTX-2.5 Gemma 4 12B with its projection (`gemma4-12b-with-proj-ltx-2.5-*`); the widths
+    alone (3840 x 49 for both) cannot tell them apart."""
+    want = family.text_encoder.architecture
+    if header.architecture.name != want:
+        files = ", ".join(family.text_encoder.released_files) or want
+        raise ValueError(f"Gemma text encoder {header.source} is {header.architecture.name}, but {family.display} "
+                         f"uses {want} ({files}); pick the text encoder of the checkpoint's model family")
+
+
+def _check_bundled_shapes(projection, bundled: Mapping[str, tuple], gemma_path) -> None:
+    """A projection passed next to a Gemma file that bundles its own must have the bundled one's kind and shapes."""
+    want = {"kind": "dual_linear", "in": bundled.get("video_aggregate_embed.weight", (0, 0))[1],
+            "video": bundled.get("video_aggregate_embed.weight", (0, 0))[0],
+            "audio": bundled.get("audio_aggregate_embed.weight", (0, 0))[0]}
+    have = {"kind": projection.kind, "in": projection.in_features, "video": projection.video_dim,
+            "audio": projection.out_features - projection.video_dim}
+    if want != have:
+        raise ValueError(f"the text projection passed ({projection.kind}: {have}) is not the one bundled in "
+                         f"the Gemma file {gemma_path} ({want}); rule: a Gemma 4 file brings its own LTX-2.5 "
+                         f"projection, pass none or that one")
 
 
 def split_prompts(token_counts: Sequence[int], world_size: int) -> list[list[int]]:

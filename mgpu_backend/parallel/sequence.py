@@ -106,7 +106,8 @@ class SequenceParallelTransformer:
 
     Call it with the transformer's keyword arguments (full, replicated inputs on every rank):
     `hidden_states [B, T, C]`, per-token `timestep [B, T]`, `video_coords [B, 3, T, 2]` (required: positions are
-    sliced with the tokens), audio / text inputs as usual. Returns `(video [B, T, C], audio [B, Ta, C])` — the same
+    sliced with the tokens), optional per-token `video_keyframes_mask [B, T, 1]` (sliced too), audio / text inputs
+    as usual. Returns `(video [B, T, C], audio [B, Ta, C])` — the same
     on every rank.
 
     `activate()` installs its processors on the wrapped module (Ulysses for `attn1`, gathered K/V for
@@ -155,11 +156,14 @@ class SequenceParallelTransformer:
             key_mask[..., t:] = NEG_INF
         self.state.key_mask = key_mask
         try:
+            per_token = {"video_keyframes_mask": self.shard(kwargs["video_keyframes_mask"], 1, padded)} \
+                if kwargs.get("video_keyframes_mask") is not None else {}
             video, audio = self.transformer(
                 hidden_states=self.shard(hidden_states, 1, padded),
                 timestep=self.shard(timestep, 1, padded),
                 video_coords=self.shard(video_coords, 2, padded),
-                return_dict=False, **{k: v for k, v in kwargs.items() if k != "return_dict"})
+                return_dict=False, **{k: v for k, v in kwargs.items() if k not in ("return_dict", *per_token)},
+                **per_token)
         finally:
             self.state.key_mask = None
         video = self.exchange.all_gather_seq(video)[:, :t]

@@ -45,7 +45,8 @@ class TiledTransformer:
 
     Call with the transformer's keyword arguments (full, replicated inputs on every rank): `hidden_states
     [B, T, C]` with T ≥ F·H·W (tokens past F·H·W are conditioning tokens), per-token `timestep [B, T]`,
-    `video_coords [B, 3, T, 2]`. Returns `(video [B, T, C], zeros like audio)`, the same on every rank.
+    `video_coords [B, 3, T, 2]`, optional per-token `video_keyframes_mask [B, T, 1]` (indexed with each tile).
+    Returns `(video [B, T, C], zeros like audio)`, the same on every rank.
 
     `group=None` with `world_size=1` computes every tile here (the single-process reference of the same tiling).
     """
@@ -112,9 +113,12 @@ class TiledTransformer:
             if self.normalize_positions:
                 offset = video_coords[:, :, tile.token_index(self.grid).to(coords.device), 0].amin(dim=2)  # [B, 3]
                 coords = coords - offset[:, :, None, None]
+            per_token = {"video_keyframes_mask": kwargs["video_keyframes_mask"][:, idx]} \
+                if kwargs.get("video_keyframes_mask") is not None else {}  # from the un-normalized positions
             video, _ = self.transformer(hidden_states=hidden_states[:, idx], timestep=timestep[:, idx],
                                         video_coords=coords, audio_hidden_states=audio_hidden_states,
-                                        return_dict=False, **{k: v for k, v in kwargs.items() if k != "return_dict"})
+                                        return_dict=False, **{**{k: v for k, v in kwargs.items() if k != "return_dict"},
+                                                              **per_token})
             out[:, idx] += video.float() * weights[None, :, None]
             self.forwards += 1
         self.compute_seconds += time.perf_counter() - start

@@ -1,0 +1,317 @@
+"""LTX-2.5 per-component files: strict, resident-quantized loading, checked against ComfyUI 0.33 and diffusers.
+
+The golden tensors (`tests/golden/ltx25_golden.safetensors`, made by `tests/golden/make_golden_ltx25.py` in a real
+ComfyUI 0.33.0) come from ComfyUI's own loaders on the same tiny files this module writes (`UNETLoader`,
+`VAELoader` ×2, `LatentUpscaleModelLoader`). Measured (torch 2.13 CPU here vs ComfyUI on torch 2.14.1):
+velocities with the reference's q/k eps and video->audio input 1.9e-6 (video) / 6e-7 (audio), the keyframe-free
+forward 1.4e-6; int8-convrot dequantization 0.0.
+
+Known ComfyUI 0.33 difference: its `BasicAVTransformerBlock.forward` normalizes the video stream for the
+video->audio cross-attention after the audio->video residual was added; ltx-core and diffusers (and this engine)
+use the norm from before it. On the tiny 2.5 model that moves the audio velocity by ~0.34 and the video one by
+~0.03 (the golden file holds both runs; `test_comfyui_033_video_to_audio_input_is_the_difference`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from mgpu_backend import latents as L
+from mgpu_backend.denoiser import LTX2Denoiser, keyframe_token_mask, text_contexts
+from mgpu_backend.models import families as FM
+from mgpu_backend.models import keymaps
+from mgpu_backend.models.fp8 import FP8Linear
+from mgpu_backend.models.loader import CheckpointError, load_components, load_upsampler
+from mgpu_backend.models.quant import Int8Linear, dequantize_int8, encode_comfy_quant, hadamard, quantize_int8
+from mgpu_backend.models.tiny import (build_tiny_modules, tiny_transformer_metadata, write_tiny_component_files,
+                                      write_tiny_transformer)
+from mgpu_backend.sampling import GuidancePass, ModelInputs
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "ltx25_golden.safetensors"
+TIGHT = 2e-5      # measured <= 1.9e-6: attention algorithm / summation order only
+DECODE = 1e-5     # measured 0.0 - 1e-6
+AUDIO_CHAIN = 5e-3  # tiny random BigVGAN + BWE generators amplify ~1e-6 float noise (see test_comfyui_load.py)
+UNUSED_VAE_STATS = {"per_channel_statistics.mean-of-stds"}
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with safe_open(str(GOLDEN), "pt") as f:
+        meta = f.metadata()
+    return {"t": load_file(str(GOLDEN)), "spec": json.loads(meta["spec"]), "info": json.loads(meta["info"]),
+            "fingerprint": meta["files_fingerprint"], "int8_layers": json.loads(meta["int8_layers"])}
+
+
+@pytest.fixture(scope="module")
+def files25(tmp_path_factory, golden):
+    spec = golden["spec"]
+    directory = tmp_path_factory.mktemp("ltx25")
+    modules = build_tiny_modules("2.5", spec["tiny_seed"])
+    paths = write_tiny_component_files(directory, "2.5", spec["tiny_seed"], modules)
+    paths["transformer_fp8"] = write_tiny_transformer(directory / "ltx-2.5-tiny-transformer-fp8.safetensors", "2.5",
+                                                      spec["tiny_seed"], modules, quantization="fp8")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def ours(files25):
+    return load_components(files25["transformer"], video_vae=files25["video_vae"], audio_vae=files25["audio_vae"],
+                           upsampler=files25["upsampler"], dtype=torch.float32)
+
+
+def _max_diff(a, b) -> float:
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _forward(comps, golden, keyframes: bool = True):
+    """Our denoiser on the golden inputs -> (video velocity [1,128,F,H,W], audio [1,8,T,16])."""
+    spec, t = golden["spec"], golden["t"]
+    f, h, w, a = spec["frames"], spec["height"], spec["width"], spec["audio_frames"]
+    tr = comps.transformer
+    ctx = text_contexts(comps, [t["input.cond"]], dtype=torch.float32)
+    denoiser = LTX2Denoiser(tr, ctx, None, L.video_coords(tr, 1, f, h, w, spec["fps"]), L.audio_coords(tr, 1, a),
+                            torch.float32)
+    if not keyframes:
+        denoiser.keyframes_mask = None
+    sigma = t["input.sigma"]
+    v, au = denoiser(ModelInputs(L.pack_video(t["input.video"]), L.pack_audio(t["input.audio"]),
+                                 torch.ones(1, f * h * w) * sigma, torch.ones(1, a) * sigma, sigma, sigma,
+                                 GuidancePass("cond"), 0))
+    return L.unpack_video(v, f, h, w), L.unpack_audio(au)
+
+
+def _fingerprint(paths: dict) -> str:
+    from golden.make_golden_ltx25 import fingerprint  # the digest the golden script stored
+
+    return fingerprint({k: paths[k] for k in ("transformer", "transformer_int8", "video_vae", "audio_vae",
+                                              "upsampler")})
+
+
+def test_golden_was_made_from_these_files(files25, golden):
+    assert _fingerprint(files25) == golden["fingerprint"], \
+        "the tiny 2.5 writer changed: regenerate with tests/golden/make_golden_ltx25.py"
+
+
+def test_every_tensor_filled_and_finite(files25):
+    for name, path in files25.items():
+        for key, tensor in load_file(str(path)).items():
+            if tensor.is_floating_point():
+                assert torch.isfinite(tensor.float()).all(), (name, key)
+    keyframes = load_file(str(files25["transformer"]))["keyframes_abs_pos_embedding"]
+    assert keyframes.shape == (1, 64) and keyframes.abs().sum() > 0  # diffusers builds it as zeros: filled
+
+
+def test_comfyui_loads_the_files_without_key_complaints(golden):
+    info = golden["info"]
+    assert info["comfyui_version"] == "0.33.0"
+    tr = info["transformer"]
+    assert (tr["model_class"], tr["diffusion_class"]) == ("LTXAV", "LTXAVModel")
+    assert tr["log"] == [] and info["transformer_int8"]["log"] == []  # no "unet missing / unexpected"
+    assert tr["keyframes_abs_pos_embedding"] == [1, 64]
+    assert tr["video_ff_bias"] is False and tr["audio_ff_bias"] is True and tr["prompt_adaln_single"] is True
+    for layer in info["transformer_int8"]["layers"].values():
+        assert layer["layout"] == "TensorWiseINT8Layout" and layer["convrot"] and layer["convrot_groupsize"] == 16
+    assert info["audio_vae"]["class"] == "AudioVAE"
+    assert info["audio_vae"]["missing"] == [] and info["audio_vae"]["unexpected"] == []
+    assert info["audio_vae"]["sample_rate"] == 48000
+    assert info["video_vae"]["class"] == "VideoVAE" and info["video_vae"]["missing"] == []
+    assert set(info["video_vae"]["unexpected"]) <= UNUSED_VAE_STATS
+    assert info["upsampler"]["class"] == "LatentUpsampler"
+
+
+def test_loads_as_ltx25_with_the_25_architecture(ours, files25):
+    assert ours.family is FM.LTX_2_5 and ours.variant == "2.5"
+    cfg = ours.transformer.config
+    assert cfg.ff_bias is False and cfg.audio_ff_bias is True and cfg.use_prompt_adaln_single is True
+    assert cfg.use_keyframes_abs_pos_embedding is True
+    assert ours.transformer.transformer_blocks[0].ff.net[0].proj.bias is None
+    assert ours.text_projection is None  # bundled with the Gemma 4 file, which was not given
+    assert ours.sources["checkpoint"] == str(files25["transformer"])
+    assert ours.sources["video_vae"] == str(files25["video_vae"])
+
+
+def test_transformer_forward_matches_comfyui(ours, golden):
+    """One sampler step's model call in ComfyUI 0.33 (`UNETLoader` file, `extra_conds` + `apply_model`) = our
+    denoiser forward, with the reference's q/k eps and video->audio cross-attention input (module docstring)."""
+    video, audio = _forward(ours, golden)
+    t = golden["t"]
+    assert _max_diff(t["comfy.velocity_video_ref"], video) <= TIGHT  # measured 1.9e-6
+    assert _max_diff(t["comfy.velocity_audio_ref"], audio) <= TIGHT  # measured 6e-7
+
+
+def test_comfyui_033_video_to_audio_input_is_the_difference(ours, golden):
+    """As shipped, ComfyUI 0.33 differs from the reference order by O(0.1) on the audio stream; only that one input
+    (and the q/k eps, ~1e-5) separates it from our forward."""
+    if not golden["info"].get("v2a_norm_after_a2v"):
+        pytest.skip("the golden ComfyUI uses the reference's video->audio input")
+    video, audio = _forward(ours, golden)
+    t = golden["t"]
+    assert _max_diff(t["comfy.velocity_audio_eps"], audio) > 1e-2  # measured 0.34
+    assert _max_diff(t["comfy.velocity_video_eps"], t["comfy.velocity_video"]) <= 2e-4  # eps only
+
+
+def test_keyframe_embedding_acts_on_frame0_tokens_as_in_comfyui(ours, golden):
+    t = golden["t"]
+    without, _ = _forward(ours, golden, keyframes=False)
+    assert _max_diff(t["comfy.velocity_video_ref_nokf"], without) <= TIGHT  # measured 1.4e-6
+    with_kf, _ = _forward(ours, golden)
+    assert _max_diff(with_kf, without) > 1e-2
+
+
+def test_keyframe_mask_marks_generated_frame0_tokens_only():
+    tr_coords = torch.zeros(1, 3, 6, 2)
+    tr_coords[0, 0, :, 0] = torch.tensor([0.0, 0.0, 0.04, 0.04, 0.0, 0.0])  # 2 frames × 2 tokens, then 2 guides at 0
+    mask = keyframe_token_mask(tr_coords, num_generated=4)
+    assert mask.shape == (1, 6, 1)
+    assert mask[0, :, 0].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # guide tokens never (ComfyUI)
+    assert keyframe_token_mask(tr_coords)[0, :, 0].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_int8_convrot_dequantization_matches_comfyui(files25, golden):
+    comps = load_components(files25["transformer_int8"], video_vae=files25["video_vae"],
+                            audio_vae=files25["audio_vae"], dtype=torch.float32)
+    tr = comps.transformer
+    assert comps.family is FM.LTX_2_5
+    for name in golden["int8_layers"]:
+        layer = tr.get_submodule(keymaps.transformer_to_diffusers(name))
+        assert isinstance(layer, Int8Linear) and layer.weight.dtype == torch.int8 and layer.convrot_group == 16
+        assert layer.weight_scale.shape == (layer.out_features, 1)
+        assert _max_diff(golden["t"]["comfy.int8_dequantized." + name], layer.dequantized_weight()) <= 1e-6
+    # every transformer-block Linear is resident int8; the rest loaded as before
+    block_linears = [m for n, m in tr.named_modules() if n.startswith("transformer_blocks.")
+                     and isinstance(m, torch.nn.Linear | FP8Linear)]
+    assert block_linears and all(isinstance(m, Int8Linear) for m in block_linears)
+
+
+def test_quantized_twins_compute_close_to_bf16(files25, ours, golden):
+    """int8-convrot and ComfyUI-marked fp8 twins (same weights, quantized): the forward moves by the quantization
+    error only (exact dequantizing compute)."""
+    ref, _ = _forward(ours, golden)
+    for name, cls in (("transformer_int8", Int8Linear), ("transformer_fp8", FP8Linear)):
+        comps = load_components(files25[name], video_vae=files25["video_vae"], audio_vae=files25["audio_vae"],
+                                dtype=torch.float32)
+        layer = comps.transformer.transformer_blocks[0].attn1.to_q
+        assert type(layer) is cls
+        video, _ = _forward(comps, golden)
+        rel = ((video - ref).norm() / ref.norm()).item()
+        assert 0 < rel < 0.05, (name, rel)
+
+
+def test_convrot_roundtrip_and_hadamard():
+    h = hadamard(64)
+    assert torch.allclose(h @ h, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_int8(w, 16)
+    assert q.dtype == torch.int8 and scale.shape == (8, 1)
+    assert _max_diff(dequantize_int8(q, scale, 16), w) <= scale.max().item()  # within one step of the rotated grid
+    with pytest.raises(ValueError, match="power of 4"):
+        hadamard(32)
+
+
+def test_video_vae_decode_matches_comfyui(ours, golden):
+    vae = ours.video_vae
+    latent = golden["t"]["input.decode_latent"]
+    with torch.no_grad():
+        pixels = vae.decode(L.denormalize_latents(latent, vae.latents_mean, vae.latents_std), return_dict=False)[0]
+    frames = ((pixels.clamp(-1, 1) + 1) / 2)[0].permute(1, 2, 3, 0)
+    got = golden["t"]["comfy.video_frames"]
+    assert _max_diff(got.reshape(frames.shape), frames) <= DECODE
+
+
+def test_audio_decode_matches_comfyui(ours, golden):
+    audio_vae, vocoder = ours.audio_vae, ours.vocoder
+    latent = golden["t"]["input.decode_audio_latent"]
+    with torch.no_grad():
+        mel = audio_vae.decode(L.denormalize_audio_latents(latent, audio_vae.latents_mean, audio_vae.latents_std),
+                               return_dict=False)[0]
+        waveform = vocoder(mel)
+    assert ours.vocoder.config.output_sampling_rate == golden["info"]["audio_vae"]["sample_rate"]
+    assert _max_diff(golden["t"]["comfy.audio_waveform"], waveform) <= AUDIO_CHAIN
+
+
+def test_upscaler_matches_comfyui(files25, golden):
+    up = load_upsampler(files25["upsampler"], torch.float32)
+    with torch.no_grad():
+        out = up(golden["t"]["input.upscale_latent"])
+    assert _max_diff(golden["t"]["comfy.upscaled"], out) <= DECODE
+
+
+def test_key_map_agrees_with_diffusers_converter(files25):
+    """diffusers' own single-file converter renames the 2.5 transformer keys as we do (it leaves the prompt AdaLN
+    un-renamed, DESIGN.md §2), and its class built with the 2.5 deltas of `convert_ltx2_to_diffusers.py`
+    (`ff_bias=False`, `use_keyframes_abs_pos_embedding=True`) has exactly those keys."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
+
+    sd = {k: v for k, v in load_file(str(files25["transformer"])).items() if not k.startswith(keymaps.CONNECTOR_PREFIXES)}
+    converted = convert_ltx2_transformer_to_diffusers({"model.diffusion_model." + k: v for k, v in sd.items()})
+    converted = {k.replace("prompt_adaln_single", "prompt_adaln"): v for k, v in converted.items()}
+    assert set(converted) == {keymaps.transformer_to_diffusers(k) for k in sd}
+    from mgpu_backend.models import configs
+
+    kwargs = configs.transformer_kwargs(tiny_transformer_metadata("2.5"), keyframes_embedding=True)
+    assert kwargs["ff_bias"] is False and kwargs["use_keyframes_abs_pos_embedding"] is True
+    with torch.device("meta"):
+        model = LTX2VideoTransformer3DModel(**kwargs)
+    assert set(model.state_dict()) == set(converted)
+
+
+# ---- strict loading: every mismatch named -------------------------------------------------------------------------
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    with safe_open(str(src), "pt") as f:
+        metadata = f.metadata()
+    state = load_file(str(src))
+    edit(state)
+    save_file(state, str(dst), metadata=metadata)
+    return dst
+
+
+def test_missing_keyframe_free_key_is_named(files25, tmp_path):
+    bad = _rewrite(files25["transformer"], tmp_path / "t.safetensors",
+                   lambda s: s.pop("transformer_blocks.1.ff.net.2.weight"))
+    with pytest.raises(CheckpointError, match=r"missing keys: transformer_blocks\.1\.ff\.net\.2\.weight") as err:
+        load_components(bad, video_vae=files25["video_vae"], audio_vae=files25["audio_vae"])
+    assert str(bad) in str(err.value)
+
+
+def test_video_ff_bias_in_a_25_file_is_unexpected(files25, tmp_path):
+    bad = _rewrite(files25["transformer"], tmp_path / "t.safetensors",
+                   lambda s: s.update({"transformer_blocks.0.ff.net.2.bias": torch.zeros(64, dtype=torch.bfloat16)}))
+    with pytest.raises(CheckpointError, match=r"unexpected keys: transformer_blocks\.0\.ff\.net\.2\.bias"):
+        load_components(bad, video_vae=files25["video_vae"], audio_vae=files25["audio_vae"])
+
+
+def test_unsupported_quant_format_is_named(files25, tmp_path):
+    layer = "transformer_blocks.0.attn1.to_q."
+    bad = _rewrite(files25["transformer_int8"], tmp_path / "t.safetensors",
+                   lambda s: s.update({layer + "comfy_quant": encode_comfy_quant({"format": "nvfp4"})}))
+    with pytest.raises(CheckpointError, match=r"'nvfp4'; supported: float8_e4m3fn, float8_e5m2, int8_tensorwise"):
+        load_components(bad, video_vae=files25["video_vae"], audio_vae=files25["audio_vae"])
+
+
+def test_int8_weight_without_marker_is_refused(files25, tmp_path):
+    bad = _rewrite(files25["transformer_int8"], tmp_path / "t.safetensors",
+                   lambda s: s.pop("transformer_blocks.0.attn1.to_q.comfy_quant"))
+    with pytest.raises(CheckpointError, match=r"to_q\.weight is stored as int8 without a '\.comfy_quant' marker"):
+        load_components(bad, video_vae=files25["video_vae"], audio_vae=files25["audio_vae"])
+
+
+def test_transformer_only_file_without_vae_files_is_an_error(files25):
+    with pytest.raises(CheckpointError, match="video VAE"):
+        load_components(files25["transformer"])
+
+
+def test_fp8_marker_with_input_scale_loads_resident(files25):
+    comps = load_components(files25["transformer_fp8"], video_vae=files25["video_vae"],
+                            audio_vae=files25["audio_vae"], dtype=torch.bfloat16)
+    layer = comps.transformer.transformer_blocks[1].audio_ff.net[2]
+    assert isinstance(layer, FP8Linear) and layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.input_scale.shape == () and math.isfinite(float(layer.weight_scale))
