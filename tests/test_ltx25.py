@@ -250,7 +250,8 @@ def test_key_map_agrees_with_diffusers_converter(files25):
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 
-    sd = {k: v for k, v in load_file(str(files25["transformer"])).items() if not k.startswith(keymaps.CONNECTOR_PREFIXES)}
+    sd = {k: v for k, v in load_file(str(files25["transformer"])).items()
+          if not k.startswith(keymaps.CONNECTOR_PREFIXES)}
     converted = convert_ltx2_transformer_to_diffusers({"model.diffusion_model." + k: v for k, v in sd.items()})
     converted = {k.replace("prompt_adaln_single", "prompt_adaln"): v for k, v in converted.items()}
     assert set(converted) == {keymaps.transformer_to_diffusers(k) for k in sd}
@@ -315,3 +316,87 @@ def test_fp8_marker_with_input_scale_loads_resident(files25):
     layer = comps.transformer.transformer_blocks[1].audio_ff.net[2]
     assert isinstance(layer, FP8Linear) and layer.weight.dtype == torch.float8_e4m3fn
     assert layer.input_scale.shape == () and math.isfinite(float(layer.weight_scale))
+
+
+# ---- the keyframe marker travels with the tokens: sequence parallel W = 2 (padded) = one process ----------------
+
+SP_GRID = (3, 1, 3)  # 9 video tokens: W = 2 pads one token
+
+
+def _sp_forward(components, golden, forward=None):
+    f, h, w = SP_GRID
+    spec, t = golden["spec"], golden["t"]
+    tr = components.transformer
+    ctx = text_contexts(components, [t["input.cond"]], dtype=torch.float32)
+    denoiser = LTX2Denoiser(tr, ctx, None, L.video_coords(tr, 1, f, h, w, spec["fps"]),
+                            L.audio_coords(tr, 1, spec["audio_frames"]), torch.float32, forward=forward)
+    g = torch.Generator().manual_seed(5)
+    video = torch.randn(1, f * h * w, 128, generator=g)
+    audio = torch.randn(1, spec["audio_frames"], 128, generator=g)
+    sigma = torch.tensor([0.6])
+    v, a = denoiser(ModelInputs(video, audio, torch.full((1, f * h * w), 0.6), torch.full((1, spec["audio_frames"]),
+                                0.6), sigma, sigma, GuidancePass("cond"), 0))
+    return {"video": v, "audio": a, "marked": int(denoiser.keyframes_mask.sum())}
+
+
+def _sp25_rank(rank: int, world: int, files: dict, golden_path: str) -> dict:
+    from mgpu_backend.parallel.exchange import Exchange
+    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+
+    comps = load_components(files["transformer"], video_vae=files["video_vae"], audio_vae=files["audio_vae"],
+                            dtype=torch.float32)
+    golden = {"spec": json.loads(safe_open(golden_path, "pt").metadata()["spec"]), "t": load_file(golden_path)}
+    return _sp_forward(comps, golden, SequenceParallelTransformer(comps.transformer, Exchange(None, world, rank)))
+
+
+def test_sequence_parallel_shards_the_keyframe_marker(files25, ours, golden):
+    from _dist import run_ranks
+
+    reference = _sp_forward(ours, golden)
+    assert reference["marked"] == SP_GRID[1] * SP_GRID[2]  # the first latent frame's tokens
+    results = run_ranks(_sp25_rank, 2, {k: str(v) for k, v in files25.items()}, str(GOLDEN))
+    for result in results:
+        assert _max_diff(result["video"], reference["video"]) <= 1e-5
+        assert _max_diff(result["audio"], reference["audio"]) <= 1e-5
+
+
+# ---- folders of per-component files -----------------------------------------------------------------------------
+
+def test_folder_files_are_recognized_by_their_tensors(files25, tmp_path):
+    from mgpu_backend.models.folders import classify_file, find_component_files
+
+    kinds = {name: classify_file(path) for name, path in files25.items()}
+    assert kinds == {"transformer": "transformer", "transformer_int8": "transformer",
+                     "transformer_fp8": "transformer", "video_vae": "video_vae", "audio_vae": "audio_vae",
+                     "upsampler": "upsampler"}
+    folder = Path(files25["transformer"]).parent
+    with pytest.raises(ValueError, match="more than one file of a kind.*transformer"):
+        find_component_files(folder)
+    found = find_component_files(folder, given=("transformer",))
+    assert found == {"video_vae": files25["video_vae"], "audio_vae": files25["audio_vae"],
+                     "upsampler": files25["upsampler"]}
+    # a ComfyUI models/ root: one file per folder
+    for sub, name in (("diffusion_models", "transformer_int8"), ("vae", "video_vae"), ("vae", "audio_vae"),
+                      ("latent_upscale_models", "upsampler")):
+        (tmp_path / sub).mkdir(exist_ok=True)
+        (tmp_path / sub / Path(files25[name]).name).symlink_to(files25[name])
+    found = find_component_files(tmp_path)
+    assert found["transformer"].name == Path(files25["transformer_int8"]).name
+    assert set(found) == {"transformer", "video_vae", "audio_vae", "upsampler"}
+
+
+def test_cli_takes_a_models_folder_and_names_what_is_missing(files25, tmp_path):
+    from mgpu_backend.cli import _model_files, build_parser
+    from mgpu_backend.validation import ValidationError
+
+    folder = Path(files25["transformer"]).parent
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--models", str(folder),
+                                      "--transformer", str(files25["transformer_int8"]), "--gemma", "g"])
+    files = _model_files(args)
+    assert files["checkpoint"] == str(files25["transformer_int8"])
+    assert (files["video_vae"], files["audio_vae"], files["upscaler"]) == (
+        files25["video_vae"], files25["audio_vae"], files25["upsampler"])
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--models", str(folder),
+                                      "--checkpoint", str(files25["transformer"])])
+    with pytest.raises(ValidationError, match="no --gemma given"):
+        _model_files(args)
