@@ -343,7 +343,7 @@ def test_projection_2_0_matches_diffusers_and_comfy(enc):
 
     hs, mask = enc.encode(PROMPTS)
     proj = TextProjection.from_state_dict(_projection_sd("2.0", 64 * 3))
-    assert (proj.variant, proj.in_features, proj.out_features) == ("2.0", 192, 64)
+    assert (proj.kind, proj.in_features, proj.out_features) == ("single_linear", 192, 64)
     ours = proj(hs, mask)
     ref_mod = _diffusers_connectors("2.0", 64, 3)
     ref_mod.text_proj_in.weight.data.copy_(proj.aggregate_embed.weight)
@@ -368,7 +368,7 @@ def test_projection_2_3_matches_diffusers(enc):
     hs, mask = enc.encode(PROMPTS)
     sd = _projection_sd("2.3", 64 * 3)
     proj = TextProjection.from_state_dict(sd)
-    assert (proj.variant, proj.in_features, proj.out_features, proj.video_dim) == ("2.3", 192, 72, 48)
+    assert (proj.kind, proj.in_features, proj.out_features, proj.video_dim) == ("dual_linear", 192, 72, 48)
     ours = proj(hs, mask)
     m = _diffusers_connectors("2.3", 64, 3)
     p = "text_embedding_projection."
@@ -382,11 +382,11 @@ def test_projection_2_3_matches_diffusers(enc):
         video = m.video_text_proj_in(normed * math.sqrt(48 / 64))
         audio = m.audio_text_proj_in(normed * math.sqrt(24 / 64))
     torch.testing.assert_close(ours, torch.cat([video, audio], -1), atol=1e-6, rtol=0)
-    v, a = split_video_audio(ours, "2.3", video_dim=48)
+    v, a = split_video_audio(ours, "dual_linear", video_dim=48)
     assert torch.equal(v, ours[..., :48]) and torch.equal(a, ours[..., 48:])
-    assert split_video_audio(ours, "2.0")[0] is ours
+    assert split_video_audio(ours, "single_linear")[0] is ours
     with pytest.raises(ValueError):
-        split_video_audio(ours, "2.5")
+        split_video_audio(ours, "2.3")  # a projection kind, not a model family
 
 
 def test_projection_strict_keys():
