@@ -323,8 +323,8 @@ def test_fp8_marker_with_input_scale_loads_resident(files25):
 SP_GRID = (3, 1, 3)  # 9 video tokens: W = 2 pads one token
 
 
-def _sp_forward(components, golden, forward=None):
-    f, h, w = SP_GRID
+def _sp_forward(components, golden, forward=None, grid=SP_GRID):
+    f, h, w = grid
     spec, t = golden["spec"], golden["t"]
     tr = components.transformer
     ctx = text_contexts(components, [t["input.cond"]], dtype=torch.float32)
@@ -400,3 +400,25 @@ def test_cli_takes_a_models_folder_and_names_what_is_missing(files25, tmp_path):
                                       "--checkpoint", str(files25["transformer"])])
     with pytest.raises(ValidationError, match="no --gemma given"):
         _model_files(args)
+
+
+def test_tiles_get_the_marker_of_their_own_tokens(ours, golden):
+    """Tiled stage 2 normalizes each tile's positions to start at 0 (DESIGN.md §5): the keyframe marker must come
+    from the clip's positions, so a tile of later frames carries none."""
+    from mgpu_backend.parallel.tiled import TiledTransformer
+    from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig
+
+    grid = (4, 1, 2)
+    tr = ours.transformer
+    seen = []
+    hook = tr.register_forward_pre_hook(lambda m, a, kw: seen.append(
+        (kw["video_coords"][0, 0, :, 0].clone(), kw["video_keyframes_mask"][0, :, 0].clone())), with_kwargs=True)
+    try:
+        tiled = TiledTransformer(tr, grid, TileCountConfig(frames=DimensionTilingConfig(2, 1)))
+        _sp_forward(ours, golden, tiled, grid)
+    finally:
+        hook.remove()
+    assert len(seen) == 2
+    (coords0, mask0), (coords1, mask1) = seen
+    assert mask0.tolist() == [1.0, 1.0] + [0.0] * (len(mask0) - 2)  # the clip's first latent frame
+    assert (coords1 == 0).any() and mask1.sum() == 0  # normalized positions start at 0, still no marker
