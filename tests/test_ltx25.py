@@ -422,3 +422,42 @@ def test_tiles_get_the_marker_of_their_own_tokens(ours, golden):
     (coords0, mask0), (coords1, mask1) = seen
     assert mask0.tolist() == [1.0, 1.0] + [0.0] * (len(mask0) - 2)  # the clip's first latent frame
     assert (coords1 == 0).any() and mask1.sum() == 0  # normalized positions start at 0, still no marker
+
+
+# ---- the 2.5 recipe by default -----------------------------------------------------------------------------------
+
+def test_ltx25_files_run_the_template_recipe_by_default(files25, tmp_path, monkeypatch):
+    """With no pipeline / sampler / sigmas named, LTX-2.5 files run ComfyUI's `video_ltx2_5_t2v` recipe: distilled,
+    the 8 template sigmas at half size and 0.85, 0.725, 0.4219, 0 after the upscale, euler_ancestral, no guidance.
+    (The Gemma 4 text encoder is another part of issue 18: a tiny Gemma 3 with a 2.5-shaped projection stands in.)"""
+    from mgpu_backend import pipelines
+    from mgpu_backend import sampling as S
+    from mgpu_backend.models.gemma import load_gemma
+    from mgpu_backend.models.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
+    from mgpu_backend.models.tiny_gemma import write_tiny_gemma
+
+    projection = build_tiny_modules("2.5", 0)["text_projection"]
+    proj_path = tmp_path / "projection.safetensors"
+    save_file({keymaps.TEXT_PROJECTION_PREFIX + k: v.contiguous() for k, v in projection.state_dict().items()},
+              str(proj_path))
+    gemma = write_tiny_gemma(tmp_path / "gemma.safetensors", seed=0, hidden_size=TINY_GEMMA_HIDDEN,
+                             num_layers=TINY_GEMMA_LAYERS)
+    comps = load_components(files25["transformer_int8"], video_vae=files25["video_vae"],
+                            audio_vae=files25["audio_vae"], upsampler=files25["upsampler"],
+                            text_projection=proj_path, dtype=torch.float32)
+    seen = []
+    loop = S.denoise_loop
+
+    def spy(model_fn, video, audio, sigmas, **kwargs):
+        seen.append((tuple(round(float(s), 6) for s in sigmas), S._ACTIVE_SAMPLER, kwargs.get("video_guidance")))
+        return loop(model_fn, video, audio, sigmas, **kwargs)
+
+    monkeypatch.setattr(S, "denoise_loop", spy)
+    pipeline = pipelines.TwoStagePipeline(comps, load_gemma(gemma))
+    result = pipeline.generate(pipelines.GenerateRequest(prompt="a fox", width=128, height=128, frames=9, seed=1))
+    recipe = FM.LTX_2_5.recipe
+    assert [s for s, _, _ in seen] == [recipe.stage1_sigmas, recipe.stage2_sigmas]
+    assert all(isinstance(sampler, S.AncestralSampler) for _, sampler, _ in seen)
+    assert all(guidance == S.NO_GUIDANCE for _, _, guidance in seen)
+    assert result.frames.shape == (9, 128, 128, 3) and torch.isfinite(result.audio).all()
+    assert result.sample_rate == 48000
