@@ -461,3 +461,28 @@ def test_ltx25_files_run_the_template_recipe_by_default(files25, tmp_path, monke
     assert all(guidance == S.NO_GUIDANCE for _, _, guidance in seen)
     assert result.frames.shape == (9, 128, 128, 3) and torch.isfinite(result.audio).all()
     assert result.sample_rate == 48000
+
+
+def test_lora_fuses_onto_resident_int8_layers_and_restores(files25, tmp_path):
+    """A LoRA on the int8-convrot transformer: fused weight = dequantized int8 + delta beside the untouched int8
+    tensor (`Int8Linear` is handled like `FP8Linear`), every layer matched, exactly undone."""
+    from mgpu_backend.lora import LoRAFuser, read_lora
+    from mgpu_backend.models.tiny import write_tiny_lora
+
+    tr = load_components(files25["transformer_int8"], video_vae=files25["video_vae"], audio_vae=files25["audio_vae"],
+                         dtype=torch.float32).transformer
+    int8 = {n: m for n, m in tr.named_modules() if isinstance(m, Int8Linear)}
+    before = {k: v.clone() for k, v in tr.state_dict().items()}
+    lora = read_lora(write_tiny_lora(tmp_path / "lora.safetensors", "2.5", seed=0))
+    fuser = LoRAFuser(tr)
+    report = fuser.fuse([lora])[0]
+    assert report.matched == report.total > 0
+    for name in lora.pairs:
+        layer = int8[name]
+        a, b, alpha = lora.pairs[name]
+        want = layer.dequantized_weight().double() + alpha / a.shape[0] * (b.double() @ a.double())
+        assert float((layer.fused_weight.double() - want).abs().max()) <= 1e-5
+    fuser.restore()
+    assert all(m.fused_weight is None for m in int8.values())
+    after = tr.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
