@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from .models.families import NAMES as FAMILY_NAMES
+
 DEMO_PROMPT = "A red fox runs through fresh snow at dawn, its breath steaming; birds call in the distance."
 
 
@@ -27,16 +29,25 @@ def _dtype(name: str):
 
 def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     if not demo:
-        p.add_argument("--checkpoint", required=True, help="LTX-2 / LTX-2.3 single file, or a transformer-only file")
-        p.add_argument("--gemma", required=True, help="Gemma 3 text encoder: ComfyUI single file or HF folder")
-        p.add_argument("--upscaler", required=True, help="latent upscaler file (latent_upscale_models/)")
+        p.add_argument("--models", metavar="FOLDER",
+                       help="a folder of per-component files (flat, or a ComfyUI models/ root with diffusion_models/, "
+                            "vae/, text_encoders/, latent_upscale_models/): each file is recognized by its tensors; "
+                            "the options below name or override single files")
+        p.add_argument("--checkpoint", "--transformer", dest="checkpoint",
+                       help="LTX-2 / 2.3 single file, or a transformer file (diffusion_models/: bf16, fp8, or "
+                            "ComfyUI's int8-convrot); required unless --models holds exactly one")
+        p.add_argument("--gemma", "--text-encoder", dest="gemma",
+                       help="text encoder: Gemma 3 (LTX-2.0 / 2.3; ComfyUI single file or HF folder) or Gemma 4 with "
+                            "the bundled projection (LTX-2.5)")
+        p.add_argument("--upscaler", help="latent upscaler file (latent_upscale_models/)")
         p.add_argument("--distilled-lora", metavar="PATH[:STRENGTH]",
                        help="LoRA fused for stage 2 only (default strength 1.0)")
         p.add_argument("--video-vae", help="video VAE file, for a transformer-only checkpoint")
         p.add_argument("--audio-vae", help="audio VAE + vocoder file, for a transformer-only checkpoint")
-        p.add_argument("--text-projection", help="text projection file, for a transformer-only checkpoint")
+        p.add_argument("--text-projection", help="text projection file, for a transformer-only checkpoint "
+                                                 "(LTX-2.5: the text-encoder file, the default)")
     else:
-        p.add_argument("--variant", choices=("2.0", "2.3"), default="2.0", help="tiny model architecture")
+        p.add_argument("--variant", choices=FAMILY_NAMES, default=FAMILY_NAMES[0], help="tiny model family")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="a LoRA fused for both stages (default strength 1.0); repeatable. Each prints its coverage "
                         "(layers applied / in the file); one that fits no layer, or another model width, is refused")
@@ -48,16 +59,20 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--fps", type=float, default=24.0, help="frames per second")
     p.add_argument("--steps", type=int, default=8 if demo else None, help="stage-1 steps (default: model's)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (≥ 0, as ComfyUI's)")
-    p.add_argument("--pipeline", choices=("two-stage", "distilled"), default="two-stage",
+    p.add_argument("--pipeline", choices=("two-stage", "distilled"), default=None,
                    help="two-stage: guided stage 1 + distilled-LoRA stage 2; distilled: a distilled checkpoint, "
-                        "8 + 3 steps, no guidance, sequence parallel on both stages")
+                        "8 + 3 steps, no guidance, sequence parallel on both stages (default: the model family's "
+                        "recipe: two-stage for LTX-2.0 / 2.3, distilled for LTX-2.5 as ComfyUI's template)")
+    p.add_argument("--sampler", choices=("euler", "euler_ancestral"), default=None,
+                   help="sampler of both stages (default: the family's: euler; LTX-2.5 euler_ancestral)")
     p.add_argument("--tiles", default=None, metavar="HxW",
                    help="stage-2 tiled data parallel grid, e.g. 2x2 (default: balanced from the rank count)")
     p.add_argument("--tile-overlap", type=int, default=5, help="stage-2 tile overlap in latent cells")
     p.add_argument("--decode-tiles", default=None, metavar="HxW", help="VAE decode tile grid (default: balanced)")
     p.add_argument("--decode-overlap", type=int, default=2, help="decode tile overlap in latent cells (×32 px)")
-    p.add_argument("--stage2-sigmas", default=None, help="comma list ending in 0 (default: 0.909375,0.725,0.421875,0;"
-                                                          " tiled: 0.625,0.4,0)")
+    p.add_argument("--stage2-sigmas", default=None, help="comma list ending in 0 (default: the family's, "
+                                                          "0.909375,0.725,0.421875,0 or LTX-2.5 0.85,0.725,0.4219,0; "
+                                                          "tiled: 0.625,0.4,0)")
     p.add_argument("--image", help="first-frame image for image-to-video: scaled to cover --width × --height "
                                    "and center-cropped (the reference's resize_and_center_crop)")
     p.add_argument("--image-strength", type=float, default=1.0, help="0..1")
@@ -120,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stop", help="stop the background controller and its fleet")
     tiny = sub.add_parser("make-tiny", help="write tiny random-weight models in the real file layouts")
     tiny.add_argument("directory", help="folder to write the files into")
-    tiny.add_argument("--variant", choices=("2.0", "2.3"), default="2.0")
+    tiny.add_argument("--variant", choices=FAMILY_NAMES, default=FAMILY_NAMES[0])
     tiny.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -168,7 +183,7 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     t = time.perf_counter()
     components = load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=dtype, device=device,
                                  video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
-                                 text_projection=files.get("text_projection"))
+                                 text_projection=files.get("text_projection"), text_encoder=files["gemma"])
     if args.compile:
         from .compile import compile_blocks
 
@@ -234,6 +249,44 @@ def _grid(value: str | None, overlap: int, what: str):
         raise ValidationError(f"{what}={value!r}: use HxW with positive counts, e.g. 2x2") from None
 
 
+def _demo_files(paths: dict) -> tuple[dict, tuple[str, float] | None]:
+    """`make_tiny`'s paths -> (the generate file slots, the distilled LoRA). Single-file families (2.0 / 2.3): the
+    checkpoint, Gemma 3, upscaler and distilled LoRA; per-component families (2.5): transformer, video / audio VAE,
+    the Gemma 4 text encoder (which holds the text projection), upscaler, and no LoRA (a distilled transformer)."""
+    if "checkpoint" in paths:
+        return ({"checkpoint": paths["checkpoint"], "gemma": paths["gemma"], "upscaler": paths["upsampler"]},
+                (str(paths["distilled_lora"]), 1.0))
+    return ({"checkpoint": paths["transformer"], "gemma": paths["text_encoder"], "upscaler": paths["upsampler"],
+             "video_vae": paths["video_vae"], "audio_vae": paths["audio_vae"]}, None)
+
+
+def _model_files(args) -> dict:
+    """The file slots from --models FOLDER and the single-file options (which win). Raises ValidationError naming
+    what is missing."""
+    from .models.folders import CHECKPOINT, find_component_files
+    from .validation import ValidationError
+
+    explicit = {"checkpoint": args.checkpoint, "gemma": args.gemma, "upscaler": args.upscaler,
+                "video_vae": args.video_vae, "audio_vae": args.audio_vae, "text_projection": args.text_projection}
+    files = dict(explicit)
+    if args.models is not None:
+        kinds = {"checkpoint": "transformer", "gemma": "text_encoder", "upscaler": "upsampler",
+                 "video_vae": "video_vae", "audio_vae": "audio_vae"}
+        try:
+            found = find_component_files(args.models, given=tuple(kinds[k] for k, v in explicit.items()
+                                                                  if v is not None and k in kinds))
+        except (FileNotFoundError, ValueError) as exc:
+            raise ValidationError(f"--models: {exc}") from None
+        found.setdefault("transformer", found.get(CHECKPOINT))
+        for slot, kind in kinds.items():
+            if files[slot] is None and found.get(kind) is not None:
+                files[slot] = found[kind]
+    missing = [f"--{name}" for name in ("checkpoint", "gemma", "upscaler") if files[name] is None]
+    if missing:
+        raise ValidationError(f"no {', '.join(missing)} given (name the files, or a --models folder holding them)")
+    return files
+
+
 def _request_and_files(args, paths):
     from .lora import parse_lora_arg
     from .pipelines import DEFAULT_NEGATIVE_PROMPT, GenerateRequest
@@ -242,12 +295,9 @@ def _request_and_files(args, paths):
     try:
         user_loras = tuple(parse_lora_arg(a) for a in getattr(args, "lora", None) or ())
         if paths is not None:  # demo
-            files = {"checkpoint": paths["checkpoint"], "gemma": paths["gemma"], "upscaler": paths["upsampler"]}
-            lora = (str(paths["distilled_lora"]), 1.0)
+            files, lora = _demo_files(paths)
         else:
-            files = {"checkpoint": args.checkpoint, "gemma": args.gemma, "upscaler": args.upscaler,
-                     "video_vae": args.video_vae, "audio_vae": args.audio_vae,
-                     "text_projection": args.text_projection}
+            files = _model_files(args)
             lora = parse_lora_arg(args.distilled_lora) if args.distilled_lora else None
     except ValueError as exc:
         raise ValidationError(str(exc)) from None
@@ -255,6 +305,7 @@ def _request_and_files(args, paths):
         prompt=args.prompt, negative_prompt=args.negative_prompt or DEFAULT_NEGATIVE_PROMPT, width=args.width,
         height=args.height, frames=args.frames, fps=args.fps, steps=args.steps, seed=args.seed, image=args.image,
         image_strength=args.image_strength, distilled_lora=lora, loras=user_loras, pipeline=args.pipeline,
+        sampler=args.sampler,
         tiles=_grid(args.tiles, args.tile_overlap, "--tiles"), tile_overlap=args.tile_overlap,
         decode_tiles=_grid(args.decode_tiles, args.decode_overlap, "--decode-tiles"),
         decode_overlap=args.decode_overlap,
@@ -337,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run_generate(args)
         return 0
-    except (ValidationError, FileNotFoundError) as exc:
+    except (ValidationError, FileNotFoundError, NotImplementedError) as exc:  # the last: a part not in this build
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -142,7 +142,8 @@ class WorkerState:
         self.config, self.rank, self.device, self.dtype = config, rank, device, dtype
         self.components = loader.load_components(
             config.checkpoint, video_vae=config.video_vae, audio_vae=config.audio_vae,
-            text_projection=config.text_projection, upsampler=config.upscaler, dtype=dtype, device=device)
+            text_projection=config.text_projection, upsampler=config.upscaler, text_encoder=config.gemma, dtype=dtype,
+            device=device)
         if config.compile:
             from .compile import compile_blocks
 

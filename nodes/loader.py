@@ -136,11 +136,13 @@ class LoadCheckpointMGPU(io.ComfyNode):
             inputs=[
                 io.Combo.Input("checkpoint", options=_files("checkpoints", "diffusion_models"),
                                tooltip="LTX-2 / LTX-2.3 single-file checkpoint (models/checkpoints/) or a "
-                                       "transformer-only file (models/diffusion_models/, then give the VAE, audio "
-                                       "VAE and text projection files below)."),
+                                       "transformer file (models/diffusion_models/: LTX-2.5 bf16, fp8 or "
+                                       "int8-convrot, or a 2.0 / 2.3 transformer-only file; then pick the video "
+                                       "VAE and audio VAE files below)."),
                 io.Combo.Input("gemma", options=_gemma_choices(),
-                               tooltip="Gemma 3 text encoder in models/text_encoders/: ComfyUI's single file or a "
-                                       "Hugging Face folder (shown with a trailing '/')."),
+                               tooltip="Text encoder in models/text_encoders/: Gemma 3 for LTX-2.0 / 2.3 (ComfyUI's "
+                                       "single file or a Hugging Face folder, shown with a trailing '/'); for "
+                                       "LTX-2.5 the Gemma 4 file with the bundled text projection."),
                 io.Combo.Input("upscaler", options=[NONE] + _files(UPSCALER_FOLDER), default=NONE,
                                tooltip="2x spatial latent upscaler (models/latent_upscale_models/), needed by "
                                        "TDP Upscale (MGPU) when it upscales."),
@@ -165,7 +167,8 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 io.Combo.Input("text_projection", options=[NONE] + _files("text_encoders", "checkpoints"),
                                default=NONE, optional=True,
                                tooltip="Separate text projection file (text_embedding_projection.*), for a "
-                                       "transformer-only checkpoint (none = from the checkpoint)."),
+                                       "2.0 / 2.3 transformer-only checkpoint (none = from the checkpoint; LTX-2.5: "
+                                       "from the Gemma 4 text-encoder file)."),
                 io.Int.Input("sp_degree", default=0, min=0, max=64, optional=True,
                              tooltip="Sequence-parallel degree for stage 1: 0 = the largest that divides the model's "
                                      "attention heads (32 for LTX-2: 1, 2, 4, 8, …) and fits the ranks; another value "

@@ -205,8 +205,9 @@ def test_quantized_twins_compute_close_to_bf16(files25, ours, golden):
 
 
 def test_convrot_roundtrip_and_hadamard():
-    h = hadamard(64)
-    assert torch.allclose(h @ h, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)
+    for size in (16, 64, 256):  # ComfyUI's group sizes (256: the released files)
+        h = hadamard(size)
+        assert torch.allclose(h @ h, torch.eye(size), atol=1e-5) and torch.equal(h, h.T)
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     q, scale = quantize_int8(w, 16)
     assert q.dtype == torch.int8 and scale.shape == (8, 1)
@@ -250,7 +251,8 @@ def test_key_map_agrees_with_diffusers_converter(files25):
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 
-    sd = {k: v for k, v in load_file(str(files25["transformer"])).items() if not k.startswith(keymaps.CONNECTOR_PREFIXES)}
+    sd = {k: v for k, v in load_file(str(files25["transformer"])).items()
+          if not k.startswith(keymaps.CONNECTOR_PREFIXES)}
     converted = convert_ltx2_transformer_to_diffusers({"model.diffusion_model." + k: v for k, v in sd.items()})
     converted = {k.replace("prompt_adaln_single", "prompt_adaln"): v for k, v in converted.items()}
     assert set(converted) == {keymaps.transformer_to_diffusers(k) for k in sd}
@@ -315,3 +317,178 @@ def test_fp8_marker_with_input_scale_loads_resident(files25):
     layer = comps.transformer.transformer_blocks[1].audio_ff.net[2]
     assert isinstance(layer, FP8Linear) and layer.weight.dtype == torch.float8_e4m3fn
     assert layer.input_scale.shape == () and math.isfinite(float(layer.weight_scale))
+
+
+# ---- the keyframe marker travels with the tokens: sequence parallel W = 2 (padded) = one process ----------------
+
+SP_GRID = (3, 1, 3)  # 9 video tokens: W = 2 pads one token
+
+
+def _sp_forward(components, golden, forward=None, grid=SP_GRID):
+    f, h, w = grid
+    spec, t = golden["spec"], golden["t"]
+    tr = components.transformer
+    ctx = text_contexts(components, [t["input.cond"]], dtype=torch.float32)
+    denoiser = LTX2Denoiser(tr, ctx, None, L.video_coords(tr, 1, f, h, w, spec["fps"]),
+                            L.audio_coords(tr, 1, spec["audio_frames"]), torch.float32, forward=forward)
+    g = torch.Generator().manual_seed(5)
+    video = torch.randn(1, f * h * w, 128, generator=g)
+    audio = torch.randn(1, spec["audio_frames"], 128, generator=g)
+    sigma = torch.tensor([0.6])
+    v, a = denoiser(ModelInputs(video, audio, torch.full((1, f * h * w), 0.6), torch.full((1, spec["audio_frames"]),
+                                0.6), sigma, sigma, GuidancePass("cond"), 0))
+    return {"video": v, "audio": a, "marked": int(denoiser.keyframes_mask.sum())}
+
+
+def _sp25_rank(rank: int, world: int, files: dict, golden_path: str) -> dict:
+    from mgpu_backend.parallel.exchange import Exchange
+    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+
+    comps = load_components(files["transformer"], video_vae=files["video_vae"], audio_vae=files["audio_vae"],
+                            dtype=torch.float32)
+    golden = {"spec": json.loads(safe_open(golden_path, "pt").metadata()["spec"]), "t": load_file(golden_path)}
+    return _sp_forward(comps, golden, SequenceParallelTransformer(comps.transformer, Exchange(None, world, rank)))
+
+
+def test_sequence_parallel_shards_the_keyframe_marker(files25, ours, golden):
+    from _dist import run_ranks
+
+    reference = _sp_forward(ours, golden)
+    assert reference["marked"] == SP_GRID[1] * SP_GRID[2]  # the first latent frame's tokens
+    results = run_ranks(_sp25_rank, 2, {k: str(v) for k, v in files25.items()}, str(GOLDEN))
+    for result in results:
+        assert _max_diff(result["video"], reference["video"]) <= 1e-5
+        assert _max_diff(result["audio"], reference["audio"]) <= 1e-5
+
+
+# ---- folders of per-component files -----------------------------------------------------------------------------
+
+def test_folder_files_are_recognized_by_their_tensors(files25, tmp_path):
+    from mgpu_backend.models.folders import classify_file, find_component_files
+
+    kinds = {name: classify_file(path) for name, path in files25.items()}
+    assert kinds == {"transformer": "transformer", "transformer_int8": "transformer",
+                     "transformer_fp8": "transformer", "video_vae": "video_vae", "audio_vae": "audio_vae",
+                     "upsampler": "upsampler"}
+    from mgpu_backend.models.tiny_gemma import write_tiny_gemma
+
+    assert classify_file(write_tiny_gemma(tmp_path / "gemma.safetensors", seed=0, hidden_size=64,
+                                          num_layers=2)) == "text_encoder"
+    (tmp_path / "gemma.safetensors").unlink()
+    folder = Path(files25["transformer"]).parent
+    with pytest.raises(ValueError, match="more than one file of a kind.*transformer"):
+        find_component_files(folder)
+    found = find_component_files(folder, given=("transformer",))
+    assert found == {"video_vae": files25["video_vae"], "audio_vae": files25["audio_vae"],
+                     "upsampler": files25["upsampler"]}
+    # a ComfyUI models/ root: one file per folder
+    for sub, name in (("diffusion_models", "transformer_int8"), ("vae", "video_vae"), ("vae", "audio_vae"),
+                      ("latent_upscale_models", "upsampler")):
+        (tmp_path / sub).mkdir(exist_ok=True)
+        (tmp_path / sub / Path(files25[name]).name).symlink_to(files25[name])
+    found = find_component_files(tmp_path)
+    assert found["transformer"].name == Path(files25["transformer_int8"]).name
+    assert set(found) == {"transformer", "video_vae", "audio_vae", "upsampler"}
+
+
+def test_cli_takes_a_models_folder_and_names_what_is_missing(files25, tmp_path):
+    from mgpu_backend.cli import _model_files, build_parser
+    from mgpu_backend.validation import ValidationError
+
+    folder = Path(files25["transformer"]).parent
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--models", str(folder),
+                                      "--transformer", str(files25["transformer_int8"]), "--gemma", "g"])
+    files = _model_files(args)
+    assert files["checkpoint"] == str(files25["transformer_int8"])
+    assert (files["video_vae"], files["audio_vae"], files["upscaler"]) == (
+        files25["video_vae"], files25["audio_vae"], files25["upsampler"])
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--models", str(folder),
+                                      "--checkpoint", str(files25["transformer"])])
+    with pytest.raises(ValidationError, match="no --gemma given"):
+        _model_files(args)
+
+
+def test_tiles_get_the_marker_of_their_own_tokens(ours, golden):
+    """Tiled stage 2 normalizes each tile's positions to start at 0 (DESIGN.md §5): the keyframe marker must come
+    from the clip's positions, so a tile of later frames carries none."""
+    from mgpu_backend.parallel.tiled import TiledTransformer
+    from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig
+
+    grid = (4, 1, 2)
+    tr = ours.transformer
+    seen = []
+    hook = tr.register_forward_pre_hook(lambda m, a, kw: seen.append(
+        (kw["video_coords"][0, 0, :, 0].clone(), kw["video_keyframes_mask"][0, :, 0].clone())), with_kwargs=True)
+    try:
+        tiled = TiledTransformer(tr, grid, TileCountConfig(frames=DimensionTilingConfig(2, 1)))
+        _sp_forward(ours, golden, tiled, grid)
+    finally:
+        hook.remove()
+    assert len(seen) == 2
+    (coords0, mask0), (coords1, mask1) = seen
+    assert mask0.tolist() == [1.0, 1.0] + [0.0] * (len(mask0) - 2)  # the clip's first latent frame
+    assert (coords1 == 0).any() and mask1.sum() == 0  # normalized positions start at 0, still no marker
+
+
+# ---- the 2.5 recipe by default -----------------------------------------------------------------------------------
+
+def test_ltx25_files_run_the_template_recipe_by_default(files25, tmp_path, monkeypatch):
+    """With no pipeline / sampler / sigmas named, LTX-2.5 files run ComfyUI's `video_ltx2_5_t2v` recipe: distilled,
+    the 8 template sigmas at half size and 0.85, 0.725, 0.4219, 0 after the upscale, euler_ancestral, no guidance.
+    (The Gemma 4 text encoder is another part of issue 18: a tiny Gemma 3 with a 2.5-shaped projection stands in.)"""
+    from mgpu_backend import pipelines
+    from mgpu_backend import sampling as S
+    from mgpu_backend.models.gemma import load_gemma
+    from mgpu_backend.models.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
+    from mgpu_backend.models.tiny_gemma import write_tiny_gemma
+
+    projection = build_tiny_modules("2.5", 0)["text_projection"]
+    proj_path = tmp_path / "projection.safetensors"
+    save_file({keymaps.TEXT_PROJECTION_PREFIX + k: v.contiguous() for k, v in projection.state_dict().items()},
+              str(proj_path))
+    gemma = write_tiny_gemma(tmp_path / "gemma.safetensors", seed=0, hidden_size=TINY_GEMMA_HIDDEN,
+                             num_layers=TINY_GEMMA_LAYERS)
+    comps = load_components(files25["transformer_int8"], video_vae=files25["video_vae"],
+                            audio_vae=files25["audio_vae"], upsampler=files25["upsampler"],
+                            text_projection=proj_path, dtype=torch.float32)
+    seen = []
+    loop = S.denoise_loop
+
+    def spy(model_fn, video, audio, sigmas, **kwargs):
+        seen.append((tuple(round(float(s), 6) for s in sigmas), S._ACTIVE_SAMPLER, kwargs.get("video_guidance")))
+        return loop(model_fn, video, audio, sigmas, **kwargs)
+
+    monkeypatch.setattr(S, "denoise_loop", spy)
+    pipeline = pipelines.TwoStagePipeline(comps, load_gemma(gemma))
+    result = pipeline.generate(pipelines.GenerateRequest(prompt="a fox", width=128, height=128, frames=9, seed=1))
+    recipe = FM.LTX_2_5.recipe
+    assert [s for s, _, _ in seen] == [recipe.stage1_sigmas, recipe.stage2_sigmas]
+    assert all(isinstance(sampler, S.AncestralSampler) for _, sampler, _ in seen)
+    assert all(guidance == S.NO_GUIDANCE for _, _, guidance in seen)
+    assert result.frames.shape == (9, 128, 128, 3) and torch.isfinite(result.audio).all()
+    assert result.sample_rate == 48000
+
+
+def test_lora_fuses_onto_resident_int8_layers_and_restores(files25, tmp_path):
+    """A LoRA on the int8-convrot transformer: fused weight = dequantized int8 + delta beside the untouched int8
+    tensor (`Int8Linear` is handled like `FP8Linear`), every layer matched, exactly undone."""
+    from mgpu_backend.lora import LoRAFuser, read_lora
+    from mgpu_backend.models.tiny import write_tiny_lora
+
+    tr = load_components(files25["transformer_int8"], video_vae=files25["video_vae"], audio_vae=files25["audio_vae"],
+                         dtype=torch.float32).transformer
+    int8 = {n: m for n, m in tr.named_modules() if isinstance(m, Int8Linear)}
+    before = {k: v.clone() for k, v in tr.state_dict().items()}
+    lora = read_lora(write_tiny_lora(tmp_path / "lora.safetensors", "2.5", seed=0))
+    fuser = LoRAFuser(tr)
+    report = fuser.fuse([lora])[0]
+    assert report.matched == report.total > 0
+    for name in lora.pairs:
+        layer = int8[name]
+        a, b, alpha = lora.pairs[name]
+        want = layer.dequantized_weight().double() + alpha / a.shape[0] * (b.double() @ a.double())
+        assert float((layer.fused_weight.double() - want).abs().max()) <= 1e-5
+    fuser.restore()
+    assert all(m.fused_weight is None for m in int8.values())
+    after = tr.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -394,8 +394,8 @@ def load_upsampler(path: str | Path | SafetensorsFile, dtype: torch.dtype) -> nn
 
 def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = None,
                     audio_vae: str | Path | None = None, text_projection: str | Path | None = None,
-                    upsampler: str | Path | None = None, dtype: torch.dtype = torch.bfloat16,
-                    device: torch.device | str = "cpu") -> LTX2Components:
+                    upsampler: str | Path | None = None, text_encoder: str | Path | None = None,
+                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> LTX2Components:
     """Load every component of an LTX-2 / LTX-2.3 / LTX-2.5 model, slot by slot of its family's component table.
 
     Args:
@@ -405,6 +405,8 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
         text_projection: the file holding the text projection: for LTX-2.0 / 2.3 a projection file (falls back to
             `checkpoint`), for LTX-2.5 the text-encoder file it is bundled in (without one: no projection).
         upsampler: optional latent-upscaler file (`latent_upscale_models/`).
+        text_encoder: the text-encoder file; read for the text projection only when the family bundles it there
+            (LTX-2.5) and `text_projection` is not given.
         dtype: compute dtype of the modules (quantized Linear weights stay resident quantized; the vocoder stays
             float32).
     Raises: FileNotFoundError, CheckpointError (family, metadata, strict key mismatch), each naming the file.
@@ -422,10 +424,15 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
         else:
             opened[slot] = None
     # the text projection: in the checkpoint (2.0 / 2.3, or a file of its own) or in the text-encoder file (2.5)
+    projection_slot = family.component("text_projection").file_slot
     if text_projection is not None:
         projection_file = SafetensorsFile(text_projection)
+    elif projection_slot == "transformer":
+        projection_file = main
+    elif text_encoder is not None and Path(text_encoder).is_file():
+        projection_file = SafetensorsFile(text_encoder)
     else:
-        projection_file = main if family.component("text_projection").file_slot == "transformer" else None
+        projection_file = None
     components = LTX2Components(
         family=family,
         transformer=transformer,

@@ -13,7 +13,8 @@ the group size may also sit under `"params"`). Per format (`comfy/quant_ops.py::
   Q(W_g · Hᵀ) per group of g input features, and the original basis comes back as deq(Q)_g · Hᵀ (H is symmetric and
   orthogonal, so Hᵀ·Hᵀ = I). Source: comfy-kitchen 0.2.31 (Apache-2.0)
   `backends/eager/quantization.py::quantize_int8_convrot_weight` / `dequantize_int8_convrot_weight`,
-  `tensor/int8_utils.py::_build_hadamard` (H₄ = [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]], H_{4^k} = H₄^{⊗k}, / √g).
+  `tensor/int8_utils.py::_build_hadamard` (H₄ = [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]],
+  H_{4^k} = H₄^{⊗k}, divided by √g).
   Loaded as `Int8Linear`: the int8 tensor stays resident, the weight is dequantized per call (exact; the fast int8
   matmul is a separate speed path).
 

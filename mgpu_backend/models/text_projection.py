@@ -44,6 +44,7 @@ from torch import nn
 from .families import PROJECTION_DUAL, PROJECTION_SINGLE
 
 DEFAULT_PREFIX = "text_embedding_projection."
+KIND_MODELS = {PROJECTION_SINGLE: "LTX-2.0", PROJECTION_DUAL: "LTX-2.3 / 2.5"}  # for messages
 EPS = 1e-6
 SCALE_2_0 = 8.0
 LTX23_VIDEO_DIM = 4096
@@ -275,5 +276,5 @@ def check_gemma_matches(projection: TextProjection, encoder, gemma_path) -> None
         raise ValueError(
             f"Gemma text encoder {gemma_path} gives hidden_size {encoder.hidden_size} x {encoder.num_hidden_states} "
             f"hidden states = {got} features per token, but the checkpoint's text projection ("
-            f"{projection.kind}) expects in_features={projection.in_features} (the 12B Gemma 3 and Gemma 4: "
-            f"3840 x 49 = 188160)")
+            f"{KIND_MODELS[projection.kind]}, {projection.kind}) expects in_features={projection.in_features} "
+            f"(the 12B Gemma 3 and Gemma 4: 3840 x 49 = 188160)")

@@ -18,9 +18,9 @@ What it does:
    reference's video->audio cross-attention input ("ref": ComfyUI 0.33 re-normalizes the video stream after the
    audio->video residual; ltx-core / diffusers use the norm from before it — the driver swaps that one line of
    `BasicAVTransformerBlock.forward`, as the 0.20 goldens patched the cross-attention AdaLN timestep), the "ref"
-   forward with the keyframe embedding zeroed (to show it acts on frame-0 tokens), the dequantized weights of the int8-convrot layers
-   (`QuantizedTensor.dequantize()`, comfy-kitchen's `TensorWiseINT8Layout`), a video decode, an audio decode and an
-   upscale; and the loaders' key coverage (missing / unexpected keys) as metadata;
+   forward with the keyframe embedding zeroed (to show it acts on frame-0 tokens), the dequantized weights of the
+   int8-convrot layers (`QuantizedTensor.dequantize()`, comfy-kitchen's `TensorWiseINT8Layout`), a video decode, an
+   audio decode and an upscale; and the loaders' key coverage (missing / unexpected keys) as metadata;
 4. writes them with the inputs, the spec and provenance (ComfyUI / torch versions, a fingerprint of the files).
 
 `tests/test_ltx25.py` compares this project's loaders and modules with these tensors.
@@ -168,7 +168,7 @@ for key in ("audio_vae", "video_vae"):
     else:
         out["video_frames"] = vae.decode(inputs["decode_latent"]).float()
 
-# ---- LatentUpscaleModelLoader -----------------------------------------------------------------------------------------
+# ---- LatentUpscaleModelLoader ---------------------------------------------------------------------------------------
 folder_paths.add_model_folder_path("latent_upscale_models", os.path.dirname(files["upsampler"]))
 from comfy_extras.nodes_hunyuan import LatentUpscaleModelLoader
 upsampler = LatentUpscaleModelLoader.execute(os.path.basename(files["upsampler"])).result[0]
