@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_ltx2 import LTX2PerturbedAttnProcessor
 
+from . import cuda_graphs
 from .attention import LTX2AttnProcessor, use_processor
 from .sampling import TIMESTEP_SCALE, GuidancePass, ModelInputs
 
@@ -143,6 +144,22 @@ class LTX2Denoiser:
         self.dtype = dtype
         self.forwards = 0
 
+    def run_forward(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of `self.forward` (keyword arguments of the diffusers transformer, without `return_dict`):
+        replayed from CUDA graphs when the forward allows it (`cuda_graphs.call`: the plain transformer and the
+        sequence-parallel wrapper; a tiled wrapper synchronises with the host and stays eager), else eager."""
+        forward = self.forward
+        if forward is self.transformer:
+            return cuda_graphs.call(self.transformer, lambda **kw: forward(return_dict=False, **kw), kwargs,
+                                    extra="transformer")
+        if getattr(forward, "cuda_graph_safe", False):
+            forward.ensure_active()
+            return cuda_graphs.call(self.transformer, forward, kwargs, extra=type(forward).__name__)
+        if cuda_graphs.eligible(kwargs) is None:
+            cuda_graphs.graphs_of(self.transformer).note_eager(
+                f"{type(forward).__name__} forwards eager (the wrapper synchronises with the host)")
+        return forward(return_dict=False, **kwargs)
+
     def __call__(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         p: GuidancePass = inputs.guidance
         if p.kind == "uncond":
@@ -156,7 +173,7 @@ class LTX2Denoiser:
         # the sampling state stays where the loop keeps it (small); each forward runs on the model's device
         device = self.video_coords.device
         with perturb, torch.no_grad():
-            video, audio = self.forward(
+            video, audio = self.run_forward(
                 hidden_states=inputs.video.to(device, self.dtype),
                 audio_hidden_states=inputs.audio.to(device, self.dtype),
                 encoder_hidden_states=context.video,
@@ -171,7 +188,6 @@ class LTX2Denoiser:
                 audio_coords=self.audio_coords,
                 isolate_modalities=p.kind == "isolated",
                 use_cross_timestep=True,
-                return_dict=False,
             )
         self.forwards += 1
         return video.float().to(inputs.video.device), audio.float().to(inputs.audio.device)
