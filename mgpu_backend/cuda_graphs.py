@@ -198,7 +198,8 @@ def _processor_signature(transformer) -> tuple:
         for name in ATTENTIONS:
             p = getattr(block, name).processor
             ex = getattr(p, "exchange", None)
-            sig.append(type(p) if ex is None else (type(p), id(ex.group), ex.world_size, ex.rank))
+            kind = getattr(p, "graph_key", None) or type(p)  # a per-item wrapper names its inner class and mask
+            sig.append(kind if ex is None else (kind, id(ex.group), ex.world_size, ex.rank))
     return tuple(sig)
 
 
