@@ -258,7 +258,7 @@ def bench_batched(args, model, device, dtype, scale):
             G.set_mode("off" if mode == "eager" else "auto")
             with torch.no_grad():
                 one, many = singles(), batched()
-                tm = interleaved({"singles": singles, "batched": batched}, args.iters, warmup=2)
+                tm = interleaved({"singles": singles, "batched": batched}, args.batch_iters, warmup=2)
             err = max(max(rel_l2(b[0], s[0]), rel_l2(b[1], s[1])) for b, s in zip(many, one))
             row = dict(size=f"{width}x{height}", tokens=t, mode=mode, singles_ms=tm["singles"] * scale * 1e3,
                        batched_ms=tm["batched"] * scale * 1e3, rel_l2=err)
@@ -301,26 +301,27 @@ def bench_fp8(args, model, meta, device, dtype, scale):
         base = {k: v for k, v in kw.items() if k != "return_dict"}
         sp_b = SequenceParallelTransformer(model, Exchange(None, 1, 0))
         sp_f = SequenceParallelTransformer(twin, Exchange(None, 1, 0))
-        for mode in ("eager", "compiled"):
+        for mode in ("eager", "graphed", "compiled"):
             if mode == "compiled":
                 C.compile_blocks(model)
                 C.compile_blocks(twin)
+            G.set_mode("auto" if mode == "graphed" else "off")
 
             def run_b():
                 sp_b.ensure_active()
-                return sp_b(**base)
+                return G.call(model, sp_b, base, extra="bf16")
 
             def run_deq():
                 F8.set_compute("off")
                 sp_f.ensure_active()
                 try:
-                    return sp_f(**base)
+                    return G.call(twin, sp_f, base, extra="deq")
                 finally:
                     F8.set_compute("auto")
 
             def run_mm():
                 sp_f.ensure_active()
-                return sp_f(**base)
+                return G.call(twin, sp_f, base, extra="mm")
             with torch.no_grad():
                 ref, deq, mm = run_b(), run_deq(), run_mm()
                 tm = interleaved({"bf16": run_b, "deq": run_deq, "mm": run_mm}, args.iters, warmup=1)
@@ -335,6 +336,9 @@ def bench_fp8(args, model, meta, device, dtype, scale):
                   f"{row['err_deq']:8.1e} {row['err_mm']:8.1e}", flush=True)
         C.uncompile_blocks(model)
         C.uncompile_blocks(twin)
+        G.set_mode("auto")
+        G.graphs_of(model).clear()
+        G.graphs_of(twin).clear()
         torch.cuda.empty_cache()
     print(F8.compute_report(twin))
     RESULTS["fp8"] = rows
@@ -351,6 +355,7 @@ def main():
     ap.add_argument("--batch-sizes", default="384x256,640x352,768x512,1280x704")
     ap.add_argument("--fp8-sizes", default="640x352,1280x704,1920x1088")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--batch-iters", type=int, default=3)
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
@@ -362,7 +367,7 @@ def main():
 
         meta = tiny_transformer_metadata("2.0")
         args.sizes = args.batch_sizes = args.fp8_sizes = "128x64"
-        args.frames, args.world, args.compile_at, args.iters = 9, "1,2", "", 1
+        args.frames, args.world, args.compile_at, args.iters, args.batch_iters = 9, "1,2", "", 1, 1
         args.what = ",".join(w for w in args.what.split(",") if w != "gemm")
     scale = 48 / meta["num_layers"]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -10,7 +10,8 @@ kernels); the second captures it and replays the capture; later ones only copy t
 captured ("static") inputs and replay. The key is everything the captured kernels depend on: the tensors' shapes,
 dtypes and devices, the other arguments' values, the attention processors installed in every block (so the STG
 pass's skipped self-attention, sequence-parallel processors or a tiled stage each get their own graphs), whether the
-blocks are compiled, the fp8 weight generation (a LoRA fused into an fp8 layer is a new tensor) and grad mode. The
+blocks are compiled, the fp8 weight generation (a LoRA fused into an fp8 layer is a new tensor) and compute mode,
+and grad mode. The
 cache lives on the transformer module, so the resident fleet keeps its graphs from job to job; all graphs of one
 transformer share one memory pool (each replay is atomic and its outputs are copied out before the next, so a
 later capture reusing an earlier one's intermediate memory is safe), and the least recently used graph is dropped
@@ -217,7 +218,7 @@ def forward_key(transformer, kwargs: dict, extra: Any = None) -> tuple:
     blocks = transformer.transformer_blocks
     compiled = getattr(blocks[0], "_compiled_call_impl", None) is not None if len(blocks) else False
     return (extra, tuple((k, _meta(v)) for k, v in sorted(kwargs.items())), _processor_signature(transformer),
-            compiled, fp8.WEIGHT_GENERATION[0], torch.is_grad_enabled())
+            compiled, fp8.WEIGHT_GENERATION[0], fp8.compute_mode(), torch.is_grad_enabled())
 
 
 def eligible(kwargs: dict) -> str | None:

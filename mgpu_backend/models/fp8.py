@@ -123,6 +123,14 @@ def _triton_rows():
                 tl.store(q_ptr + row * k + offs, q.to(tl.float8e4nv), mask=mask)
                 tl.store(s_ptr + row, scale)
 
+            @triton.jit
+            def _static(x_ptr, q_ptr, s_ptr, n, block: tl.constexpr):
+                offs = tl.program_id(0) * block + tl.arange(0, block)
+                mask = offs < n
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(x / tl.load(s_ptr), -448.0), 448.0)
+                tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+
             def run(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 m, k = x2.shape
                 q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
@@ -131,7 +139,14 @@ def _triton_rows():
                 _rows[(m,)](x2, q, s, k, x2.stride(0), block=block, num_warps=min(16, max(4, block // 1024)))
                 return q, s
 
-            _TRITON_ROWS = run
+            def run_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+                x = x.contiguous()
+                q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+                n = x.numel()
+                _static[(triton.cdiv(n, 4096),)](x, q, scale.float(), n, block=4096, num_warps=8)
+                return q
+
+            _TRITON_ROWS = (run, run_static)
         except Exception:  # noqa: BLE001 — no Triton (or no fp8 in it): the torch expression does the same
             _TRITON_ROWS = False
     return _TRITON_ROWS or None
@@ -141,14 +156,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row dynamic e4m3 quantization of a 2-D `[M, K]` tensor: `(codes [M, K] e4m3fn, scales [M, 1] float32)`
     with `codes.float() · scales ≈ x` (`scale = max(amax_row, 1e-12) / 448`)."""
     if x.is_cuda and x.stride(-1) == 1 and not torch.compiler.is_compiling():
-        kernel = _triton_rows()
-        if kernel is not None:
-            return kernel(x)
+        kernels = _triton_rows()
+        if kernels is not None:
+            return kernels[0](x)
     return _quantize_rows_torch(x)
 
 
 def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """`clamp(x / input_scale, ±448)` as e4m3 codes (a file's per-tensor activation scale)."""
+    """`clamp(x / input_scale, ±448)` as e4m3 codes (a file's per-tensor activation scale); one Triton kernel in
+    eager on CUDA, the torch expression otherwise (fused by the compiler)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        kernels = _triton_rows()
+        if kernels is not None:
+            return kernels[1](x, input_scale)
     return (x.float() / input_scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -205,6 +225,7 @@ class FP8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype), requires_grad=False) if bias else None
         self._fused_weight: torch.Tensor | None = None
         self._scale_rows: torch.Tensor | None = None
+        self._scale_rows_src: tuple = (None, -1)
         self.last_path: str | None = None
         self.last_reason: str | None = None
 
@@ -224,10 +245,12 @@ class FP8Linear(nn.Module):
     def _scale_b_rows(self) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self.weight_scale.float().reshape(1, 1).expand(1, self.out_features).contiguous()
-        s = self._scale_rows
-        if s is None or s.device != self.weight.device or not torch.equal(s[0, :1], self.weight_scale.reshape(1)):
-            s = self._scale_rows = self.weight_scale.float().reshape(1, 1).expand(1, self.out_features).contiguous()
-        return s
+        # made once per scale tensor and version (no device round trip per call: the check is on the host)
+        src = (self.weight_scale, self.weight_scale._version)
+        if self._scale_rows is None or self._scale_rows_src[0] is not src[0] or self._scale_rows_src[1] != src[1]:
+            self._scale_rows = self.weight_scale.float().reshape(1, 1).expand(1, self.out_features).contiguous()
+            self._scale_rows_src = src
+        return self._scale_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path, why = compute_path(self, x)
