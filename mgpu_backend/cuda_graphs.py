@@ -40,6 +40,7 @@ import torch
 
 MODES = ("auto", "off")
 CAPACITY = 16  # graphs kept per transformer (sizes × pass sets × stages of a long-lived fleet)
+MAX_HELD_FRACTION = 0.25  # a graph whose capture reserves more than this share of the GPU's memory is dropped
 _MODE = os.environ.get("LTX2_MGPU_CUDA_GRAPHS", "auto")
 ATTENTIONS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
 
@@ -58,6 +59,24 @@ def mode() -> str:
 
 
 # ---- segments and collectives --------------------------------------------------------------------------------------
+
+class _Borrow:
+    """CUDA array interface of a tensor's memory, for a view that does not own it."""
+
+    def __init__(self, t: torch.Tensor):
+        self.__cuda_array_interface__ = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1",
+                                         "data": (t.data_ptr(), False), "version": 3, "strides": None}
+
+
+def _borrow(t: torch.Tensor) -> torch.Tensor:
+    """A view of `t`'s memory that does not keep it allocated. The collectives' buffers are allocated inside the
+    segment captures, in the graphs' private pool, whose memory stays reserved for the graphs while they live; holding
+    only borrowed views lets the capture reuse a buffer once the forward has released it (as the eager forward
+    would), so the graphs hold about one forward's activations, not one buffer pair per collective."""
+    if t.numel() == 0:
+        return t
+    return torch.as_tensor(_Borrow(t), device=t.device).view(t.dtype).view(t.shape)
+
 
 class _Capture:
     """One forward's capture: graph segments separated by eagerly run collectives."""
@@ -89,7 +108,7 @@ class _Capture:
                  out: torch.Tensor) -> torch.Tensor:
         self.end()
         fn(out, inp)
-        self.steps.append(("call", fn, inp, out))
+        self.steps.append(("call", fn, _borrow(inp), _borrow(out)))
         self.begin()
         return out
 
@@ -113,10 +132,12 @@ def capturing() -> bool:
     return bool(_ACTIVE)
 
 
+@torch.compiler.disable
 def collective(fn: Callable[[torch.Tensor, torch.Tensor], Any], inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Run `fn(out, inp)` (a collective writing `out` from `inp`) and return `out`. During a capture it is a segment
     boundary: the graph so far is closed, `fn` runs eagerly now and at every replay between the segments, on the
-    same buffers. `inp` must be contiguous and already computed (inside the closing segment)."""
+    same buffers. `inp` and `out` must be contiguous and allocated inside the closing segment (the exchanges' custom
+    ops do both). Never traced by the compiler (it would guard on whether a capture is under way)."""
     if _ACTIVE:
         return _ACTIVE[-1].boundary(fn, inp, out)
     fn(out, inp)
@@ -308,6 +329,14 @@ def _capture(cache: ForwardGraphs, key: tuple, forward, kwargs: dict, what: str)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     entry = _Entry(capture, static, outputs, max(0, torch.cuda.memory_reserved() - before), what)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if entry.bytes > MAX_HELD_FRACTION * total:
+        reason = (f"{what} graph dropped: its capture reserved {entry.bytes / 2**30:.1f} GiB "
+                  f"(> {MAX_HELD_FRACTION:.0%} of the GPU's memory)")
+        cache.failed[key] = reason
+        cache.events.append(reason)
+        del entry, capture, outputs
+        return None
     cache.entries[key] = entry
     cache.captures += 1
     while len(cache.entries) > CAPACITY:

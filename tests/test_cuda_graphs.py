@@ -108,6 +108,18 @@ def test_collective_outside_a_capture_is_the_collective():
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
 
+@torch.library.custom_op("ltx2_mgpu_test::copy_exchange", mutates_args=())
+def _copy_exchange(x: torch.Tensor) -> torch.Tensor:
+    """A local copy standing in for a collective: a custom op like the real exchanges (opaque to the compiler) and a
+    graph-segment boundary like them."""
+    return G.collective(lambda out, inp: out.copy_(inp), x.contiguous(), torch.empty_like(x))
+
+
+@_copy_exchange.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 class _CopyExchange(Exchange):
     """A W-way exchange on one GPU: the shapes of the collectives, local copies as the data, each a graph-segment
     boundary (`cuda_graphs.collective`) like the real all_to_all / all_gather."""
@@ -118,7 +130,7 @@ class _CopyExchange(Exchange):
 
     def _copy(self, x):
         self.calls += 1
-        return G.collective(lambda out, inp: out.copy_(inp), x.contiguous(), torch.empty_like(x))
+        return _copy_exchange(x)
 
     def seq_to_heads(self, x):
         return self._copy(x[:, :, : x.shape[2] // self.world_size].repeat(1, self.world_size, 1, 1))
