@@ -248,7 +248,7 @@ class LTX2Denoiser:
             world = getattr(getattr(self.forward, "exchange", None), "world_size", 1)
             per_rank = -(-tokens // world)
             if device.type != "cuda":
-                ok, why = False, "not on CUDA"
+                return False  # CPU: unchanged, one forward per pass, nothing to report
             elif per_rank > BATCH_TOKENS:
                 ok, why = False, f"{per_rank:,} video tokens per rank > {BATCH_TOKENS:,} (a batch would not pay)"
             else:
@@ -373,3 +373,15 @@ class LTX2Denoiser:
             )
         self.forwards += 1
         return video.float().to(inputs.video.device), audio.float().to(inputs.audio.device)
+
+
+def speed_report(transformer, batch_notes: dict[str, str] | None = None) -> list[str]:
+    """The job report's lines on how the forwards ran: CUDA graphs (kept, held memory, and why any forward stayed
+    eager: `cuda_graphs.report`), fp8 compute (`models.fp8.compute_report`) and the guidance-pass batching per stage
+    (`batch_notes`: stage -> `LTX2Denoiser.batch_report()`). Empty when there is nothing to say (CPU, bf16, one pass).
+    """
+    from .models.fp8 import compute_report
+
+    lines = [line for line in (cuda_graphs.report(transformer), compute_report(transformer)) if line]
+    lines += [f"{stage}: {note}" for stage, note in (batch_notes or {}).items() if note]
+    return lines
