@@ -72,9 +72,9 @@ tokens; W > 1 replayed piecewise, 145 segments around the collectives): all 16 p
 c0 = 35.0 ms, c_lin = 48.8 µs per token, c_attn = 1.868 ns per token², every point within 7.7 % (3,520 W = 1:
 −7.7 %, 1,536 W = 1: +5.2 %, 14,080 W = 1: +4.1 %, the 13 others within 3.6 %). The host no longer bounds the
 forward: the replay issues one graph launch per segment and the collectives between them, so its host terms are
-small and ASSUMED, not measured: 5 ms per forward (copying the inputs into the captured ones, launches) and 0.05 ms
-per collective (one eager NCCL call and one graph launch; the eager model's 0.805 ms was mostly the Python around
-each collective, now inside the graphs). The communication terms (link, η, λ) are the eager model's: the same
+small and ASSUMED, not measured: 5 ms per forward (copying the inputs into the captured ones, launches) and 0.1 ms
+per collective (one eager NCCL call and one graph launch, ~50 µs, doubled for rank skew; the eager model's 0.805 ms
+was mostly the Python, reshapes and copies around each collective, now inside the graphs). The communication terms (link, η, λ) are the eager model's: the same
 bytes through the same collectives. What it changes: the rank of a split is no longer held at ~183 ms, so sequence
 parallelism pays at the stage-1 sizes of the distilled recipes — 3,520 tokens: 2 / 4 / 8 ranks predicted 0.66 / 0.45
 / 0.33× of one GPU's time (eager model: no split at all below ~6,000 tokens); what needs checking on several GPUs is the real collectives' host cost and rank skew
@@ -271,7 +271,7 @@ H200_NVLINK = CostModel(name="H200, NVLink 4 (450 GB/s per direction)", c0=61.2e
                         latency=25e-6)
 DEFAULT = H200_NVLINK
 H200_GRAPHED = CostModel(name="H200, NVLink 4 (450 GB/s per direction), CUDA-graphed forward", c0=35.0e-3,
-                         c_lin=48.8e-6, c_attn=1.868e-9, host_floor=5e-3, host_per_collective=0.05e-3,
+                         c_lin=48.8e-6, c_attn=1.868e-9, host_floor=5e-3, host_per_collective=0.1e-3,
                          link_GBps=450.0, efficiency=0.30, latency=25e-6, forward="CUDA-graphed")
 
 
