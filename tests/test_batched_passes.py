@@ -128,3 +128,60 @@ def test_auto_does_not_batch_on_cpu_and_refusals_name_the_reason(setup, tiny_dir
     d.batch_mode = "sometimes"
     with pytest.raises(ValueError, match="'sometimes'.*auto, on, off"):
         d.batch_choice(passes, inputs.video)
+
+
+def test_batched_under_the_sequence_parallel_wrapper(setup):
+    """The batch through `SequenceParallelTransformer` (W = 1 here; W = 2 on gloo below): the per-item wrappers of
+    the STG and isolation passes must survive the wrapper's own check that its processors are installed."""
+    from mgpu_backend.parallel.exchange import Exchange
+    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+
+    denoiser, inputs, _ = setup
+    plain = denoiser("on")
+    transformer = plain.transformer
+    d = LTX2Denoiser(transformer, plain.positive, plain.negative, plain.video_coords, plain.audio_coords,
+                     torch.float32, forward=SequenceParallelTransformer(transformer, Exchange(None, 1, 0)))
+    passes = S.plan_passes(VIDEO, AUDIO)
+    batched = d.batch(inputs, passes)
+    singles = [d(dataclasses.replace(inputs, guidance=p)) for p in passes]
+    for p, (bv, ba), (sv, sa) in zip(passes, batched, singles):
+        assert _rel(bv, sv) < TOL and _rel(ba, sa) < TOL, p.kind
+
+
+def _sp_rank(rank: int, world: int, checkpoint: str) -> list:
+    import torch.distributed as dist
+
+    from mgpu_backend.parallel.exchange import Exchange
+    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+
+    components = load_components(checkpoint, dtype=torch.float32)
+    transformer = components.transformer
+    g = torch.Generator().manual_seed(4)
+    width = components.video_connector.inner_dim + (components.audio_connector.inner_dim
+                                                    if components.variant == "2.3" else 0)
+    contexts = text_contexts(components, [torch.randn(1, 7, width, generator=g), torch.randn(1, 3, width, generator=g)],
+                             dtype=torch.float32)
+    f, h, w = GRID
+    x = torch.randn(1, f * h * w, 128, generator=g)
+    a = torch.randn(1, AUDIO_TOKENS, 128, generator=g)
+    inputs = S.ModelInputs(x, a, torch.full((1, f * h * w), 0.6), torch.full((1, AUDIO_TOKENS), 0.6),
+                           torch.tensor([0.6]), torch.tensor([0.6]), S.GuidancePass("cond"), 0)
+    forward = SequenceParallelTransformer(transformer, Exchange(dist.group.WORLD if world > 1 else None, world, rank))
+    d = LTX2Denoiser(transformer, contexts.select(0), contexts.select(1),
+                     L.video_coords(transformer, 1, f, h, w, 24.0), L.audio_coords(transformer, 1, AUDIO_TOKENS),
+                     torch.float32, forward=forward)
+    passes = S.plan_passes(VIDEO, AUDIO)
+    return [d.batch(inputs, passes), [d(dataclasses.replace(inputs, guidance=p)) for p in passes]]
+
+
+def test_batched_sequence_parallel_w2_equals_unbatched(tiny_dir):
+    from _dist import run_ranks
+
+    results = run_ranks(_sp_rank, 2, str(tiny_dir["2.0"]["checkpoint"]))
+    batched, singles = results[0]
+    for (bv, ba), (sv, sa) in zip(batched, singles):
+        assert _rel(bv, sv) < TOL and _rel(ba, sa) < TOL
+    # and equal to one process, unbatched (SP at W = 2 equals W = 1 to 1e-6: tests/test_sequence_parallel.py)
+    one = _sp_rank(0, 1, str(tiny_dir["2.0"]["checkpoint"]))[1]
+    for (bv, ba), (sv, sa) in zip(batched, one):
+        assert _rel(bv, sv) < TOL and _rel(ba, sa) < TOL

@@ -144,8 +144,12 @@ class SequenceParallelTransformer:
 
     def ensure_active(self) -> None:
         """`activate()` unless this wrapper's processors are installed (another stage may have used the shared
-        transformer since; STG never swaps the video→audio one). Called before a CUDA graph key is taken."""
-        if self.transformer.transformer_blocks[0].video_to_audio_attn.processor is not self._video_to_audio:
+        transformer since; STG never swaps the video→audio one, and a batch of guidance passes only wraps it, so
+        the wrapped processor is what is checked). Called before a CUDA graph key is taken."""
+        processor = self.transformer.transformer_blocks[0].video_to_audio_attn.processor
+        while hasattr(processor, "inner"):  # a per-item wrapper of a batch of guidance passes (denoiser.py)
+            processor = processor.inner
+        if processor is not self._video_to_audio:
             self.activate()
 
     def __call__(self, *, hidden_states, timestep, video_coords, **kwargs):
