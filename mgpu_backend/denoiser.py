@@ -4,7 +4,9 @@
 together), the way ComfyUI's `LTXAVModel.preprocess_text_embeds` and diffusers' `LTX2TextConnectors` do it.
 `LTX2Denoiser` is the `model_fn` of `sampling.denoise_loop`: one transformer forward per guidance pass, with STG
 implemented by swapping the self-attention processor of the chosen blocks (each modality in its own blocks, as the
-reference's perturbations do) and modality guidance by `isolate_modalities`.
+reference's perturbations do) and modality guidance by `isolate_modalities`. On CUDA each forward is replayed from
+CUDA graphs where it can be (`cuda_graphs.call`), and the passes of a step can run as one batched forward
+(`LTX2Denoiser.batch`, chosen per step by `batch_choice`; per-item STG and isolation by `per_item_perturbations`).
 """
 from __future__ import annotations
 
