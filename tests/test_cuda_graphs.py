@@ -263,3 +263,17 @@ def test_fp8_matmul_path_on_gpu(tiny_dir, mark):
     print(F8.compute_report(transformer), _rel(video, ref[0]), _rel(audio, ref[1]))
     assert _rel(video, ref[0]) < 0.1 and _rel(audio, ref[1]) < 0.1
     G.graphs_of(transformer).clear()
+
+
+def test_speed_report_lines(tiny_dir):
+    """The job report's `speed` entry: nothing for a CPU bf16 job; the fp8 path and the batching notes when there."""
+    from mgpu_backend.denoiser import speed_report
+
+    transformer, denoiser, inputs = _setup(tiny_dir, "2.0", "cpu", torch.float32)
+    denoiser()(inputs)
+    assert speed_report(transformer) == []
+    fp8, denoiser8, _ = _setup(tiny_dir, "2.0", "cpu", torch.float32, "checkpoint_fp8")
+    denoiser8()(inputs)
+    lines = speed_report(fp8, {"stage 1": "guidance passes: 3 steps: 4 passes as one batched forward"})
+    assert lines[0].startswith("fp8 compute: 0 of ") and "CPU" in lines[0]
+    assert lines[1] == "stage 1: guidance passes: 3 steps: 4 passes as one batched forward"
