@@ -58,8 +58,11 @@ LTX2_19B = {  # LTX-2.0 transformer metadata (DESIGN.md §2; diffusers' converte
 
 @torch.library.custom_op("ltx2_mgpu_bench::fake_exchange", mutates_args=())
 def fake_exchange(x: torch.Tensor) -> torch.Tensor:
-    """Stands in for a collective (a copy), opaque to the compiler like the real `ltx2_mgpu::all_to_all`."""
-    return x.clone()
+    """Stands in for a collective (a copy), opaque to the compiler like the real `ltx2_mgpu::all_to_all`, and like it
+    a graph-segment boundary while a CUDA graph is captured (`mgpu_backend.cuda_graphs.collective`)."""
+    from mgpu_backend import cuda_graphs
+
+    return cuda_graphs.collective(lambda out, inp: out.copy_(inp), x.contiguous(), torch.empty_like(x))
 
 
 @fake_exchange.register_fake

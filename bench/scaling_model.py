@@ -153,6 +153,67 @@ def main() -> None:
               f"ms, measured {ms:7.1f} ms {_dev(p, ms)}; this forward: {own:7.1f} ms")
     print("  compiled forward (mgpu_backend/compile.py, not modelled): compiled / eager reference " + ", ".join(
         f"{r:.3f} at {t:,}" for t, r in C.SP_FORWARD_COMPILED_RATIO_H200.items()) + " tokens")
+    graphed()
+
+
+def _stage_seconds(model, tokens: int, steps: int, passes: int, gpus: int) -> tuple[float, str]:
+    """Predicted seconds of a stage's transformer forwards on `gpus` GPUs: the better of SP at its best degree (the
+    passes in turn) and the passes in parallel (`parallel/passes.py`), as the plan chooses."""
+    from mgpu_backend.parallel import passes as P
+
+    degrees = [d for d in WORLDS if d <= gpus]
+    d = C.best_sp_degree(tokens, degrees, model=model)
+    seq = P.predict_sequence(tokens, passes, d, model=model)
+    how = f"SP {d}"
+    step = seq
+    g = P.pass_degree(passes, degrees, gpus)
+    if passes > 1 and g > 1:
+        par = P.predict_passes(tokens, passes, g, P.pass_bytes((1, tokens, 128), (1, 126, 128)), model=model)
+        if par < seq:
+            step, how = par, f"passes on {g}"
+    return steps * step, how
+
+
+def graphed() -> None:
+    """The CUDA-graphed forward's model (cost.H200_GRAPHED, issue 16): the stage-1 table, the thresholds, and the
+    public anchors' workloads (predicted)."""
+    m = C.H200_GRAPHED
+    print()
+    print("CUDA-graphed forward (the default on CUDA; cost.H200_GRAPHED: compute per rank = "
+          f"{m.c0 * 1e3:.1f} ms + {m.c_lin * 1e6:.1f} µs·T/W + {m.c_attn * 1e9:.3f} ns·T²/W fitted to the graphed "
+          "simulated split in bench/results/speed_h200.txt (a); host ASSUMED "
+          f"{m.host_floor * 1e3:.0f} ms + {m.host_per_collective * 1e3:.2f} ms per collective; comm as above). "
+          "PREDICTED, one forward (ms) and speedup over one GPU:")
+    print(f"{'size':>13} {'tokens':>6} " + " ".join(f"{'W=' + str(w):>14}" for w in WORLDS) + "  chosen on 2/4/8")
+    for label, grid in [("384x256", (16, 8, 12))] + STAGE1:
+        t = _tokens(grid)
+        base = m.sp(t, 1).total
+        cells = " ".join(f"{m.sp(t, w).total * 1e3:8.1f} {base / m.sp(t, w).total:4.2f}×" for w in WORLDS)
+        picks = "/".join(str(C.best_sp_degree(t, [d for d in WORLDS if d <= n], model=m)) for n in (2, 4, 8))
+        print(f"{label:>13} {t:6d} {cells}  {picks}")
+    for hi, lo in ((2, 1), (4, 2), (8, 4)):
+        x = C.crossover_tokens(hi, lo, model=m)
+        print(f"  {lo} -> {hi} ranks at {x:,} video tokens" if x else f"  {lo} -> {hi} ranks: never")
+    print()
+    print("Public anchors' workloads, PREDICTED transformer-forward seconds only (no text encoding, upscale, VAE "
+          "decode or mux; the 19B LTX-2.0 shape stands in for LTX-2.3 / 2.5; bf16, graphed, eager blocks):")
+    anchors = [
+        ("LTX-2.3 768x512x121 two-stage, 30 steps, 4 passes (SGLang 4xH200: 8.19 s end to end)", 4,
+         [("stage 1 384x256", 1536, 30, 4), ("stage 2 768x512", 6144, 3, 1)]),
+        ("LTX-2.5 distilled 1920x1088x121 stage 1 (960x544), 8 steps, CFG 1 (vLLM-Omni 4xH200: 1.61 s)", 4,
+         [("stage 1 960x544", 8160, 8, 1)]),
+        ("LTX-2 768x1280x121 40+3 steps, 4 passes (TensorRT-LLM 8xB200 NVFP4: 2.13 s)", 8,
+         [("stage 1 384x640", 3840, 40, 4), ("stage 2 768x1280", 15360, 3, 1)]),
+    ]
+    for title, gpus, stages in anchors:
+        total = 0.0
+        parts = []
+        for name, tokens, steps, passes in stages:
+            sec, how = _stage_seconds(m, tokens, steps, passes, gpus)
+            one, _ = _stage_seconds(m, tokens, steps, passes, 1)
+            total += sec
+            parts.append(f"{name}: {sec:.2f} s ({how}; one GPU {one:.2f} s)")
+        print(f"  {title}, {gpus} GPUs: {total:.2f} s — " + "; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 together), the way ComfyUI's `LTXAVModel.preprocess_text_embeds` and diffusers' `LTX2TextConnectors` do it.
 `LTX2Denoiser` is the `model_fn` of `sampling.denoise_loop`: one transformer forward per guidance pass, with STG
 implemented by swapping the self-attention processor of the chosen blocks (each modality in its own blocks, as the
-reference's perturbations do) and modality guidance by `isolate_modalities`.
+reference's perturbations do) and modality guidance by `isolate_modalities`. On CUDA each forward is replayed from
+CUDA graphs where it can be (`cuda_graphs.call`), and the passes of a step can run as one batched forward
+(`LTX2Denoiser.batch`, chosen per step by `batch_choice`; per-item STG and isolation by `per_item_perturbations`).
 """
 from __future__ import annotations
 
@@ -15,11 +17,24 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_ltx2 import LTX2PerturbedAttnProcessor
 
+from . import cuda_graphs
 from .attention import LTX2AttnProcessor, use_processor
 from .sampling import TIMESTEP_SCALE, GuidancePass, ModelInputs
 
 # connectors replace padding with 128 learnable registers; the reference pads prompts to 1024 tokens
 MIN_CONTEXT_TOKENS = 1024
+
+BATCH_MODES = ("auto", "on", "off")
+"""Guidance passes of a step as one batched forward (`LTX2Denoiser.batch_choice`): "auto" on CUDA where it pays
+(per-rank video tokens ≤ `BATCH_TOKENS`, and the extra activations fit in free memory), "on" whenever possible
+(CPU too: the tests), "off" never."""
+BATCH_TOKENS = 4096
+"""Above this many video tokens per rank a batch of passes pays nothing on an H200 (measured per pass, 4 passes:
+0.79× eager / 0.89× graphed at 1,536 tokens, 0.94× / 0.96× at 3,520, 1.01× at 6,144, 1.06× at 14,080:
+bench/results/speed_h200.txt), while its activations grow with the pass count."""
+ACTIVATION_BYTES_PER_TOKEN = 10 * 4096 * 2
+"""Rough live activations of one LTX-2 block forward per video token (the feed-forward's 4× hidden plus a few
+hidden-size tensors, bf16): what a batch of P passes needs beyond one forward, times P − 1, with a 2× margin."""
 
 
 @dataclass
@@ -133,6 +148,83 @@ def skip_self_attention(transformer, video_blocks: tuple[int, ...], audio_blocks
             attn.processor = processor
 
 
+_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def _item_mask(pattern: tuple[bool, ...], device, dtype) -> torch.Tensor:
+    """`[P, 1, 1]` 0/1 tensor of `pattern`, made once per (pattern, device, dtype) and kept: a captured CUDA graph
+    reads it at every replay, so it must never be freed or rewritten."""
+    key = (pattern, str(device), dtype)
+    if key not in _MASKS:
+        _MASKS[key] = torch.tensor(pattern, dtype=dtype, device=device).view(-1, 1, 1)
+    return _MASKS[key]
+
+
+class _PerItemSkip:
+    """STG in a batch of passes: items where `pattern` is True get the skipped self-attention (value projection,
+    `_SkipSelfAttention`), the others the installed processor's output — picked with `torch.where`, so each item is
+    exactly what its own forward computes (the extra value path costs little: only the STG blocks have it)."""
+
+    def __init__(self, inner, pattern: tuple[bool, ...]):
+        self.inner, self.pattern, self.skip = inner, pattern, _SkipSelfAttention()
+        self.exchange = getattr(inner, "exchange", None)
+        self.graph_key = ("skip", type(inner), pattern)
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        out = self.inner(attn, hidden_states, *args, **kwargs)
+        skipped = self.skip(attn, hidden_states, *args, **kwargs)
+        mask = _item_mask(self.pattern, out.device, torch.bool)
+        return torch.where(mask, skipped, out)
+
+
+class _PerItemIsolation:
+    """Modality isolation in a batch of passes: the audio↔video cross-attention output of items where `pattern` is
+    True is multiplied by 0, so the block adds `gate · 0 = 0` — exactly what their own forward does by skipping the
+    cross-attention (`isolate_modalities`); the other items are multiplied by 1."""
+
+    def __init__(self, inner, pattern: tuple[bool, ...]):
+        self.inner, self.pattern = inner, pattern
+        self.exchange = getattr(inner, "exchange", None)
+        self.graph_key = ("isolate", type(inner), pattern)
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        out = self.inner(attn, hidden_states, *args, **kwargs)
+        return out * _item_mask(tuple(not p for p in self.pattern), out.device, out.dtype)
+
+
+@contextlib.contextmanager
+def per_item_perturbations(transformer, passes: list[GuidancePass]):
+    """Install the per-item STG and isolation processors a batch of `passes` (in batch order) needs; undone after.
+    Raises ValueError for an STG block the model does not have."""
+    blocks = transformer.transformer_blocks
+    swapped = []
+    for which, name in (("video_stg_blocks", "attn1"), ("audio_stg_blocks", "audio_attn1")):
+        wanted: dict[int, list[bool]] = {}
+        for i, p in enumerate(passes):
+            if p.kind == "perturbed":
+                for b in getattr(p, which):
+                    if not 0 <= b < len(blocks):
+                        raise ValueError(f"STG block {b} does not exist: this transformer has blocks "
+                                         f"0..{len(blocks) - 1}")
+                    wanted.setdefault(b, [False] * len(passes))[i] = True
+        for b, pattern in wanted.items():
+            attn = getattr(blocks[b], name)
+            swapped.append((attn, attn.processor))
+            attn.processor = _PerItemSkip(attn.processor, tuple(pattern))
+    isolated = tuple(p.kind == "isolated" for p in passes)
+    if any(isolated):
+        for block in blocks:
+            for name in ("audio_to_video_attn", "video_to_audio_attn"):
+                attn = getattr(block, name)
+                swapped.append((attn, attn.processor))
+                attn.processor = _PerItemIsolation(attn.processor, isolated)
+    try:
+        yield
+    finally:
+        for attn, processor in reversed(swapped):
+            attn.processor = processor
+
+
 class LTX2Denoiser:
     """`model_fn` for `sampling.denoise_loop`: one transformer forward per guidance pass.
 
@@ -165,21 +257,138 @@ class LTX2Denoiser:
             self.keyframes_mask = keyframe_token_mask(video_coords, num_generated).to(dtype)
         self.dtype = dtype
         self.forwards = 0
+        self.batch_mode = "auto"
+        self.batch_notes: dict[str, int] = {}  # why batches ran or not -> how many steps
 
-    def __call__(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        p: GuidancePass = inputs.guidance
+    def batch_choice(self, passes: list[GuidancePass], video: torch.Tensor | None) -> bool:
+        """Whether this step's `passes` run as one batched forward (see `BATCH_MODES`); the reason is counted in
+        `batch_notes` for the job report (`batch_report`)."""
+        if self.batch_mode not in BATCH_MODES:
+            raise ValueError(f"batch mode {self.batch_mode!r}: choose one of {', '.join(BATCH_MODES)}")
+        why = self.can_batch(passes) if self.batch_mode != "off" else "set off"
+        ok = why is None
+        if ok and self.batch_mode == "auto":
+            device = self.video_coords.device
+            tokens = video.shape[1] if video is not None else 0
+            world = getattr(getattr(self.forward, "exchange", None), "world_size", 1)
+            per_rank = -(-tokens // world)
+            if device.type != "cuda":
+                return False  # CPU: unchanged, one forward per pass, nothing to report
+            elif per_rank > BATCH_TOKENS:
+                ok, why = False, f"{per_rank:,} video tokens per rank > {BATCH_TOKENS:,} (a batch would not pay)"
+            else:
+                need = 2 * (len(passes) - 1) * per_rank * ACTIVATION_BYTES_PER_TOKEN
+                free = torch.cuda.mem_get_info(device)[0]
+                if need > free:
+                    ok, why = False, f"needs ~{need / 2**30:.1f} GiB more, {free / 2**30:.1f} GiB free"
+                else:
+                    why = f"~{need / 2**30:.2f} GiB more of {free / 2**30:.0f} GiB free"
+        note = (f"{len(passes)} passes as one batched forward ({why})" if ok and why else
+                f"{len(passes)} passes as one batched forward" if ok else f"passes one at a time: {why}")
+        self.batch_notes[note] = self.batch_notes.get(note, 0) + 1
+        return ok
+
+    def batch_report(self) -> str | None:
+        """One line for the job report: how the guidance passes of the steps ran (None: no multi-pass step)."""
+        if not self.batch_notes:
+            return None
+        return "guidance passes: " + "; ".join(f"{n} step{'s' if n != 1 else ''}: {note}"
+                                               for note, n in self.batch_notes.items())
+
+    def run_forward(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of `self.forward` (keyword arguments of the diffusers transformer, without `return_dict`):
+        replayed from CUDA graphs when the forward allows it (`cuda_graphs.call`: the plain transformer and the
+        sequence-parallel wrapper; a tiled wrapper synchronises with the host and stays eager), else eager."""
+        forward = self.forward
+        if forward is self.transformer:
+            return cuda_graphs.call(self.transformer, lambda **kw: forward(return_dict=False, **kw), kwargs,
+                                    extra="transformer")
+        if getattr(forward, "cuda_graph_safe", False):
+            forward.ensure_active()
+            return cuda_graphs.call(self.transformer, forward, kwargs, extra=type(forward).__name__)
+        if cuda_graphs.eligible(kwargs) is None:
+            cuda_graphs.graphs_of(self.transformer).note_eager(
+                f"{type(forward).__name__} forwards eager (the wrapper synchronises with the host)")
+        return forward(return_dict=False, **kwargs)
+
+    def _keyframes_kwargs(self, batch=None) -> dict:
+        """LTX-2.5's `video_keyframes_mask` argument (empty for the families without the keyframe embedding);
+        `batch` repeats it along the batch like the other per-token inputs of a batched forward."""
+        if self.keyframes_mask is None:
+            return {}
+        return {"video_keyframes_mask": batch(self.keyframes_mask) if batch else self.keyframes_mask}
+
+    def _context(self, p: GuidancePass) -> TextContext:
         if p.kind == "uncond":
             if self.negative is None:
                 raise ValueError("CFG needs a negative prompt context")
-            context = self.negative
-        else:
-            context = self.positive
+            return self.negative
+        return self.positive
+
+    def can_batch(self, passes: list[GuidancePass]) -> str | None:
+        """None when `passes` can run as one batched forward here, else why not."""
+        if len(passes) < 2:
+            return "one pass"
+        lengths = {self._context(p).video.shape[1] for p in passes}
+        if len(lengths) > 1:
+            return f"the prompts' contexts have different lengths {sorted(lengths)}"
+        if self.forward is not self.transformer and not getattr(self.forward, "cuda_graph_safe", False):
+            return f"{type(self.forward).__name__} forwards one pass at a time"
+        return None
+
+    def batch(self, inputs: ModelInputs, passes: list[GuidancePass]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The forwards of `passes` (one step: same latent, timesteps and sigmas; `inputs.guidance` is ignored) as
+        ONE forward with the passes stacked along the batch: each item gets its own text context (negative for
+        "uncond"), the STG pass its skipped self-attention in its blocks and the isolated pass its cross-modal
+        attention switched off (`per_item_perturbations`) — per item the same arithmetic as its own forward, equal
+        to float tolerance (batched kernels may order reductions differently).
+
+        Returns one `(video, audio)` velocity pair per pass, float32, in order.
+        Raises ValueError when `can_batch` says no.
+        """
+        why = self.can_batch(passes)
+        if why is not None:
+            raise ValueError(f"guidance passes cannot be batched: {why}")
+        n = len(passes)
+        b = inputs.video.shape[0]
+        contexts = [self._context(p) for p in passes]
+        device = self.video_coords.device
+
+        def rep(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device).repeat(n, *([1] * (x.ndim - 1)))
+
+        with per_item_perturbations(self.transformer, [p for p in passes for _ in range(b)]), torch.no_grad():
+            video, audio = self.run_forward(
+                hidden_states=rep(inputs.video.to(device, self.dtype)),
+                audio_hidden_states=rep(inputs.audio.to(device, self.dtype)),
+                encoder_hidden_states=torch.cat([c.video.expand(b, -1, -1) for c in contexts]),
+                audio_encoder_hidden_states=torch.cat([c.audio.expand(b, -1, -1) for c in contexts]),
+                timestep=rep(inputs.video_timesteps) * TIMESTEP_SCALE,
+                audio_timestep=rep(inputs.audio_timesteps) * TIMESTEP_SCALE,
+                sigma=rep(inputs.video_sigma) * TIMESTEP_SCALE,
+                audio_sigma=rep(inputs.audio_sigma) * TIMESTEP_SCALE,
+                encoder_attention_mask=torch.cat([c.mask.expand(b, -1) for c in contexts]),
+                audio_encoder_attention_mask=torch.cat([c.mask.expand(b, -1) for c in contexts]),
+                video_coords=rep(self.video_coords),
+                audio_coords=rep(self.audio_coords),
+                isolate_modalities=False,
+                use_cross_timestep=True,
+                **self._keyframes_kwargs(rep),
+            )
+        self.forwards += 1
+        self.batched_forwards = getattr(self, "batched_forwards", 0) + 1
+        return [(video[i * b:(i + 1) * b].float().to(inputs.video.device),
+                 audio[i * b:(i + 1) * b].float().to(inputs.audio.device)) for i in range(n)]
+
+    def __call__(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        p: GuidancePass = inputs.guidance
+        context = self._context(p)
         perturb = skip_self_attention(self.transformer, p.video_stg_blocks, p.audio_stg_blocks) \
             if p.kind == "perturbed" else contextlib.nullcontext()
         # the sampling state stays where the loop keeps it (small); each forward runs on the model's device
         device = self.video_coords.device
         with perturb, torch.no_grad():
-            video, audio = self.forward(
+            video, audio = self.run_forward(
                 hidden_states=inputs.video.to(device, self.dtype),
                 audio_hidden_states=inputs.audio.to(device, self.dtype),
                 encoder_hidden_states=context.video,
@@ -194,8 +403,19 @@ class LTX2Denoiser:
                 audio_coords=self.audio_coords,
                 isolate_modalities=p.kind == "isolated",
                 use_cross_timestep=True,
-                return_dict=False,
-                **({"video_keyframes_mask": self.keyframes_mask} if self.keyframes_mask is not None else {}),
+                **self._keyframes_kwargs(),
             )
         self.forwards += 1
         return video.float().to(inputs.video.device), audio.float().to(inputs.audio.device)
+
+
+def speed_report(transformer, batch_notes: dict[str, str] | None = None) -> list[str]:
+    """The job report's lines on how the forwards ran: CUDA graphs (kept, held memory, and why any forward stayed
+    eager: `cuda_graphs.report`), fp8 compute (`models.fp8.compute_report`) and the guidance-pass batching per stage
+    (`batch_notes`: stage -> `LTX2Denoiser.batch_report()`). Empty when there is nothing to say (CPU, bf16, one pass).
+    """
+    from .models.fp8 import compute_report
+
+    lines = [line for line in (cuda_graphs.report(transformer), compute_report(transformer)) if line]
+    lines += [f"{stage}: {note}" for stage, note in (batch_notes or {}).items() if note]
+    return lines

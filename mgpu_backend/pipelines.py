@@ -24,7 +24,7 @@ import torch
 from . import latents as L
 from . import sampling as S
 from . import validation as V
-from .denoiser import LTX2Denoiser, TextContext, text_contexts
+from .denoiser import LTX2Denoiser, TextContext, speed_report, text_contexts
 from .lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from .models.diffusion_decoder import denormalize
 from .models.loader import LTX2Components
@@ -184,6 +184,7 @@ class TwoStagePipeline:
         # on a fleet the ranks fuse together: each computes its share of the layers and keeps their clean weights
         self.lora = (LoRAFuser(components.transformer) if plan is None else
                      LoRAFuser(components.transformer, rank=plan.rank, world_size=plan.world_size))
+        self.batch_notes: dict[str, str] = {}  # stage -> how its guidance passes ran (this job; job report "speed")
 
     # ---- text ----------------------------------------------------------------------------------------------------
 
@@ -241,6 +242,9 @@ class TwoStagePipeline:
                 run_passes=run_passes)
         except S.NonFiniteLatentError as exc:
             raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
+        batch_report = getattr(model_fn, "batch_report", None)  # how the guidance passes ran (issue 16)
+        if batch_report is not None and batch_report() is not None:
+            self.batch_notes[stage] = batch_report()
         V.check_finite(video, stage, "video")
         V.check_finite(audio, stage, "audio")
         return video, audio
@@ -319,6 +323,7 @@ class TwoStagePipeline:
 
         Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
         request.validate()
+        self.batch_notes = {}
         family = self.components.family
         recipe = family.recipe
         distilled = (request.pipeline or recipe.pipeline) == "distilled"
@@ -456,6 +461,9 @@ class TwoStagePipeline:
         timings["decode audio"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t0
         report["timings"] = dict(timings)
+        speed = speed_report(self.components.transformer, self.batch_notes)
+        if speed:  # CUDA graphs, fp8 compute, batched passes (and why not)
+            report["speed"] = speed
         rank_reports = plan.gather_reports(report) if plan is not None else [report]
         return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports,
                               _parallel_summary(report, distilled) if plan is not None else "one process", rank_reports)

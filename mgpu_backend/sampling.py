@@ -546,6 +546,19 @@ def combine_guidance(
 DenoiseFn = Callable[[GuidancePass], tuple[torch.Tensor | None, torch.Tensor | None]]
 BatchedDenoiseFn = Callable[[list[GuidancePass]], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
 RunPassesFn = Callable[[list[GuidancePass], DenoiseFn], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
+
+
+def run_local(denoise_fn: DenoiseFn, passes: list[GuidancePass]) -> list[tuple[torch.Tensor | None,
+                                                                               torch.Tensor | None]]:
+    """The passes computed in this process: as ONE batched forward when `denoise_fn` offers it (``denoise_fn.many``,
+    set by :func:`denoise_loop` for a model function with ``batch``; it returns None when it declines), else one
+    forward per pass, in order. The pass-batching hook: `guided_prediction` and ``PassParallel`` call it."""
+    many = getattr(denoise_fn, "many", None)
+    if many is not None and len(passes) > 1:
+        outs = many(passes)
+        if outs is not None:
+            return list(outs)
+    return [denoise_fn(p) for p in passes]
 """``run_passes(passes, denoise) -> [denoise(p) for p in passes]``, computed however the caller likes (e.g.
 ``parallel.passes.PassParallel``: each pass on another rank, the results exchanged); one pair per pass, in order."""
 
@@ -601,7 +614,7 @@ def guided_prediction(
         if len(outs) != len(passes):
             raise ValueError(f"run_passes returned {len(outs)} results for {len(passes)} passes")
     else:
-        outs = [denoise_fn(p) for p in passes]  # type: ignore[arg-type]
+        outs = run_local(denoise_fn, passes)  # type: ignore[arg-type]
     r = {p.kind: o for p, o in zip(passes, outs)}
 
     def pick(i: int) -> tuple[torch.Tensor | None, ...]:
@@ -776,6 +789,17 @@ def denoise_loop(
             x0_a = to_x0(_xa, vel_a, _ats) if (_xa is not None and vel_a is not None) else None
             return x0_v, x0_a
 
+        if hasattr(model_fn, "batch") and hasattr(model_fn, "batch_choice"):
+            def many(ps: list[GuidancePass], _i=i, _xv=x_v, _xa=x_a, _vts=v_ts, _ats=a_ts, _vs=v_sig, _as=a_sig):
+                """The passes as one batched forward (model_fn.batch), or None where model_fn declines."""
+                if not model_fn.batch_choice(ps, _xv):
+                    return None
+                outs = model_fn.batch(ModelInputs(_xv, _xa, _vts, _ats, _vs, _as, ps[0], _i), ps)
+                return [(to_x0(_xv, v, _vts) if (_xv is not None and v is not None) else None,
+                         to_x0(_xa, a, _ats) if (_xa is not None and a is not None) else None) for v, a in outs]
+
+            denoise.many = many  # type: ignore[attr-defined]
+
         a_params = NO_GUIDANCE if audio_frozen else audio_guidance
         g_v, g_a = guided_prediction(denoise, video_guidance, a_params, step=i, last=last, run_passes=run_passes)
         last = (g_v, g_a)
@@ -820,6 +844,7 @@ __all__ = [
     "NonFiniteLatentError",
     "PASS_KINDS",
     "RunPassesFn",
+    "run_local",
     "SamplingCancelled",
     "TDP_STAGE2_SIGMAS",
     "TIMESTEP_SCALE",

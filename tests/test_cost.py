@@ -201,3 +201,27 @@ def test_explicit_min_tokens_per_rank_overrides_the_model():
     assert plan.stage(14080).degree == 8 and plan.describe() == "sequence parallel over all 8 ranks"
     full = _plan(4)
     assert full.stage(10).degree == 4 and full.describe() == "sequence parallel over all 4 ranks"
+
+
+def test_graphed_model_refit_and_choice():
+    """The CUDA-graphed forward's constants are the fit of its measurements (speed_h200.txt (a)), reproduce every
+    point within 8 %, and make sequence parallelism pay at stage-1 sizes where the eager model keeps one GPU; the
+    report names the model; `default_model` follows the CUDA graphs mode."""
+    from mgpu_backend import cuda_graphs
+
+    m, fit = C.H200_GRAPHED, C.fit_graphed_compute()
+    assert m.c0 == pytest.approx(fit["c0"], rel=2e-3) and m.c_lin == pytest.approx(fit["c_lin"], rel=2e-3)
+    assert m.c_attn == pytest.approx(fit["c_attn"], rel=2e-3)
+    for tokens, by_w in C.SP_FORWARD_GRAPHED_H200.items():
+        for w, ms in by_w.items():
+            assert m.compute(tokens, w) * 1e3 == pytest.approx(ms, rel=0.08), (tokens, w)  # no comm: simulated
+    assert C.best_sp_degree(3520, [1, 2, 4, 8]) == 1  # eager: launch-bound, no split
+    assert C.best_sp_degree(3520, [1, 2, 4, 8], model=m) == 8
+    assert C.predict_sp(3520, 2, model=m) < 0.7 * C.predict_sp(3520, 1, model=m)
+    assert "(CUDA-graphed)" in C.choice_reason(3520, 8, [1, 2, 4, 8], model=m)
+    assert C.default_model() is m
+    cuda_graphs.set_mode("off")
+    try:
+        assert C.default_model() is C.DEFAULT
+    finally:
+        cuda_graphs.set_mode("auto")

@@ -166,3 +166,87 @@ def test_quantize_fp8_round_trip_bound(seed):
     r5 = q5.float() * s5
     normal5 = (w / s5).abs() >= 2.0 ** -14
     assert float(((r5 - w).abs() / w.abs())[normal5].max()) <= 2.0 ** -3 * (1 + 2.0 ** -16)
+
+
+# ---- the fp8 matmul path (issue 16): which path runs, and the math of the fp8 kernel call --------------------------
+
+def _layer(fp8_dtype=torch.float8_e4m3fn, features=(64, 48), input_scale=False):
+    from mgpu_backend.models.fp8 import FP8Linear
+
+    layer = FP8Linear(*features, bias=True, compute_dtype=torch.bfloat16, fp8_dtype=fp8_dtype,
+                      has_input_scale=input_scale)
+    q, s = quantize_fp8(torch.randn(features[1], features[0]), fp8_dtype)
+    with torch.no_grad():
+        layer.weight.copy_(q)
+        layer.weight_scale.copy_(s)
+        layer.bias.normal_()
+    return layer
+
+
+def test_fp8_compute_path_selection(monkeypatch):
+    """CPU dequantizes (exact to the file); on an fp8-capable GPU the fp8 matmul path is taken unless a LoRA is fused,
+    the weights are e5m2, the compute is float32, the features are not multiples of 16, or the mode is off."""
+    from mgpu_backend.models import fp8 as F8
+
+    layer = _layer()
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert F8.compute_path(layer, x) == ("dequantize", "CPU")
+    # the CPU forward is today's exact dequantizing forward
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias))
+    assert layer.last_path == "dequantize" and "CPU" in F8.compute_report(layer)
+    monkeypatch.setattr(F8, "scaled_mm_capable", lambda device: True)  # as on a Hopper GPU
+    assert F8.compute_path(layer, x)[0] == "scaled_mm"
+    assert F8.compute_path(layer, x.float()) == ("dequantize", "torch.float32 compute (the fp8 matmul path returns "
+                                                               "bf16 / fp16)")
+    assert F8.compute_path(_layer(torch.float8_e5m2), x)[0] == "dequantize"
+    assert "multiples of 16" in F8.compute_path(_layer(features=(64, 40)), x)[1]
+    generation = F8.WEIGHT_GENERATION[0]
+    layer.fused_weight = layer.dequantized_weight()
+    assert F8.WEIGHT_GENERATION[0] == generation + 1  # captured CUDA graphs key on it
+    assert F8.compute_path(layer, x)[0] == "dequantize" and "LoRA" in F8.compute_path(layer, x)[1]
+    layer.fused_weight = None
+    F8.set_compute("off")
+    try:
+        assert F8.compute_path(layer, x) == ("dequantize", "fp8 compute set off")
+    finally:
+        F8.set_compute("auto")
+    with pytest.raises(ValueError, match="'fast'.*auto, on, off"):
+        F8.set_compute("fast")
+
+
+def test_fp8_compute_on_refuses_by_layer_name():
+    from mgpu_backend.models import fp8 as F8
+
+    model = nn.Sequential(_layer())
+    F8.set_compute("on")
+    try:
+        with pytest.raises(ValueError, match="layer '0' cannot use fp8 matmuls: CPU"):
+            F8.check_compute(model, torch.device("cpu"), torch.bfloat16)
+    finally:
+        F8.set_compute("auto")
+
+
+@pytest.mark.parametrize("input_scale", [False, True])
+def test_fp8_linear_is_the_quantized_product(input_scale):
+    """`fp8_linear` = (x quantized to e4m3 per row, or by the file's input_scale) · (weight·weight_scale)ᵀ + bias,
+    accumulated in float32 and rounded once to bf16 (torch._scaled_mm runs on the CPU too)."""
+    from mgpu_backend.models.fp8 import fp8_linear, quantize_rows, quantize_static
+
+    g = torch.Generator().manual_seed(3)
+    layer = _layer(input_scale=input_scale)
+    x = torch.randn(37, 64, generator=g).to(torch.bfloat16) * torch.logspace(-2, 1, 37)[:, None].to(torch.bfloat16)
+    if input_scale:
+        layer.input_scale.fill_(float(x.float().abs().max()) / 448.0)
+        xq, sa = quantize_static(x, layer.input_scale), layer.input_scale
+    else:
+        xq, sa = quantize_rows(x)
+        assert xq.dtype == torch.float8_e4m3fn and sa.shape == (37, 1)
+        # every row's largest magnitude lands on the largest code
+        assert torch.equal(xq.float().abs().amax(1), torch.full((37,), 448.0))
+    got = fp8_linear(x.unsqueeze(0), layer.weight, layer.weight_scale, layer.bias,
+                     getattr(layer, "input_scale", None))
+    assert got.shape == (1, 37, 48) and got.dtype == torch.bfloat16
+    want = (xq.float() * sa) @ (layer.weight.float() * layer.weight_scale).t() + layer.bias.float()
+    assert float((got[0].float() - want).norm() / want.norm()) < 2 ** -8  # one bf16 rounding
+    exact = x.float() @ layer.dequantized_weight().float().t() + layer.bias.float()
+    assert float((got[0].float() - exact).norm() / exact.norm()) < 0.06  # e4m3 activations: 3 mantissa bits

@@ -63,7 +63,8 @@ def test_cuda_fleets_pick_the_degree_by_the_cost_model(paths):
     got = results[0]
     shape = got["cuda default"]["shape"]
     assert got["cuda default"]["cost"] and shape.blocks < 48 and got["cuda default"]["stages"] == [1, 2, 4]
-    assert got["cuda default"]["degrees"] == {t: C.best_sp_degree(t, [1, 2, 4], shape) for t in (40, 12, 10 ** 6)}
+    assert got["cuda default"]["degrees"] == {t: C.best_sp_degree(t, [1, 2, 4], shape, C.default_model())
+                                              for t in (40, 12, 10 ** 6)}
     assert "the cost model predicts" in got["cuda default"]["describe"]
     assert not got["cuda explicit"]["cost"] and got["cuda explicit"]["degrees"] == {40: 4, 12: 1, 10 ** 6: 4}
     assert not got["cpu default"]["cost"] and got["cpu default"]["stages"] == [4]

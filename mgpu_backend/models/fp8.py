@@ -1,11 +1,36 @@
-"""Linear layers whose weights stay resident in float8 (e4m3fn), computed in the compute dtype per call.
+"""Linear layers whose weights stay resident in float8 (e4m3fn): fp8 matmuls on GPUs that have them, otherwise
+computed in the compute dtype per call.
 
 Users mostly have the fp8 checkpoints (`ltx-2-19b-dev-fp8`, `ltx-2.3-22b-dev-fp8`): every transformer-block Linear
 stores `weight` as float8_e4m3fn plus a per-tensor float32 `weight_scale` (dequantized weight = weight · scale, the
-"scaled fp8" convention of ComfyUI's `comfy/ops.py` and Lightricks' fp8 files). Keeping the fp8 tensor resident makes
-weight memory ≈ file size; the bf16 copy exists only for the duration of one matmul.
+"scaled fp8" convention of ComfyUI's `comfy/ops.py` and Lightricks' fp8 files; Lightricks' files also carry a
+per-tensor `input_scale` for the activations). Keeping the fp8 tensor resident makes weight memory ≈ file size.
+
+Two ways to compute `FP8Linear` (`compute_path` chooses per call and says why):
+- **scaled_mm** (CUDA, compute capability ≥ 8.9 — Ada, Hopper and newer): the activations are quantized to e4m3
+  and the product runs on the fp8 tensor cores through `torch._scaled_mm` with the file's e4m3 weight and its
+  `weight_scale`, output in the compute dtype. Activations: by the file's `input_scale` where present (per tensor,
+  clamped to ±448, as Lightricks' fp8-scaled-mm path and ComfyUI's `TensorCoreFP8Layout` do), else dynamically
+  per row (`scale = amax(|x_row|) / 448`; one Triton kernel in eager, fused by the compiler under `torch.compile`).
+  This is what pays on an H200 (bench/results/speed_h200.txt): the block GEMMs at 0.54–0.69× of bf16's time with
+  the activation quantization included; the whole forward at 0.80–0.87× of bf16 eager / compiled at 1280×704 and
+  1920×1088 (at 640×352 eager is host-bound and slower, 0.82× once replayed from CUDA graphs).
+  ComfyUI's kernel library `comfy-kitchen` computes its fp8 linear with the same `torch._scaled_mm` call (per-tensor
+  activation scale); its only extra is a CUDA quantize kernel, 0.51–0.70× of bf16 — the same within noise — so it is
+  not a dependency here (measured side by side: `bench/bench_speed.py --what gemm`).
+- **dequantize** (CPU, GPUs before Ada, e5m2 weights, LoRA-fused layers, float32 compute, shapes the fp8 kernels
+  refuse, or `set_compute("off")`): `x · (weight·weight_scale)ᵀ` in the compute dtype, exact to the file; the bf16
+  copy exists only for the duration of one matmul.
+
+Errors against the bf16 forward (random 19B-shaped weights, 16 blocks; bench/results/speed_h200.txt): relative L2
+4.0–4.4e-2 from the weights' e4m3 rounding alone (the dequantizing path), 4.7–5.6e-2 with the activations in e4m3 too
+(the fp8 matmul path); a single GEMM 2.6e-2 against its fp32 product. int8 (`int8_tensorwise` files) gets no matmul
+path: through cuBLAS (`torch._int_mm`) it is slower than bf16 on the H200, comfy-kitchen's int8 kernel 0.79–1.12× of
+bf16 — behind fp8 — so it did not pay.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -14,19 +39,183 @@ from torch import nn
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "weight_scale"
 INPUT_SCALE_SUFFIX = "input_scale"
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+COMPUTE_MODES = ("auto", "on", "off")
+"""`set_compute`: "auto" (fp8 matmuls wherever `compute_path` allows them), "on" (the same, and `check_compute`
+raises where they cannot run), "off" (always dequantize)."""
+_MODE = os.environ.get("LTX2_MGPU_FP8_COMPUTE", "auto")
+
+WEIGHT_GENERATION = [0]
+"""Bumped whenever an `FP8Linear`'s effective weight changes (LoRA fuse / restore): captured CUDA graphs key on it
+(`mgpu_backend.cuda_graphs`), since a fused weight is a new tensor the captured kernels do not read."""
+
+
+def set_compute(mode: str) -> None:
+    """Process-wide choice of the fp8 compute path (see `COMPUTE_MODES`). Raises ValueError for another mode."""
+    global _MODE
+    if mode not in COMPUTE_MODES:
+        raise ValueError(f"fp8 compute mode {mode!r}: choose one of {', '.join(COMPUTE_MODES)}")
+    _MODE = mode
+
+
+def compute_mode() -> str:
+    return _MODE
+
+
+_CAPABLE: dict[int, bool] = {}
+
+
+def scaled_mm_capable(device: torch.device) -> bool:
+    """True on CUDA devices of compute capability ≥ 8.9 (fp8 tensor cores) with `torch._scaled_mm`."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return _CAPABLE[index]
+
+
+def compute_path(layer: "FP8Linear", x: torch.Tensor) -> tuple[str, str]:
+    """("scaled_mm" | "dequantize", why) for `layer` applied to `x` `[..., in_features]`.
+
+    Pure selection logic (no GPU work): mode, device, LoRA fusion, dtypes and the kernels' shape rule (in and out
+    features multiples of 16, cuBLASLt's fp8 alignment)."""
+    if _MODE == "off":
+        return "dequantize", "fp8 compute set off"
+    if layer.fused_weight is not None:
+        return "dequantize", "a LoRA is fused into this layer (full-precision weight)"
+    if not scaled_mm_capable(x.device):
+        why = "CPU" if x.device.type != "cuda" else "this GPU has no fp8 matmuls (compute capability < 8.9)"
+        return "dequantize", why
+    if layer.weight.dtype != torch.float8_e4m3fn:
+        return "dequantize", f"{layer.weight.dtype} weights (the fp8 matmul path takes e4m3fn)"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return "dequantize", f"{x.dtype} compute (the fp8 matmul path returns bf16 / fp16)"
+    if layer.in_features % 16 or layer.out_features % 16:
+        return "dequantize", f"{layer.in_features}→{layer.out_features} features are not multiples of 16"
+    return "scaled_mm", "fp8 tensor cores (torch._scaled_mm)"
+
+
+# ---- activation quantization -----------------------------------------------------------------------------------
+
+def _quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+_TRITON_ROWS = None
+
+
+def _triton_rows():
+    """The eager row-quantization kernel (one read of x, one write of the codes and the scales), or None."""
+    global _TRITON_ROWS
+    if _TRITON_ROWS is None:
+        try:
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def _rows(x_ptr, q_ptr, s_ptr, k, stride, block: tl.constexpr):
+                row = tl.program_id(0)
+                offs = tl.arange(0, block)
+                mask = offs < k
+                x = tl.load(x_ptr + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
+                scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+                q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+                tl.store(q_ptr + row * k + offs, q.to(tl.float8e4nv), mask=mask)
+                tl.store(s_ptr + row, scale)
+
+            @triton.jit
+            def _static(x_ptr, q_ptr, s_ptr, n, block: tl.constexpr):
+                offs = tl.program_id(0) * block + tl.arange(0, block)
+                mask = offs < n
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(x / tl.load(s_ptr), -448.0), 448.0)
+                tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+
+            def run(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                m, k = x2.shape
+                q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
+                s = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+                block = triton.next_power_of_2(k)
+                _rows[(m,)](x2, q, s, k, x2.stride(0), block=block, num_warps=min(16, max(4, block // 1024)))
+                return q, s
+
+            def run_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+                x = x.contiguous()
+                q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+                n = x.numel()
+                _static[(triton.cdiv(n, 4096),)](x, q, scale.float(), n, block=4096, num_warps=8)
+                return q
+
+            _TRITON_ROWS = (run, run_static)
+        except Exception:  # noqa: BLE001 — no Triton (or no fp8 in it): the torch expression does the same
+            _TRITON_ROWS = False
+    return _TRITON_ROWS or None
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic e4m3 quantization of a 2-D `[M, K]` tensor: `(codes [M, K] e4m3fn, scales [M, 1] float32)`
+    with `codes.float() · scales ≈ x` (`scale = max(amax_row, 1e-12) / 448`)."""
+    if x.is_cuda and x.stride(-1) == 1 and not torch.compiler.is_compiling():
+        kernels = _triton_rows()
+        if kernels is not None:
+            return kernels[0](x)
+    return _quantize_rows_torch(x)
+
+
+def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """`clamp(x / input_scale, ±448)` as e4m3 codes (a file's per-tensor activation scale); one Triton kernel in
+    eager on CUDA, the torch expression otherwise (fused by the compiler)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        kernels = _triton_rows()
+        if kernels is not None:
+            return kernels[1](x, input_scale)
+    return (x.float() / input_scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               input_scale: torch.Tensor | None = None, scale_b_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`x · (weight·weight_scale)ᵀ + bias` on the fp8 tensor cores.
+
+    Args:
+        x: `[..., K]` bf16 / fp16 activations (the output has x's dtype).
+        weight: `[N, K]` float8_e4m3fn; weight_scale: 0-d float32.
+        bias: `[N]` or None.
+        input_scale: 0-d float32 per-tensor activation scale (the file's), or None for dynamic per-row scales.
+        scale_b_rows: `weight_scale` broadcast to `[1, N]` float32 contiguous (the row-wise kernel's layout);
+            made here when None.
+    Raises RuntimeError from `torch._scaled_mm` for shapes / devices it refuses (see `compute_path`).
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if input_scale is not None:
+        out = torch._scaled_mm(quantize_static(x2, input_scale), weight.t(), scale_a=input_scale.float(),
+                               scale_b=weight_scale.float(), bias=bias, out_dtype=x.dtype)
+    else:
+        q, scale_a = quantize_rows(x2)
+        if scale_b_rows is None:
+            scale_b_rows = weight_scale.float().reshape(1, 1).expand(1, weight.shape[0]).contiguous()
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b_rows, bias=bias, out_dtype=x.dtype)
+    return out.reshape(*shape[:-1], weight.shape[0])
 
 
 class FP8Linear(nn.Module):
-    """`y = x · (weight·weight_scale)ᵀ + bias` with `weight` stored in float8.
+    """`y = x · (weight·weight_scale)ᵀ + bias` with `weight` stored in float8 (see the module docstring for the two
+    compute paths).
 
     Attributes:
         weight: `[out_features, in_features]` float8_e4m3fn (or e5m2) parameter, frozen.
         weight_scale: 0-d float32 buffer (per-tensor scale).
-        input_scale: optional 0-d float32 buffer, kept for strict loading and fp8 matmul kernels; unused here.
+        input_scale: optional 0-d float32 buffer: the file's activation scale, used by the fp8 matmul path.
         bias: `[out_features]` in the compute dtype, or None.
         compute_dtype: dtype the weight is dequantized to per call (bf16 on GPU by default).
         fused_weight: optional full-precision override set by LoRA fusing (`mgpu_backend.lora`); when present it
             is used instead of the fp8 weight, and dropping it restores the original exactly.
+        last_path: the compute path of the last call ("scaled_mm" / "dequantize"; None before the first).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
@@ -39,20 +228,81 @@ class FP8Linear(nn.Module):
         if has_input_scale:
             self.register_buffer(INPUT_SCALE_SUFFIX, torch.ones((), dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype), requires_grad=False) if bias else None
-        self.fused_weight: torch.Tensor | None = None
+        self._fused_weight: torch.Tensor | None = None
+        self._scale_rows: torch.Tensor | None = None
+        self._scale_rows_src: tuple = (None, -1)
+        self.last_path: str | None = None
+        self.last_reason: str | None = None
+
+    @property
+    def fused_weight(self) -> torch.Tensor | None:
+        return self._fused_weight
+
+    @fused_weight.setter
+    def fused_weight(self, value: torch.Tensor | None) -> None:
+        self._fused_weight = value
+        WEIGHT_GENERATION[0] += 1
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight in `compute_dtype`: `weight.to(compute_dtype) · weight_scale`."""
         return self.weight.to(self.compute_dtype) * self.weight_scale.to(self.compute_dtype)
 
+    def _scale_b_rows(self) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.weight_scale.float().reshape(1, 1).expand(1, self.out_features).contiguous()
+        # made once per scale tensor and version (no device round trip per call: the check is on the host)
+        src = (self.weight_scale, self.weight_scale._version)
+        if self._scale_rows is None or self._scale_rows_src[0] is not src[0] or self._scale_rows_src[1] != src[1]:
+            self._scale_rows = self.weight_scale.float().reshape(1, 1).expand(1, self.out_features).contiguous()
+            self._scale_rows_src = src
+        return self._scale_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
+        path, why = compute_path(self, x)
+        if not torch.compiler.is_compiling():
+            self.last_path, self.last_reason = path, why
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if path == "scaled_mm":
+            input_scale = getattr(self, INPUT_SCALE_SUFFIX, None)
+            return fp8_linear(x, self.weight, self.weight_scale, bias, input_scale,
+                              None if input_scale is not None else self._scale_b_rows())
+        w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
         return F.linear(x, w.to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight={self.weight.dtype}, compute={self.compute_dtype}")
+
+
+def compute_report(module: nn.Module) -> str | None:
+    """One line for a job report: how many `FP8Linear`s of `module` ran on the fp8 tensor cores in their last
+    eager call and why the others did not (None when the module has no FP8Linear that ran eagerly yet)."""
+    layers = [m for m in module.modules() if isinstance(m, FP8Linear) and m.last_path is not None]
+    if not layers:
+        return None
+    fast = sum(m.last_path == "scaled_mm" for m in layers)
+    if fast == len(layers):
+        return f"fp8 compute: all {fast} fp8 layers on the fp8 tensor cores (torch._scaled_mm)"
+    reasons: dict[str, int] = {}
+    for m in layers:
+        if m.last_path != "scaled_mm":
+            reasons[m.last_reason] = reasons.get(m.last_reason, 0) + 1
+    detail = "; ".join(f"{n} layers: {why}" for why, n in reasons.items())
+    return f"fp8 compute: {fast} of {len(layers)} fp8 layers on the fp8 tensor cores, the others dequantized ({detail})"
+
+
+def check_compute(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """With `set_compute("on")`: raise ValueError naming the first `FP8Linear` of `module` that cannot use the fp8
+    matmul path on `device` in `dtype`, and why. A no-op in the other modes."""
+    if _MODE != "on":
+        return
+    probe = torch.empty(0, device=device, dtype=dtype) if device.type != "cuda" else None
+    for name, m in module.named_modules():
+        if isinstance(m, FP8Linear):
+            x = probe if probe is not None else torch.empty(0, device=device, dtype=dtype)
+            path, why = compute_path(m, x)
+            if path != "scaled_mm":
+                raise ValueError(f"fp8 compute is set 'on' but layer {name!r} cannot use fp8 matmuls: {why}")
 
 
 def swap_in_fp8_linears(module: nn.Module, fp8_weight_names: dict[str, torch.dtype], compute_dtype: torch.dtype,

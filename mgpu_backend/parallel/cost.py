@@ -65,6 +65,24 @@ table timed all 48): the per-forward work outside the blocks is counted 6×, so 
 238 ms at 3,520 tokens and 1,041 ms at 14,080, against 259.7 and 1,075.0 here. Other widths and block counts scale
 the terms: per-block terms ∝ blocks/48, c_lin ∝ (video_dim/4096)², c_attn ∝ video_dim/4096.
 
+The CUDA-graphed forward (`mgpu_backend/cuda_graphs.py`, the default on CUDA; issue 16) has its own constants,
+`H200_GRAPHED`, fitted the same way to the graphed per-rank times of the same simulated split
+(`bench/results/speed_h200.txt` (a): 48 blocks timed, no scaling; W = 1, 2, 4, 8 at 1,536 / 3,520 / 6,144 / 14,080
+tokens; W > 1 replayed piecewise, 145 segments around the collectives): all 16 points, no host floor among them —
+c0 = 35.0 ms, c_lin = 48.8 µs per token, c_attn = 1.868 ns per token², every point within 7.7 % (3,520 W = 1:
+−7.7 %, 1,536 W = 1: +5.2 %, 14,080 W = 1: +4.1 %, the 13 others within 3.6 %). The host no longer bounds the
+forward: the replay issues one graph launch per segment and the collectives between them, so its host terms are
+small and ASSUMED, not measured: 5 ms per forward (copying the inputs into the captured ones, launches) and 0.1 ms
+per collective (one eager NCCL call and one graph launch, ~50 µs, doubled for rank skew; the eager model's 0.805 ms
+was mostly the Python, reshapes and copies around each collective, now inside the graphs). The communication terms (link, η, λ) are the eager model's: the same
+bytes through the same collectives. What it changes: the rank of a split is no longer held at ~183 ms, so sequence
+parallelism pays at the stage-1 sizes of the distilled recipes — 3,520 tokens: 2 / 4 / 8 ranks predicted 0.66 / 0.45
+/ 0.33× of one GPU's time (eager model: no split at all below ~6,000 tokens); what needs checking on several GPUs is the real collectives' host cost and rank skew
+between replayed segments (`host_per_collective`), which no one-GPU run can measure. `default_model()` returns the
+graphed model while CUDA graphs are on (`cuda_graphs.mode()`), else the eager one; the job report's reason names it.
+The compiled + graphed forward is faster again (640×352: 0.71–0.79× of graphed at W = 4 / 8; 1280×704 W = 8:
+0.86×) and is not modelled separately.
+
 `best_sp_degree` picks the degree with the lowest predicted time (ties go to fewer ranks), and 1 when no split is
 predicted faster than one GPU: never slower than one GPU by design, within the model. `choice_reason` is the job
 report's sentence. `python bench/scaling_model.py` prints the predicted table
@@ -96,6 +114,10 @@ TDP_2XH200 = {14080: 658.2, 32640: 1696.4}
 # q, k, v into one all_to_all and K, V into one all_gather (3 per block): same bytes, half the calls
 MEASURED_COLLECTIVES_PER_BLOCK = 6
 SMALL_2XH200 = {"tokens": 627, "blocks": 8, "scale": 6, "ms": {1: 238.3, 2: 475.1}}  # 17 frames, 8 blocks ×6
+# bench/results/speed_h200.txt (a): one H200, the same simulated split replayed from CUDA graphs (48 blocks, no scaling)
+SP_FORWARD_GRAPHED_H200 = {1536: {1: 108.8, 2: 73.6, 4: 54.2, 8: 46.6}, 3520: {1: 249.1, 2: 132.8, 4: 82.5, 8: 59.1},
+                           6144: {1: 407.1, 2: 220.3, 4: 126.9, 8: 82.2},
+                           14080: {1: 1049.3, 2: 572.0, 4: 309.8, 8: 164.5}}
 # bench/results/tdp_decode_h200.txt: one H200, a stage-2 tile forward (8 blocks ×6) by tile tokens
 TDP_TILES_H200 = {32640: 3621.2, 17952: 1764.6, 10560: 902.9, 6080: 498.6}
 
@@ -177,6 +199,7 @@ class CostModel:
     # the exchange: True = q, k, v stacked into one all_to_all and K, V into one all_gather (sequence.py today,
     # 3 collectives per block); False = one collective each (6 per block: the code of the 2×H200 runs)
     stacked: bool = True
+    forward: str = "eager"  # which forward the constants are of: "eager" or "CUDA-graphed" (the job report says it)
 
     @property
     def bandwidth(self) -> float:
@@ -247,6 +270,16 @@ H200_NVLINK = CostModel(name="H200, NVLink 4 (450 GB/s per direction)", c0=61.2e
                         host_floor=182.9e-3, host_per_collective=0.805e-3, link_GBps=450.0, efficiency=0.30,
                         latency=25e-6)
 DEFAULT = H200_NVLINK
+H200_GRAPHED = CostModel(name="H200, NVLink 4 (450 GB/s per direction), CUDA-graphed forward", c0=35.0e-3,
+                         c_lin=48.8e-6, c_attn=1.868e-9, host_floor=5e-3, host_per_collective=0.1e-3,
+                         link_GBps=450.0, efficiency=0.30, latency=25e-6, forward="CUDA-graphed")
+
+
+def default_model() -> CostModel:
+    """The model of the forward CUDA fleets run: `H200_GRAPHED` while CUDA graphs are on, else the eager one."""
+    from .. import cuda_graphs
+
+    return H200_GRAPHED if cuda_graphs.mode() != "off" else H200_NVLINK
 
 
 # ---- the policy ------------------------------------------------------------------------------------------------------
@@ -276,6 +309,8 @@ def choice_reason(tokens: int, chosen: int, candidates, shape: ModelShape = LTX2
     ms = lambda d: f"{t[d] * 1e3:,.0f} ms"  # noqa: E731
     text = f"{tokens:,} video tokens; the cost model predicts {ms(chosen)} per forward on {chosen} rank" \
            f"{'s' if chosen > 1 else ''}"
+    if model.forward != "eager":
+        text += f" ({model.forward})"
     if chosen > 1:
         text += f" ({t[1] / t[chosen]:.2f}× one GPU)"
     larger = [d for d in degrees if d > chosen]
@@ -356,6 +391,17 @@ def fit_compute(data: dict = SP_FORWARD_H200) -> dict[str, float]:
     atb = [sum(r[i] for r in a) for i in range(3)]
     c0, c_lin, c_attn = _solve(ata, atb)
     return {"host_floor": floor, "c0": c0, "c_lin": c_lin, "c_attn": c_attn}
+
+
+def fit_graphed_compute(data: dict = SP_FORWARD_GRAPHED_H200) -> dict[str, float]:
+    """(c0, c_lin, c_attn) in seconds of the CUDA-graphed forward: least squares on relative error over every point
+    (none is host-bound once replayed)."""
+    rows = [([1.0, t / w, t * t / w], ms / 1e3) for t, by_w in data.items() for w, ms in by_w.items()]
+    a = [[r[i] / y for i in range(3)] for r, y in rows]
+    ata = [[sum(r[i] * r[j] for r in a) for j in range(3)] for i in range(3)]
+    atb = [sum(r[i] for r in a) for i in range(3)]
+    c0, c_lin, c_attn = _solve(ata, atb)
+    return {"c0": c0, "c_lin": c_lin, "c_attn": c_attn}
 
 
 def fit_host_per_collective(small: dict = SMALL_2XH200) -> float:

@@ -18,6 +18,8 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from .. import cuda_graphs
+
 _GROUPS: dict[int, dist.ProcessGroup | None] = {}  # key -> process group (None: the default group)
 _KEYS = itertools.count()
 
@@ -26,9 +28,10 @@ _KEYS = itertools.count()
 def all_to_all(send: torch.Tensor, group_key: int) -> torch.Tensor:
     """`torch.distributed.all_to_all_single` of a contiguous `[W, ...]` tensor: block j goes to rank j, block j of
     the result came from rank j."""
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send.contiguous(), group=_GROUPS[group_key])
-    return recv
+    group = _GROUPS[group_key]
+    # a segment boundary while a CUDA graph is being captured (`cuda_graphs.collective`), else just the collective
+    return cuda_graphs.collective(lambda out, inp: dist.all_to_all_single(out, inp, group=group), send.contiguous(),
+                                  torch.empty_like(send))
 
 
 @all_to_all.register_fake
@@ -40,12 +43,15 @@ def _(send, group_key):
 def all_gather(x: torch.Tensor, group_key: int, world_size: int) -> torch.Tensor:
     """Every rank's `x` stacked in rank order: `[W, *x.shape]`."""
     group = _GROUPS[group_key]
-    out = x.new_empty((world_size, *x.shape))
-    if dist.get_backend(group) == "nccl":
-        dist.all_gather_into_tensor(out.view(world_size * x.shape[0], *x.shape[1:]), x.contiguous(), group=group)
-    else:  # gloo: the list form is the one it implements for CPU and CUDA tensors alike
-        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
-    return out
+    nccl = dist.get_backend(group) == "nccl"
+
+    def gather(out: torch.Tensor, inp: torch.Tensor) -> None:
+        if nccl:
+            dist.all_gather_into_tensor(out.view(world_size * inp.shape[0], *inp.shape[1:]), inp, group=group)
+        else:  # gloo: the list form is the one it implements for CPU and CUDA tensors alike
+            dist.all_gather(list(out.unbind(0)), inp, group=group)
+
+    return cuda_graphs.collective(gather, x.contiguous(), x.new_empty((world_size, *x.shape)))
 
 
 @all_gather.register_fake

@@ -31,6 +31,9 @@ one-process loop — only which process computes it differs — and the exchange
 the step and hence the whole stage are therefore bit-identical to the sequential loop (tested on gloo ranks with
 `torch.equal`). The STG pass swaps the attention processors of its blocks on the rank that runs it, inside its
 forward (`denoiser.skip_self_attention`): the swap is local to that rank and undone before the exchange.
+A rank that owns several passes runs them as one batched forward where the denoiser chooses to
+(`LTX2Denoiser.batch_choice`: CUDA, small per-rank token counts; never on CPU unless set "on"): then its passes
+equal their unbatched forwards to float tolerance rather than bitwise (batched kernels order reductions differently).
 
 Contract on `denoise`: every pass of a step returns the same structure — the same modalities present, with the same
 shapes, dtypes and devices (true of `denoise_loop`: every x0 has its latent's shape, float32). The receiving ranks
@@ -51,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..sampling import PASS_KINDS, GuidancePass
+from ..sampling import PASS_KINDS, GuidancePass, run_local
 from .cost import DEFAULT, LTX2_19B, CostModel, ModelShape, predict_sp
 
 MAX_PASSES = len(PASS_KINDS)  # cond, uncond, perturbed, isolated
@@ -105,10 +108,12 @@ class PassParallel:
         n = len(passes)
         if self.size == 1:
             self.forwards += n
-            return [denoise(p) for p in passes]
+            return run_local(denoise, list(passes))
         if n < self.size:
             raise ValueError(f"{n} guidance passes cannot occupy {self.size} ranks (every rank needs one)")
-        mine = {j: denoise(p) for j, p in enumerate(passes) if self.owner(j) == self.rank}
+        own = [j for j in range(n) if self.owner(j) == self.rank]
+        # several passes on this rank: one batched forward where the model function offers it (sampling.run_local)
+        mine = dict(zip(own, run_local(denoise, [passes[j] for j in own])))
         self.forwards += len(mine)
         layout = _layout(next(iter(mine.values())))
         for j, out in mine.items():

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..validation import ValidationError
-from .cost import CostModel, ModelShape, best_sp_degree, choice_reason
-from .cost import DEFAULT as DEFAULT_COST_MODEL
+from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
 from .exchange import Exchange
 from .passes import MAX_PASSES, StageSplit, check_mode, choose_split
@@ -115,7 +114,7 @@ class ParallelPlan:
         sp = self.stage(tokens)
         model = self.cost_model
         if model is None and self.device.type == "cuda":
-            model = DEFAULT_COST_MODEL
+            model = default_model()
         choice = choose_split(self.guidance_parallel, tokens, passes, self.world_size, sp.degree,
                               list(self.pass_groups or {}), cost_model=model, shape=self.shape or ModelShape(),
                               nbytes=pass_bytes, token_cap=self.token_cap, stage=stage)
@@ -231,7 +230,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     check_mode(guidance_parallel)
     cost_model = None
     if min_tokens_per_rank is None:
-        cost_model = DEFAULT_COST_MODEL if device.type == "cuda" else None
+        cost_model = default_model() if device.type == "cuda" else None  # the graphed forward's, graphs on
         min_tokens_per_rank = 0
     heads = transformer.config.num_attention_heads
     if sp_degree is not None:

@@ -116,6 +116,8 @@ class SequenceParallelTransformer:
     Raises ValueError for a degree that does not divide the heads, or above the token cap, before any work.
     """
 
+    cuda_graph_safe = True  # a pure function of its tensors: `cuda_graphs.call` may capture it (piecewise)
+
     def __init__(self, transformer, exchange: Exchange, token_cap: int | None = None):
         check_sp_degree(transformer.config.num_attention_heads, exchange.world_size)
         self.transformer, self.exchange, self.token_cap = transformer, exchange, token_cap
@@ -141,9 +143,18 @@ class SequenceParallelTransformer:
         per_rank = padded // self.exchange.world_size
         return x.narrow(dim, self.exchange.rank * per_rank, per_rank)
 
+    def ensure_active(self) -> None:
+        """`activate()` unless this wrapper's processors are installed (another stage may have used the shared
+        transformer since; STG never swaps the video→audio one, and a batch of guidance passes only wraps it, so
+        the wrapped processor is what is checked). Called before a CUDA graph key is taken."""
+        processor = self.transformer.transformer_blocks[0].video_to_audio_attn.processor
+        while hasattr(processor, "inner"):  # a per-item wrapper of a batch of guidance passes (denoiser.py)
+            processor = processor.inner
+        if processor is not self._video_to_audio:
+            self.activate()
+
     def __call__(self, *, hidden_states, timestep, video_coords, **kwargs):
-        if self.transformer.transformer_blocks[0].video_to_audio_attn.processor is not self._video_to_audio:
-            self.activate()  # another stage used the shared transformer since (STG never swaps this one)
+        self.ensure_active()
         w = self.exchange.world_size
         b, t, _ = hidden_states.shape
         check_token_cap(t, w, self.token_cap)
