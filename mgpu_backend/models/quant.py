@@ -135,12 +135,17 @@ class Int8Linear(FP8Linear):
                                                         dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype), requires_grad=False) if bias else None
         self.fused_weight: torch.Tensor | None = None
+        self.last_path: str | None = None  # for `fp8.compute_report`, like FP8Linear's
+        self.last_reason: str | None = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight in `compute_dtype` (float32 math, rotated back for ConvRot)."""
         return dequantize_int8(self.weight, self.weight_scale, self.convrot_group).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            # no int8 matmul beats bf16 on Hopper (measured: models/fp8.py's docstring), so int8 always dequantizes
+            self.last_path, self.last_reason = "dequantize", "int8 weights, dequantized per call"
         w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w.to(x.dtype), bias)
