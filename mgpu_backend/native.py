@@ -348,9 +348,8 @@ class NativeEngine:
         self.components, self.plan, self.dtype, self.device = components, plan, dtype, torch.device(device)
         self.transformer = components.transformer
         self.cache = ContextCache()
-        rank = plan.rank if plan is not None else 0
         # a degree-1 "sequence parallel" wrapper: the same processors (and the guide-bias hook) without collectives
-        self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, rank), None)
+        self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, 0), None)
         self.last_report = ""
         self.forwards = 0
 

@@ -9,8 +9,8 @@ Runs in-process with ComfyUI's interpreter and a ComfyUI 0.33 checkout on the pa
 
 What it does:
 1. writes the tiny LTX-2.3 checkpoint with the project's own writer (`mgpu_backend.models.tiny.write_tiny_checkpoint`,
-   seed 0, float32 storage) into a temporary folder and loads it the way `CheckpointLoaderSimple` does
-   (`comfy.sd.load_checkpoint_guess_config`, weights float32);
+   seed 0: the tests' `tiny_dir` file) into a temporary folder and loads it the way `CheckpointLoaderSimple` does
+   (`comfy.sd.load_checkpoint_guess_config`, `model_options={"dtype": torch.float32}`: float32 compute);
 2. runs `LTXAVModel.preprocess_text_embeds` on a seeded random CONDITIONING tensor (`text.raw` -> `text.processed`);
 3. for every case in `CASES` builds ComfyUI's forward arguments exactly as ComfyUI's sampling path would hand them
    over (guide `keyframe_idxs` from `LTXVAddGuide.add_keyframe_index`, noise masks folded into per-token timesteps by
@@ -78,13 +78,11 @@ def weights_fingerprint(checkpoint: str | Path) -> str:
 
 
 def write_checkpoint(directory: Path) -> Path:
-    """The tiny LTX-2.3 single file both sides load (float32 storage: ComfyUI computes in float32 on it)."""
-    import torch
-
+    """The tiny LTX-2.3 single file both sides load: the file `make_tiny(dir, "2.3", seed=0)` writes (bf16 storage,
+    as the tests' session fixture `tiny_dir`); both sides compute in float32 on its exact values."""
     from mgpu_backend.models.tiny import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(Path(directory) / "ltx-2.3-tiny-f32.safetensors", "2.3", seed=0,
-                                 dtype=torch.float32)
+    return write_tiny_checkpoint(Path(directory) / "ltx-2.3-tiny.safetensors", "2.3", seed=0)
 
 
 def build_inputs(name: str, spec: dict, processed, gen):
