@@ -7,9 +7,12 @@ two guides at strength 0.7 (dense attention bias, B = 2), a guide with a pixel m
 (dropped tokens) and reference audio (B = 2) — plus `preprocess_text_embeds`. Every case has 27 or 45 video tokens:
 not divisible by 2 or 4.
 
-Checked: one process (W = 1), sequence parallel on 2 and 4 gloo ranks, the batch rows split over ranks 0-1 of 4
+Also a LoRA (the tiny LTX-2.3 LoRA at 1.5 through ComfyUI's `load_lora_for_models`) shipped as `LoraPatch`es.
+
+Checked: one process (W = 1), sequence parallel on 2 and 4 gloo ranks, the batch rows split over 2 ranks
 (`guidance_parallel="on"`), the context cache (forward with the context left on the fleet = with it shipped; an
-unknown key -> `ForwardMiss`), and the jobs through the real controller and worker fleet (W = 2).
+unknown key -> `ForwardMiss`), LoRA fused / kept by key / missed / restored exactly, refusals, and the jobs through
+the real controller and worker fleet (W = 2).
 Tolerance: measured max |Δ| ≤ 2e-6 against ComfyUI (outputs up to ~5) in one process; ATOL leaves room for the
 reduction order of sequence-parallel attention.
 """
@@ -41,13 +44,14 @@ def load_golden() -> tuple[dict, dict[str, torch.Tensor]]:
         return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
 
 
-def golden_requests(meta: dict, tensors: dict) -> dict[str, ForwardRequest]:
+def golden_requests(meta: dict, tensors: dict, prefix: str = "") -> dict[str, ForwardRequest]:
     """Each golden case as the `ForwardRequest` nodes/ would build from ComfyUI's forward arguments (context rows
-    keyed "row0" / "row1": the rows of `text.processed`)."""
+    keyed "row0" / "row1": the rows of `text.processed`). `prefix` "ltx20/": the LTX-2.0 cases."""
     out = {}
-    for name, spec in json.loads(meta["cases"]).items():
+    cases = json.loads(meta["ltx20"])["cases"] if prefix == "ltx20/" else json.loads(meta["cases"])
+    for name, spec in cases.items():
         def g(key, name=name):
-            return tensors.get(f"{name}.in.{key}")
+            return tensors.get(f"{prefix}{name}.in.{key}")
 
         entries = tuple(GuideAttentionEntry(e["pre_filter_count"], e["strength"],
                                             g(e["pixel_mask"]) if e["pixel_mask"] else None, tuple(e["latent_shape"]))
@@ -57,11 +61,60 @@ def golden_requests(meta: dict, tensors: dict) -> dict[str, ForwardRequest]:
                                  v2a_cross_attn=not modality)
         out[name] = ForwardRequest(
             video=g("video"), audio=g("audio"), video_timestep=g("video_timestep"), audio_timestep=g("audio_timestep"),
-            context=tensors["text.processed"][spec["rows"]], context_keys=tuple(f"row{r}" for r in spec["rows"]),
+            context=tensors[f"{prefix}text.processed"][spec["rows"]],
+            context_keys=tuple(f"{prefix}row{r}" for r in spec["rows"]),
             frame_rate=float(meta["fps"]), keyframe_idxs=g("keyframe_idxs"), denoise_mask=g("denoise_mask"),
             guide_attention_entries=entries, ref_audio_tokens=g("ref_audio_tokens"), options=options,
             cond_or_uncond=tuple(spec.get("cond_or_uncond", ())))
     return out
+
+
+def lora_set(path: str, strength: float, key: str = "tiny-lora") -> LoraSet:
+    """A LoRA file as the `LoraSet` nodes/ ships from ComfyUI's patches: one `LoraPatch` per layer (original module
+    path, lora_A = down, lora_B = up, alpha)."""
+    patches = []
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        for k in sorted(keys):
+            if k.endswith(".lora_A.weight"):
+                base = k[: -len(".lora_A.weight")]
+                alpha = float(f.get_tensor(base + ".alpha")) if base + ".alpha" in keys else None
+                patches.append(LoraPatch(base[len("diffusion_model."):], f.get_tensor(k).float(),
+                                         f.get_tensor(base + ".lora_B.weight").float(), alpha, strength))
+    return LoraSet(key, tuple(patches))
+
+
+def _run_lora(state, rank: int, meta: dict, tensors: dict, lora_path: str) -> dict:
+    """The LoRA golden: fused from the request's patches, kept for a request that names its key only, a miss for an
+    unknown key, and the clean weights back (exactly) for `lora=None`."""
+    import dataclasses
+
+    from mgpu_backend.jobs.forward import run_forward
+
+    ctx = SimpleNamespace(rank=rank)
+    spec = json.loads(meta["lora"])
+    base = golden_requests(meta, tensors)[spec["base"]]
+    lora = lora_set(lora_path, spec["strength"])
+    clean = run_forward(state, base, ctx)
+    fused = run_forward(state, dataclasses.replace(base, lora=lora), ctx)
+    kept = run_forward(state, dataclasses.replace(base, lora=LoraSet(lora.key)), ctx)
+    miss = run_forward(state, dataclasses.replace(base, lora=LoraSet("other")), ctx)
+    restored = run_forward(state, base, ctx)
+    if rank != 0:
+        return {}
+    return {"clean": clean, "fused": fused, "kept": kept, "miss": miss, "restored": restored,
+            "name": f"lora_{spec['base']}", "base": spec["base"]}
+
+
+def _check_lora(out: dict, golden) -> None:
+    t = golden.tensors
+    assert out["fused"].lora_reports == ("lora tiny-lora#0 @ 1.5: 56/56 layers applied",), out["fused"].lora_reports
+    check_outputs({out["name"]: (out["fused"].video, out["fused"].audio)}, t)
+    assert torch.equal(out["kept"].video, out["fused"].video) and torch.equal(out["kept"].audio, out["fused"].audio)
+    assert out["miss"] == ForwardMiss(lora_key="other")
+    for name in ("clean", "restored"):
+        check_outputs({out["base"]: (out[name].video, out[name].audio)}, t)
+    assert torch.equal(out["restored"].video, out["clean"].video), "the clean weights did not come back exactly"
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,10 +122,11 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def check_outputs(outputs: dict, tensors: dict, atol: float = ATOL) -> dict[str, float]:
+def check_outputs(outputs: dict, tensors: dict, atol: float = ATOL, prefix: str = "") -> dict[str, float]:
     diffs = {}
     for name, (video, audio) in outputs.items():
-        diffs[name] = max(_max_diff(video, tensors[f"{name}.out.video"]), _max_diff(audio, tensors[f"{name}.out.audio"]))
+        diffs[name] = max(_max_diff(video, tensors[f"{prefix}{name}.out.video"]),
+                          _max_diff(audio, tensors[f"{prefix}{name}.out.audio"]))
     bad = {k: v for k, v in diffs.items() if not v <= atol}
     assert not bad, f"differs from ComfyUI 0.33 beyond {atol}: {bad} (all: {diffs})"
     return diffs
@@ -89,7 +143,13 @@ def golden(tiny_dir):
     checkpoint = str(tiny_dir["2.3"]["checkpoint"])
     assert meta["weights_sha256"] == G.weights_fingerprint(checkpoint), \
         "the tiny LTX-2.3 file changed since the goldens were made: rerun tests/golden/make_forward_golden.py"
-    return SimpleNamespace(meta=meta, tensors=tensors, checkpoint=checkpoint, gemma=str(tiny_dir["2.3"]["gemma"]))
+    assert json.loads(meta["ltx20"])["weights_sha256"] == G.weights_fingerprint(tiny_dir["2.0"]["checkpoint"]), \
+        "the tiny LTX-2.0 file changed since the goldens were made: rerun tests/golden/make_forward_golden.py"
+    lora = str(tiny_dir["2.3"]["distilled_lora"])
+    assert json.loads(meta["lora"])["sha256"] == G.weights_fingerprint(lora, prefix=""), \
+        "the tiny LTX-2.3 LoRA changed since the goldens were made: rerun tests/golden/make_forward_golden.py"
+    return SimpleNamespace(meta=meta, tensors=tensors, checkpoint=checkpoint, gemma=str(tiny_dir["2.3"]["gemma"]),
+                           lora=lora, checkpoint20=str(tiny_dir["2.0"]["checkpoint"]))
 
 
 # ---- one rank's job runs (shared by the in-process test and the gloo ranks) ---------------------------------------
@@ -132,14 +192,16 @@ def _state(checkpoint: str, rank: int, world: int, guidance_parallel: str, compo
     return SimpleNamespace(components=components, plan=plan, dtype=torch.float32, device=device)
 
 
-def _rank(rank: int, world: int, checkpoint: str, runs) -> dict:
-    """`runs`: [(guidance_parallel, case names or None)] — one plan each, on the same loaded weights."""
+def _rank(rank: int, world: int, checkpoint: str, runs, lora_path: str) -> dict:
+    """`runs`: [(guidance_parallel, case names or None)] — one plan each, on the same loaded weights; then the LoRA
+    checks on the last plan."""
     meta, tensors = load_golden()
     out, components = {}, None
     for mode, cases in runs:
         state = _state(checkpoint, rank, world, mode, components)
         components = state.components
         out[mode] = _run_jobs(state, rank, meta, tensors, cases)
+    out["lora"] = _run_lora(state, rank, meta, tensors, lora_path)
     return out
 
 
@@ -154,13 +216,33 @@ def _check_run(out: dict, golden) -> dict[str, float]:
 
 
 def test_one_process_equals_comfyui(golden):
-    out = _run_jobs(_state(golden.checkpoint, 0, 1, "off"), 0, golden.meta, golden.tensors)
+    state = _state(golden.checkpoint, 0, 1, "off")
+    out = _run_jobs(state, 0, golden.meta, golden.tensors)
     diffs = _check_run(out, golden)
     assert max(diffs.values()) <= 5e-6, diffs  # measured ≤ 2e-6
     assert set(out["reports"].values()) == {"one rank"}
+    _check_lora(_run_lora(state, 0, golden.meta, golden.tensors, golden.lora), golden)
 
 
 ROW_SPLIT_CASES = ("t2v_b1", "t2v_b2", "guides_s07_b2", "ref_audio_b2")
+
+
+def test_ltx20_one_process_equals_comfyui(golden):
+    """LTX-2.0 (caption projection inside the forward, no prompt AdaLN, no attention gates): the connectors and three
+    B = 1 cases."""
+    from mgpu_backend.jobs.forward import run_forward, run_preprocess_text
+
+    state = _state(golden.checkpoint20, 0, 1, "off")
+    ctx = SimpleNamespace(rank=0)
+    t = golden.tensors
+    text = run_preprocess_text(state, PreprocessTextRequest(t["ltx20/text.raw"]), ctx)
+    assert _max_diff(text.context, t["ltx20/text.processed"]) <= ATOL
+    outputs = {}
+    for name, req in golden_requests(golden.meta, t, "ltx20/").items():
+        reply = run_forward(state, req, ctx)
+        outputs[name] = (reply.video, reply.audio)
+    diffs = check_outputs(outputs, t, prefix="ltx20/")
+    assert max(diffs.values()) <= 5e-6, diffs
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -168,8 +250,9 @@ def test_ranks_equal_comfyui(golden, world):
     """Sequence parallel over 2 and 4 ranks (every case); on 2 ranks also the rows of a batch split over the ranks
     (`guidance_parallel="on"`: B = 2 one row per rank, B = 1 sequence parallel)."""
     runs = [("off", None)] + ([("on", ROW_SPLIT_CASES)] if world == 2 else [])
-    ranks = run_ranks(_rank, world, golden.checkpoint, runs, timeout_s=240.0)
-    assert all(r == {mode: {} for mode, _ in runs} for r in ranks[1:])
+    ranks = run_ranks(_rank, world, golden.checkpoint, runs, golden.lora, timeout_s=240.0)
+    assert all(r == {**{mode: {} for mode, _ in runs}, "lora": {}} for r in ranks[1:])
+    _check_lora(ranks[0]["lora"], golden)
     sp = ranks[0]["off"]
     _check_run(sp, golden)
     assert all(r == f"sequence parallel over all {world} ranks" for r in sp["reports"].values()), sp["reports"]
@@ -191,8 +274,11 @@ def test_refused_by_name(golden):
     state = _state(golden.checkpoint, 0, 1, "off")
     ctx = SimpleNamespace(rank=0)
     req = golden_requests(golden.meta, golden.tensors)["t2v_b1"]
-    lora = LoraSet("k", (LoraPatch("transformer_blocks.0.attn1.to_q", torch.zeros(2, 64), torch.zeros(64, 2)),))
-    with pytest.raises(NotSupported, match="LoRA"):
+    lora = LoraSet("k", (LoraPatch("transformer_blocks.0.attn1.to_q", torch.zeros(2, 32), torch.zeros(32, 2)),))
+    with pytest.raises(ValidationError, match="was it made for another model"):
+        run_forward(state, dataclasses.replace(req, lora=lora), ctx)
+    lora = LoraSet("k", (LoraPatch("transformer_blocks.99.attn1.to_q", torch.zeros(2, 64), torch.zeros(64, 2)),))
+    with pytest.raises(ValidationError, match="matches a Linear"):
         run_forward(state, dataclasses.replace(req, lora=lora), ctx)
     with pytest.raises(NotSupported, match="video-only"):
         run_forward(state, dataclasses.replace(req, audio=None, audio_timestep=None), ctx)
