@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -82,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# bench_native_forward — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
              f"{platform.machine()} CPU, torch {torch.__version__}",
              f"# command: python bench/bench_native_forward.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-             f"# 640×352×121 grid {GRID}, {AUDIO_STEPS} audio steps, CFG batch 2; median / p90 of {args.repeat} calls"]
+             f"# 640×352×121 grid {GRID}, {AUDIO_STEPS} audio steps, CFG batch 2; median / p90 of {args.repeat} calls",
+             f"# {os.cpu_count()} CPU cores; load average at start {os.getloadavg()[0]:.1f} (other processes share "
+             f"the cores: figures are upper bounds)"]
     real = _request(2, 6144, torch.bfloat16, ("neg", "pos"))
     real_cached = dataclasses.replace(real, context=None)
     tiny = _request(2, 96, torch.float32, ("neg", "pos"))
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                 lines += rows
         finally:
             client.stop()
+    lines.append(f"# load average at end {os.getloadavg()[0]:.1f}")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"wrote {args.out}")

@@ -456,8 +456,8 @@ class NativeEngine:
 
     # ---- context ----
     def store_context(self, keys, context: torch.Tensor) -> None:
-        for i, key in enumerate(keys):
-            self.cache.put(key, context[i:i + 1].to(self.device, self.dtype))
+        for i, key in enumerate(keys):  # a copy per row: a cached row never pins a whole request's batch
+            self.cache.put(key, context[i:i + 1].to(self.device, self.dtype, copy=True))
 
     def resolve_context(self, request: ForwardRequest) -> tuple[torch.Tensor | None, tuple[str, ...]]:
         """The request's context in the compute dtype (stored under its keys), or the missing keys."""
