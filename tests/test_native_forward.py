@@ -58,12 +58,14 @@ def golden_requests(meta: dict, tensors: dict, prefix: str = "") -> dict[str, Fo
                         for e in spec.get("guide_entries", []))
         modality = spec.get("modality", False)
         options = ForwardOptions(stg_self_attn_blocks=tuple(spec.get("stg", ())), a2v_cross_attn=not modality,
-                                 v2a_cross_attn=not modality)
+                                 v2a_cross_attn=not modality, run_vx=spec.get("run_vx", True),
+                                 run_ax=spec.get("run_ax", True))
         out[name] = ForwardRequest(
             video=g("video"), audio=g("audio"), video_timestep=g("video_timestep"), audio_timestep=g("audio_timestep"),
             context=tensors[f"{prefix}text.processed"][spec["rows"]],
             context_keys=tuple(f"{prefix}row{r}" for r in spec["rows"]),
-            frame_rate=float(meta["fps"]), keyframe_idxs=g("keyframe_idxs"), denoise_mask=g("denoise_mask"),
+            frame_rate=float(meta["fps"]), attention_mask=g("attention_mask"), keyframe_idxs=g("keyframe_idxs"),
+            denoise_mask=g("denoise_mask"),
             guide_attention_entries=entries, ref_audio_tokens=g("ref_audio_tokens"), options=options,
             cond_or_uncond=tuple(spec.get("cond_or_uncond", ())))
     return out
