@@ -320,8 +320,8 @@ class ForwardRequest:
             if self.audio is None:
                 raise ForwardContractError("ref_audio_tokens need an audio latent")
             if r.shape[0] not in (1, b) or r.shape[2] != AUDIO_TOKEN_WIDTH or r.shape[1] < 1:
-                raise ForwardContractError(f"ref_audio_tokens of shape {tuple(r.shape)}: expected [1 or {b}, T_ref ≥ 1, "
-                                           f"128]")
+                raise ForwardContractError(f"ref_audio_tokens of shape {tuple(r.shape)}: expected "
+                                           f"[1 or {b}, T_ref ≥ 1, 128]")
         if self.generated_keyframes is not None and not isinstance(self.generated_keyframes, GeneratedKeyframes):
             raise ForwardContractError(f"generated_keyframes: expected GeneratedKeyframes, got "
                                        f"{type(self.generated_keyframes).__name__}")

@@ -265,6 +265,19 @@ def test_ranks_equal_comfyui(golden, world):
         assert rows["reports"]["t2v_b1"] == "sequence parallel over all 2 ranks", rows["reports"]
 
 
+def test_pixel_mask_downsampling_equals_comfyui(golden):
+    """`downsample_pixel_mask` against ComfyUI's `_downsample_mask_to_latent` in each of its branches (groups of
+    frames, trailing frames dropped, nearest repetition, one pixel frame, one latent frame)."""
+    from mgpu_backend.native import downsample_pixel_mask
+
+    names = sorted({k.rsplit(".", 1)[0] for k in golden.tensors if k.startswith("mask.")})
+    assert len(names) == 6
+    for name in names:
+        f_lat = int(name.split("x")[1])
+        got = downsample_pixel_mask(golden.tensors[f"{name}.in"], f_lat, 2, 3)
+        assert _max_diff(got, golden.tensors[f"{name}.out"]) <= 1e-6, name
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 
 def test_refused_by_name(golden):

@@ -69,8 +69,12 @@ CASES: dict[str, dict] = {
     "run_ax_off_b1": {"batch": 1, "rows": [1], "run_ax": False},
 }
 
+# (pixel frames, latent frames) of the pixel-mask downsampling checks ("mask.<F_pix>x<F>.in/out", 16×24 px -> 2×3)
+MASK_FRAMES = ((9, 2), (17, 3), (12, 3), (2, 4), (1, 3), (5, 1))
 # cases also run on the tiny LTX-2.0 file (tensors prefixed "ltx20/"; metadata "ltx20": cases, fingerprint)
 LTX20_CASES = ("t2v_b1", "guide_pixel_mask_b1", "stg_b1")  # B = 1, on the one text row "ltx20/text.raw"
+# (pixel frames, latent frames) of the pixel-mask downsampling checks ("mask.<F_pix>x<F>.in/out", 16×24 px -> 2×3)
+MASK_FRAMES = ((9, 2), (17, 3), (12, 3), (2, 4), (1, 3), (5, 1))
 # cases also run on the tiny LTX-2.0 file (tensors prefixed "ltx20/"; metadata "ltx20": cases, fingerprint)
 LTX20_CASES = ("t2v_b1", "guide_pixel_mask_b1", "stg_b1")  # B = 1, on the one text row "ltx20/text.raw"
 # the tiny LTX-2.3 LoRA (`write_tiny_lora(…, "2.3", seed=0)`: every block Linear, rank 4) through ComfyUI's LoRA
@@ -229,6 +233,14 @@ def main() -> int:
         cases_meta[name] = {**spec, **extras}
         print(f"{name}: video {tuple(out[0].shape)} audio {tuple(out[1].shape)} "
               f"max|v| {out[0].abs().max():.3f}")
+    # the pixel-mask downsampling rule alone (`LTXVModel._downsample_mask_to_latent`), every branch
+    from comfy.ldm.lightricks.model import LTXVModel
+
+    gen = torch.Generator().manual_seed(300)
+    for f_pix, f_lat in MASK_FRAMES:
+        mask = torch.rand(1, 1, f_pix, 16, 24, generator=gen)
+        tensors[f"mask.{f_pix}x{f_lat}.in"] = mask
+        tensors[f"mask.{f_pix}x{f_lat}.out"] = LTXVModel._downsample_mask_to_latent(mask, f_lat, 2, 3).contiguous()
     # LoRA: ComfyUI's LoraLoaderModelOnly path (load_lora_for_models -> ModelPatcher patches, fused on load) with
     # the tiny LTX-2.3 LoRA file, on the inputs of LORA["base"]
     import comfy.model_management
