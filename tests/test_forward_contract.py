@@ -63,3 +63,18 @@ def test_options_lora_miss_preprocess():
         GuideAttentionEntry(6, 1.0, pixel_mask=torch.ones(1, 1, 9, 64, 64))
     with pytest.raises(ForwardContractError, match="cache_keys"):
         PreprocessTextRequest(torch.zeros(2, 4, 8), cache_keys=("a",))
+
+
+def test_context_cache_bounds_and_recency():
+    from mgpu_backend.native import ContextCache
+
+    cache = ContextCache(max_rows=3, max_bytes=3 * 4 * 16)
+    for k in "abc":
+        cache.put(k, torch.zeros(1, 4, 4))
+    cache.get("a")  # a is now the most recent
+    cache.put("d", torch.zeros(1, 4, 4))
+    assert cache.missing(["a", "b", "c", "d"]) == ("b",)
+    cache.put("big", torch.zeros(1, 8, 4))  # 128 bytes: evicts the oldest until the bytes fit
+    assert cache.missing(["a", "c", "d", "big"]) == ("a", "c") and cache.nbytes <= 3 * 4 * 16
+    cache.clear()
+    assert len(cache) == 0 and cache.missing(["d"]) == ("d",)
