@@ -499,7 +499,8 @@ class NativeEngine:
             n_kf = request.guide_tokens
             keep = torch.ones(n_full, dtype=torch.bool, device=dev)
             if request.denoise_mask is not None:
-                keep = ~(request.denoise_mask[0].to(dev) < 0).any(dim=0).reshape(-1)
+                negative = (request.denoise_mask[0].to(dev) < 0).any(dim=0)  # [F, H | 1, W | 1]
+                keep = ~negative.expand(f, h, w).reshape(-1)
             kf_keep = keep[-n_kf:]
             video, coords = video[:, keep], coords[:, :, keep]
             if v_ts.shape[1] > 1:

@@ -28,6 +28,7 @@ def test_per_token_timesteps_and_guides():
     r = _req(video_timestep=torch.ones(2, 18, 1), audio_timestep=torch.ones(2, 5, 1), keyframe_idxs=kf,
              guide_attention_entries=[GuideAttentionEntry(6, 0.7)], denoise_mask=torch.ones(1, 1, 3, 2, 3))
     assert r.guide_tokens == 6 and r.guide_attention_entries[0].needs_bias
+    _req(video_timestep=torch.ones(2, 18), keyframe_idxs=kf, denoise_mask=torch.ones(2, 1, 3, 1, 1))  # broadcast
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -224,6 +224,21 @@ def test_one_process_equals_comfyui(golden):
     assert max(diffs.values()) <= 5e-6, diffs  # measured ≤ 2e-6
     assert set(out["reports"].values()) == {"one rank"}
     _check_lora(_run_lora(state, 0, golden.meta, golden.tensors, golden.lora), golden)
+    # the other spellings ComfyUI's arguments may take: per-token sigmas [B, N], a frame-wise denoise mask
+    import dataclasses
+
+    from mgpu_backend.jobs.forward import run_forward
+
+    ctx = SimpleNamespace(rank=0)
+    reqs = golden_requests(golden.meta, golden.tensors)
+    i2v = reqs["i2v_b2"]
+    flat = run_forward(state, dataclasses.replace(i2v, video_timestep=i2v.video_timestep[..., 0],
+                                                  audio_timestep=i2v.audio_timestep[..., 0]), ctx)
+    assert torch.equal(flat.video, out["outputs"]["i2v_b2"][0])
+    assert torch.equal(flat.audio, out["outputs"]["i2v_b2"][1])
+    guide = reqs["guide_s1_b1"]
+    framewise = run_forward(state, dataclasses.replace(guide, denoise_mask=guide.denoise_mask[:, :, :, :1, :1]), ctx)
+    assert torch.equal(framewise.video, out["outputs"]["guide_s1_b1"][0])
 
 
 ROW_SPLIT_CASES = ("t2v_b1", "t2v_b2", "guides_s07_b2", "ref_audio_b2")
