@@ -216,6 +216,10 @@ class LoraPatch:
 class LoraSet:
     """The LoRA state a forward must run with, identified by `key` (e.g. ComfyUI's `patches_uuid` plus strengths).
 
+    Only the transformer's Linears are patched on the fleet; patches for other weights (e.g. the text connectors,
+    `video_embeddings_connector.*`, which `preprocess_text` runs clean) are named as "not in this model" in
+    `ForwardReply.lora_reports`.
+
     patches: the full set (shipped the first time a key is used, or again after a `ForwardMiss` naming it); None =
     "the fleet already holds this key" (the fleet answers `ForwardMiss(lora_key=key)` when it does not). A request
     with `lora=None` runs on the clean weights (the fleet restores them exactly if a LoRA was fused).
