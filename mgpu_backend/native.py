@@ -19,6 +19,9 @@ ComfyUI's order with ComfyUI's inputs:
   per query group inside the (sequence-parallel) video self-attention;
 - STG (`stg_self_attn_blocks`): video and audio self-attention of those blocks return their value projection;
   modality guidance: a2v / v2a cross-attention off;
+- ComfyUI's block (`comfy_block`): the video→audio cross-attention normalizes the video stream after the block's
+  audio→video update (diffusers' block uses the video from before it); `run_vx` / `run_ax` False skip a stream's
+  updates;
 - reference-audio tokens at timestep 0, cut from the output; q/k RMS-norm eps 1e-5 (ComfyUI's, instead of the
   reference's 1e-6) in the transformer and the connectors while a native request runs.
 LoRA: a request's `LoraSet` is fused into the resident weights by the fleet's `LoRAFuser` (each rank computes its
@@ -38,7 +41,6 @@ way ComfyUI's connector appends its registers). `ContextCache` keeps processed r
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
