@@ -216,9 +216,9 @@ class LoraPatch:
 class LoraSet:
     """The LoRA state a forward must run with, identified by `key` (e.g. ComfyUI's `patches_uuid` plus strengths).
 
-    Only the transformer's Linears are patched on the fleet; patches for other weights (e.g. the text connectors,
-    `video_embeddings_connector.*`, which `preprocess_text` runs clean) are named as "not in this model" in
-    `ForwardReply.lora_reports`.
+    Patches of the transformer's Linears apply to forwards; patches of the text connectors
+    (`video_embeddings_connector.*`, `audio_embeddings_connector.*`) to `preprocess_text` (send the set with that
+    request too); a patch of another weight is named as "not in this model" in the reply's `lora_reports`.
 
     patches: the full set (shipped the first time a key is used, or again after a `ForwardMiss` naming it); None =
     "the fleet already holds this key" (the fleet answers `ForwardMiss(lora_key=key)` when it does not). A request
@@ -473,11 +473,16 @@ class PreprocessTextRequest:
         -> returned unchanged (ComfyUI's rule).
     cache_keys: optional, one key per row: the fleet also stores each processed row in its context cache under that
         key, so the first forward need not ship it. () = do not cache.
+    lora: the `LoraSet` in effect (ComfyUI runs the connectors with the sampling patcher's weights): its patches of
+        the text connectors (`video_embeddings_connector.*`, `audio_embeddings_connector.*`) are fused for this call
+        and restored after it; None = clean connectors. Patches None: the fleet must hold the key (from an earlier
+        request), else the job answers `ForwardMiss(lora_key=…)`.
     """
 
     context: torch.Tensor
     unprocessed: bool = True
     cache_keys: tuple[str, ...] = ()
+    lora: LoraSet | None = None
 
     def __post_init__(self):
         ctx = _check_tensor("context", self.context, ndim=3)
@@ -491,14 +496,18 @@ class PreprocessTextRequest:
         if keys and len(keys) != ctx.shape[0]:
             raise ForwardContractError(f"cache_keys: {len(keys)} keys for {ctx.shape[0]} rows (one per row, or ())")
         object.__setattr__(self, "cache_keys", keys)
+        if self.lora is not None and not isinstance(self.lora, LoraSet):
+            raise ForwardContractError(f"lora: expected LoraSet or None, got {type(self.lora).__name__}")
 
 
 @dataclass(frozen=True)
 class PreprocessTextReply:
     """The processed context `[B, L', C_out]` in the request's dtype (C_out = 4096 + 2048 for 2.3 / 2.5, 2 × 3840
-    for 2.0: video then audio part; L' = the connectors' length, registers padded to ≥ 1024 tokens)."""
+    for 2.0: video then audio part; L' = the connectors' length, registers padded to ≥ 1024 tokens).
+    lora_reports: coverage of the connector patches fused for the call (() without any)."""
 
     context: torch.Tensor
+    lora_reports: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_tensor("reply context", self.context, ndim=3)

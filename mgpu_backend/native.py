@@ -26,7 +26,7 @@ ComfyUI's order with ComfyUI's inputs:
   reference's 1e-6) in the transformer and the connectors while a native request runs.
 LoRA: a request's `LoraSet` is fused into the resident weights by the fleet's `LoRAFuser` (each rank computes its
 share of the layers, broadcast to all) and kept while the following requests name the same key; `lora=None` restores
-the clean weights exactly. Not supported yet, refused by name: a video-only call,
+the clean weights exactly. Its patches of the text connectors are fused for a `preprocess_text` call only. Not supported yet, refused by name: a video-only call,
 `generated_keyframes` on a model with the LTX-2.5 keyframe embedding.
 
 Parallel: the video tokens are split over the sequence-parallel group (`parallel/sequence.py`: Ulysses video
@@ -196,12 +196,20 @@ class PatchLoRA(LoRAFile):
         yield lambda name: self.tensors[name]
 
 
-def patch_loras(lora: LoraSet) -> list[PatchLoRA]:
+CONNECTOR_PREFIXES = ("video_embeddings_connector.", "audio_embeddings_connector.")
+
+
+def patch_loras(lora: LoraSet, connectors: bool = False) -> list[PatchLoRA]:
     """A request's LoRA set -> `PatchLoRA` groups (first fit: a new group when the layer already has a pair in every
-    group of that strength). Module names: original LTX paths -> the diffusers transformer's."""
+    group of that strength). `connectors` False: the patches of everything but the text connectors, named as the
+    diffusers transformer's modules; True: the connectors' patches, named as `NativeEngine.connectors`' modules
+    (`video_connector.transformer_blocks.…`)."""
     groups: list[tuple[float, dict]] = []
     for patch in lora.patches:
-        name = keymaps.transformer_to_diffusers(patch.module)
+        if patch.module.startswith(CONNECTOR_PREFIXES) != connectors:
+            continue
+        name = (keymaps.connector_to_diffusers(patch.module) if connectors else
+                keymaps.transformer_to_diffusers(patch.module))
         rank = patch.down.shape[0]
         entry = (patch.down, patch.up, float(rank if patch.alpha is None else patch.alpha))
         for strength, members in groups:
@@ -214,8 +222,9 @@ def patch_loras(lora: LoraSet) -> list[PatchLoRA]:
     for i, (strength, members) in enumerate(groups):
         index = {name: LoRAPair(name, name, tuple(down.shape), tuple(up.shape), alpha)
                  for name, (down, up, alpha) in members.items()}
-        out.append(PatchLoRA(path=f"lora {lora.key}#{i}", strength=strength, index=index,
-                             identity=("native", lora.key, i), tensors=members))
+        what = "connectors" if connectors else "lora"
+        out.append(PatchLoRA(path=f"{what} {lora.key}#{i}", strength=strength, index=index,
+                             identity=("native", what, lora.key, i), tensors=members))
     return out
 
 
@@ -401,9 +410,15 @@ class NativeEngine:
         # the fleet's LoRA fuser (shared with the stage jobs, which re-apply their own sets), or one of our own
         self.lora = lora or (LoRAFuser(self.transformer) if plan is None else
                              LoRAFuser(self.transformer, rank=plan.rank, world_size=plan.world_size))
-        self._lora_key: str | None = None  # the request LoRA set this engine holds (its patches: `_lora_files`)
-        self._lora_files: list[PatchLoRA] = []
+        self._lora_set: LoraSet | None = None  # the last LoRA set shipped with its patches (held by key)
+        self._lora_files: list[PatchLoRA] = []  # its transformer groups
         self.last_lora_reports: list[str] = []
+        # the text connectors as one module (names `video_connector.…`, `audio_connector.…`): their LoRA patches are
+        # fused for a preprocess_text call and restored after it
+        self.connectors = torch.nn.ModuleDict({"video_connector": components.video_connector,
+                                               "audio_connector": components.audio_connector})
+        self.connector_lora = (LoRAFuser(self.connectors) if plan is None else
+                               LoRAFuser(self.connectors, rank=plan.rank, world_size=plan.world_size))
         # a degree-1 "sequence parallel" wrapper: the same processors (and the guide-bias hook) without collectives
         self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, 0), None)
         self.last_report = ""
@@ -440,26 +455,36 @@ class NativeEngine:
             self.plan.check(request.video_tokens)
 
     # ---- LoRA ----
-    def lora_missing(self, request: ForwardRequest) -> str | None:
+    def lora_missing(self, request) -> str | None:
         """The request's LoRA key when the fleet does not hold its patches (the request did not ship them)."""
         lora = request.lora
-        if lora is None or lora.patches is not None or lora.key == self._lora_key:
+        if lora is None or lora.patches is not None or (self._lora_set is not None and
+                                                         lora.key == self._lora_set.key):
             return None
         return lora.key
+
+    def _resolve_lora(self, lora: LoraSet) -> LoraSet:
+        """The full set for a request's `lora` (its own patches, or the held set of that key); a newly shipped set
+        becomes the held one (its transformer groups checked against the model first: LoRAError before any weight
+        is touched)."""
+        if lora.patches is None:
+            return self._lora_set
+        if self._lora_set is None or lora.key != self._lora_set.key:
+            files = patch_loras(lora)
+            if files:
+                self.lora.check(files)
+            self._lora_set, self._lora_files = lora, files
+        return self._lora_set
 
     def apply_lora(self, request: ForwardRequest) -> None:
         """Make the request's LoRA set the fused one (every rank, in lockstep): nothing when it is fused already,
         the clean weights for `lora=None`. Raises LoRAError (a ValidationError) before any weight is touched when
         the patches do not fit this model."""
-        lora = request.lora
-        if lora is None:
+        if request.lora is None:
             self.lora.apply([])
             self.last_lora_reports = []
             return
-        if lora.patches is not None and lora.key != self._lora_key:
-            files = patch_loras(lora)
-            self.lora.check(files)
-            self._lora_key, self._lora_files = lora.key, files
+        self._resolve_lora(request.lora)
         self.last_lora_reports = [r.detail() for r in self.lora.apply(self._lora_files)]
 
     # ---- context ----
@@ -672,15 +697,21 @@ class NativeEngine:
             raise ForwardContractError(f"preprocess_text payload: expected a PreprocessTextRequest, got "
                                        f"{type(request).__name__}")
         ctx = request.context
+        self.last_lora_reports = []
         if not request.unprocessed and ctx.shape[-1] == self.context_width:
             out = ctx.to(self.device, self.dtype)
         else:
             rows = [ctx[i:i + 1].to(self.device, torch.float32) for i in range(ctx.shape[0])]
+            files = patch_loras(self._resolve_lora(request.lora), connectors=True) if request.lora else []
+            if files:  # fused for this call only (every rank, in lockstep), restored exactly after it
+                self.last_lora_reports = [r.detail() for r in self.connector_lora.fuse(files)]
             try:
                 with torch.no_grad(), comfy_qk_eps(self._connector_qk_norms):
                     tc = text_contexts(self.components, rows, dtype=self.dtype)
             except ValueError as exc:
                 raise ValidationError(str(exc)) from None
+            finally:
+                self.connector_lora.restore()
             out = torch.cat([tc.video, tc.audio], dim=-1)
         if request.cache_keys:
             self.store_context(request.cache_keys, out)
@@ -699,5 +730,5 @@ class _Row:
 
 
 __all__ = ["COMFY_QK_EPS", "ContextCache", "GuideBias", "NativeEngine", "NotSupported", "PatchLoRA", "audio_coords",
-           "comfy_block", "comfy_qk_eps", "downsample_pixel_mask", "guide_bias", "patch_loras", "qk_norms",
+           "CONNECTOR_PREFIXES", "comfy_block", "comfy_qk_eps", "downsample_pixel_mask", "guide_bias", "patch_loras", "qk_norms",
            "video_pixel_coords"]

@@ -71,10 +71,14 @@ def golden_requests(meta: dict, tensors: dict, prefix: str = "") -> dict[str, Fo
     return out
 
 
-def lora_set(path: str, strength: float, key: str = "tiny-lora") -> LoraSet:
+def lora_set(path: str, strength: float, key: str = "tiny-lora", tensors: dict | None = None) -> LoraSet:
     """A LoRA file as the `LoraSet` nodes/ ships from ComfyUI's patches: one `LoraPatch` per layer (original module
-    path, lora_A = down, lora_B = up, alpha)."""
+    path, lora_A = down, lora_B = up, alpha); with `tensors`, also the golden's text-connector pairs."""
     patches = []
+    for k in sorted(tensors or {}):
+        if k.startswith("lora.connector.") and k.endswith(".A"):
+            module = k[len("lora.connector."):-2]
+            patches.append(LoraPatch(module, tensors[k], tensors[k[:-2] + ".B"], None, strength))
     with safe_open(path, "pt") as f:
         keys = set(f.keys())
         for k in sorted(keys):
@@ -96,21 +100,31 @@ def _run_lora(state, rank: int, meta: dict, tensors: dict, lora_path: str) -> di
     ctx = SimpleNamespace(rank=rank)
     spec = json.loads(meta["lora"])
     base = golden_requests(meta, tensors)[spec["base"]]
-    lora = lora_set(lora_path, spec["strength"])
+    from mgpu_backend.jobs.forward import run_preprocess_text
+
+    lora = lora_set(lora_path, spec["strength"], tensors=tensors)
+    raw = tensors["text.raw"][1:]
     clean = run_forward(state, base, ctx)
     fused = run_forward(state, dataclasses.replace(base, lora=lora), ctx)
     kept = run_forward(state, dataclasses.replace(base, lora=LoraSet(lora.key)), ctx)
+    text = run_preprocess_text(state, PreprocessTextRequest(raw, lora=LoraSet(lora.key)), ctx)  # held by key
+    text_clean = run_preprocess_text(state, PreprocessTextRequest(raw), ctx)  # the connectors were restored
+    text_miss = run_preprocess_text(state, PreprocessTextRequest(raw, lora=LoraSet("other")), ctx)
     miss = run_forward(state, dataclasses.replace(base, lora=LoraSet("other")), ctx)
     restored = run_forward(state, base, ctx)
     if rank != 0:
         return {}
-    return {"clean": clean, "fused": fused, "kept": kept, "miss": miss, "restored": restored,
-            "name": f"lora_{spec['base']}", "base": spec["base"]}
+    return {"clean": clean, "fused": fused, "kept": kept, "miss": miss, "restored": restored, "text": text,
+            "text_clean": text_clean, "text_miss": text_miss, "name": f"lora_{spec['base']}", "base": spec["base"]}
 
 
 def _check_lora(out: dict, golden) -> None:
     t = golden.tensors
     assert out["fused"].lora_reports == ("lora tiny-lora#0 @ 1.5: 56/56 layers applied",), out["fused"].lora_reports
+    assert out["text"].lora_reports == ("connectors tiny-lora#0 @ 1.5: 14/14 layers applied",), out["text"]
+    assert _max_diff(out["text"].context, t["lora.text.processed"]) <= ATOL
+    assert _max_diff(out["text_clean"].context, t["text.processed"][1:]) <= ATOL
+    assert out["text_miss"] == ForwardMiss(lora_key="other")
     check_outputs({out["name"]: (out["fused"].video, out["fused"].audio)}, t)
     assert torch.equal(out["kept"].video, out["fused"].video) and torch.equal(out["kept"].audio, out["fused"].audio)
     assert out["miss"] == ForwardMiss(lora_key="other")

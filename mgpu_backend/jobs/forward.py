@@ -6,7 +6,8 @@ as the fleet's model).
 """
 from __future__ import annotations
 
-from ..forward import FORWARD_JOB, PREPROCESS_TEXT_JOB, ForwardMiss, ForwardReply, PreprocessTextReply
+from ..forward import (FORWARD_JOB, PREPROCESS_TEXT_JOB, ForwardContractError, ForwardMiss, ForwardReply,
+                       PreprocessTextReply, PreprocessTextRequest)
 from . import register
 
 
@@ -44,7 +45,15 @@ def run_forward(state, request, ctx):
 
 @register(PREPROCESS_TEXT_JOB)
 def run_preprocess_text(state, request, ctx):
-    """`request`: a `PreprocessTextRequest` -> `PreprocessTextReply` on rank 0 (every rank runs the connectors and
-    caches the rows under the request's keys)."""
-    out = engine(state).preprocess_text(request)
-    return PreprocessTextReply(out) if ctx.rank == 0 else {}
+    """`request`: a `PreprocessTextRequest` -> `PreprocessTextReply` on rank 0 (every rank runs the connectors, with
+    the request's connector LoRA patches fused for the call, and caches the rows under the request's keys), or a
+    `ForwardMiss` naming a LoRA key the fleet does not hold."""
+    eng = engine(state)
+    if not isinstance(request, PreprocessTextRequest):
+        raise ForwardContractError(f"preprocess_text payload: expected a PreprocessTextRequest, got "
+                                   f"{type(request).__name__}")
+    missing = eng.lora_missing(request)
+    if missing:
+        return ForwardMiss(lora_key=missing) if ctx.rank == 0 else {}
+    out = eng.preprocess_text(request)
+    return PreprocessTextReply(out, tuple(eng.last_lora_reports)) if ctx.rank == 0 else {}

@@ -17,8 +17,9 @@ What it does:
    `model_base.LTXAV.process_timestep`, guide attention entries as `LTXVAddGuide` appends them, reference-audio tokens
    as `LTXVReferenceAudio` patchifies them, STG / modality `transformer_options` as their nodes set them) and calls
    `diffusion_model.forward` directly;
-4. applies the tiny LTX-2.3 LoRA the way `LoraLoaderModelOnly` does (`comfy.sd.load_lora_for_models`, patches fused
-   by `load_models_gpu`) and runs `LORA["base"]`'s inputs again (`lora_<base>.out.*`);
+4. applies the tiny LTX-2.3 LoRA plus seeded pairs for the text connectors' Linears (`lora.connector.*`) the way
+   `LoraLoaderModelOnly` does (`comfy.sd.load_lora_for_models`, patches fused by `load_models_gpu`), runs
+   `LORA["base"]`'s inputs again (`lora_<base>.out.*`) and the connectors on row 1 of `text.raw` (`lora.text.processed`);
 5. runs `LTX20_CASES` on the tiny LTX-2.0 file too (`ltx20/…`: the caption projection inside the forward);
 6. saves inputs (`<case>.in.*`) and outputs (`<case>.out.video` / `.out.audio`) with the cases' JSON (`cases`) and
    the provenance (ComfyUI version, torch, a fingerprint of the transformer weights) as metadata.
@@ -248,9 +249,21 @@ def main() -> int:
     from mgpu_backend.models.tiny import write_tiny_lora
 
     lora_path = write_tiny_lora(Path(tmp.name) / "ltx-2.3-tiny-distilled-lora.safetensors", "2.3", seed=0)
-    patched, _ = comfy.sd.load_lora_for_models(model, None, comfy.utils.load_torch_file(str(lora_path)),
-                                               LORA["strength"], 0)
+    lora_sd = comfy.utils.load_torch_file(str(lora_path))
+    # plus pairs for every Linear of the text connectors (stored: "lora.connector.<module>.A / .B", alpha = rank)
+    gen = torch.Generator().manual_seed(400)
+    for module, layer in dm.named_modules():
+        if module.startswith(("video_embeddings_connector.", "audio_embeddings_connector.")) and \
+                isinstance(layer, torch.nn.Linear):
+            a = torch.randn(4, layer.in_features, generator=gen) * 0.05
+            b = torch.randn(layer.out_features, 4, generator=gen) * 0.05
+            lora_sd[f"diffusion_model.{module}.lora_A.weight"], lora_sd[f"diffusion_model.{module}.lora_B.weight"] = a, b
+            tensors[f"lora.connector.{module}.A"], tensors[f"lora.connector.{module}.B"] = a, b
+    patched, _ = comfy.sd.load_lora_for_models(model, None, lora_sd, LORA["strength"], 0)
     comfy.model_management.load_models_gpu([patched])
+    with torch.no_grad():
+        tensors["lora.text.processed"] = patched.model.diffusion_model.preprocess_text_embeds(
+            raw[1:], unprocessed=True).float().contiguous()  # row 1 of text.raw
     base = LORA["base"]
     name = f"lora_{base}"
     g = {k[len(base) + 4:]: v for k, v in tensors.items() if k.startswith(f"{base}.in.")}
