@@ -26,8 +26,9 @@ ComfyUI's order with ComfyUI's inputs:
   reference's 1e-6) in the transformer and the connectors while a native request runs.
 LoRA: a request's `LoraSet` is fused into the resident weights by the fleet's `LoRAFuser` (each rank computes its
 share of the layers, broadcast to all) and kept while the following requests name the same key; `lora=None` restores
-the clean weights exactly. Its patches of the text connectors are fused for a `preprocess_text` call only. Not supported yet, refused by name: a video-only call,
-`generated_keyframes` on a model with the LTX-2.5 keyframe embedding.
+the clean weights exactly. Its patches of the text connectors are fused for a `preprocess_text` call only.
+Not supported yet, refused by name: a video-only call, `generated_keyframes` on a model with the LTX-2.5 keyframe
+embedding.
 
 Parallel: the video tokens are split over the sequence-parallel group (`parallel/sequence.py`: Ulysses video
 self-attention, gathered K/V for video→audio), or a batch's rows are spread over ranks (the guidance-pass split of
@@ -729,6 +730,6 @@ class _Row:
         return f"batch row {self.index}"
 
 
-__all__ = ["COMFY_QK_EPS", "ContextCache", "GuideBias", "NativeEngine", "NotSupported", "PatchLoRA", "audio_coords",
-           "CONNECTOR_PREFIXES", "comfy_block", "comfy_qk_eps", "downsample_pixel_mask", "guide_bias", "patch_loras", "qk_norms",
-           "video_pixel_coords"]
+__all__ = ["COMFY_QK_EPS", "CONNECTOR_PREFIXES", "ContextCache", "GuideBias", "NativeEngine", "NotSupported",
+           "PatchLoRA", "audio_coords", "comfy_block", "comfy_qk_eps", "downsample_pixel_mask", "guide_bias",
+           "patch_loras", "qk_norms", "video_pixel_coords"]

@@ -19,7 +19,8 @@ What it does:
    `diffusion_model.forward` directly;
 4. applies the tiny LTX-2.3 LoRA plus seeded pairs for the text connectors' Linears (`lora.connector.*`) the way
    `LoraLoaderModelOnly` does (`comfy.sd.load_lora_for_models`, patches fused by `load_models_gpu`), runs
-   `LORA["base"]`'s inputs again (`lora_<base>.out.*`) and the connectors on row 1 of `text.raw` (`lora.text.processed`);
+   `LORA["base"]`'s inputs again (`lora_<base>.out.*`) and the connectors on row 1 of `text.raw`
+   (`lora.text.processed`);
 5. runs `LTX20_CASES` on the tiny LTX-2.0 file too (`ltx20/…`: the caption projection inside the forward);
 6. saves inputs (`<case>.in.*`) and outputs (`<case>.out.video` / `.out.audio`) with the cases' JSON (`cases`) and
    the provenance (ComfyUI version, torch, a fingerprint of the transformer weights) as metadata.
@@ -257,7 +258,8 @@ def main() -> int:
                 isinstance(layer, torch.nn.Linear):
             a = torch.randn(4, layer.in_features, generator=gen) * 0.05
             b = torch.randn(layer.out_features, 4, generator=gen) * 0.05
-            lora_sd[f"diffusion_model.{module}.lora_A.weight"], lora_sd[f"diffusion_model.{module}.lora_B.weight"] = a, b
+            lora_sd[f"diffusion_model.{module}.lora_A.weight"] = a
+            lora_sd[f"diffusion_model.{module}.lora_B.weight"] = b
             tensors[f"lora.connector.{module}.A"], tensors[f"lora.connector.{module}.B"] = a, b
     patched, _ = comfy.sd.load_lora_for_models(model, None, lora_sd, LORA["strength"], 0)
     comfy.model_management.load_models_gpu([patched])
