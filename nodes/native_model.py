@@ -110,6 +110,7 @@ class FleetTransformer(torch.nn.Module):
         self.known_contexts: OrderedDict[str, None] = OrderedDict()  # context row keys the fleet holds
         self.known_loras: set[str] = set()
         self.stats = {"forwards": 0, "context_sent": 0, "misses": 0, "preprocess": 0}
+        self.last_report = ""  # how the fleet ran the last forward (ForwardReply.report)
 
     # ---- what ComfyUI reads ----------------------------------------------------------------------------------------
 
@@ -206,6 +207,7 @@ class FleetTransformer(torch.nn.Module):
         raise RuntimeError("the fleet kept answering ForwardMiss for the same request")
 
     def _remember(self, request: F.ForwardRequest, reply) -> None:
+        self.last_report = reply.report
         for k in request.context_keys:
             self.known_contexts[k] = None
             self.known_contexts.move_to_end(k)

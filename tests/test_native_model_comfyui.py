@@ -135,6 +135,7 @@ def test_whole_sample_on_the_fleet_equals_native(comfyui, tiny, world_size):
     run = run_driver(comfyui, tiny, "fleet", cases, world_size=world_size)
     for case in cases:
         r = run["results"][case]
-        print(f"W={world_size} {case}: max |MGPU - native| = {r['max_abs']:.2e} (max |native| {r['max_ref']:.2f})")
+        print(f"W={world_size} {case}: max |MGPU - native| = {r['max_abs']:.2e} (max |native| {r['max_ref']:.2f}); "
+              f"{r['report']}")
         assert r["max_abs"] <= FLEET_ATOL, (case, r)
         assert r["stats"]["context_sent"] == 1 and r["stats"]["misses"] == 0
