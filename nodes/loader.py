@@ -258,8 +258,8 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
                         "model merges, ControlNet and hook-scheduled LoRAs are refused by name.",
             inputs=[
                 io.Combo.Input("unet_name", options=_files("diffusion_models", "checkpoints"),
-                               tooltip="LTX-2 / LTX-2.3 transformer file (models/diffusion_models/) or single-file "
-                                       "checkpoint (models/checkpoints/)."),
+                               tooltip="LTX-2 / LTX-2.3 single-file checkpoint (models/checkpoints/, or one placed "
+                                       "in models/diffusion_models/); a transformer-only file is refused for now."),
                 io.String.Input("devices", default="all",
                                 tooltip="Devices of the fleet: 'all', a count ('4'), a CUDA index list ('0,1,3'; "
                                         "one index: '1,'), or 'cpu:N' for N CPU ranks. Without CUDA, 'all' means "
