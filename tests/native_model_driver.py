@@ -74,6 +74,7 @@ class LocalComfyTransport:
         self.clean = {}
         self.active = None
         self.calls = []
+        self.forget_at = None  # forget the cached contexts and LoRA sets before this call (a fleet restart)
 
     def __call__(self, kind, payload):
         import torch
@@ -86,6 +87,10 @@ class LocalComfyTransport:
                                                                             unprocessed=payload.unprocessed))
             assert kind == F.FORWARD_JOB, kind
             r = payload
+            if self.forget_at is not None and len(self.calls) == self.forget_at:  # as a restarted fleet would
+                self.contexts.clear()
+                self.loras.clear()
+                self.apply_lora(None)
             self.calls.append({"batch": r.batch, "context": r.context is not None,
                                "lora": None if r.lora is None else (r.lora.key, r.lora.patches is not None),
                                "options": repr(r.options), "tags": r.cond_or_uncond})
@@ -216,7 +221,10 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
         strength = 0.7 if case == "guides07" else 1.0
         pos, neg, v = lt.LTXVAddGuide.execute(pos, neg, vae, v, image(3), 0, strength).result
         pos, neg, v = lt.LTXVAddGuide.execute(pos, neg, vae, v, image(4), -1, strength).result
-    if case.startswith("lora"):
+    if case == "restart_mid_sampling" and model is not REFERENCE.get("native") and \
+            hasattr(TRANSPORT.get("t"), "forget_at"):
+        TRANSPORT["t"].forget_at = len(TRANSPORT["t"].calls) + 2  # before the 3rd forward of this sampling
+    if case.startswith("lora") or case == "restart_mid_sampling":
         model, _ = comfy.sd.load_lora_for_models(model, None, comfy.utils.load_torch_file(lora_path), 0.7, 0)
         if case == "lora_stack":
             model, _ = comfy.sd.load_lora_for_models(model, None, comfy.utils.load_torch_file(lora_path), -0.4, 0)
@@ -256,11 +264,12 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
 
 
 REFERENCE = {}  # "native": the native MODEL (the second model of a merge)
+TRANSPORT = {}  # "t": the MGPU model's transport (the local one can play a fleet restart)
 REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
             "refuse_merge": "model merge"}
 
 CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora", "lora_stack",
-         "t2v_after_lora", "long126", "model_sampling", "easycache") + tuple(REFUSALS)
+         "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling") + tuple(REFUSALS)
 
 
 def main():
@@ -288,6 +297,7 @@ def main():
     else:
         transport = fleet_transport(nm, args.checkpoint, args.world_size, args.gemma)
     mgpu = nm.build_native_model(args.checkpoint, transport, name="tiny")
+    TRANSPORT["t"] = transport
     if args.transport == "fleet":
         transport.proxy = nm.proxy_of(mgpu)
     proxy = nm.proxy_of(mgpu)

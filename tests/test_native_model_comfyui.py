@@ -31,7 +31,7 @@ pytestmark = pytest.mark.comfyui
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "native_model_driver.py"
 SAMPLE_CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora",
-                "lora_stack", "t2v_after_lora", "long126", "model_sampling", "easycache")
+                "lora_stack", "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling")
 REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
             "refuse_merge": "model merge"}
 LOCAL_ATOL = 1e-6  # measured 0.0: the same ComfyUI module computes both
@@ -97,6 +97,9 @@ def test_whole_sample_equals_native_through_the_contract(local_run, case):
     r = local_run["results"][case]
     assert r["max_abs"] <= LOCAL_ATOL, r
     stats = r["stats"]
+    if case == "restart_mid_sampling":  # the far side forgot its context and LoRA set before the 3rd forward:
+        assert stats["misses"] == 2 and stats["context_sent"] == 3  # each ForwardMiss answered by resending
+        return
     assert stats["context_sent"] == 1  # the processed context travels once per sampling (cond + uncond batched)
     assert stats["preprocess"] == 2  # the connectors ran on the far side, once per conditioning
     if case == "stg_modality":
