@@ -175,3 +175,14 @@ def test_patcher_features_that_need_the_transformer_in_process_are_refused():
         NP.refuse_patcher_features(_patcher(weight_wrapper_patches={"diffusion_model.x.weight": [print]}))
     with pytest.raises(UnsupportedInput, match="patches_replace"):
         NP.refuse_patcher_features(_patcher(model_options={"transformer_options": {"patches_replace": {"dit": {1: 2}}}}))
+
+
+def test_a_fleet_without_gemma_has_no_text_service_check():
+    """Load Diffusion Model (MGPU) configures a fleet without Gemma (`FleetConfig.gemma=None`, unloaded): the
+    worker's text service then holds no encoder and checks no projection against a Gemma it does not have."""
+    from mgpu_backend.parallel.gemma import TextEncoderService
+    from mgpu_backend.protocol import FleetConfig
+
+    config = FleetConfig(devices=("cpu",), checkpoint="ltx.safetensors", gemma=None, gemma_unload=True)
+    svc = TextEncoderService.for_fleet(config, 0, torch.device("cpu"), projection=object())
+    assert svc.encoder is None and svc.header is None and svc.projection is None
