@@ -26,24 +26,15 @@ def run_forward(state, request, ctx):
     """`request`: a `ForwardRequest`. Returns on rank 0 a `ForwardReply`, or a `ForwardMiss` naming the cached
     pieces the fleet lacks (nothing ran; resend with them). Raises ValidationError / NotSupported on every rank
     before any work (bad request, model mismatch, unsupported option)."""
-    import dataclasses
-
-    from ..native_lora import apply_request_lora
-
     eng = engine(state)
-    eng.check(dataclasses.replace(request, lora=None))  # the LoRA set is applied here (native_lora.py)
+    eng.check(request)
     context, missing = eng.resolve_context(request)
     if missing:
         return ForwardMiss(context_keys=missing) if ctx.rank == 0 else {}
-    lora_miss = apply_request_lora(state, request)  # fuse / restore on every rank alike
-    if lora_miss is not None:
-        return lora_miss if ctx.rank == 0 else {}
     video, audio = eng.forward(request, context)
     if ctx.rank != 0:
         return {}
-    lora = state.native_loras.report()
-    return ForwardReply(video, audio, report=eng.last_report + (f"; {lora}" if lora else ""),
-                        seconds=eng.last_seconds)
+    return ForwardReply(video, audio, report=eng.last_report, seconds=eng.last_seconds)
 
 
 @register(PREPROCESS_TEXT_JOB)

@@ -1,7 +1,7 @@
 """Per-forward round-trip cost of the native MGPU MODEL: what one ComfyUI model call costs on top of the fleet's
 transformer forward (issue 19's target: ≤ 5 ms at 640×352×121, CFG batch 2, on the GPU machine).
 
-    PYTHONPATH=. python bench/bench_native_forward.py [--world-sizes 1,2] [--calls 20] [--out bench/results/x.txt]
+    PYTHONPATH=. python bench/bench_native_model.py [--world-sizes 1,2] [--calls 20] [--out bench/results/x.txt]
 
 What is measured, side by side, for the latent of a 640×352×121 video at 25 fps (video `[2, 128, 16, 11, 20]` =
 3,520 tokens per row, audio `[2, 8, 121, 16]`, CFG batch 2, float32 on CPU ranks; the tiny model's context width):
@@ -61,9 +61,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    lines = [f"# bench_native_forward.py — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+    lines = [f"# bench_native_model.py — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
              f"{platform.node() and 'CPU'} {platform.processor() or platform.machine()}, torch {torch.__version__}",
-             f"# command: PYTHONPATH=. python bench/bench_native_forward.py --world-sizes {args.world_sizes} "
+             f"# command: PYTHONPATH=. python bench/bench_native_model.py --world-sizes {args.world_sizes} "
              f"--calls {args.calls}",
              f"# latent of 640x352x121 @ 25 fps: video [{B}, 128, {FRAMES}, {H}, {W}] ({FRAMES * H * W} tokens/row), "
              f"audio [{B}, 8, {AUDIO}, 16], CFG batch {B}, float32; tiny transformer on CPU ranks (gloo)"]
