@@ -421,14 +421,18 @@ class ForwardReply:
     video: `[B, 128, F, H, W]` velocity in the request video's dtype (guide frames included; rows of −1 cells zero,
         as ComfyUI's scatter leaves them).
     audio: `[B, 8, T, 16]` in the same dtype (reference-audio tokens already cut), or None for a video-only call.
-    report: how the fleet ran it (e.g. "sequence parallel over 4 ranks", "rows split over 2 ranks").
+    report: how the fleet ran it (e.g. "sequence parallel over all 4 ranks", "forward: batch rows in parallel on 2
+        ranks …").
     seconds: fleet wall time of the forward (rank 0), excluding transport.
+    lora_reports: coverage of the fused LoRA set, one line per strength group (e.g. "lora <key>#0 @ 1: 56/56 layers
+        applied"); () without a LoRA.
     """
 
     video: torch.Tensor
     audio: torch.Tensor | None
     report: str = ""
     seconds: float = 0.0
+    lora_reports: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_tensor("reply video", self.video, ndim=5)

@@ -21,7 +21,9 @@ ComfyUI's order with ComfyUI's inputs:
   modality guidance: a2v / v2a cross-attention off;
 - reference-audio tokens at timestep 0, cut from the output; q/k RMS-norm eps 1e-5 (ComfyUI's, instead of the
   reference's 1e-6) in the transformer and the connectors while a native request runs.
-Not supported yet, refused by name: LoRA patches through the request, a video-only call,
+LoRA: a request's `LoraSet` is fused into the resident weights by the fleet's `LoRAFuser` (each rank computes its
+share of the layers, broadcast to all) and kept while the following requests name the same key; `lora=None` restores
+the clean weights exactly. Not supported yet, refused by name: a video-only call,
 `generated_keyframes` on a model with the LTX-2.5 keyframe embedding.
 
 Parallel: the video tokens are split over the sequence-parallel group (`parallel/sequence.py`: Ulysses video
@@ -46,8 +48,10 @@ import torch.nn.functional as F
 
 from .attention import LTX2AttnProcessor
 from .denoiser import skip_self_attention, text_contexts
-from .forward import (ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry,
+from .forward import (ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraSet,
                       PreprocessTextRequest)
+from .lora import LoRAFile, LoRAFuser, LoRAPair
+from .models import keymaps
 from .parallel.exchange import Exchange
 from .parallel.sequence import NEG_INF, SequenceParallelTransformer
 from .validation import ValidationError
@@ -169,6 +173,44 @@ def downsample_pixel_mask(mask: torch.Tensor, frames: int, height: int, width: i
     else:
         latent = first
     return latent.reshape(b, -1)
+
+
+# ---- LoRA patches from the request ----------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class PatchLoRA(LoRAFile):
+    """A `LoRAFile` whose pairs come from a request's `LoraPatch`es (in memory) instead of a file, so the fleet's
+    `LoRAFuser` fuses, shares over the ranks and restores them exactly as it does LoRA files. One object holds at
+    most one pair per layer, all of one strength (`patch_loras` splits a set into such groups, in order)."""
+
+    tensors: dict = None  # module -> (down [r, in], up [out, r], alpha)
+
+    @contextlib.contextmanager
+    def reader(self):
+        yield lambda name: self.tensors[name]
+
+
+def patch_loras(lora: LoraSet) -> list[PatchLoRA]:
+    """A request's LoRA set -> `PatchLoRA` groups (first fit: a new group when the layer already has a pair in every
+    group of that strength). Module names: original LTX paths -> the diffusers transformer's."""
+    groups: list[tuple[float, dict]] = []
+    for patch in lora.patches:
+        name = keymaps.transformer_to_diffusers(patch.module)
+        rank = patch.down.shape[0]
+        entry = (patch.down, patch.up, float(rank if patch.alpha is None else patch.alpha))
+        for strength, members in groups:
+            if strength == float(patch.strength) and name not in members:
+                members[name] = entry
+                break
+        else:
+            groups.append((float(patch.strength), {name: entry}))
+    out = []
+    for i, (strength, members) in enumerate(groups):
+        index = {name: LoRAPair(name, name, tuple(down.shape), tuple(up.shape), alpha)
+                 for name, (down, up, alpha) in members.items()}
+        out.append(PatchLoRA(path=f"lora {lora.key}#{i}", strength=strength, index=index,
+                             identity=("native", lora.key, i), tensors=members))
+    return out
 
 
 # ---- the guide-attention bias -----------------------------------------------------------------------------------
@@ -344,13 +386,18 @@ class NativeEngine:
         dtype / device: the compute dtype and device of the resident weights.
     """
 
-    def __init__(self, components, plan, dtype: torch.dtype, device: torch.device):
+    def __init__(self, components, plan, dtype: torch.dtype, device: torch.device, lora: LoRAFuser | None = None):
         self.components, self.plan, self.dtype, self.device = components, plan, dtype, torch.device(device)
         self.transformer = components.transformer
         self.cache = ContextCache()
-        rank = plan.rank if plan is not None else 0
+        # the fleet's LoRA fuser (shared with the stage jobs, which re-apply their own sets), or one of our own
+        self.lora = lora or (LoRAFuser(self.transformer) if plan is None else
+                             LoRAFuser(self.transformer, rank=plan.rank, world_size=plan.world_size))
+        self._lora_key: str | None = None  # the request LoRA set this engine holds (its patches: `_lora_files`)
+        self._lora_files: list[PatchLoRA] = []
+        self.last_lora_reports: list[str] = []
         # a degree-1 "sequence parallel" wrapper: the same processors (and the guide-bias hook) without collectives
-        self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, rank), None)
+        self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, 0), None)
         self.last_report = ""
         self.forwards = 0
 
@@ -368,8 +415,6 @@ class NativeEngine:
         if not isinstance(request, ForwardRequest):
             raise ForwardContractError(f"forward payload: expected a ForwardRequest, got {type(request).__name__}")
         o = request.options
-        if request.lora is not None:
-            raise NotSupported("LoRA patches through the forward request are not supported by the fleet yet")
         if request.audio is None:
             raise NotSupported("a video-only forward (no audio latent) is not supported by the fleet yet")
         n_blocks = len(self.transformer.transformer_blocks)
@@ -386,10 +431,33 @@ class NativeEngine:
         if self.plan is not None:
             self.plan.check(request.video_tokens)
 
+    # ---- LoRA ----
+    def lora_missing(self, request: ForwardRequest) -> str | None:
+        """The request's LoRA key when the fleet does not hold its patches (the request did not ship them)."""
+        lora = request.lora
+        if lora is None or lora.patches is not None or lora.key == self._lora_key:
+            return None
+        return lora.key
+
+    def apply_lora(self, request: ForwardRequest) -> None:
+        """Make the request's LoRA set the fused one (every rank, in lockstep): nothing when it is fused already,
+        the clean weights for `lora=None`. Raises LoRAError (a ValidationError) before any weight is touched when
+        the patches do not fit this model."""
+        lora = request.lora
+        if lora is None:
+            self.lora.apply([])
+            self.last_lora_reports = []
+            return
+        if lora.patches is not None and lora.key != self._lora_key:
+            files = patch_loras(lora)
+            self.lora.check(files)
+            self._lora_key, self._lora_files = lora.key, files
+        self.last_lora_reports = [r.detail() for r in self.lora.apply(self._lora_files)]
+
     # ---- context ----
     def store_context(self, keys, context: torch.Tensor) -> None:
-        for i, key in enumerate(keys):
-            self.cache.put(key, context[i:i + 1].to(self.device, self.dtype))
+        for i, key in enumerate(keys):  # a copy per row: a cached row never pins a whole request's batch
+            self.cache.put(key, context[i:i + 1].to(self.device, self.dtype, copy=True))
 
     def resolve_context(self, request: ForwardRequest) -> tuple[torch.Tensor | None, tuple[str, ...]]:
         """The request's context in the compute dtype (stored under its keys), or the missing keys."""

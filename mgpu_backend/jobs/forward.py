@@ -16,7 +16,9 @@ def engine(state):
     if eng is None:
         from ..native import NativeEngine
 
-        eng = NativeEngine(state.components, state.plan, state.dtype, state.device)
+        pipeline = getattr(state, "pipeline", None)
+        eng = NativeEngine(state.components, state.plan, state.dtype, state.device,
+                           lora=pipeline.lora if pipeline is not None else None)
         state.native = eng
     return eng
 
@@ -28,13 +30,16 @@ def run_forward(state, request, ctx):
     before any work (bad request, model mismatch, unsupported option)."""
     eng = engine(state)
     eng.check(request)
+    lora_missing = eng.lora_missing(request)
     context, missing = eng.resolve_context(request)
-    if missing:
-        return ForwardMiss(context_keys=missing) if ctx.rank == 0 else {}
+    if missing or lora_missing:
+        return ForwardMiss(context_keys=missing, lora_key=lora_missing) if ctx.rank == 0 else {}
+    eng.apply_lora(request)
     video, audio = eng.forward(request, context)
     if ctx.rank != 0:
         return {}
-    return ForwardReply(video, audio, report=eng.last_report, seconds=eng.last_seconds)
+    return ForwardReply(video, audio, report=eng.last_report, seconds=eng.last_seconds,
+                        lora_reports=tuple(eng.last_lora_reports))
 
 
 @register(PREPROCESS_TEXT_JOB)

@@ -9,15 +9,18 @@ Runs in-process with ComfyUI's interpreter and a ComfyUI 0.33 checkout on the pa
 
 What it does:
 1. writes the tiny LTX-2.3 checkpoint with the project's own writer (`mgpu_backend.models.tiny.write_tiny_checkpoint`,
-   seed 0, float32 storage) into a temporary folder and loads it the way `CheckpointLoaderSimple` does
-   (`comfy.sd.load_checkpoint_guess_config`, weights float32);
+   seed 0: the tests' `tiny_dir` file) into a temporary folder and loads it the way `CheckpointLoaderSimple` does
+   (`comfy.sd.load_checkpoint_guess_config`, `model_options={"dtype": torch.float32}`: float32 compute);
 2. runs `LTXAVModel.preprocess_text_embeds` on a seeded random CONDITIONING tensor (`text.raw` -> `text.processed`);
 3. for every case in `CASES` builds ComfyUI's forward arguments exactly as ComfyUI's sampling path would hand them
    over (guide `keyframe_idxs` from `LTXVAddGuide.add_keyframe_index`, noise masks folded into per-token timesteps by
    `model_base.LTXAV.process_timestep`, guide attention entries as `LTXVAddGuide` appends them, reference-audio tokens
    as `LTXVReferenceAudio` patchifies them, STG / modality `transformer_options` as their nodes set them) and calls
    `diffusion_model.forward` directly;
-4. saves inputs (`<case>.in.*`) and outputs (`<case>.out.video` / `.out.audio`) with the cases' JSON (`cases`) and
+4. applies the tiny LTX-2.3 LoRA the way `LoraLoaderModelOnly` does (`comfy.sd.load_lora_for_models`, patches fused
+   by `load_models_gpu`) and runs `LORA["base"]`'s inputs again (`lora_<base>.out.*`);
+5. runs `LTX20_CASES` on the tiny LTX-2.0 file too (`ltx20/…`: the caption projection inside the forward);
+6. saves inputs (`<case>.in.*`) and outputs (`<case>.out.video` / `.out.audio`) with the cases' JSON (`cases`) and
    the provenance (ComfyUI version, torch, a fingerprint of the transformer weights) as metadata.
 
 The test (`tests/test_native_forward.py`) rebuilds the same tiny file with the same writer, checks the fingerprint,
@@ -62,15 +65,24 @@ CASES: dict[str, dict] = {
     "ref_audio_b2": {"batch": 2, "rows": [0, 1], "cond_or_uncond": [1, 0], "ref_audio": 4},
 }
 
+# cases also run on the tiny LTX-2.0 file (tensors prefixed "ltx20/"; metadata "ltx20": cases, fingerprint)
+LTX20_CASES = ("t2v_b1", "guide_pixel_mask_b1", "stg_b1")  # B = 1, on the one text row "ltx20/text.raw"
+# cases also run on the tiny LTX-2.0 file (tensors prefixed "ltx20/"; metadata "ltx20": cases, fingerprint)
+LTX20_CASES = ("t2v_b1", "guide_pixel_mask_b1", "stg_b1")  # B = 1, on the one text row "ltx20/text.raw"
+# the tiny LTX-2.3 LoRA (`write_tiny_lora(…, "2.3", seed=0)`: every block Linear, rank 4) through ComfyUI's LoRA
+# loader at this strength, on the inputs of the case `base`
+LORA = {"base": "t2v_b1", "strength": 1.5}
 
-def weights_fingerprint(checkpoint: str | Path) -> str:
-    """sha256 over the transformer tensors (`model.diffusion_model.*`: names, dtypes, shapes, bytes)."""
+
+def weights_fingerprint(checkpoint: str | Path, prefix: str = "model.diffusion_model.") -> str:
+    """sha256 over the tensors whose names start with `prefix` (names, dtypes, shapes, bytes; in name order — the
+    file's own bytes are not stable: safetensors' header order varies between writes)."""
     import torch
     from safetensors import safe_open
 
     h = hashlib.sha256()
     with safe_open(str(checkpoint), framework="pt") as f:
-        for key in sorted(k for k in f.keys() if k.startswith("model.diffusion_model.")):
+        for key in sorted(k for k in f.keys() if k.startswith(prefix)):
             t = f.get_tensor(key).contiguous()
             h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
@@ -78,13 +90,11 @@ def weights_fingerprint(checkpoint: str | Path) -> str:
 
 
 def write_checkpoint(directory: Path) -> Path:
-    """The tiny LTX-2.3 single file both sides load (float32 storage: ComfyUI computes in float32 on it)."""
-    import torch
-
+    """The tiny LTX-2.3 single file both sides load: the file `make_tiny(dir, "2.3", seed=0)` writes (bf16 storage,
+    as the tests' session fixture `tiny_dir`); both sides compute in float32 on its exact values."""
     from mgpu_backend.models.tiny import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(Path(directory) / "ltx-2.3-tiny-f32.safetensors", "2.3", seed=0,
-                                 dtype=torch.float32)
+    return write_tiny_checkpoint(Path(directory) / "ltx-2.3-tiny.safetensors", "2.3", seed=0)
 
 
 def build_inputs(name: str, spec: dict, processed, gen):
@@ -178,11 +188,11 @@ def main() -> int:
 
     torch.set_num_threads(1)
     tensors: dict[str, torch.Tensor] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_checkpoint(Path(tmp))
-        fingerprint = weights_fingerprint(ckpt)
-        model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
-            str(ckpt), output_vae=False, output_clip=False, model_options={"dtype": torch.float32})
+    tmp = tempfile.TemporaryDirectory()
+    ckpt = write_checkpoint(Path(tmp.name))
+    fingerprint = weights_fingerprint(ckpt)
+    model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
+        str(ckpt), output_vae=False, output_clip=False, model_options={"dtype": torch.float32})
     dm = model.model.diffusion_model
     dtypes = {p.dtype for p in dm.parameters()}
     assert dtypes == {torch.float32}, f"ComfyUI built the transformer in {dtypes}, expected float32"
@@ -206,9 +216,56 @@ def main() -> int:
         cases_meta[name] = {**spec, **extras}
         print(f"{name}: video {tuple(out[0].shape)} audio {tuple(out[1].shape)} "
               f"max|v| {out[0].abs().max():.3f}")
+    # LoRA: ComfyUI's LoraLoaderModelOnly path (load_lora_for_models -> ModelPatcher patches, fused on load) with
+    # the tiny LTX-2.3 LoRA file, on the inputs of LORA["base"]
+    import comfy.model_management
+    import comfy.utils
+    from mgpu_backend.models.tiny import write_tiny_lora
+
+    lora_path = write_tiny_lora(Path(tmp.name) / "ltx-2.3-tiny-distilled-lora.safetensors", "2.3", seed=0)
+    patched, _ = comfy.sd.load_lora_for_models(model, None, comfy.utils.load_torch_file(str(lora_path)),
+                                               LORA["strength"], 0)
+    comfy.model_management.load_models_gpu([patched])
+    base = LORA["base"]
+    name = f"lora_{base}"
+    g = {k[len(base) + 4:]: v for k, v in tensors.items() if k.startswith(f"{base}.in.")}
+    with torch.no_grad():
+        out = patched.model.diffusion_model([g["video"], g["audio"]], (g["video_timestep"], g["audio_timestep"]),
+                                            processed[CASES[base]["rows"]], frame_rate=FPS, transformer_options={})
+    tensors[f"{name}.out.video"] = out[0].float().contiguous()
+    tensors[f"{name}.out.audio"] = out[1].float().contiguous()
+    print(f"{name}: max |Δ| from {base} {(out[0] - tensors[f'{base}.out.video']).abs().max():.3f}")
+    lora_meta = {**LORA, "sha256": weights_fingerprint(lora_path, prefix="")}
+    # LTX-2.0 (caption projection inside the forward, no prompt AdaLN, no attention gates): a few cases
+    from mgpu_backend.models.tiny import write_tiny_checkpoint
+
+    ckpt20 = write_tiny_checkpoint(Path(tmp.name) / "ltx-2.0-tiny.safetensors", "2.0", seed=0)
+    model20, _, _, _ = comfy.sd.load_checkpoint_guess_config(
+        str(ckpt20), output_vae=False, output_clip=False, model_options={"dtype": torch.float32})
+    dm20 = model20.model.diffusion_model
+    gen = torch.Generator().manual_seed(TEXT["seed"])
+    raw20 = torch.randn(1, TEXT["tokens"], dm20.caption_channels, generator=gen)  # one row: B = 1 cases
+    with torch.no_grad():
+        processed20 = dm20.preprocess_text_embeds(raw20, unprocessed=True).float()
+    tensors["ltx20/text.raw"], tensors["ltx20/text.processed"] = raw20, processed20.contiguous()
+    ltx20_meta = {"weights_sha256": weights_fingerprint(ckpt20), "cases": {}}
+    for i, name in enumerate(LTX20_CASES):
+        gen = torch.Generator().manual_seed(200 + i)
+        spec = {**CASES[name], "rows": [0]}
+        x, timestep, context, kwargs, store, extras = build_inputs(name, spec, processed20, gen)
+        with torch.no_grad():
+            out = dm20(x, timestep, context, **kwargs)
+        for k, v in store.items():
+            tensors[f"ltx20/{name}.in.{k}"] = v.clone().contiguous()
+        tensors[f"ltx20/{name}.out.video"] = out[0].float().contiguous()
+        tensors[f"ltx20/{name}.out.audio"] = out[1].float().contiguous()
+        ltx20_meta["cases"][name] = {**spec, **extras}
+        print(f"LTX-2.0 {name}: video {tuple(out[0].shape)} max|v| {out[0].abs().max():.3f}")
+    tmp.cleanup()
     import comfyui_version
 
-    meta = {"cases": json.dumps(cases_meta), "sigma": str(SIGMA), "fps": str(FPS), "grid": json.dumps(GRID),
+    meta = {"cases": json.dumps(cases_meta), "lora": json.dumps(lora_meta), "ltx20": json.dumps(ltx20_meta),
+            "sigma": str(SIGMA), "fps": str(FPS), "grid": json.dumps(GRID),
             "comfyui_version": comfyui_version.__version__, "torch": torch.__version__,
             "weights_sha256": fingerprint, "generated_by": "tests/golden/make_forward_golden.py"}
     save_file(tensors, str(OUT), metadata=meta)

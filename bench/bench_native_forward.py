@@ -1,0 +1,136 @@
+"""Per-forward round trip of the native MODEL's "forward" job (issue 19): ComfyUI's process -> controller -> ranks ->
+back, with the text context shipped every call against left in the fleet's cache.
+
+    PYTHONPATH=. python bench/bench_native_forward.py                     # W = 1, 2; 640×352×121, CFG batch 2
+    PYTHONPATH=. python bench/bench_native_forward.py --world-sizes 2 --repeat 20 --out bench/results/x.txt
+
+What is measured (CPU ranks, gloo, float32; one client connection, the fleet already started):
+- `transport, real bytes`: a job that does no work ("noop") carrying a `ForwardRequest` of the real LTX-2.3 sizes at
+  640×352×121 with CFG batch 2 (video [2, 128, 16, 11, 20], audio [2, 8, 126, 16], per-row sigmas, bf16) — with the
+  processed context [2, 1024, 6144] bf16 (24 MiB, what an uncached forward ships) and without it (what a forward
+  ships once the context is cached); side by side the empty noop job (the controller's fixed cost per job). The
+  reply of the real job (1.8 MB of velocities) is not in these figures: see the tiny forward's `overhead`.
+- `tiny forward`: the "forward" job on the tiny LTX-2.3 model at the same latent grid (3,520 video tokens, 126 audio
+  steps, B = 2; its context is [2, 1024, 96]): wall time per call at the client, the fleet's own forward time
+  (`ForwardReply.seconds`, rank 0) and their difference, the round trip's overhead (request + reply transport,
+  controller, unpacking) — context shipped vs cached.
+Figures: median and 90th percentile of `--repeat` calls after one warm-up call.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mgpu_backend.client import ControllerClient  # noqa: E402
+from mgpu_backend.forward import ForwardReply, ForwardRequest  # noqa: E402
+from mgpu_backend.models.tiny import make_tiny  # noqa: E402
+from mgpu_backend.protocol import FleetConfig, JobSpec  # noqa: E402
+
+GRID = (16, 11, 20)  # 640×352×121: latent frames, height, width
+AUDIO_STEPS = 126  # ~5 s of audio latents
+
+
+def _request(batch: int, width: int, dtype: torch.dtype, keys: tuple[str, ...]) -> ForwardRequest:
+    g = torch.Generator().manual_seed(0)
+    f, h, w = GRID
+    return ForwardRequest(
+        video=torch.randn(batch, 128, f, h, w, generator=g).to(dtype),
+        audio=torch.randn(batch, 8, AUDIO_STEPS, 16, generator=g).to(dtype),
+        video_timestep=torch.full((batch,), 0.7), audio_timestep=torch.full((batch,), 0.7),
+        context=torch.randn(batch, 1024, width, generator=g).to(dtype), context_keys=keys, frame_rate=25.0,
+        cond_or_uncond=(1, 0)[:batch])
+
+
+def _nbytes(req: ForwardRequest) -> int:
+    return sum(t.numel() * t.element_size() for t in (req.video, req.audio, req.video_timestep, req.audio_timestep,
+                                                      req.context) if t is not None)
+
+
+def _timed(fn, repeat: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-sizes", default="1,2")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--out", help="also write the table to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    lines = [f"# bench_native_forward — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+             f"{platform.machine()} CPU, torch {torch.__version__}",
+             f"# command: python bench/bench_native_forward.py {' '.join(argv if argv is not None else sys.argv[1:])}",
+             f"# 640×352×121 grid {GRID}, {AUDIO_STEPS} audio steps, CFG batch 2; median / p90 of {args.repeat} calls",
+             f"# {os.cpu_count()} CPU cores; load average at start {os.getloadavg()[0]:.1f} (other processes share "
+             f"the cores: figures are upper bounds)"]
+    real = _request(2, 6144, torch.bfloat16, ("neg", "pos"))
+    real_cached = dataclasses.replace(real, context=None)
+    tiny = _request(2, 96, torch.float32, ("neg", "pos"))
+    tiny_cached = dataclasses.replace(tiny, context=None)
+    lines.append(f"# real request: {_nbytes(real) / 2**20:.1f} MiB with the context, "
+                 f"{_nbytes(real_cached) / 2**20:.2f} MiB without; tiny request {_nbytes(tiny) / 2**20:.2f} / "
+                 f"{_nbytes(tiny_cached) / 2**20:.2f} MiB")
+    with tempfile.TemporaryDirectory(prefix="ltx2-bench-native-") as tmp:
+        paths = make_tiny(Path(tmp) / "tiny", "2.3", seed=0)
+        client = ControllerClient(runtime_dir=Path(tmp) / "rt")
+        try:
+            for world in (int(w) for w in args.world_sizes.split(",")):
+                handle = client.configure(FleetConfig(devices=("cpu",) * world, checkpoint=str(paths["checkpoint"]),
+                                                      gemma=str(paths["gemma"]), dtype="float32"))
+                rows = []
+                for label, payload in (("empty noop job", {"steps": 0}),
+                                       ("noop + real request, context shipped", {"steps": 0, "request": real}),
+                                       ("noop + real request, context cached", {"steps": 0, "request": real_cached})):
+                    med, p90 = _stats(_timed(lambda p=payload: client.run(handle, JobSpec("noop", p)), args.repeat))
+                    rows.append(f"W={world}  transport, {label:38s} {med * 1e3:8.2f} ms  (p90 {p90 * 1e3:8.2f})")
+                client.run(handle, JobSpec("forward", tiny))  # stores the rows under their keys
+                for label, req in (("context shipped", tiny), ("context cached", tiny_cached)):
+                    fleet: list[float] = []
+
+                    def call(req=req, fleet=fleet):
+                        reply = client.run(handle, JobSpec("forward", req))
+                        assert isinstance(reply, ForwardReply), reply
+                        fleet.append(reply.seconds)
+
+                    wall = _timed(call, args.repeat)
+                    fleet = fleet[1:]
+                    over = [w - f for w, f in zip(wall, fleet)]
+                    rows.append(f"W={world}  tiny forward, {label:16s} wall {_stats(wall)[0] * 1e3:8.2f} ms  "
+                                f"fleet {_stats(fleet)[0] * 1e3:8.2f} ms  overhead {_stats(over)[0] * 1e3:7.2f} ms "
+                                f"(p90 {_stats(over)[1] * 1e3:7.2f})")
+                for r in rows:
+                    print(r, flush=True)
+                lines += rows
+        finally:
+            client.stop()
+    lines.append(f"# load average at end {os.getloadavg()[0]:.1f}")
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
