@@ -111,6 +111,7 @@ class FleetTransformer(torch.nn.Module):
         self.known_loras: set[str] = set()
         self.stats = {"forwards": 0, "context_sent": 0, "misses": 0, "preprocess": 0}
         self.last_report = ""  # how the fleet ran the last forward (ForwardReply.report)
+        self.last_lora_reports: tuple[str, ...] = ()  # the fused LoRA set's coverage (ForwardReply.lora_reports)
 
     # ---- what ComfyUI reads ----------------------------------------------------------------------------------------
 
@@ -215,8 +216,10 @@ class FleetTransformer(torch.nn.Module):
             self.known_contexts.popitem(last=False)
         if request.lora is not None and request.lora.patches is not None:
             self.known_loras.add(request.lora.key)
+            coverage = "; ".join(getattr(reply, "lora_reports", ()) or ()) or reply.report
             log.info("MGPU model: LoRA set %s (%d layer patches) shipped to the fleet: %s", request.lora.key,
-                     len(request.lora.patches), reply.report)
+                     len(request.lora.patches), coverage)
+        self.last_lora_reports = tuple(getattr(reply, "lora_reports", ()) or ())
 
     def _call(self, kind: str, payload):
         return self._transport(kind, payload)
