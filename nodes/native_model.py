@@ -299,6 +299,7 @@ def build_native_model(path: str, transport: Transport, name: str = ""):
     model.diffusion_model = proxy
     proxy.attach(model)
     model.memory_usage_factor = MEMORY_USAGE_FACTOR
+    model.state_dict_for_saving = _refuse_saving
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=load_device,
                                                offload_device=mm.unet_offload_device(), size=1)
     return patcher
@@ -310,6 +311,13 @@ def fleet_model(path: str, handle, name: str = ""):
     patcher = build_native_model(path, transport, name=name)
     transport.proxy = proxy_of(patcher)
     return patcher
+
+
+def _refuse_saving(*args, **kwargs):
+    from .common import NodeError
+
+    raise NodeError("MGPU model: saving a checkpoint (CheckpointSave / ModelSave) needs the weights in ComfyUI, but "
+                    "the MGPU model's transformer lives on the fleet; save from ComfyUI's own loader's MODEL")
 
 
 def proxy_of(model_patcher) -> FleetTransformer | None:

@@ -117,8 +117,11 @@ def refuse_patcher_features(patcher: Any) -> None:
     if getattr(patcher, "hook_patches", None):
         raise UnsupportedInput("hook-scheduled weight patches (Create Hook LoRA / hook keyframes) are not supported "
                                "by the MGPU model; use LoraLoaderModelOnly")
-    options = (getattr(patcher, "model_options", None) or {}).get("transformer_options", {})
-    refuse_transformer_options(options)
+    model_options = getattr(patcher, "model_options", None) or {}
+    if model_options.get("multigpu_clones"):
+        raise UnsupportedInput("ComfyUI's own multi-GPU model clones (MultiGPU nodes) would deep-copy the model onto "
+                               "other GPUs; the MGPU model already runs its transformer on the fleet's devices")
+    refuse_transformer_options(model_options.get("transformer_options", {}))
 
 
 def refuse_transformer_options(options: dict) -> None:

@@ -241,6 +241,10 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
     if case == "refuse_attn_patch":
         model = model.clone()
         model.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))
+    if case == "refuse_save":
+        import comfy.sd
+
+        comfy.sd.save_checkpoint("/nonexistent/never-written.safetensors", model=model)
     if case == "refuse_merge":
         from comfy_extras.nodes_model_merging import ModelMergeSimple
 
@@ -266,7 +270,7 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
 REFERENCE = {}  # "native": the native MODEL (the second model of a merge)
 TRANSPORT = {}  # "t": the MGPU model's transport (the local one can play a fleet restart)
 REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
-            "refuse_merge": "model merge"}
+            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint"}
 
 CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora", "lora_stack",
          "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling") + tuple(REFUSALS)

@@ -175,6 +175,8 @@ def test_patcher_features_that_need_the_transformer_in_process_are_refused():
         NP.refuse_patcher_features(_patcher(weight_wrapper_patches={"diffusion_model.x.weight": [print]}))
     with pytest.raises(UnsupportedInput, match="patches_replace"):
         NP.refuse_patcher_features(_patcher(model_options={"transformer_options": {"patches_replace": {"dit": {1: 2}}}}))
+    with pytest.raises(UnsupportedInput, match="multi-GPU model clones"):
+        NP.refuse_patcher_features(_patcher(model_options={"transformer_options": {}, "multigpu_clones": {"a": 1}}))
 
 
 def test_a_fleet_without_gemma_has_no_text_service_check():
