@@ -220,6 +220,9 @@ class FleetTransformer(torch.nn.Module):
             log.info("MGPU model: LoRA set %s (%d layer patches) shipped to the fleet: %s", request.lora.key,
                      len(request.lora.patches), coverage)
         self.last_lora_reports = tuple(getattr(reply, "lora_reports", ()) or ())
+        partial = [r for r in self.last_lora_reports if "not in this model" in r]
+        if partial:  # ComfyUI would patch those weights (e.g. the text connectors'): never dropped silently
+            raise UnsupportedInput(f"the fleet could not apply every layer of the LoRA: {'; '.join(partial)}")
 
     def _call(self, kind: str, payload):
         return self._transport(kind, payload)

@@ -245,6 +245,15 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
         import comfy.sd
 
         comfy.sd.save_checkpoint("/nonexistent/never-written.safetensors", model=model)
+    if case == "refuse_partial_lora":  # a LoRA pair on the text connectors: ComfyUI patches it, the fleet cannot
+        import comfy.utils
+
+        sd = comfy.utils.load_torch_file(lora_path)
+        name = "video_embeddings_connector.transformer_1d_blocks.0.attn1.to_q"
+        out_f, in_f = REFERENCE["native"].model.diffusion_model.state_dict()[name + ".weight"].shape
+        sd[f"diffusion_model.{name}.lora_A.weight"] = torch.randn(4, in_f) * 0.05
+        sd[f"diffusion_model.{name}.lora_B.weight"] = torch.randn(out_f, 4) * 0.05
+        model, _ = comfy.sd.load_lora_for_models(model, None, sd, 1.0, 0)
     if case == "refuse_merge":
         from comfy_extras.nodes_model_merging import ModelMergeSimple
 
@@ -270,7 +279,8 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
 REFERENCE = {}  # "native": the native MODEL (the second model of a merge)
 TRANSPORT = {}  # "t": the MGPU model's transport (the local one can play a fleet restart)
 REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
-            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint"}
+            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint",
+            "refuse_partial_lora": "could not apply every layer"}
 
 CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora", "lora_stack",
          "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling") + tuple(REFUSALS)
