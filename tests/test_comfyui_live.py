@@ -653,3 +653,35 @@ def test_mgpu_model_refuses_a_block_replacement_by_name(server, tiny_models):
     assert err["node_type"] == "SamplerCustomAdvanced"
     assert "MGPU model" in err["exception_message"] and "patches_replace" in err["exception_message"]
     assert _get("/system_stats")
+
+
+def test_interrupt_stops_a_sampling_on_the_mgpu_model_and_the_next_prompt_runs(server, tiny_models):
+    """ComfyUI's interrupt during a long sampling on the MGPU MODEL stops it (between forwards, or cancelling the
+    forward job on the fleet); the same fleet then runs the next prompt."""
+    _test_nodes_or_skip()
+    if not _engine_has_forward_job():
+        pytest.skip("the engine has no 'forward' job yet")
+    g = native_model_graph("mgpu", int.from_bytes(os.urandom(4), "little"), f"ltx2-mgpu-int-{uuid.uuid4().hex[:8]}")
+    g["10"]["inputs"]["sigmas"] = ", ".join(f"{1 - i / 200:.4f}" for i in range(200)) + ", 0.0"
+    client_id = uuid.uuid4().hex
+    ws = WebSocket(client_id)
+    try:
+        prompt_id = queue(g, client_id)
+        interrupted_at = None
+        for msg in ws.messages():
+            data = msg.get("data", {})
+            if msg["type"] == "progress" and data.get("node") == "11" and interrupted_at is None \
+                    and data["value"] >= 2:
+                _post("/interrupt", {})
+                interrupted_at = data["value"]
+            if msg["type"] == "execution_interrupted" and data.get("prompt_id") == prompt_id:
+                break
+            if msg["type"] == "execution_error":
+                raise AssertionError(data.get("exception_message"))
+            if msg["type"] == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                raise AssertionError("the prompt ran to the end despite the interrupt")
+    finally:
+        ws.close()
+    assert interrupted_at is not None and interrupted_at < 200
+    again = native_model_graph("mgpu", int.from_bytes(os.urandom(4), "little"), f"ltx2-mgpu-int-{uuid.uuid4().hex[:8]}")
+    assert wait(queue(again))["status"]["status_str"] == "success"
