@@ -8,7 +8,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..mgpu_backend import protocol as P
-from .common import CATEGORY, Fleet, NodeError, client, guard
+from .common import CATEGORY, Fleet, NodeError, client, guard, log
 
 NONE = "none"
 UPSCALER_FOLDER = "latent_upscale_models"
@@ -206,7 +206,12 @@ class LoadCheckpointMGPU(io.ComfyNode):
             except P.ControllerError as exc:
                 raise NodeError(f"Load Checkpoint (MGPU): {exc}") from None
             plan = describe_plan(handle)
-            model = _native_model(handle, "Load Checkpoint (MGPU)")
+            try:
+                model = _native_model(handle, "Load Checkpoint (MGPU)")
+            except NodeError as exc:  # the fleet and the stage nodes work without it; a graph that uses it fails
+                log.warning("%s: no native MODEL output", exc)
+                plan += f"\nno native MODEL output: {exc}"
+                model = None
         return io.NodeOutput(handle, model, ui=ui.PreviewText(plan))
 
 

@@ -7,12 +7,13 @@ A native MODEL from Load Diffusion Model (MGPU) has no weights in ComfyUI: its t
   weights `(up [out, r], down [r, in], alpha | None, None, None, None)`) are read from the patcher at each forward
   (`patches_uuid` says when they changed) and applied on the fleet: `W + strength · (alpha / r) · up @ down`, several
   patches of one weight summed in their order — ComfyUI's `LoRAAdapter.calculate_weight` formula;
-- everything that needs real weights or a callable inside the transformer is refused with its name: block / attention
-  replacements and patches (`patches_replace`, `patches`, `optimized_attention_override` in `transformer_options`),
-  object patches inside the transformer (`diffusion_model.*`; the wrapper's own, e.g. ModelSamplingLTXV's
-  `model_sampling`, apply in ComfyUI as usual), weight wrappers, hook-scheduled patches (`hook_patches`), model merges (`ModelMergeSimple` and
-  friends add another model's weights as patches), LoRA variants other than plain LoRA (LoCon mid weights, DoRA,
-  LoHa, LoKr, …), `strength_model` != 1, offsets and patch functions, and ControlNet (a `control` argument).
+- everything that needs real weights or a callable inside the transformer is refused with its name: block /
+  attention replacements and patches (`patches_replace`, `patches`, `optimized_attention_override` in
+  `transformer_options`), object patches inside the transformer (`diffusion_model.*`; the wrapper's own, e.g.
+  ModelSamplingLTXV's `model_sampling`, apply in ComfyUI as usual), weight wrappers, hook-scheduled patches
+  (`hook_patches`), ComfyUI's multi-GPU clones, model merges (`ModelMergeSimple` and friends add another model's
+  weights as patches), LoRA variants other than plain LoRA (LoCon mid weights, DoRA, LoHa, LoKr, …),
+  `strength_model` != 1, offsets and patch functions, and ControlNet (a `control` argument).
 """
 from __future__ import annotations
 
@@ -124,11 +125,21 @@ def refuse_patcher_features(patcher: Any) -> None:
     refuse_transformer_options(model_options.get("transformer_options", {}))
 
 
+def _holds_something(value) -> bool:
+    """False for None / False and for containers holding only empty containers (`{"dit": {}}`: nothing set)."""
+    if isinstance(value, dict):
+        return any(_holds_something(v) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return len(value) > 0
+    return value is not None and value is not False
+
+
 def refuse_transformer_options(options: dict) -> None:
     """Raise UnsupportedInput for a transformer option that needs a callable inside the fleet's transformer."""
     for key, what in REFUSED_OPTIONS.items():
         value = options.get(key)
-        if value:
-            names = ", ".join(map(str, value)) if isinstance(value, dict) else type(value).__name__
+        if _holds_something(value):
+            names = (", ".join(str(k) for k, v in value.items() if _holds_something(v)) if isinstance(value, dict)
+                     else type(value).__name__)
             raise UnsupportedInput(f"{what} [{key}: {names}] cannot run on the fleet: the MGPU model's transformer "
                                    f"is in other processes")

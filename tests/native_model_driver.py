@@ -315,7 +315,8 @@ def main():
     if args.transport == "fleet":
         transport.proxy = nm.proxy_of(mgpu)
     proxy = nm.proxy_of(mgpu)
-    info = {"native_dtype": str(native.model.get_dtype_inference()), "mgpu_dtype": str(mgpu.model.get_dtype_inference()),
+    info = {"native_dtype": str(native.model.get_dtype_inference()),
+            "mgpu_dtype": str(mgpu.model.get_dtype_inference()),
             "manual_cast": [str(native.model.manual_cast_dtype), str(mgpu.model.manual_cast_dtype)],
             "params": len(list(mgpu.model.parameters())), "state_keys": len(mgpu.model.state_dict()),
             "native_state_keys": len(native.model.state_dict())}
@@ -342,7 +343,8 @@ def main():
                 "max_abs": max(float((got_v - ref_v).abs().max()), float((got_a - ref_a).abs().max())),
                 "max_ref": max(float(ref_v.abs().max()), float(ref_a.abs().max())),
                 "shape": [list(ref_v.shape), list(ref_a.shape)],
-                "native_s": t1 - t0, "mgpu_s": t2 - t1, "report": "; ".join((proxy.last_report,) + proxy.last_lora_reports),
+                "native_s": t1 - t0, "mgpu_s": t2 - t1,
+                "report": "; ".join((proxy.last_report,) + proxy.last_lora_reports),
                 "stats": {k: proxy.stats[k] - before.get(k, 0) for k in proxy.stats}}
             print(f"{case}: {results[case]}", file=sys.stderr, flush=True)
     if local is not None:

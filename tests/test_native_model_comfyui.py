@@ -3,7 +3,8 @@ ComfyUI's native LTX-AV MODEL on the same tiny weights and inputs: whole samples
 
 Runs where a ComfyUI checkout (0.33) is at hand, like tests/test_comfyui_load.py:
 
-    COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=/tmp/comfyvenv/bin/python pytest -m comfyui tests/test_native_model_comfyui.py
+    COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=/tmp/comfyvenv/bin/python \
+        pytest -m comfyui tests/test_native_model_comfyui.py
 
 `tests/native_model_driver.py` runs in ComfyUI's interpreter (cwd = the checkout) and samples every case twice, with
 the native MODEL and with the MGPU MODEL, and reports max |MGPU − native| over the separated video and audio

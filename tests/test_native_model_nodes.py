@@ -174,7 +174,9 @@ def test_patcher_features_that_need_the_transformer_in_process_are_refused():
     with pytest.raises(UnsupportedInput, match="weight wrappers"):
         NP.refuse_patcher_features(_patcher(weight_wrapper_patches={"diffusion_model.x.weight": [print]}))
     with pytest.raises(UnsupportedInput, match="patches_replace"):
-        NP.refuse_patcher_features(_patcher(model_options={"transformer_options": {"patches_replace": {"dit": {1: 2}}}}))
+        NP.refuse_patcher_features(_patcher(model_options={"transformer_options": {"patches_replace": {"dit": {1: 2}},
+                                                                                   "patches": {}}}))
+    NP.refuse_transformer_options({"patches_replace": {"dit": {}}, "patches": {"attn1_patch": []}})  # nothing set
     with pytest.raises(UnsupportedInput, match="multi-GPU model clones"):
         NP.refuse_patcher_features(_patcher(model_options={"transformer_options": {}, "multigpu_clones": {"a": 1}}))
 
