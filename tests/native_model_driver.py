@@ -215,8 +215,8 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
         length, fps = 126, 25.0
     v = video_latent(length)
     sampler_name = "euler_ancestral" if case == "euler_a" else "euler"
-    if case.startswith("i2v"):
-        v = lt.LTXVImgToVideoInplace.execute(vae, image(), v, 0.7 if case == "i2v07" else 1.0).result[0]
+    if case.startswith("i2v") or case == "ksampler":
+        v = lt.LTXVImgToVideoInplace.execute(vae, image(), v, 1.0 if case == "i2v10" else 0.7).result[0]
     if case.startswith("guides"):
         strength = 0.7 if case == "guides07" else 1.0
         pos, neg, v = lt.LTXVAddGuide.execute(pos, neg, vae, v, image(3), 0, strength).result
@@ -262,6 +262,12 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
         model = lt.LTXVSpatioTemporalGuidance.execute(model, 1.0, "1", 0.0, 1.0).result[0]
         model = lt.LTXVModalityGuidance.execute(model, 3.0, 0.0, 1.0).result[0]
     av = lt.LTXVConcatAVLatent.execute(v, audio_latent(length, fps)).result[0]
+    if case == "ksampler":  # KSampler's path (comfy.sample.sample, scheduler "simple"), image-to-video 0.7
+        import nodes as comfy_nodes  # ComfyUI's nodes.py (the pack is imported as ltx2_multigpu)
+
+        out = comfy_nodes.common_ksampler(model, 42, 4, 3.0, "euler", "simple", pos, neg, av)[0]
+        video, audio = lt.LTXVSeparateAVLatent.execute(out).result
+        return video["samples"].float(), audio["samples"].float()
     if case == "dual_cfg":
         guider = lt.LTXVDualCFGGuider.execute(model, pos, neg, 3.0, 7.0).result[0]
     else:
@@ -283,7 +289,7 @@ REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / b
             "refuse_partial_lora": "could not apply every layer"}
 
 CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora", "lora_stack",
-         "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling") + tuple(REFUSALS)
+         "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling", "ksampler") + tuple(REFUSALS)
 
 
 def main():

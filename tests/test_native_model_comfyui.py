@@ -32,7 +32,8 @@ pytestmark = pytest.mark.comfyui
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "native_model_driver.py"
 SAMPLE_CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora",
-                "lora_stack", "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling")
+                "lora_stack", "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling",
+                "ksampler")
 REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
             "refuse_merge": "model merge", "refuse_save": "saving a checkpoint"}
 LOCAL_ATOL = 1e-6  # measured 0.0: the same ComfyUI module computes both
@@ -131,7 +132,7 @@ def test_whole_sample_on_the_fleet_equals_native(comfyui, tiny, world_size):
     if not _engine_has_forward_job():
         pytest.skip("the engine has no 'forward' job yet (mgpu_backend/jobs/forward.py)")
     cases = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora",
-             "lora_stack", "t2v_after_lora", "long126")
+             "lora_stack", "t2v_after_lora", "long126", "ksampler")
     run = run_driver(comfyui, tiny, "fleet", cases, world_size=world_size)
     for case in cases:
         r = run["results"][case]
