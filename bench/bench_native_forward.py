@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -73,6 +74,28 @@ def _stats(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _stop(client: ControllerClient, pids: list[int]) -> None:
+    """Stop the controller this bench started and wait for it and its workers to exit (SIGKILL after 30 s)."""
+    try:
+        client.stop()
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    for p in pids:
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", default="1,2")
@@ -96,10 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ltx2-bench-native-") as tmp:
         paths = make_tiny(Path(tmp) / "tiny", "2.3", seed=0)
         client = ControllerClient(runtime_dir=Path(tmp) / "rt")
+        pids = [client.ping()["pid"]]
         try:
             for world in (int(w) for w in args.world_sizes.split(",")):
                 handle = client.configure(FleetConfig(devices=("cpu",) * world, checkpoint=str(paths["checkpoint"]),
                                                       gemma=str(paths["gemma"]), dtype="float32"))
+                pids += list(client.status()["fleet"]["worker_pids"])
                 rows = []
                 for label, payload in (("empty noop job", {"steps": 0}),
                                        ("noop + real request, context shipped", {"steps": 0, "request": real}),
@@ -125,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(r, flush=True)
                 lines += rows
         finally:
-            client.stop()
+            _stop(client, pids)
     lines.append(f"# load average at end {os.getloadavg()[0]:.1f}")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")

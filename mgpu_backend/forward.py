@@ -216,6 +216,10 @@ class LoraPatch:
 class LoraSet:
     """The LoRA state a forward must run with, identified by `key` (e.g. ComfyUI's `patches_uuid` plus strengths).
 
+    Only the transformer's Linears are patched on the fleet; patches for other weights (e.g. the text connectors,
+    `video_embeddings_connector.*`, which `preprocess_text` runs clean) are named as "not in this model" in
+    `ForwardReply.lora_reports`.
+
     patches: the full set (shipped the first time a key is used, or again after a `ForwardMiss` naming it); None =
     "the fleet already holds this key" (the fleet answers `ForwardMiss(lora_key=key)` when it does not). A request
     with `lora=None` runs on the clean weights (the fleet restores them exactly if a LoRA was fused).
@@ -240,10 +244,10 @@ class ForwardRequest:
 
     video: `[B, 128, F, H, W]` float, model space, guide frames appended along F (N_v = F·H·W tokens in all).
     audio: `[B, 8, T, 16]` float (T ≥ 1), or None for a video-only call (ComfyUI then returns video only).
-    video_timestep: sigma (unscaled) `[B]`, or per token `[B, N_v, 1]` (a noise mask: i2v, guides; cells that the
-        denoise mask marks −1 carry any value, they are dropped).
-    audio_timestep: sigma `[B]` or per token `[B, T, 1]`; None = the video timestep (ComfyUI's non-tuple case; only
-        valid with a `[B]` video timestep).
+    video_timestep: sigma (unscaled) `[B]`, or per token `[B, N_v, 1]` (or `[B, N_v]`) (a noise mask: i2v, guides;
+        cells that the denoise mask marks −1 carry any value, they are dropped).
+    audio_timestep: sigma `[B]` or per token `[B, T, 1]` (or `[B, T]`); None = the video timestep (ComfyUI's
+        non-tuple case; only valid with a `[B]` video timestep).
     context: `[B, L, C]` float, the processed text context (after the connectors), or None when every row's key in
         `context_keys` is cached on the fleet. With both context and keys the fleet (re)stores each row under its
         key; with neither it is refused.
@@ -255,9 +259,9 @@ class ForwardRequest:
     keyframe_idxs: optional `[B, 3, N, 2]` pixel coordinates [start, end) of the N guide tokens appended at the end
         of the token sequence (`LTXVAddGuide`); integer or float. N must be a whole number of latent frames
         (N % (H·W) == 0) and N ≤ N_v.
-    denoise_mask: optional `[B, 1 | 128, F, H, W]` float, ComfyUI's video denoise mask; the forward reads only where
-        it is < 0 in row 0 (IC-LoRA sparse-grid padding cells, whose tokens are dropped; only with keyframe_idxs, as
-        in ComfyUI). Nodes may send None when it has no negative cell.
+    denoise_mask: optional `[B, 1 | 128, F, H | 1, W | 1]` float, ComfyUI's video denoise mask (H, W of 1 broadcast);
+        the forward reads only where it is < 0 in row 0 (IC-LoRA sparse-grid padding cells, whose tokens are dropped;
+        only with keyframe_idxs, as in ComfyUI). Nodes may send None when it has no negative cell.
     guide_attention_entries: one `GuideAttentionEntry` per appended guide, in order (needs keyframe_idxs; their
         pre_filter_counts sum to N).
     ref_audio_tokens: optional `[1 | B, T_ref, 128]` float, `LTXVReferenceAudio`'s patchified reference-audio tokens
@@ -320,8 +324,8 @@ class ForwardRequest:
             if self.audio is None:
                 raise ForwardContractError("ref_audio_tokens need an audio latent")
             if r.shape[0] not in (1, b) or r.shape[2] != AUDIO_TOKEN_WIDTH or r.shape[1] < 1:
-                raise ForwardContractError(f"ref_audio_tokens of shape {tuple(r.shape)}: expected [1 or {b}, T_ref ≥ 1, "
-                                           f"128]")
+                raise ForwardContractError(f"ref_audio_tokens of shape {tuple(r.shape)}: expected "
+                                           f"[1 or {b}, T_ref ≥ 1, 128]")
         if self.generated_keyframes is not None and not isinstance(self.generated_keyframes, GeneratedKeyframes):
             raise ForwardContractError(f"generated_keyframes: expected GeneratedKeyframes, got "
                                        f"{type(self.generated_keyframes).__name__}")
@@ -338,9 +342,9 @@ class ForwardRequest:
     @staticmethod
     def _check_timestep(name: str, t, b: int, n: int) -> None:
         _check_tensor(name, t)
-        if tuple(t.shape) not in ((b,), (b, n, 1)):
+        if tuple(t.shape) not in ((b,), (b, n, 1), (b, n)):
             raise ForwardContractError(f"{name} of shape {tuple(t.shape)}: expected [{b}] (per row) or [{b}, {n}, 1] "
-                                       f"(per token)")
+                                       f"(per token; [{b}, {n}] is accepted too)")
 
     def _check_context(self, b: int) -> None:
         keys = tuple(self.context_keys)
@@ -388,9 +392,10 @@ class ForwardRequest:
                                        f"{sum(e.pre_filter_count for e in entries)}, keyframe_idxs holds {n} tokens")
         if self.denoise_mask is not None:
             d = _check_tensor("denoise_mask", self.denoise_mask, ndim=5)
-            if d.shape[0] not in (1, b) or d.shape[1] not in (1, VIDEO_CHANNELS) or tuple(d.shape[2:]) != (f, h, w):
+            if (d.shape[0] not in (1, b) or d.shape[1] not in (1, VIDEO_CHANNELS) or d.shape[2] != f
+                    or d.shape[3] not in (1, h) or d.shape[4] not in (1, w)):
                 raise ForwardContractError(f"denoise_mask of shape {tuple(d.shape)}: expected [{b}, 1 or 128, {f}, "
-                                           f"{h}, {w}]")
+                                           f"{h} or 1, {w} or 1]")
 
     @property
     def batch(self) -> int:

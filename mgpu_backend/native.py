@@ -19,6 +19,9 @@ ComfyUI's order with ComfyUI's inputs:
   per query group inside the (sequence-parallel) video self-attention;
 - STG (`stg_self_attn_blocks`): video and audio self-attention of those blocks return their value projection;
   modality guidance: a2v / v2a cross-attention off;
+- ComfyUI's block (`comfy_block`): the video→audio cross-attention normalizes the video stream after the block's
+  audio→video update (diffusers' block uses the video from before it); `run_vx` / `run_ax` False skip a stream's
+  updates;
 - reference-audio tokens at timestep 0, cut from the output; q/k RMS-norm eps 1e-5 (ComfyUI's, instead of the
   reference's 1e-6) in the transformer and the connectors while a native request runs.
 LoRA: a request's `LoraSet` is fused into the resident weights by the fleet's `LoRAFuser` (each rank computes its
@@ -38,7 +41,6 @@ way ComfyUI's connector appends its registers). `ContextCache` keeps processed r
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -65,11 +67,15 @@ class NotSupported(ValidationError):
     """A request ComfyUI's forward accepts that the fleet does not run yet (named, never ignored)."""
 
 
+def qk_norms(*modules: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention q/k RMSNorms (`norm_q`, `norm_k`) of `modules`."""
+    return [m for module in modules if module is not None for name, m in module.named_modules()
+            if name.rsplit(".", 1)[-1] in ("norm_q", "norm_k") and hasattr(m, "eps")]
+
+
 @contextlib.contextmanager
-def comfy_qk_eps(*modules: torch.nn.Module, eps: float = COMFY_QK_EPS):
-    """Within the block, every attention q/k RMSNorm (`norm_q`, `norm_k`) of `modules` uses `eps`; restored after."""
-    norms = [m for module in modules if module is not None for name, m in module.named_modules()
-             if name.rsplit(".", 1)[-1] in ("norm_q", "norm_k") and hasattr(m, "eps")]
+def comfy_qk_eps(norms: list[torch.nn.Module], eps: float = COMFY_QK_EPS):
+    """Within the block, the q/k RMSNorms `norms` (`qk_norms`) use `eps`; their own eps is restored after."""
     saved = [m.eps for m in norms]
     try:
         for m in norms:
@@ -389,6 +395,8 @@ class NativeEngine:
     def __init__(self, components, plan, dtype: torch.dtype, device: torch.device, lora: LoRAFuser | None = None):
         self.components, self.plan, self.dtype, self.device = components, plan, dtype, torch.device(device)
         self.transformer = components.transformer
+        self._qk_norms = qk_norms(self.transformer)
+        self._connector_qk_norms = qk_norms(components.video_connector, components.audio_connector)
         self.cache = ContextCache()
         # the fleet's LoRA fuser (shared with the stage jobs, which re-apply their own sets), or one of our own
         self.lora = lora or (LoRAFuser(self.transformer) if plan is None else
@@ -493,7 +501,8 @@ class NativeEngine:
             n_kf = request.guide_tokens
             keep = torch.ones(n_full, dtype=torch.bool, device=dev)
             if request.denoise_mask is not None:
-                keep = ~(request.denoise_mask[0].to(dev) < 0).any(dim=0).reshape(-1)
+                negative = (request.denoise_mask[0].to(dev) < 0).any(dim=0)  # [F, H | 1, W | 1]
+                keep = ~negative.expand(f, h, w).reshape(-1)
             kf_keep = keep[-n_kf:]
             video, coords = video[:, keep], coords[:, :, keep]
             if v_ts.shape[1] > 1:
@@ -627,7 +636,7 @@ class NativeEngine:
         layout and the request's dtype on the ranks that hold the result (rank 0 always), else `(None, None)`."""
         t0 = time.perf_counter()
         o = request.options
-        with torch.no_grad(), comfy_qk_eps(self.transformer):
+        with torch.no_grad(), comfy_qk_eps(self._qk_norms):
             p = self.prepare(request, context)
             rows = list(range(request.batch))
             run = None
@@ -668,7 +677,7 @@ class NativeEngine:
         else:
             rows = [ctx[i:i + 1].to(self.device, torch.float32) for i in range(ctx.shape[0])]
             try:
-                with torch.no_grad(), comfy_qk_eps(self.components.video_connector, self.components.audio_connector):
+                with torch.no_grad(), comfy_qk_eps(self._connector_qk_norms):
                     tc = text_contexts(self.components, rows, dtype=self.dtype)
             except ValueError as exc:
                 raise ValidationError(str(exc)) from None
@@ -689,5 +698,6 @@ class _Row:
         return f"batch row {self.index}"
 
 
-__all__ = ["COMFY_QK_EPS", "ContextCache", "GuideBias", "NativeEngine", "NotSupported", "audio_coords",
-           "comfy_qk_eps", "downsample_pixel_mask", "guide_bias", "video_pixel_coords"]
+__all__ = ["COMFY_QK_EPS", "ContextCache", "GuideBias", "NativeEngine", "NotSupported", "PatchLoRA", "audio_coords",
+           "comfy_block", "comfy_qk_eps", "downsample_pixel_mask", "guide_bias", "patch_loras", "qk_norms",
+           "video_pixel_coords"]

@@ -28,6 +28,7 @@ def test_per_token_timesteps_and_guides():
     r = _req(video_timestep=torch.ones(2, 18, 1), audio_timestep=torch.ones(2, 5, 1), keyframe_idxs=kf,
              guide_attention_entries=[GuideAttentionEntry(6, 0.7)], denoise_mask=torch.ones(1, 1, 3, 2, 3))
     assert r.guide_tokens == 6 and r.guide_attention_entries[0].needs_bias
+    _req(video_timestep=torch.ones(2, 18), keyframe_idxs=kf, denoise_mask=torch.ones(2, 1, 3, 1, 1))  # broadcast
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -63,3 +64,18 @@ def test_options_lora_miss_preprocess():
         GuideAttentionEntry(6, 1.0, pixel_mask=torch.ones(1, 1, 9, 64, 64))
     with pytest.raises(ForwardContractError, match="cache_keys"):
         PreprocessTextRequest(torch.zeros(2, 4, 8), cache_keys=("a",))
+
+
+def test_context_cache_bounds_and_recency():
+    from mgpu_backend.native import ContextCache
+
+    cache = ContextCache(max_rows=3, max_bytes=3 * 4 * 16)
+    for k in "abc":
+        cache.put(k, torch.zeros(1, 4, 4))
+    cache.get("a")  # a is now the most recent
+    cache.put("d", torch.zeros(1, 4, 4))
+    assert cache.missing(["a", "b", "c", "d"]) == ("b",)
+    cache.put("big", torch.zeros(1, 8, 4))  # 128 bytes: evicts the oldest until the bytes fit
+    assert cache.missing(["a", "c", "d", "big"]) == ("a", "c") and cache.nbytes <= 3 * 4 * 16
+    cache.clear()
+    assert len(cache) == 0 and cache.missing(["d"]) == ("d",)

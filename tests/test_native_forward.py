@@ -58,12 +58,14 @@ def golden_requests(meta: dict, tensors: dict, prefix: str = "") -> dict[str, Fo
                         for e in spec.get("guide_entries", []))
         modality = spec.get("modality", False)
         options = ForwardOptions(stg_self_attn_blocks=tuple(spec.get("stg", ())), a2v_cross_attn=not modality,
-                                 v2a_cross_attn=not modality)
+                                 v2a_cross_attn=not modality, run_vx=spec.get("run_vx", True),
+                                 run_ax=spec.get("run_ax", True))
         out[name] = ForwardRequest(
             video=g("video"), audio=g("audio"), video_timestep=g("video_timestep"), audio_timestep=g("audio_timestep"),
             context=tensors[f"{prefix}text.processed"][spec["rows"]],
             context_keys=tuple(f"{prefix}row{r}" for r in spec["rows"]),
-            frame_rate=float(meta["fps"]), keyframe_idxs=g("keyframe_idxs"), denoise_mask=g("denoise_mask"),
+            frame_rate=float(meta["fps"]), attention_mask=g("attention_mask"), keyframe_idxs=g("keyframe_idxs"),
+            denoise_mask=g("denoise_mask"),
             guide_attention_entries=entries, ref_audio_tokens=g("ref_audio_tokens"), options=options,
             cond_or_uncond=tuple(spec.get("cond_or_uncond", ())))
     return out
@@ -222,6 +224,21 @@ def test_one_process_equals_comfyui(golden):
     assert max(diffs.values()) <= 5e-6, diffs  # measured ≤ 2e-6
     assert set(out["reports"].values()) == {"one rank"}
     _check_lora(_run_lora(state, 0, golden.meta, golden.tensors, golden.lora), golden)
+    # the other spellings ComfyUI's arguments may take: per-token sigmas [B, N], a frame-wise denoise mask
+    import dataclasses
+
+    from mgpu_backend.jobs.forward import run_forward
+
+    ctx = SimpleNamespace(rank=0)
+    reqs = golden_requests(golden.meta, golden.tensors)
+    i2v = reqs["i2v_b2"]
+    flat = run_forward(state, dataclasses.replace(i2v, video_timestep=i2v.video_timestep[..., 0],
+                                                  audio_timestep=i2v.audio_timestep[..., 0]), ctx)
+    assert torch.equal(flat.video, out["outputs"]["i2v_b2"][0])
+    assert torch.equal(flat.audio, out["outputs"]["i2v_b2"][1])
+    guide = reqs["guide_s1_b1"]
+    framewise = run_forward(state, dataclasses.replace(guide, denoise_mask=guide.denoise_mask[:, :, :, :1, :1]), ctx)
+    assert torch.equal(framewise.video, out["outputs"]["guide_s1_b1"][0])
 
 
 ROW_SPLIT_CASES = ("t2v_b1", "t2v_b2", "guides_s07_b2", "ref_audio_b2")
@@ -261,6 +278,19 @@ def test_ranks_equal_comfyui(golden, world):
         _check_run(rows, golden)
         assert rows["reports"]["t2v_b2"].startswith("forward: batch rows in parallel on 2 ranks"), rows["reports"]
         assert rows["reports"]["t2v_b1"] == "sequence parallel over all 2 ranks", rows["reports"]
+
+
+def test_pixel_mask_downsampling_equals_comfyui(golden):
+    """`downsample_pixel_mask` against ComfyUI's `_downsample_mask_to_latent` in each of its branches (groups of
+    frames, trailing frames dropped, nearest repetition, one pixel frame, one latent frame)."""
+    from mgpu_backend.native import downsample_pixel_mask
+
+    names = sorted({k.rsplit(".", 1)[0] for k in golden.tensors if k.startswith("mask.")})
+    assert len(names) == 6
+    for name in names:
+        f_lat = int(name.split("x")[1])
+        got = downsample_pixel_mask(golden.tensors[f"{name}.in"], f_lat, 2, 3)
+        assert _max_diff(got, golden.tensors[f"{name}.out"]) <= 1e-6, name
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ GRID = (3, 3, 3)
 AUDIO_T = 5
 # name -> what the case exercises. Fields: batch (rows; contexts are text.processed rows in `rows` order),
 # i2v_strength (noise mask on latent frame 0), guides (list of {frame_idx, strength, pixel_mask, drop}),
-# base_frames (video frames before the guides), stg (blocks), modality (a2v/v2a off), ref_audio (tokens).
+# base_frames (video frames before the guides), stg (blocks), modality (a2v/v2a off), ref_audio (tokens),
+# text_mask (row 0's last n context tokens masked), run_vx / run_ax (a stream's block updates skipped).
 CASES: dict[str, dict] = {
     "t2v_b1": {"batch": 1, "rows": [1]},
     "t2v_b2": {"batch": 2, "rows": [0, 1], "cond_or_uncond": [1, 0]},
@@ -63,10 +64,17 @@ CASES: dict[str, dict] = {
     "iclora_drop_b1": {"batch": 1, "rows": [1], "base_frames": 2,
                        "guides": [{"frame_idx": 0, "strength": 1.0, "drop": [1, 3, 5, 7], "downscale": 2}]},
     "ref_audio_b2": {"batch": 2, "rows": [0, 1], "cond_or_uncond": [1, 0], "ref_audio": 4},
+    "text_mask_b2": {"batch": 2, "rows": [0, 1], "text_mask": 40},
+    "run_vx_off_b1": {"batch": 1, "rows": [1], "run_vx": False},
+    "run_ax_off_b1": {"batch": 1, "rows": [1], "run_ax": False},
 }
 
+# (pixel frames, latent frames) of the pixel-mask downsampling checks ("mask.<F_pix>x<F>.in/out", 16×24 px -> 2×3)
+MASK_FRAMES = ((9, 2), (17, 3), (12, 3), (2, 4), (1, 3), (5, 1))
 # cases also run on the tiny LTX-2.0 file (tensors prefixed "ltx20/"; metadata "ltx20": cases, fingerprint)
 LTX20_CASES = ("t2v_b1", "guide_pixel_mask_b1", "stg_b1")  # B = 1, on the one text row "ltx20/text.raw"
+# (pixel frames, latent frames) of the pixel-mask downsampling checks ("mask.<F_pix>x<F>.in/out", 16×24 px -> 2×3)
+MASK_FRAMES = ((9, 2), (17, 3), (12, 3), (2, 4), (1, 3), (5, 1))
 # cases also run on the tiny LTX-2.0 file (tensors prefixed "ltx20/"; metadata "ltx20": cases, fingerprint)
 LTX20_CASES = ("t2v_b1", "guide_pixel_mask_b1", "stg_b1")  # B = 1, on the one text row "ltx20/text.raw"
 # the tiny LTX-2.3 LoRA (`write_tiny_lora(…, "2.3", seed=0)`: every block Linear, rank 4) through ComfyUI's LoRA
@@ -169,6 +177,15 @@ def build_inputs(name: str, spec: dict, processed, gen):
         tokens = ref_latent.permute(0, 2, 1, 3).reshape(1, spec["ref_audio"], 128)
         kwargs["ref_audio"] = {"tokens": tokens}
         store["ref_audio_tokens"] = tokens
+    if "text_mask" in spec:
+        # an integer text mask (1 = attend): row 0 masks its last `text_mask` context tokens
+        mask = torch.ones(b, context.shape[1], dtype=torch.int64)
+        mask[0, -spec["text_mask"]:] = 0
+        kwargs["attention_mask"] = mask
+        store["attention_mask"] = mask
+    for key in ("run_vx", "run_ax"):
+        if key in spec:
+            kwargs["transformer_options"][key] = spec[key]
     if "cond_or_uncond" in spec:
         kwargs["transformer_options"]["cond_or_uncond"] = list(spec["cond_or_uncond"])
     return [video, audio], timestep, context, kwargs, store, extras
@@ -216,6 +233,14 @@ def main() -> int:
         cases_meta[name] = {**spec, **extras}
         print(f"{name}: video {tuple(out[0].shape)} audio {tuple(out[1].shape)} "
               f"max|v| {out[0].abs().max():.3f}")
+    # the pixel-mask downsampling rule alone (`LTXVModel._downsample_mask_to_latent`), every branch
+    from comfy.ldm.lightricks.model import LTXVModel
+
+    gen = torch.Generator().manual_seed(300)
+    for f_pix, f_lat in MASK_FRAMES:
+        mask = torch.rand(1, 1, f_pix, 16, 24, generator=gen)
+        tensors[f"mask.{f_pix}x{f_lat}.in"] = mask
+        tensors[f"mask.{f_pix}x{f_lat}.out"] = LTXVModel._downsample_mask_to_latent(mask, f_lat, 2, 3).contiguous()
     # LoRA: ComfyUI's LoraLoaderModelOnly path (load_lora_for_models -> ModelPatcher patches, fused on load) with
     # the tiny LTX-2.3 LoRA file, on the inputs of LORA["base"]
     import comfy.model_management
