@@ -459,7 +459,9 @@ class TextEncoderService:
         """The service of one worker from its `protocol.FleetConfig` (collective: every rank calls it; creates the
         gloo group on GPU fleets). Gemma is loaded here in the configured mode unless `gemma_unload` is set.
         `projection` None with a Gemma 4 file: the projection bundled in it (LTX-2.5); `family`: the checkpoint's
-        model family, checked against the Gemma file."""
+        model family, checked against the Gemma file. No Gemma (a transformer-only fleet: the native MODEL of Load
+        Diffusion Model (MGPU)): a service with nothing to encode."""
+        projection = projection if config.gemma is not None else None
         if projection is None:
             projection_source = config.text_projection
         else:
