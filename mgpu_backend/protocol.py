@@ -138,6 +138,11 @@ class FleetConfig:
     # compile (~10-20 s per shape on an H200), later jobs run ~10 % faster
     compile: bool = False
     sequence_parallel: bool = True  # False: every rank computes every stage whole (fleet mechanics, debugging)
+    # True: the workers load the transformer and its text connectors only (a transformer-only `diffusion_models/`
+    # file is enough): the fleet of the native MODEL (Load Diffusion Model (MGPU)), where ComfyUI's own loaders
+    # provide the VAEs and the text encoder. Only the transformer's jobs run on it (`TRANSFORMER_JOBS`); the stage
+    # jobs are refused by name.
+    transformer_only: bool = False
     # Gemma text encoder (parallel/gemma.py): "replicated" (a replica per rank, each encodes everything),
     # "batch_parallel" (a replica per rank, prompts split over ranks) or "sharded" (one copy over every device,
     # run from rank 0, embeddings broadcast); jobs may ask for another mode (Gemma is then reloaded)

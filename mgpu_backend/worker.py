@@ -20,6 +20,8 @@ import torch.distributed as dist
 from .protocol import SHM_DIR, FleetConfig, JobSpec
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
+TRANSFORMER_JOBS = frozenset({"forward", "preprocess_text", "noop", "frames"})
 
 
 def clean_allocator_env(env: dict[str, str]) -> dict[str, str]:
@@ -140,10 +142,14 @@ class WorkerState:
 
         dtype = getattr(torch, config.dtype)
         self.config, self.rank, self.device, self.dtype = config, rank, device, dtype
-        self.components = loader.load_components(
-            config.checkpoint, video_vae=config.video_vae, audio_vae=config.audio_vae,
-            text_projection=config.text_projection, upsampler=config.upscaler, text_encoder=config.gemma, dtype=dtype,
-            device=device)
+        if config.transformer_only:
+            self.components = loader.load_components(config.checkpoint, dtype=dtype, device=device,
+                                                     transformer_only=True)
+        else:
+            self.components = loader.load_components(
+                config.checkpoint, video_vae=config.video_vae, audio_vae=config.audio_vae,
+                text_projection=config.text_projection, upsampler=config.upscaler, text_encoder=config.gemma,
+                dtype=dtype, device=device)
         if config.compile:
             from .compile import compile_blocks
 
@@ -201,6 +207,12 @@ def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_fla
         try:
             if spec.kind not in jobs:
                 raise ValidationError(f"unknown job kind {spec.kind!r} (known: {', '.join(sorted(jobs))})")
+            if config.transformer_only and spec.kind not in TRANSFORMER_JOBS:
+                raise ValidationError(
+                    f"job {spec.kind!r}: this fleet holds the transformer only (Load Diffusion Model (MGPU), "
+                    f"FleetConfig.transformer_only), where ComfyUI's own loaders give the VAEs and the text encoder; "
+                    f"it runs {', '.join(sorted(TRANSFORMER_JOBS))} — load the whole checkpoint (Load Checkpoint "
+                    f"(MGPU)) for the stage jobs")
             result = jobs[spec.kind](state, spec.payload, ctx)
             conn.send(("result", spec.job_id, rank, result, loader.OPEN_COUNT))
         except SamplingCancelled:

@@ -234,21 +234,6 @@ def _native_model(handle: P.FleetHandle, what: str):
         raise NodeError(f"{what}: {exc}") from None
 
 
-def _check_single_file(path: str, what: str) -> None:
-    """The fleet loads LTX-2 single-file checkpoints (transformer + VAEs + text projection); a transformer-only file
-    is refused by name before any worker starts."""
-    from .native_model import read_header
-
-    try:
-        sd, _ = read_header(path)
-    except (OSError, ValueError) as exc:
-        raise NodeError(f"{what}: {exc}") from None
-    if not any(k.startswith("vae.") for k in sd):
-        raise NodeError(f"{what}: {os.path.basename(path)} holds the transformer only; the fleet loads LTX-2 "
-                        f"single-file checkpoints for now (the file in models/checkpoints/, e.g. "
-                        f"ltx-2.3-22b-dev.safetensors)")
-
-
 class LoadDiffusionModelMGPU(io.ComfyNode):
     """Load Diffusion Model (MGPU): the MODEL of ComfyUI's Load Diffusion Model, its transformer on the fleet."""
 
@@ -266,8 +251,9 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
                         "model merges, ControlNet and hook-scheduled LoRAs are refused by name.",
             inputs=[
                 io.Combo.Input("unet_name", options=_files("diffusion_models", "checkpoints"),
-                               tooltip="LTX-2 / LTX-2.3 single-file checkpoint (models/checkpoints/, or one placed "
-                                       "in models/diffusion_models/); a transformer-only file is refused for now."),
+                               tooltip="The transformer: an LTX-2.5 file (models/diffusion_models/: bf16, fp8 or "
+                                       "ComfyUI's int8-convrot), a 2.0 / 2.3 transformer-only file, or a single-file "
+                                       "checkpoint (only its transformer is loaded on the fleet)."),
                 io.String.Input("devices", default="all",
                                 tooltip="Devices of the fleet: 'all', a count ('4'), a CUDA index list ('0,1,3'; "
                                         "one index: '1,'), or 'cpu:N' for N CPU ranks. Without CUDA, 'all' means "
@@ -291,9 +277,9 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             devs = parse_devices(devices, world_size or None)
             dtype = "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32"
             path = _resolve(unet_name, "diffusion_models", "checkpoints")
-            _check_single_file(path, what)
             # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
-            config = P.FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True)
+            config = P.FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
+                                   transformer_only=True)
             try:
                 c = client()
                 try:

@@ -492,3 +492,21 @@ def test_lora_fuses_onto_resident_int8_layers_and_restores(files25, tmp_path):
     assert all(m.fused_weight is None for m in int8.values())
     after = tr.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_transformer_file_loads_alone_for_the_native_model(files25, ours):
+    """The native MODEL's fleet (`FleetConfig.transformer_only`) loads a `diffusion_models/` file with nothing else:
+    the same transformer as the whole set's, every other component None; the whole-set load of that file alone is
+    refused by name (its VAEs are elsewhere), and other files with `transformer_only` are refused."""
+    alone = load_components(files25["transformer_int8"], dtype=torch.float32, transformer_only=True)
+    assert alone.family.name == "2.5"
+    assert alone.video_vae is None and alone.audio_vae is None and alone.vocoder is None
+    assert alone.text_projection is None and alone.upsampler is None
+    assert {type(m).__name__ for m in alone.transformer.modules()} >= {"Int8Linear"}
+    same = load_components(files25["transformer"], dtype=torch.float32, transformer_only=True)
+    for (name, a), (_, b) in zip(same.transformer.state_dict().items(), ours.transformer.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(Exception, match="vae"):
+        load_components(files25["transformer"], dtype=torch.float32)
+    with pytest.raises(ValueError, match="video_vae"):
+        load_components(files25["transformer"], video_vae=files25["video_vae"], transformer_only=True)

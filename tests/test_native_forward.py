@@ -380,6 +380,18 @@ def test_fleet_jobs(golden):
                                                                       audio_timestep=None)))
         assert info.value.kind == "validation" and not info.value.fleet_lost
         assert client.status()["fleet"]["worker_pids"] == workers  # the same fleet serves on
+        # the native MODEL's fleet: the transformer alone (Load Diffusion Model (MGPU)); same forward, and the stage
+        # jobs refused by name with the fleet kept
+        handle = client.configure(dataclasses.replace(config, gemma=None, transformer_only=True))
+        workers = list(client.status()["fleet"]["worker_pids"])
+        client.run(handle, JobSpec("preprocess_text", PreprocessTextRequest(
+            golden.tensors["text.raw"], cache_keys=("row0", "row1"))))
+        reply = client.run(handle, JobSpec("forward", requests["t2v_b2"].without_context()))
+        assert torch.equal(reply.video, outputs["t2v_b2"][0]) and torch.equal(reply.audio, outputs["t2v_b2"][1])
+        with pytest.raises(ControllerError, match="transformer only") as info:
+            client.run(handle, JobSpec("decode", {}))
+        assert info.value.kind == "validation" and not info.value.fleet_lost
+        assert client.status()["fleet"]["worker_pids"] == workers
     finally:
         try:
             ControllerClient(runtime, start=False).stop()

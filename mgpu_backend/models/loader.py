@@ -107,9 +107,9 @@ class LTX2Components:
     video_connector: nn.Module
     audio_connector: nn.Module
     text_projection: nn.Module | None
-    video_vae: nn.Module
-    audio_vae: nn.Module
-    vocoder: nn.Module
+    video_vae: nn.Module | None  # None: a transformer-only load (`load_components(transformer_only=True)`)
+    audio_vae: nn.Module | None
+    vocoder: nn.Module | None
     upsampler: nn.Module | None = None
     config: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
@@ -395,7 +395,8 @@ def load_upsampler(path: str | Path | SafetensorsFile, dtype: torch.dtype) -> nn
 def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = None,
                     audio_vae: str | Path | None = None, text_projection: str | Path | None = None,
                     upsampler: str | Path | None = None, text_encoder: str | Path | None = None,
-                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> LTX2Components:
+                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                    transformer_only: bool = False) -> LTX2Components:
     """Load every component of an LTX-2 / LTX-2.3 / LTX-2.5 model, slot by slot of its family's component table.
 
     Args:
@@ -409,11 +410,25 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
             (LTX-2.5) and `text_projection` is not given.
         dtype: compute dtype of the modules (quantized Linear weights stay resident quantized; the vocoder stays
             float32).
-    Raises: FileNotFoundError, CheckpointError (family, metadata, strict key mismatch), each naming the file.
+        transformer_only: load the transformer and its text connectors only (every other field None; the other
+            file arguments must be None): what the native MODEL's fleet needs.
+    Raises: FileNotFoundError, CheckpointError (family, metadata, strict key mismatch), each naming the file;
+        ValueError when `transformer_only` is given other files.
     """
     main = SafetensorsFile(checkpoint)
+    if transformer_only:
+        given = {"video_vae": video_vae, "audio_vae": audio_vae, "text_projection": text_projection,
+                 "upsampler": upsampler, "text_encoder": text_encoder}
+        extra = sorted(name for name, path in given.items() if path is not None)
+        if extra:
+            raise ValueError(f"transformer_only loads the transformer alone; got files for {', '.join(extra)}")
     transformer, video_connector, audio_connector, meta = load_transformer(main, dtype)
     family = detect_family(meta, main.keys, transformer_prefix(main))
+    if transformer_only:
+        return LTX2Components(family=family, transformer=transformer, video_connector=video_connector,
+                              audio_connector=audio_connector, text_projection=None, video_vae=None, audio_vae=None,
+                              vocoder=None, config=main.config(),
+                              sources={"checkpoint": str(main.path)}).to(device)
     given = {"video_vae": video_vae, "audio_vae": audio_vae, "upsampler": upsampler}
     opened: dict[str, SafetensorsFile | None] = {"transformer": main}
     for slot, path in given.items():

@@ -472,7 +472,7 @@ class TextEncoderService:
                   mode=getattr(config, "gemma_mode", "replicated"), unload=getattr(config, "gemma_unload", False),
                   reserve_bytes=int(getattr(config, "gemma_reserve_gib", 0.0) * 2**30),
                   max_memory=dict(getattr(config, "gemma_max_memory", None) or ()))
-        if not svc.unload_after:
+        if not svc.unload_after and config.gemma is not None:  # no Gemma file: nothing to load at start
             svc.ensure_loaded(svc.mode, svc.fingerprint())
         return svc
 
