@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +28,20 @@ ERROR_GRACE_S = 10.0
 STOP_GRACE_S = 10.0
 
 EventFn = Callable[[dict], None]
+
+# what each job kind is doing before its first progress event (worker-death and stall reports name it)
+JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "upscale", "decode": "decode",
+              "encode_text": "text encoding", "noop": "noop", "frames": "frames hand-back"}
+
+
+def exit_text(code: int | None) -> str:
+    """`exit code 17`, `exit code -9 (SIGKILL)` for a worker's `Process.exitcode`."""
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 class Fleet:
@@ -108,7 +123,7 @@ class Fleet:
         self.processes[rank].join(5)
         code = self.processes[rank].exitcode
         self._drain_progress()  # rank 0's progress sent before the death names the stage in the report
-        self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with exit code {code}" + self._where(rank))
+        self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(code)}" + self._where(rank))
 
     def _drain_progress(self) -> None:
         for conn in self.conns:
@@ -127,6 +142,23 @@ class Fleet:
 
     def alive(self) -> bool:
         return self.lost is None and all(p.is_alive() for p in self.processes)
+
+    def death(self) -> str | None:
+        """Why this fleet is not alive: the failure that tore it down, or a worker that died between jobs (e.g.
+        killed by a user or the OOM killer); None while it is alive or after a plain shutdown."""
+        if self.lost is not None:
+            return None if self.lost == "shut down" else self.lost
+        for rank, proc in enumerate(self.processes):
+            if not proc.is_alive():
+                proc.join(1)
+                return (f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(proc.exitcode)} while "
+                        f"the fleet was idle")
+        return None
+
+    def describe(self) -> dict:
+        """The fleet for status answers and for saying what a stop or a rebuild replaces."""
+        return {"generation": self.generation, "devices": list(self.config.devices), "worker_pids": list(self.pids),
+                "checkpoint": self.config.checkpoint, "load_seconds": self.load_seconds}
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:
@@ -151,13 +183,16 @@ class Fleet:
     # ---- jobs ---------------------------------------------------------------------------------------------------
 
     _stage: tuple[str, int, int] | None = None  # rank 0's last reported (stage, step, total) of the running job
+    _job_stage: str | None = None  # what the running job does before its first progress event (JOB_STAGES)
 
     def _where(self, rank: int) -> str:
+        begun = f"rank {rank} had begun {int(self.heartbeat[2 * rank])} steps of the job"
         if self._stage is None:
-            return ""
+            return f" during {self._job_stage} (before its first step; {begun})" if self._job_stage else ""
         stage, step, total = self._stage
-        return (f" during {stage} (rank 0 at step {step}/{total}, rank {rank} had begun "
-                f"{int(self.heartbeat[2 * rank])} steps of the job)")
+        if total and step >= total:  # e.g. the decode after the last sampling stage, which reports no steps
+            return f" after {stage} had finished ({step}/{total} steps; {begun})"
+        return f" during {stage} (rank 0 at step {step}/{total}, {begun})"
 
     def cancel(self) -> None:
         """Ask rank 0 to stop the running job at the next step boundary (all ranks stop there together)."""
@@ -173,6 +208,7 @@ class Fleet:
         for i in range(2 * self.world_size):
             self.heartbeat[i] = 0.0
         self._stage = None
+        self._job_stage = JOB_STAGES.get(spec.kind, f"a {spec.kind} job")
         positions: dict[int, tuple[str, int]] = {}
         for conn in self.conns:
             conn.send(("job", spec))
@@ -222,8 +258,10 @@ class Fleet:
                 self._asymmetric_error(errors)
             rank0 = errors[0]
             kind = "validation" if all(e[7] for e in errors.values()) else "job_error"
-            raise ControllerError(f"{rank0[3]}: {rank0[4]}", kind=kind,
-                                  details={"stage": rank0[5], "step": rank0[6], "traceback": rank0[8]})
+            # bad input reads as in one process ("error: frames=10: …"); other errors keep their class name
+            message = rank0[4] if kind == "validation" else f"{rank0[3]}: {rank0[4]}"
+            raise ControllerError(message, kind=kind, details={"stage": rank0[5], "step": rank0[6],
+                                                               "error_type": rank0[3], "traceback": rank0[8]})
         return results[0]
 
     def _asymmetric_error(self, errors: dict[int, tuple]) -> None:
