@@ -316,8 +316,15 @@ class Controller:
         log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
 
     def _run_job(self, conn, handle: P.FleetHandle, spec: P.JobSpec, client: str) -> dict:
-        """Run one job (the caller holds job_lock); returns its final event (result or error), not yet sent."""
-        fleet = self.fleet
+        """Run one job (the caller holds job_lock); returns its final event (result or error), not yet sent.
+
+        The fleet's cancel flag is cleared when the job becomes current (under state_lock, as `cancel` checks it):
+        a cancel for this job that arrives at any later moment stops it; one for an earlier job never does."""
+        with self.state_lock:  # busy answers name this job also while a lost fleet is started again for it
+            self.current_job, self.current_kind, self.current_client = spec.job_id, spec.kind, client
+            fleet = self.fleet
+            if fleet is not None:
+                fleet.cancel_flag.value = 0
         if fleet is not None and fleet.alive() and fleet.config != handle.config:
             return _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was rebuilt "
                                 f"with another configuration (generation {fleet.generation}); load the checkpoint "
@@ -331,16 +338,17 @@ class Controller:
                     self._note_lost(fleet)
                     self._teardown(fleet, "lost", graceful=False)
                     why = f"the previous one was lost: {self.last_failure}"
-                self.fleet = None
+                with self.state_lock:
+                    self.fleet = None  # a cancel now is answered "no running job" (the client asks again)
                 try:
-                    self.fleet = fleet = self._start_fleet(handle.config, f"job {spec.job_id} from {client}; {why}")
+                    fleet = self._start_fleet(handle.config, f"job {spec.job_id} from {client}; {why}")
+                    with self.state_lock:
+                        self.fleet = fleet
                 except P.ControllerError as exc:
                     self.last_failure = str(exc)
                     return _error(spec, str(exc), exc.kind, fleet_lost=True)
         if spec.fault and not self.test_faults:
             spec.fault = None
-        with self.state_lock:
-            self.current_job, self.current_kind, self.current_client = spec.job_id, spec.kind, client
         _send_quiet(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
                            "worker_pids": list(fleet.pids)})
         try:

@@ -19,7 +19,7 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from .protocol import ControllerError, FleetConfig, JobCancelled, JobSpec
+from .protocol import JOB_STAGES, ControllerError, FleetConfig, JobCancelled, JobSpec
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -28,10 +28,6 @@ ERROR_GRACE_S = 10.0
 STOP_GRACE_S = 10.0
 
 EventFn = Callable[[dict], None]
-
-# what each job kind is doing before its first progress event (worker-death and stall reports name it)
-JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "upscale", "decode": "decode",
-              "encode_text": "text encoding", "noop": "noop", "frames": "frames hand-back"}
 
 
 def exit_text(code: int | None) -> str:
@@ -204,7 +200,7 @@ class Fleet:
         Raises JobCancelled, ControllerError (kind "job_error": same error on every rank, fleet kept; kind
         "fleet_lost": crash, stall or asymmetric error, fleet torn down).
         """
-        self.cancel_flag.value = 0
+        # the cancel flag is cleared by the controller when the job becomes current (a cancel may come before this)
         for i in range(2 * self.world_size):
             self.heartbeat[i] = 0.0
         self._stage = None

@@ -38,6 +38,10 @@ KEY_NAME = "authkey"
 # where POSIX shared memory lives on Linux (`shm_open` names are files here); frames are handed back through it
 SHM_DIR = "/dev/shm"
 
+# what each job kind is doing before its first progress event (error, worker-death and stall reports name it)
+JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "upscale", "decode": "decode",
+              "encode_text": "text encoding", "noop": "noop", "frames": "frames hand-back"}
+
 # a connection that has not passed the auth handshake within this long is dropped (it never blocks other clients)
 HANDSHAKE_TIMEOUT_S = 10.0
 # the largest request the controller reads; stage payloads carry latents and Gemma embeddings (two prompts of 1024
