@@ -46,6 +46,7 @@ class Controller:
         self.current_kind: str | None = None  # the running job's kind
         self.current_client: str | None = None  # who submitted the running job
         self.last_failure: str | None = None
+        self.stopped_by: str | None = None  # "stop from pid N (name)" while a stop / shutdown_fleet tears down
         self.clients: dict[int, str] = {}  # id(connection) -> "pid N (name)" of every authenticated client
         self.stopping = threading.Event()
         self.test_faults = os.environ.get("LTX2_MGPU_TEST_FAULTS") == "1"
@@ -184,13 +185,18 @@ class Controller:
             what = "the controller" if op == "stop" else "the fleet"
             stopped = {"fleet": self.fleet.describe() if self.fleet is not None and self.fleet.alive() else None,
                        "clients": self._others(conn), "job": self.busy_with() if self.current_job else None}
-            if stopped["job"]:
-                log.info("%s stops %s while %s runs (submitted by %s): cancelling it first", client, what,
-                         stopped["job"], self.current_client)
-                with self.state_lock:
-                    if self.fleet is not None and self.current_kind is not None:
-                        self.fleet.cancel()  # it stops at its next step boundary, within the stop grace
-            self._shutdown_fleet(f"{op} from {client}")
+            self.stopped_by = f"{op} from {client}"
+            try:
+                if stopped["job"]:
+                    log.info("%s stops %s while %s runs (submitted by %s): cancelling it first", client, what,
+                             stopped["job"], self.current_client)
+                    with self.state_lock:
+                        if self.fleet is not None and self.current_kind is not None:
+                            self.fleet.cancel()  # it stops at its next step boundary, within the stop grace
+                self._shutdown_fleet(self.stopped_by)
+            finally:
+                if op != "stop":
+                    self.stopped_by = None
             return {"ok": True, "stopped": stopped}
         return {"ok": False, "error": f"unknown op {op!r} (known: ping, status, configure, submit, cancel, "
                                       f"shutdown_fleet, stop)", "kind": "protocol"}
@@ -356,9 +362,11 @@ class Controller:
             return {"event": "result", "job_id": spec.job_id, "result": result}
         except P.ControllerError as exc:
             message = str(exc)
+            stopped_by = self.stopped_by
+            if stopped_by is not None and (exc.fleet_lost or isinstance(exc, P.JobCancelled)):
+                return _error(spec, f"the fleet was stopped while this job ran ({stopped_by}): the job did not "
+                                    f"finish", "fleet_stopped", fleet_lost=True)
             if exc.fleet_lost:
-                if self.stopping.is_set() or self.fleet is not fleet:
-                    message = f"the fleet was stopped by another client while this job ran ({message})"
                 self.last_failure = message
                 log.warning("fleet generation %d lost during job %s: %s", fleet.generation, spec.job_id, message)
                 with self.fleet_lock:

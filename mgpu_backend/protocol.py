@@ -43,7 +43,7 @@ JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "ups
               "encode_text": "text encoding", "noop": "noop", "frames": "frames hand-back"}
 
 # a connection that has not passed the auth handshake within this long is dropped (it never blocks other clients)
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = float(os.environ.get("LTX2_MGPU_HANDSHAKE_TIMEOUT_S", 10.0))
 # the largest request the controller reads; stage payloads carry latents and Gemma embeddings (two prompts of 1024
 # tokens of LTX-2's all-layer features are ~1.5 GB in float32). `LTX2_MGPU_MAX_MESSAGE_BYTES` overrides.
 MAX_MESSAGE_BYTES = int(os.environ.get("LTX2_MGPU_MAX_MESSAGE_BYTES", 8 * 1024 ** 3))
