@@ -394,32 +394,33 @@ def test_stop_and_a_replacing_configure_say_what_they_stop(tiny_dir):
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-def test_cli_refuses_bad_values_before_starting_anything(tiny_dir, tmp_path):
+def test_cli_refuses_bad_values_before_starting_anything(tiny_dir, tmp_path, monkeypatch, capsys):
+    """In this process (`cli.main`): each refusal is one `error: …` line, exit code 2, and no controller starts."""
+    from mgpu_backend import cli
+
     runtime = short_runtime_dir()
-    env = {"LTX2_MGPU_RUNTIME_DIR": str(runtime)}
+    monkeypatch.setenv("LTX2_MGPU_RUNTIME_DIR", str(runtime))
     files = tiny_dir["2.0"]
     base = ["generate", "--checkpoint", str(files["checkpoint"]), "--gemma", str(files["gemma"]), "--upscaler",
             str(files["upsampler"]), "--prompt", "a fox", "--width", "128", "--height", "128", "--frames", "9",
             "--output", str(tmp_path / "clip.mp4")]
+    directory = list(base)
+    directory[directory.index("--checkpoint") + 1] = str(tmp_path)
+    cases = [
+        (base + ["--world-size", "3", "--sp-degree", "4"], "sequence parallel degree 4 is not possible with 8 "
+                                                           "attention heads on 3 rank(s)"),
+        (base + ["--seed", "-1"], "seed=-1: must be an integer from 0"),
+        (base + ["--output", "/sys/clip.mp4"], "output: cannot write /sys/clip.mp4: no file can be created in /sys"),
+        (directory, f"checkpoint: {tmp_path} is a directory, not a file"),
+        (directory + ["--devices", "cpu:2"], f"checkpoint: {tmp_path} is a directory, not a file"),
+    ]
     try:
-        cases = [
-            (["--world-size", "3", "--sp-degree", "4"], "sequence parallel degree 4 is not possible"),
-            (["--seed", "-1"], "seed=-1: must be an integer from 0"),
-            (["--output", "/sys/clip.mp4"], "output: cannot write /sys/clip.mp4: no file can be created in /sys"),
-        ]
-        for extra, needle in cases:
-            result = _cli(*base, *extra, env_extra=env)
-            assert result.returncode == 2, (extra, result.stdout, result.stderr)
-            last = result.stderr.strip().splitlines()[-1]
-            assert last.startswith("error: ") and "Traceback" not in result.stderr, result.stderr
-            assert needle in result.stderr, (needle, result.stderr)
-        args = list(base)
-        args[args.index("--checkpoint") + 1] = str(tmp_path)
-        result = _cli(*args, env_extra=env)
-        assert result.returncode == 2 and f"checkpoint: {tmp_path} is a directory, not a file" in result.stderr, \
-            result.stderr
+        for args, needle in cases:
+            assert cli.main(args) == 2, args
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1] == f"error: {needle}" or err[-1].startswith(f"error: {needle}"), (args, err)
         assert not (runtime / P.SOCKET_NAME).exists(), "a controller was started for a refused command"
-        assert _cli("status", env_extra=env).stdout.strip() == "no controller is running"
+        assert cli.main(["status"]) == 0 and capsys.readouterr().out.strip() == "no controller is running"
         assert not (tmp_path / "clip.mp4").exists()
     finally:
         stop_controller(runtime)
