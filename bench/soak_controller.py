@@ -6,8 +6,8 @@ with random cancels and a worker SIGKILL every N jobs; count what went wrong.
 
 Each client is a thread with its own connection kept open (every `--reconnect-every`-th job goes out on a fresh
 connection, as the ComfyUI nodes make them); it takes the next job number, submits, and on a `busy` answer (another
-client's job runs) submits again after a random wait of up to `--busy-backoff-s`. Jobs: `noop` (0-3 synchronized steps), `frames` (a small clip handed back through
-/dev/shm), `sample` (a tiny 3-step stage-1 job on the tiny LTX-2.0 model) and, with `--cancel-prob`, a long noop
+client's job runs) submits again after a random wait of up to `--busy-backoff-s`. Jobs: `noop` (0-3 synchronized
+steps), `frames` (a small clip handed back through /dev/shm), `sample` (a tiny 3-step stage-1 job on the tiny LTX-2.0 model) and, with `--cancel-prob`, a long noop
 that the client cancels after its first progress event. Every `--kill-every` finished jobs the client that finishes
 it SIGKILLs a random worker of the fleet (maybe mid-job of another client: that job ends `fleet_lost`, expected);
 the next job starts a new fleet.
@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy-backoff-s", type=float, default=0.02, help="wait up to this long before a retry")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--keep-log", default=None, help="copy the controller's log here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -345,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  error: {e}")
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
+    if args.keep_log:
+        shutil.copy(runtime / "controller.log", args.keep_log)
     shutil.rmtree(runtime, ignore_errors=True)
     ok = (c["wrongly_refused"] == 0 and c["lost"] == 0 and c["other_errors"] == 0 and not leaked_shm
           and not leaked_procs and growth < 5.0)

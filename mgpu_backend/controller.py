@@ -312,7 +312,7 @@ class Controller:
         # released first: a client submitting again the moment it reads this answer finds the fleet free
         sent = _send_quiet(conn, final)
         if not sent and final["event"] == "result":  # the client went away: nobody will read (and unlink) frames
-            _free_frames(final["result"])
+            P.free_frames(final["result"])
         if final["event"] == "result":
             outcome = "done" if sent else "done (the client had gone; its frames were freed)"
         elif final["kind"] == "cancelled":
@@ -455,18 +455,6 @@ def check_config(config: P.FleetConfig) -> None:
 def _error(spec: P.JobSpec, message: str, kind: str, fleet_lost: bool = False, details: dict | None = None) -> dict:
     return {"event": "error", "job_id": spec.job_id, "message": message, "kind": kind, "fleet_lost": fleet_lost,
             "details": details or {}}
-
-
-def _free_frames(result) -> None:
-    if isinstance(result, dict) and isinstance(result.get("frames"), dict):
-        from multiprocessing import shared_memory
-
-        try:
-            shm = shared_memory.SharedMemory(name=result["frames"]["name"])
-            shm.close()
-            shm.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def _send_quiet(conn, event: dict) -> bool:

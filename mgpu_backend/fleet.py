@@ -9,6 +9,7 @@ Failure handling (DESIGN.md §8):
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import signal
@@ -19,7 +20,7 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from .protocol import JOB_STAGES, ControllerError, FleetConfig, JobCancelled, JobSpec
+from .protocol import JOB_STAGES, SHM_DIR, ControllerError, FleetConfig, JobCancelled, JobSpec, free_frames, unlink_shm
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -74,6 +75,9 @@ class Fleet:
         self.open_counts: list[int] = [0] * self.world_size
         self.load_seconds = 0.0
         self.lost: str | None = None
+        # frames blocks handed to clients lately (theirs to unlink); any other block of this fleet's workers left in
+        # /dev/shm at teardown is an orphan (e.g. written by rank 0 of a job another rank's death ended)
+        self.handed_out: collections.deque[str] = collections.deque(maxlen=64)
         self._wait_ready()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -175,6 +179,17 @@ class Fleet:
             conn.close()
         self.lost = self.lost or "shut down"
         self._tmp.cleanup()
+        self._remove_orphan_frames()
+
+    def _remove_orphan_frames(self) -> None:
+        """Unlink /dev/shm frames blocks this fleet's workers wrote that no client was handed (`send_frames` names
+        them `ltx2mgpu-<worker pid>-<ns>`)."""
+        if not os.path.isdir(SHM_DIR):
+            return
+        prefixes = tuple(f"ltx2mgpu-{pid}-" for pid in self.pids)
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(prefixes) and name not in self.handed_out:
+                unlink_shm(name)
 
     # ---- jobs ---------------------------------------------------------------------------------------------------
 
@@ -200,6 +215,18 @@ class Fleet:
         Raises JobCancelled, ControllerError (kind "job_error": same error on every rank, fleet kept; kind
         "fleet_lost": crash, stall or asymmetric error, fleet torn down).
         """
+        results: dict[int, dict] = {}
+        try:
+            result = self._run(spec, on_event, results)
+        except BaseException:
+            for r in results.values():  # e.g. rank 0's frames when another rank then died: nobody will read them
+                free_frames(r)
+            raise
+        if isinstance(result, dict) and isinstance(result.get("frames"), dict):
+            self.handed_out.append(result["frames"]["name"])
+        return result
+
+    def _run(self, spec: JobSpec, on_event: EventFn, results: dict[int, dict]) -> dict:
         # the cancel flag is cleared by the controller when the job becomes current (a cancel may come before this)
         for i in range(2 * self.world_size):
             self.heartbeat[i] = 0.0
@@ -208,7 +235,6 @@ class Fleet:
         positions: dict[int, tuple[str, int]] = {}
         for conn in self.conns:
             conn.send(("job", spec))
-        results: dict[int, dict] = {}
         errors: dict[int, tuple] = {}
         cancelled: set[int] = set()
         last_progress = time.monotonic()

@@ -88,6 +88,30 @@ def loads(data: bytes) -> Any:
     return _Unpickler(io.BytesIO(data)).load()
 
 
+def unlink_shm(name: str) -> None:
+    """Free a shared-memory block of frames by name (a /dev/shm file on Linux); one already gone is fine."""
+    if os.path.isdir(SHM_DIR):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+        return
+    from multiprocessing import shared_memory
+
+    try:
+        shm = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    shm.close()
+    shm.unlink()
+
+
+def free_frames(result: Any) -> None:
+    """Free the frames block a job result refers to (`{"frames": {"name", …}}`), for a result nobody will read."""
+    if isinstance(result, dict) and isinstance(result.get("frames"), dict):
+        unlink_shm(result["frames"]["name"])
+
+
 def default_runtime_dir(name: str = "ltx2-multigpu") -> Path:
     """Private per-user directory for the socket and the key (`$LTX2_MGPU_RUNTIME_DIR` overrides)."""
     explicit = os.environ.get("LTX2_MGPU_RUNTIME_DIR")

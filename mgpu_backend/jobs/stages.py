@@ -101,8 +101,9 @@ def run_sample(state, p: dict, ctx) -> dict:
     """One denoising stage.
 
     Payload: `stage` (optional name for progress and errors: "stage 1", "stage 2"; default from the mode and the
-    first sigma, `_stage_name`), `positive` / `negative` (CONDITIONING embeddings `[1, T, C]`; negative may be None), `video`
-    `[1, 128, F, H, W]`, `audio` `[1, 8, T, 16]`, optional `video_mask` (ComfyUI `noise_mask`, broadcastable to
+    first sigma, `_stage_name`), `positive` / `negative` (CONDITIONING embeddings `[1, T, C]`; negative may be
+    None), `video` `[1, 128, F, H, W]`,
+    `audio` `[1, 8, T, 16]`, optional `video_mask` (ComfyUI `noise_mask`, broadcastable to
     `[1, 1, F, H, W]`; 1 = generate), `noise_video` / `noise_audio` (same shapes as the latents), `sigmas` (1-D,
     ending in 0), `fps`, `video_guidance` / `audio_guidance` (`sampling.GuidanceParams`), `mode`
     ("sequence_parallel" | "tiled"), `tiles` (TileCountConfig for tiled; None = balanced), `tile_overlap`,
