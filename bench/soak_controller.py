@@ -17,8 +17,9 @@ Printed (and written to `--out` as JSON):
 - wrongly refused: a `busy` that named a job whose answer had reached a client BEFORE the refused submit was sent
   (the controller releases a job before it answers, so that is always wrong);
 - lost: submitted, never answered within `--job-timeout-s`; other errors (anything else, listed);
-- leaked /dev/shm files (new files there after the run), leaked processes (workers or other children of the
-  controller still alive after `stop`), and the controller's RSS at start (after `--warmup` jobs) and end.
+- leaked /dev/shm files (blocks of this fleet's workers left there after the run), leaked processes (workers or
+  other children of the controller still alive after `stop`), and the controller's RSS (+ swap: VmRSS + VmSwap)
+  at start (after `--warmup` jobs) and end.
 Target: 0 wrongly refused, 0 lost, 0 other errors, 0 leaked, RSS growth under 5 %.
 
 Run with the repository root on PYTHONPATH (or from the root: `PYTHONPATH=. python bench/soak_controller.py`).
@@ -57,11 +58,14 @@ class JobTimeout(Exception):
 
 
 def rss_kib(pid: int) -> int:
+    """Resident plus swapped-out memory (VmRSS + VmSwap): on a machine under memory pressure RSS alone falls when
+    pages are swapped out, which is not the process shrinking."""
+    total = 0
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+            if line.startswith(("VmRSS:", "VmSwap:")):
+                total += int(line.split()[1])
+    return total
 
 
 def descendants(pid: int) -> set[int]:
@@ -331,15 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         "rss_growth_percent": round(growth, 2), "errors": soak.errors[:20], "wrong_busy": soak.wrong[:5],
         "leaked_shm": leaked_shm[:10], "leaked_pids": leaked_procs[:10],
     }
-    print(f"jobs completed      {c['completed']}  (cancelled {c['cancelled']}, hit by a kill {c['fleet_lost']}; "
-          f"kinds {soak.kinds})")
+    print(f"jobs completed      {c['completed']} of {args.jobs}  (the others: cancelled {c['cancelled']}, hit by a kill "
+          f"{c['fleet_lost']}; kinds {soak.kinds})")
     print(f"wrongly refused     {c['wrongly_refused']}  (legit busy answers, retried: {c['legit_busy']})")
     print(f"lost                {c['lost']}  (other errors: {c['other_errors']})")
     print(f"worker kills        {c['kills']}  (fleet starts: {starts}; log job lines: {job_lines})")
     print(f"leaked /dev/shm     {len(leaked_shm)}  (other new files there, not from this fleet: "
           f"{len(new_shm) - len(leaked_shm)})")
     print(f"leaked processes    {len(leaked_procs)}")
-    print(f"controller RSS      start {rss_start / 1024:.1f} MiB (after {args.warmup} jobs; at launch "
+    print(f"controller RSS+swap start {rss_start / 1024:.1f} MiB (after {args.warmup} jobs; at launch "
           f"{rss_launch / 1024:.1f}), end {rss_end / 1024:.1f} MiB: {growth:+.2f} %")
     print(f"wall time           {seconds:.1f} s")
     for e in soak.errors[:10]:
