@@ -7,8 +7,8 @@ with random cancels and a worker SIGKILL every N jobs; count what went wrong.
 Each client is a thread with its own connection kept open (every `--reconnect-every`-th job goes out on a fresh
 connection, as the ComfyUI nodes make them); it takes the next job number, submits, and on a `busy` answer (another
 client's job runs) submits again after a random wait of up to `--busy-backoff-s`. Jobs: `noop` (0-3 synchronized
-steps), `frames` (a small clip handed back through /dev/shm), `sample` (a tiny 3-step stage-1 job on the tiny LTX-2.0 model) and, with `--cancel-prob`, a long noop
-that the client cancels after its first progress event. Every `--kill-every` finished jobs the client that finishes
+steps), `frames` (a small clip handed back through /dev/shm), `sample` (a tiny 3-step stage-1 job on the tiny
+LTX-2.0 model) and, with `--cancel-prob`, a long noop that the client cancels after its first progress event. Every `--kill-every` finished jobs the client that finishes
 it SIGKILLs a random worker of the fleet (maybe mid-job of another client: that job ends `fleet_lost`, expected);
 the next job starts a new fleet.
 
@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         "rss_growth_percent": round(growth, 2), "errors": soak.errors[:20], "wrong_busy": soak.wrong[:5],
         "leaked_shm": leaked_shm[:10], "leaked_pids": leaked_procs[:10],
     }
-    print(f"jobs completed      {c['completed']} of {args.jobs}  (the others: cancelled {c['cancelled']}, hit by a kill "
-          f"{c['fleet_lost']}; kinds {soak.kinds})")
+    print(f"jobs completed      {c['completed']} of {args.jobs}  (the others: cancelled {c['cancelled']}, hit by a "
+          f"kill {c['fleet_lost']}; kinds {soak.kinds})")
     print(f"wrongly refused     {c['wrongly_refused']}  (legit busy answers, retried: {c['legit_busy']})")
     print(f"lost                {c['lost']}  (other errors: {c['other_errors']})")
     print(f"worker kills        {c['kills']}  (fleet starts: {starts}; log job lines: {job_lines})")

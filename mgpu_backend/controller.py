@@ -47,6 +47,7 @@ class Controller:
         self.current_client: str | None = None  # who submitted the running job
         self.last_failure: str | None = None
         self.stopped_by: str | None = None  # "stop from pid N (name)" while a stop / shutdown_fleet tears down
+        self.lost_reason: str | None = None  # why the last fleet was lost, until a new one starts (for the log)
         self.clients: dict[int, str] = {}  # id(connection) -> "pid N (name)" of every authenticated client
         self.stopping = threading.Event()
         self.test_faults = os.environ.get("LTX2_MGPU_TEST_FAULTS") == "1"
@@ -219,7 +220,7 @@ class Controller:
         death = fleet.death()
         if death is not None and getattr(fleet, "_noted", None) != death:
             fleet._noted = death
-            self.last_failure = death
+            self.last_failure = self.lost_reason = death
             log.warning("fleet generation %d lost: %s", fleet.generation, death)
 
     def _start_fleet(self, config: P.FleetConfig, why: str) -> Fleet:
@@ -339,11 +340,12 @@ class Controller:
         # model is the same. A lost fleet is started again with the handle's config.
         if fleet is None or not fleet.alive():
             with self.fleet_lock:
-                why = "first job of its configuration"
                 if fleet is not None:
                     self._note_lost(fleet)
                     self._teardown(fleet, "lost", graceful=False)
-                    why = f"the previous one was lost: {self.last_failure}"
+                why = (f"the previous fleet was lost: {self.lost_reason}" if self.lost_reason
+                       else "first job of its configuration")
+                self.lost_reason = None
                 with self.state_lock:
                     self.fleet = None  # a cancel now is answered "no running job" (the client asks again)
                 try:
@@ -367,7 +369,7 @@ class Controller:
                 return _error(spec, f"the fleet was stopped while this job ran ({stopped_by}): the job did not "
                                     f"finish", "fleet_stopped", fleet_lost=True)
             if exc.fleet_lost:
-                self.last_failure = message
+                self.last_failure = self.lost_reason = message
                 log.warning("fleet generation %d lost during job %s: %s", fleet.generation, spec.job_id, message)
                 with self.fleet_lock:
                     if self.fleet is fleet:

@@ -346,7 +346,7 @@ def test_a_worker_killed_between_jobs_shows_in_status(ctl, handle, runtime):
     log = (runtime / "controller.log").read_text()
     assert f"fleet generation {before['generation']} lost: worker rank 0 (pid {victim})" in log
     assert re.search(rf"fleet generation {after['generation']} started \(job \w+ from pid \d+ \([^)]*\); the "
-                     rf"previous one was lost: worker rank 0", log), log[-2000:]
+                     rf"previous fleet was lost: worker rank 0", log), log[-2000:]
 
 
 def test_a_torn_down_fleet_unlinks_the_frames_no_client_was_handed(tmp_path, monkeypatch):
