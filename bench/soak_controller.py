@@ -8,9 +8,9 @@ Each client is a thread with its own connection kept open (every `--reconnect-ev
 connection, as the ComfyUI nodes make them); it takes the next job number, submits, and on a `busy` answer (another
 client's job runs) submits again after a random wait of up to `--busy-backoff-s`. Jobs: `noop` (0-3 synchronized
 steps), `frames` (a small clip handed back through /dev/shm), `sample` (a tiny 3-step stage-1 job on the tiny
-LTX-2.0 model) and, with `--cancel-prob`, a long noop that the client cancels after its first progress event. Every `--kill-every` finished jobs the client that finishes
-it SIGKILLs a random worker of the fleet (maybe mid-job of another client: that job ends `fleet_lost`, expected);
-the next job starts a new fleet.
+LTX-2.0 model) and, with `--cancel-prob`, a long noop that the client cancels after its first progress event.
+Every `--kill-every` finished jobs the client that finishes it SIGKILLs a random worker of the fleet (maybe mid-job
+of another client: that job ends `fleet_lost`, expected); the next job starts a new fleet.
 
 Printed (and written to `--out` as JSON):
 - completed (result), cancelled, fleet_lost (jobs hit by a kill), legit busy (another job was running);
