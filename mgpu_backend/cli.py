@@ -233,11 +233,11 @@ def _request_and_files(args, paths):
         decode_tiles=_grid(args.decode_tiles, args.decode_overlap, "--decode-tiles"),
         decode_overlap=args.decode_overlap,
         stage2_sigmas=_sigmas(args.stage2_sigmas))
+    request.validate()  # the values first, then the files they name, then where the result goes
     V.check_seed(args.seed)
     for what, path in files.items():
         V.check_file(what.replace("_", " "), path, required=what in ("checkpoint", "gemma", "upscaler"),
                      folder_ok=what == "gemma")
-    request.validate()
     V.check_output(args.output)
     return request, {k: (str(v) if v is not None else None) for k, v in files.items()}
 
