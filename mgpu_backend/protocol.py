@@ -18,6 +18,12 @@ and the nodes can say what they stopped. A request the controller cannot read (n
 `op`, a `submit` without a handle and a job) is answered `{"ok": False, "event": "error", "kind": "protocol", …}`
 and the connection stays; one longer than `MAX_MESSAGE_BYTES` is answered so and the connection is closed (its
 bytes were never read). The authentication handshake has `HANDSHAKE_TIMEOUT_S` and runs beside other clients.
+
+Error kinds (`ControllerError.kind`, the `kind` of an error event): "validation" (bad input, refused on every rank
+before work; the fleet stays), "job_error" (the same error on every rank; the fleet stays), "cancelled",
+"busy", "stale_handle", "fleet_lost" (a crash, stall or one-rank error tore the fleet down), "fleet_stopped" (a
+`stop` / `shutdown_fleet` from another client ended the running job), "protocol" (an unreadable request),
+"start_failed" / "not_running" (client side).
 """
 from __future__ import annotations
 
