@@ -19,6 +19,7 @@ anything is written (a NaN waveform otherwise fails only at mux time, after a fu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from fractions import Fraction

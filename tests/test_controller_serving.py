@@ -442,3 +442,38 @@ def test_cli_refuses_bad_values_before_starting_anything(tiny_dir, tmp_path, mon
     finally:
         stop_controller(runtime)
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_failed_write_is_not_hidden_by_its_clean_up(tmp_path, monkeypatch):
+    """`write_mp4` removes a partial file after a failure; when that clean-up fails too, the write's error is the one
+    raised (it was a PermissionError from `unlink` that hid it)."""
+    from mgpu_backend import media
+
+    real_av = media._av()
+
+    class FailingContainer:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def mux(self, packet):
+            raise OSError(28, "No space left on device")
+
+    class FailingAV:  # PyAV, but its containers cannot write a packet (a full disk)
+        def __getattr__(self, name):
+            return getattr(real_av, name)
+
+        @staticmethod
+        def open(*args, **kwargs):
+            return FailingContainer(real_av.open(*args, **kwargs))
+
+    monkeypatch.setattr(media, "_av", FailingAV)
+
+    def refuse_unlink(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse_unlink)
+    with pytest.raises(OSError, match="No space left on device"):
+        media.write_mp4(tmp_path / "clip.mp4", torch.zeros(9, 64, 64, 3), 24.0)
