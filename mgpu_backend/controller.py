@@ -310,17 +310,18 @@ class Controller:
             with self.state_lock:
                 self.current_job = self.current_kind = self.current_client = None
             self.job_lock.release()
-        # released first: a client submitting again the moment it reads this answer finds the fleet free
-        sent = _send_quiet(conn, final)
-        if not sent and final["event"] == "result":  # the client went away: nobody will read (and unlink) frames
-            P.free_frames(final["result"])
         if final["event"] == "result":
-            outcome = "done" if sent else "done (the client had gone; its frames were freed)"
+            outcome = "done"
         elif final["kind"] == "cancelled":
             outcome = "cancelled"
         else:
             outcome = f"{final['kind']}{' (fleet lost)' if final['fleet_lost'] else ''}: {final['message']}"
+        # the job's line is in the log before its client has the answer
         log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
+        # released first: a client submitting again the moment it reads this answer finds the fleet free
+        if not _send_quiet(conn, final) and final["event"] == "result":
+            P.free_frames(final["result"])  # the client went away: nobody will read (and unlink) the frames
+            log.info("job %s: its client had gone; its frames were freed", spec.job_id)
 
     def _run_job(self, conn, handle: P.FleetHandle, spec: P.JobSpec, client: str) -> dict:
         """Run one job (the caller holds job_lock); returns its final event (result or error), not yet sent.
