@@ -288,6 +288,9 @@ def _model_files(args) -> dict:
 
 
 def _request_and_files(args, paths):
+    """The validated request and the model files; everything a user can get wrong is refused here, before any
+    model is loaded or a controller is started (files, seed, the output destination)."""
+    from . import validation as V
     from .lora import parse_lora_arg
     from .pipelines import DEFAULT_NEGATIVE_PROMPT, GenerateRequest
     from .validation import ValidationError
@@ -310,7 +313,12 @@ def _request_and_files(args, paths):
         decode_tiles=_grid(args.decode_tiles, args.decode_overlap, "--decode-tiles"),
         decode_overlap=args.decode_overlap,
         stage2_sigmas=_sigmas(args.stage2_sigmas))
-    request.validate()
+    request.validate()  # the values first, then the files they name, then where the result goes
+    V.check_seed(args.seed)
+    for what, path in files.items():
+        V.check_file(what.replace("_", " "), path, required=what in ("checkpoint", "gemma", "upscaler"),
+                     folder_ok=what == "gemma")
+    V.check_output(args.output)
     return request, {k: (str(v) if v is not None else None) for k, v in files.items()}
 
 
@@ -319,6 +327,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     import torch
 
     from .client import ControllerClient, parse_devices
+    from .controller import check_config
     from .protocol import FleetConfig, JobSpec
 
     request, files = _request_and_files(args, paths)
@@ -331,10 +340,15 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree,
                          compile=args.compile, guidance_parallel=args.guidance_parallel or "auto",
                          min_tokens_per_rank=args.min_tokens_per_rank, **files)
+    check_config(config)  # headers only: a bad degree or file is refused before a controller is started
     client = ControllerClient()
     t = time.perf_counter()
     handle = client.configure(config)
     configure_time = time.perf_counter() - t
+    replaced = client.last_replaced
+    if replaced:  # another configuration was loaded (maybe by ComfyUI): say what this run replaced
+        print(f"note: {describe_stopped({'fleet': replaced, 'clients': replaced['clients']}, 'replaced')}",
+              file=sys.stderr)
     progress, job = _Progress(), JobSpec("generate", request)
     try:
         result = client.run(handle, job, on_event=lambda e: progress(e["stage"], e["step"], e["total"]))
@@ -348,6 +362,25 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
                    result["lora_reports"], {"fleet ready": configure_time}, result.get("rank_reports"),
                    f"fleet generation {handle.generation}, {len(devices)} rank(s) on {','.join(devices)} ({dtype}); "
                    f"{result['parallel']}")
+
+
+def describe_stopped(stopped: dict, verb: str) -> str:
+    """What a `stop` / a replacing `generate` stopped, in words: the fleet (generation, ranks, devices, model), the
+    other clients connected to the controller (the CLI and ComfyUI share one per user), the running job."""
+    fleet = stopped.get("fleet")
+    if fleet:
+        devices = fleet.get("devices") or []
+        parts = [f"{verb} fleet generation {fleet.get('generation')}: {len(devices)} rank(s) on {','.join(devices)} "
+                 f"(pids {', '.join(map(str, fleet.get('worker_pids') or []))}) with {fleet.get('checkpoint')}"]
+    else:
+        parts = ["no fleet was loaded"]
+    clients = stopped.get("clients") or []
+    if clients:
+        parts.append(f"{len(clients)} other client(s) were connected to this controller ({'; '.join(clients)}) — "
+                     f"ComfyUI and the CLI share it; their next job starts a fleet of their own configuration")
+    if stopped.get("job"):
+        parts.append(f"{stopped['job']} was running and was stopped")
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("no controller is running")
                 return 0
             if args.command == "stop":
-                client.stop()
-                print("controller stopped")
+                stopped = client.stop()
+                print(f"controller stopped; {describe_stopped(stopped, 'stopped')}")
             else:
                 import json
 

@@ -124,6 +124,8 @@ class ControllerClient:
         self.socket_path = self.runtime_dir / P.SOCKET_NAME
         self.key = P.read_or_create_key(self.runtime_dir)
         self.started_pid: int | None = None
+        # what the last `configure` replaced (the old fleet's `describe()` + "clients" connected), or None
+        self.last_replaced: dict | None = None
         self._conn = self._connect(start)
 
     def _try_connect(self):
@@ -169,13 +171,18 @@ class ControllerClient:
         return self.request("status")
 
     def configure(self, config: P.FleetConfig) -> P.FleetHandle:
-        return self.request("configure", config=config)["handle"]
+        """The fleet for `config` (reused when unchanged); `last_replaced` says which fleet a rebuild replaced."""
+        reply = self.request("configure", config=config)
+        self.last_replaced = reply.get("replaced")
+        return reply["handle"]
 
-    def shutdown_fleet(self) -> None:
-        self.request("shutdown_fleet")
+    def shutdown_fleet(self) -> dict:
+        """Stop the fleet (the controller stays). Returns what was stopped: {"fleet", "clients", "job"}."""
+        return self.request("shutdown_fleet").get("stopped") or {}
 
-    def stop(self) -> None:
-        self.request("stop")
+    def stop(self) -> dict:
+        """Stop the controller and its fleet. Returns what was stopped: {"fleet", "clients", "job"}."""
+        return self.request("stop").get("stopped") or {}
 
     def cancel(self, job_id: str) -> None:
         """Cancel from another connection (this one is busy streaming the job)."""

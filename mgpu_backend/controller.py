@@ -2,15 +2,29 @@
 
 Started by `client.connect()` as `python -m mgpu_backend.controller --runtime-dir DIR` with the caller's Python and
 an explicit PYTHONPATH, in its own session (it outlives the ComfyUI process or CLI that started it, so a second
-client reattaches). One job at a time: a `submit` while a job runs is answered `busy` at once.
+client reattaches). One controller per user serves every client — ComfyUI's nodes and the CLI alike.
+
+One job at a time: a `submit` while a job runs is answered `busy` at once. A job is released (lock and current
+job cleared) BEFORE its result or error is sent, so a client that submits again as soon as it has read the result
+is never refused as busy with the job that just ended.
+
+Every connection has its own thread, from the auth handshake on: the handshake has a deadline
+(`protocol.HANDSHAKE_TIMEOUT_S`), so a process that connects and never answers holds up nobody. A message that
+cannot be read is answered with an error (`kind` "protocol") and the controller keeps serving.
+
+The log (`controller.log` in the runtime directory) has one line per job (id, kind, client, seconds, outcome) and
+one per fleet start or teardown (generation, devices, load seconds, why).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import socket
+import struct
 import threading
-from multiprocessing.connection import Listener
+import time
+from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
 from . import protocol as P
@@ -27,9 +41,14 @@ class Controller:
         self.fleet: Fleet | None = None
         self.fleet_lock = threading.Lock()  # guards configure / run / shutdown of the fleet
         self.job_lock = threading.Lock()  # held while a job runs (busy check)
+        self.state_lock = threading.Lock()  # guards current_job / current_kind against a racing cancel
         self.current_job: str | None = None  # the running job's id, or what the fleet is doing ("starting …")
         self.current_kind: str | None = None  # the running job's kind
+        self.current_client: str | None = None  # who submitted the running job
         self.last_failure: str | None = None
+        self.stopped_by: str | None = None  # "stop from pid N (name)" while a stop / shutdown_fleet tears down
+        self.lost_reason: str | None = None  # why the last fleet was lost, until a new one starts (for the log)
+        self.clients: dict[int, str] = {}  # id(connection) -> "pid N (name)" of every authenticated client
         self.stopping = threading.Event()
         self.test_faults = os.environ.get("LTX2_MGPU_TEST_FAULTS") == "1"
 
@@ -40,7 +59,9 @@ class Controller:
             self.socket_path.unlink()
         old_umask = os.umask(0o177)  # the socket is created 0600
         try:
-            listener = Listener(str(self.socket_path), family="AF_UNIX", authkey=self.key)
+            # no authkey here: Listener.accept() would run the handshake in this loop, where a client that never
+            # answers blocks every other; each connection's thread authenticates it (_authenticate)
+            listener = Listener(str(self.socket_path), family="AF_UNIX")
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
@@ -49,153 +70,355 @@ class Controller:
             while not self.stopping.is_set():
                 try:
                     conn = listener.accept()
-                except Exception as exc:  # wrong auth key, client gone during the handshake
-                    log.warning("refused a connection: %s", exc)
+                except OSError as exc:  # e.g. out of file descriptors: keep serving the connections we have
+                    log.warning("accept failed: %s", exc)
+                    time.sleep(0.1)
                     continue
                 threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
         finally:
             listener.close()
-            self._shutdown_fleet()
+            self._shutdown_fleet("the controller stops")
+
+    def _authenticate(self, conn) -> None:
+        """The HMAC challenge both ways (what `Listener.accept` does with an authkey), with a deadline on every
+        read. Raises AuthenticationError (wrong key), OSError (timeout, client gone), EOFError."""
+        sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket, to set its receive timeout
+        try:
+            seconds = P.HANDSHAKE_TIMEOUT_S
+            timeout = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+            try:
+                deliver_challenge(conn, self.key)
+                answer_challenge(conn, self.key)
+            except BlockingIOError:
+                raise TimeoutError(f"no answer to the auth challenge within {seconds:g} s") from None
+            none = struct.pack("ll", 0, 0)  # authenticated: requests may come minutes apart
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, none)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, none)
+        finally:
+            sock.close()
 
     def _handle(self, conn) -> None:
+        client = _peer(conn)
+        try:
+            self._authenticate(conn)
+        except (AuthenticationError, OSError, EOFError) as exc:
+            if not self.stopping.is_set():  # (stop wakes accept() with a connection that says nothing)
+                log.warning("refused a connection from %s: %s", client, exc or type(exc).__name__)
+            conn.close()
+            return
+        with self.state_lock:
+            self.clients[id(conn)] = client
         try:
             while True:
                 try:
-                    request = P.recv(conn)
-                except (EOFError, OSError):
+                    data = conn.recv_bytes(P.MAX_MESSAGE_BYTES)
+                except EOFError:
                     return
-                op = request.get("op")
-                if op == "submit":
-                    self._submit(conn, request)
+                except OSError as exc:
+                    if exc.errno is None:  # "bad message length": over the limit; its bytes are still unread
+                        log.warning("%s sent a message over %d bytes: closing its connection", client,
+                                    P.MAX_MESSAGE_BYTES)
+                        _send_quiet(conn, _protocol_error(f"message refused: longer than the controller's limit "
+                                                          f"of {P.MAX_MESSAGE_BYTES} bytes (set "
+                                                          f"LTX2_MGPU_MAX_MESSAGE_BYTES); the connection is closed"))
+                    return
+                request = _parse(data)
+                if isinstance(request, str):  # unreadable: answered, and the next message is read as usual
+                    log.warning("%s: %s", client, request)
+                    _send_quiet(conn, _protocol_error(request))
                     continue
-                P.send(conn, self._simple(op, request))
+                op = request["op"]
+                if op == "submit":
+                    self._submit(conn, request, client)
+                    continue
+                try:
+                    reply = self._simple(op, request, conn, client)
+                except Exception as exc:  # noqa: BLE001 - a bug answering one request must not kill the connection
+                    log.exception("%s: %s failed", client, op)
+                    reply = {"ok": False, "error": f"{op} failed in the controller: {type(exc).__name__}: {exc}",
+                             "kind": "error"}
+                if not _send_quiet(conn, reply):
+                    return
                 if op == "stop":
                     self.stopping.set()
-                    # unblock accept(): connect once to ourselves
-                    try:
-                        from multiprocessing.connection import Client
-
-                        Client(str(self.socket_path), family="AF_UNIX", authkey=self.key).close()
-                    except OSError:
-                        pass
+                    # unblock accept(): connect once to ourselves (the handshake is in the new connection's thread)
+                    with socket.socket(socket.AF_UNIX) as wake:
+                        try:
+                            wake.connect(str(self.socket_path))
+                        except OSError:
+                            pass
                     return
         finally:
+            with self.state_lock:
+                self.clients.pop(id(conn), None)
             conn.close()
 
-    def _simple(self, op: str, request: dict) -> dict:
+    def _others(self, conn) -> list[str]:
+        """The other clients connected now (not `conn`)."""
+        with self.state_lock:
+            return [c for k, c in self.clients.items() if k != id(conn)]
+
+    def _simple(self, op: str, request: dict, conn, client: str) -> dict:
         if op == "ping":
             return {"ok": True, "pid": os.getpid()}
         if op == "status":
             return {"ok": True, **self.status()}
         if op == "configure":
+            config = request.get("config")
+            if not isinstance(config, P.FleetConfig):
+                return {"ok": False, "error": f"configure needs a FleetConfig, got {type(config).__name__}",
+                        "kind": "protocol"}
             try:
-                return {"ok": True, "handle": self.configure(request["config"])}
+                handle, replaced = self.configure(config, client, self._others(conn))
+                return {"ok": True, "handle": handle, "replaced": replaced}
             except P.ControllerError as exc:
                 return {"ok": False, "error": str(exc), "kind": exc.kind}
         if op == "cancel":
-            fleet = self.fleet
-            if fleet is not None and self.current_job == request.get("job_id"):
-                fleet.cancel()
-                return {"ok": True}
+            with self.state_lock:
+                fleet = self.fleet
+                if fleet is not None and self.current_job is not None and self.current_job == request.get("job_id"):
+                    fleet.cancel()
+                    return {"ok": True}
             return {"ok": False, "error": f"no running job {request.get('job_id')!r}"}
-        if op == "shutdown_fleet":
-            self._shutdown_fleet()
-            return {"ok": True}
-        if op == "stop":  # the workers are gone when the client hears back (a new fleet may take the devices)
-            self._shutdown_fleet()
-            return {"ok": True}
-        return {"ok": False, "error": f"unknown op {op!r}"}
+        if op in ("shutdown_fleet", "stop"):  # the workers are gone when the client hears back
+            what = "the controller" if op == "stop" else "the fleet"
+            stopped = {"fleet": self.fleet.describe() if self.fleet is not None and self.fleet.alive() else None,
+                       "clients": self._others(conn), "job": self.busy_with() if self.current_job else None}
+            self.stopped_by = f"{op} from {client}"
+            try:
+                if stopped["job"]:
+                    log.info("%s stops %s while %s runs (submitted by %s): cancelling it first", client, what,
+                             stopped["job"], self.current_client)
+                    with self.state_lock:
+                        if self.fleet is not None and self.current_kind is not None:
+                            self.fleet.cancel()  # it stops at its next step boundary, within the stop grace
+                self._shutdown_fleet(self.stopped_by)
+            finally:
+                if op != "stop":
+                    self.stopped_by = None
+            return {"ok": True, "stopped": stopped}
+        return {"ok": False, "error": f"unknown op {op!r} (known: ping, status, configure, submit, cancel, "
+                                      f"shutdown_fleet, stop)", "kind": "protocol"}
 
     # ---- fleet --------------------------------------------------------------------------------------------------
 
     def status(self) -> dict:
         fleet = self.fleet
+        if fleet is not None and not fleet.alive():
+            self._note_lost(fleet)
+        with self.state_lock:
+            clients = list(self.clients.values())
         return {"pid": os.getpid(), "socket": str(self.socket_path), "busy_job": self.current_job,
-                "last_failure": self.last_failure,
+                "busy_kind": self.current_kind, "last_failure": self.last_failure, "clients": clients,
                 "fleet": None if fleet is None or not fleet.alive() else {
-                    "generation": fleet.generation, "devices": list(fleet.config.devices),
-                    "worker_pids": list(fleet.pids), "checkpoint": fleet.config.checkpoint,
-                    "load_seconds": fleet.load_seconds, "open_counts": list(fleet.open_counts)}}
+                    **fleet.describe(), "open_counts": list(fleet.open_counts)}}
 
-    def configure(self, config: P.FleetConfig) -> P.FleetHandle:
-        """Reuse the fleet when the configuration is unchanged, else (re)build it. Refused while a job runs."""
+    def _note_lost(self, fleet: Fleet) -> None:
+        """Record (once) why a fleet that is not alive died, e.g. a worker killed between jobs."""
+        death = fleet.death()
+        if death is not None and getattr(fleet, "_noted", None) != death:
+            fleet._noted = death
+            self.last_failure = self.lost_reason = death
+            log.warning("fleet generation %d lost: %s", fleet.generation, death)
+
+    def _start_fleet(self, config: P.FleetConfig, why: str) -> Fleet:
+        """Start a fleet (caller holds fleet_lock) and log it. Raises ControllerError (fleet_lost)."""
+        t0 = time.monotonic()
+        generation = next_generation()
+        try:
+            fleet = Fleet(config, generation)
+        except P.ControllerError as exc:
+            log.warning("fleet generation %d failed to start after %.1f s (%s) on %s: %s", generation,
+                        time.monotonic() - t0, why, ",".join(config.devices), exc)
+            raise
+        log.info("fleet generation %d started (%s): %d rank(s) on %s, checkpoint %s, load %.1f s (ready after "
+                 "%.1f s), pids %s", generation, why, config.world_size, ",".join(config.devices),
+                 config.checkpoint, fleet.load_seconds, time.monotonic() - t0, list(fleet.pids))
+        return fleet
+
+    def _teardown(self, fleet: Fleet, why: str, graceful: bool = True) -> None:
+        """Shut a fleet down (caller holds fleet_lock) and log it."""
+        t0 = time.monotonic()
+        fleet.shutdown(graceful=graceful)
+        log.info("fleet generation %d torn down (%s): %d rank(s) on %s, in %.1f s", fleet.generation, why,
+                 fleet.world_size, ",".join(fleet.config.devices), time.monotonic() - t0)
+
+    def configure(self, config: P.FleetConfig, client: str = "a client",
+                  others: list[str] | None = None) -> tuple[P.FleetHandle, dict | None]:
+        """Reuse the fleet when the configuration is unchanged, else (re)build it. Refused while a job runs.
+
+        Returns the handle and what was replaced: None, or the old fleet (`Fleet.describe`) with the other
+        clients connected at the time (`clients`)."""
         if not self.job_lock.acquire(blocking=False):
             raise P.FleetBusy(f"the fleet is busy with {self.busy_with()}; try again when it ends (a cancelled "
                               f"job stops at its next denoising step; a first compiled job finishes compiling "
                               f"first)", kind="busy")
         try:
-            self.current_job = f"starting a {config.world_size}-rank fleet"  # what status / busy answers show
+            with self.state_lock:
+                self.current_job = f"starting a {config.world_size}-rank fleet"  # what status / busy answers show
+                self.current_client = client
             with self.fleet_lock:
                 fleet = self.fleet
                 if fleet is not None and fleet.alive() and fleet.config == config:
-                    return P.FleetHandle(fleet.generation, config, fleet.pids)
+                    return P.FleetHandle(fleet.generation, config, fleet.pids), None
                 check_config(config)  # before any worker starts; nothing running is touched
+                replaced = None
                 if fleet is not None:
-                    fleet.shutdown()
+                    if fleet.alive():
+                        replaced = {**fleet.describe(), "clients": list(others or [])}
+                        self._teardown(fleet, f"replaced by another configuration from {client}")
+                    else:
+                        self._note_lost(fleet)
+                        self._teardown(fleet, "lost", graceful=False)
                     self.fleet = None
-                self.fleet = Fleet(config, next_generation())
-                return P.FleetHandle(self.fleet.generation, config, self.fleet.pids)
+                self.fleet = self._start_fleet(config, f"configure from {client}")
+                return P.FleetHandle(self.fleet.generation, config, self.fleet.pids), replaced
         finally:
-            self.current_job = None
+            with self.state_lock:
+                self.current_job = self.current_client = None
             self.job_lock.release()
 
-    def _shutdown_fleet(self) -> None:
+    def _shutdown_fleet(self, why: str) -> None:
         with self.fleet_lock:
             if self.fleet is not None:
-                self.fleet.shutdown()
+                if not self.fleet.alive():
+                    self._note_lost(self.fleet)
+                self._teardown(self.fleet, why, graceful=self.fleet.alive())
                 self.fleet = None
 
-    def _submit(self, conn, request: dict) -> None:
-        handle: P.FleetHandle = request["handle"]
-        spec: P.JobSpec = request["job"]
-        if not self.job_lock.acquire(blocking=False):
-            P.send(conn, {"event": "busy", "job_id": spec.job_id, "running": self.busy_with()})
+    def _submit(self, conn, request: dict, client: str) -> None:
+        handle, spec = request.get("handle"), request.get("job")
+        if not isinstance(handle, P.FleetHandle) or not isinstance(spec, P.JobSpec):
+            _send_quiet(conn, _protocol_error(f"submit needs a FleetHandle 'handle' and a JobSpec 'job', got "
+                                              f"{type(handle).__name__} and {type(spec).__name__}"))
             return
+        t0 = time.monotonic()
+        if not self.job_lock.acquire(blocking=False):
+            running = self.busy_with()
+            _send_quiet(conn, {"event": "busy", "job_id": spec.job_id, "running": running})
+            log.info("job %s %s from %s: refused, busy with %s", spec.job_id, spec.kind, client, running)
+            return
+        final: dict | None = None
         try:
-            fleet = self.fleet
-            if fleet is not None and fleet.alive() and fleet.config != handle.config:
-                P.send(conn, _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was "
-                                       f"rebuilt with another configuration (generation {fleet.generation}); load "
-                                       f"the checkpoint again", "stale_handle"))
-                return
-            # a live fleet of the handle's config serves it, also one rebuilt after a failure (generation + 1): the
-            # model is the same. A lost fleet is started again with the handle's config.
-            if fleet is None or not fleet.alive():
-                with self.fleet_lock:
-                    if fleet is not None:
-                        fleet.shutdown(graceful=False)
-                    try:
-                        self.fleet = fleet = Fleet(handle.config, next_generation())
-                    except P.ControllerError as exc:
-                        self.fleet, self.last_failure = None, str(exc)
-                        P.send(conn, _error(spec, str(exc), exc.kind, fleet_lost=True))
-                        return
-            if spec.fault and not self.test_faults:
-                spec.fault = None
-            self.current_job, self.current_kind = spec.job_id, spec.kind
-            P.send(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
-                       "worker_pids": list(fleet.pids)})
-            try:
-                result = fleet.run(spec, on_event=lambda event: _send_quiet(conn, event))
-                try:
-                    P.send(conn, {"event": "result", "job_id": spec.job_id, "result": result})
-                except OSError:  # the client went away: nobody will read (and unlink) the frames block
-                    _free_frames(result)
-                    raise
-            except P.ControllerError as exc:
-                if exc.fleet_lost:
-                    self.last_failure = str(exc)
-                    self.fleet = None
-                _send_quiet(conn, _error(spec, str(exc), exc.kind, exc.fleet_lost, exc.details))
+            final = self._run_job(conn, handle, spec, client)
+        except BaseException as exc:  # a bug: the client still gets an answer, the job lock is released
+            log.exception("job %s failed in the controller", spec.job_id)
+            final = _error(spec, f"the controller failed running the job: {type(exc).__name__}: {exc}", "error")
         finally:
-            self.current_job = self.current_kind = None
+            with self.state_lock:
+                self.current_job = self.current_kind = self.current_client = None
             self.job_lock.release()
+        if final["event"] == "result":
+            outcome = "done"
+        elif final["kind"] == "cancelled":
+            outcome = "cancelled"
+        else:
+            outcome = f"{final['kind']}{' (fleet lost)' if final['fleet_lost'] else ''}: {final['message']}"
+        # the job's line is in the log before its client has the answer
+        log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
+        # released first: a client submitting again the moment it reads this answer finds the fleet free
+        if not _send_quiet(conn, final) and final["event"] == "result":
+            P.free_frames(final["result"])  # the client went away: nobody will read (and unlink) the frames
+            log.info("job %s: its client had gone; its frames were freed", spec.job_id)
+
+    def _run_job(self, conn, handle: P.FleetHandle, spec: P.JobSpec, client: str) -> dict:
+        """Run one job (the caller holds job_lock); returns its final event (result or error), not yet sent.
+
+        The fleet's cancel flag is cleared when the job becomes current (under state_lock, as `cancel` checks it):
+        a cancel for this job that arrives at any later moment stops it; one for an earlier job never does."""
+        with self.state_lock:  # busy answers name this job also while a lost fleet is started again for it
+            self.current_job, self.current_kind, self.current_client = spec.job_id, spec.kind, client
+            fleet = self.fleet
+            if fleet is not None:
+                fleet.cancel_flag.value = 0
+        if fleet is not None and fleet.alive() and fleet.config != handle.config:
+            return _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was rebuilt "
+                                f"with another configuration (generation {fleet.generation}); load the checkpoint "
+                                f"again", "stale_handle")
+        # a live fleet of the handle's config serves it, also one rebuilt after a failure (generation + 1): the
+        # model is the same. A lost fleet is started again with the handle's config.
+        if fleet is None or not fleet.alive():
+            with self.fleet_lock:
+                if fleet is not None:
+                    self._note_lost(fleet)
+                    self._teardown(fleet, "lost", graceful=False)
+                why = (f"the previous fleet was lost: {self.lost_reason}" if self.lost_reason
+                       else "first job of its configuration")
+                self.lost_reason = None
+                with self.state_lock:
+                    self.fleet = None  # a cancel now is answered "no running job" (the client asks again)
+                try:
+                    fleet = self._start_fleet(handle.config, f"job {spec.job_id} from {client}; {why}")
+                    with self.state_lock:
+                        self.fleet = fleet
+                except P.ControllerError as exc:
+                    self.last_failure = str(exc)
+                    return _error(spec, str(exc), exc.kind, fleet_lost=True)
+        if spec.fault and not self.test_faults:
+            spec.fault = None
+        _send_quiet(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
+                           "worker_pids": list(fleet.pids)})
+        try:
+            result = fleet.run(spec, on_event=lambda event: _send_quiet(conn, event))
+            return {"event": "result", "job_id": spec.job_id, "result": result}
+        except P.ControllerError as exc:
+            message = str(exc)
+            stopped_by = self.stopped_by
+            if stopped_by is not None and (exc.fleet_lost or isinstance(exc, P.JobCancelled)):
+                return _error(spec, f"the fleet was stopped while this job ran ({stopped_by}): the job did not "
+                                    f"finish", "fleet_stopped", fleet_lost=True)
+            if exc.fleet_lost:
+                self.last_failure = self.lost_reason = message
+                log.warning("fleet generation %d lost during job %s: %s", fleet.generation, spec.job_id, message)
+                with self.fleet_lock:
+                    if self.fleet is fleet:
+                        self.fleet = None
+            return _error(spec, message, exc.kind, exc.fleet_lost, exc.details)
 
     def busy_with(self) -> str:
         """What the fleet is doing, for busy answers: "a generate job (id)", or "starting a N-rank fleet"."""
-        if self.current_kind is not None:
-            return f"a {self.current_kind} job ({self.current_job})"
-        return self.current_job or "another job"
+        kind, job = self.current_kind, self.current_job
+        if kind is not None:
+            return f"a {kind} job ({job})"
+        return job or "another job"
+
+
+def _peer(conn) -> str:
+    """"pid N (name)" of the process at the other end of a Unix socket (SO_PEERCRED), for the log and status."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+        finally:
+            sock.close()
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                return f"pid {pid} ({f.read().strip()})"
+        except OSError:
+            return f"pid {pid}"
+    except (OSError, AttributeError):  # not Linux: no SO_PEERCRED
+        return f"connection {id(conn):x}"
+
+
+def _parse(data: bytes) -> dict | str:
+    """A request dict with a string `op`, or the reason it is not one."""
+    try:
+        request = P.loads(data)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is the sender's error
+        return f"malformed message ({len(data)} bytes): cannot unpickle it ({type(exc).__name__}: {exc})"
+    if not isinstance(request, dict) or not isinstance(request.get("op"), str):
+        return (f"malformed request: expected a dict with a string 'op', got "
+                f"{type(request).__name__} {repr(request)[:80]}")
+    return request
+
+
+def _protocol_error(message: str) -> dict:
+    """An answer both client paths read: a request reply (`ok`/`error`) and a job's final event (`event`)."""
+    return {"ok": False, "error": message, "event": "error", "job_id": None, "message": message, "kind": "protocol",
+            "fleet_lost": False, "details": {}}
 
 
 def check_config(config: P.FleetConfig) -> None:
@@ -216,6 +439,12 @@ def check_config(config: P.FleetConfig) -> None:
     if config.min_tokens_per_rank is not None and config.min_tokens_per_rank < 0:
         raise P.ControllerError(f"min_tokens_per_rank={config.min_tokens_per_rank}: must be 0 (always every rank) or "
                                 f"a positive video-token count", kind="validation")
+    for what, path in (("checkpoint", config.checkpoint), ("upscaler", config.upscaler),
+                       ("video_vae", config.video_vae), ("audio_vae", config.audio_vae),
+                       ("text_projection", config.text_projection)):
+        if path and Path(path).is_dir():
+            raise P.ControllerError(f"{what}: {path} is a directory, not a file: give the .safetensors file in it",
+                                    kind="validation")
     try:
         header = SafetensorsFile(config.checkpoint)
         transformer_prefix(header)
@@ -231,24 +460,13 @@ def _error(spec: P.JobSpec, message: str, kind: str, fleet_lost: bool = False, d
             "details": details or {}}
 
 
-def _free_frames(result) -> None:
-    if isinstance(result, dict) and isinstance(result.get("frames"), dict):
-        from multiprocessing import shared_memory
-
-        try:
-            shm = shared_memory.SharedMemory(name=result["frames"]["name"])
-            shm.close()
-            shm.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def _send_quiet(conn, event: dict) -> None:
-    """Progress to a client that went away is dropped; the job goes on."""
+def _send_quiet(conn, event: dict) -> bool:
+    """Send; a client that went away is not an error here (progress is dropped, the job goes on). False if gone."""
     try:
         P.send(conn, event)
+        return True
     except OSError:
-        pass
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

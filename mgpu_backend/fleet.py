@@ -9,8 +9,10 @@ Failure handling (DESIGN.md §8):
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,7 +20,7 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from .protocol import ControllerError, FleetConfig, JobCancelled, JobSpec
+from .protocol import JOB_STAGES, SHM_DIR, ControllerError, FleetConfig, JobCancelled, JobSpec, free_frames, unlink_shm
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -27,6 +29,16 @@ ERROR_GRACE_S = 10.0
 STOP_GRACE_S = 10.0
 
 EventFn = Callable[[dict], None]
+
+
+def exit_text(code: int | None) -> str:
+    """`exit code 17`, `exit code -9 (SIGKILL)` for a worker's `Process.exitcode`."""
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 class Fleet:
@@ -63,6 +75,9 @@ class Fleet:
         self.open_counts: list[int] = [0] * self.world_size
         self.load_seconds = 0.0
         self.lost: str | None = None
+        # frames blocks handed to clients lately (theirs to unlink); any other block of this fleet's workers left in
+        # /dev/shm at teardown is an orphan (e.g. written by rank 0 of a job another rank's death ended)
+        self.handed_out: collections.deque[str] = collections.deque(maxlen=64)
         self._wait_ready()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -108,7 +123,7 @@ class Fleet:
         self.processes[rank].join(5)
         code = self.processes[rank].exitcode
         self._drain_progress()  # rank 0's progress sent before the death names the stage in the report
-        self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with exit code {code}" + self._where(rank))
+        self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(code)}" + self._where(rank))
 
     def _drain_progress(self) -> None:
         for conn in self.conns:
@@ -127,6 +142,23 @@ class Fleet:
 
     def alive(self) -> bool:
         return self.lost is None and all(p.is_alive() for p in self.processes)
+
+    def death(self) -> str | None:
+        """Why this fleet is not alive: the failure that tore it down, or a worker that died between jobs (e.g.
+        killed by a user or the OOM killer); None while it is alive or after a plain shutdown."""
+        if self.lost is not None:
+            return None if self.lost == "shut down" else self.lost
+        for rank, proc in enumerate(self.processes):
+            if not proc.is_alive():
+                proc.join(1)
+                return (f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(proc.exitcode)} while "
+                        f"the fleet was idle")
+        return None
+
+    def describe(self) -> dict:
+        """The fleet for status answers and for saying what a stop or a rebuild replaces."""
+        return {"generation": self.generation, "devices": list(self.config.devices), "worker_pids": list(self.pids),
+                "checkpoint": self.config.checkpoint, "load_seconds": self.load_seconds}
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:
@@ -147,17 +179,31 @@ class Fleet:
             conn.close()
         self.lost = self.lost or "shut down"
         self._tmp.cleanup()
+        self._remove_orphan_frames()
+
+    def _remove_orphan_frames(self) -> None:
+        """Unlink /dev/shm frames blocks this fleet's workers wrote that no client was handed (`send_frames` names
+        them `ltx2mgpu-<worker pid>-<ns>`)."""
+        if not os.path.isdir(SHM_DIR):
+            return
+        prefixes = tuple(f"ltx2mgpu-{pid}-" for pid in self.pids)
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(prefixes) and name not in self.handed_out:
+                unlink_shm(name)
 
     # ---- jobs ---------------------------------------------------------------------------------------------------
 
     _stage: tuple[str, int, int] | None = None  # rank 0's last reported (stage, step, total) of the running job
+    _job_stage: str | None = None  # what the running job does before its first progress event (JOB_STAGES)
 
     def _where(self, rank: int) -> str:
+        begun = f"rank {rank} had begun {int(self.heartbeat[2 * rank])} steps of the job"
         if self._stage is None:
-            return ""
+            return f" during {self._job_stage} (before its first step; {begun})" if self._job_stage else ""
         stage, step, total = self._stage
-        return (f" during {stage} (rank 0 at step {step}/{total}, rank {rank} had begun "
-                f"{int(self.heartbeat[2 * rank])} steps of the job)")
+        if total and step >= total:  # e.g. the decode after the last sampling stage, which reports no steps
+            return f" after {stage} had finished ({step}/{total} steps; {begun})"
+        return f" during {stage} (rank 0 at step {step}/{total}, {begun})"
 
     def cancel(self) -> None:
         """Ask rank 0 to stop the running job at the next step boundary (all ranks stop there together)."""
@@ -169,14 +215,26 @@ class Fleet:
         Raises JobCancelled, ControllerError (kind "job_error": same error on every rank, fleet kept; kind
         "fleet_lost": crash, stall or asymmetric error, fleet torn down).
         """
-        self.cancel_flag.value = 0
+        results: dict[int, dict] = {}
+        try:
+            result = self._run(spec, on_event, results)
+        except BaseException:
+            for r in results.values():  # e.g. rank 0's frames when another rank then died: nobody will read them
+                free_frames(r)
+            raise
+        if isinstance(result, dict) and isinstance(result.get("frames"), dict):
+            self.handed_out.append(result["frames"]["name"])
+        return result
+
+    def _run(self, spec: JobSpec, on_event: EventFn, results: dict[int, dict]) -> dict:
+        # the cancel flag is cleared by the controller when the job becomes current (a cancel may come before this)
         for i in range(2 * self.world_size):
             self.heartbeat[i] = 0.0
         self._stage = None
+        self._job_stage = JOB_STAGES.get(spec.kind, f"a {spec.kind} job")
         positions: dict[int, tuple[str, int]] = {}
         for conn in self.conns:
             conn.send(("job", spec))
-        results: dict[int, dict] = {}
         errors: dict[int, tuple] = {}
         cancelled: set[int] = set()
         last_progress = time.monotonic()
@@ -222,8 +280,10 @@ class Fleet:
                 self._asymmetric_error(errors)
             rank0 = errors[0]
             kind = "validation" if all(e[7] for e in errors.values()) else "job_error"
-            raise ControllerError(f"{rank0[3]}: {rank0[4]}", kind=kind,
-                                  details={"stage": rank0[5], "step": rank0[6], "traceback": rank0[8]})
+            # bad input reads as in one process ("error: frames=10: …"); other errors keep their class name
+            message = rank0[4] if kind == "validation" else f"{rank0[3]}: {rank0[4]}"
+            raise ControllerError(message, kind=kind, details={"stage": rank0[5], "step": rank0[6],
+                                                               "error_type": rank0[3], "traceback": rank0[8]})
         return results[0]
 
     def _asymmetric_error(self, errors: dict[int, tuple]) -> None:

@@ -19,6 +19,7 @@ anything is written (a NaN waveform otherwise fails only at mux time, after a fu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from fractions import Fraction
@@ -161,7 +162,6 @@ def write_mp4(
     path.parent.mkdir(parents=True, exist_ok=True)
     n, h, w, _ = video.shape
     codec = video_codec()
-    ok = False
     container = av.open(str(path), mode="w")
     try:
         if codec == "libx264":
@@ -203,11 +203,19 @@ def write_mp4(
                     container.mux(packet)
             for packet in a_stream.encode():
                 container.mux(packet)
-        ok = True
-    finally:
-        container.close()
-        if not ok:
+    except BaseException:
+        # clean-up never hides the error that stopped the write (a failing close or unlink is secondary)
+        with contextlib.suppress(Exception):
+            container.close()
+        with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
+        raise
+    try:
+        container.close()  # flushes the trailer: a full disk shows here
+    except BaseException:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        raise
     return path
 
 

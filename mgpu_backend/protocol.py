@@ -11,6 +11,19 @@ Client -> controller requests are dicts with an `op`:
 - `{"op": "submit", "handle": FleetHandle, "job": JobSpec}` -> a stream of events on the same connection, ending
   with one `result` or `error` event (or a single `busy` event)
 - `{"op": "cancel", "job_id": str}`, `{"op": "shutdown_fleet"}`, `{"op": "stop"}`
+
+`configure` answers `replaced` (what a rebuild replaced: `describe_fleet` of the old fleet, or None) and `stop` /
+`shutdown_fleet` answer `stopped` (the fleet, the other clients connected, the job that was running), so the CLI
+and the nodes can say what they stopped. A request the controller cannot read (not a pickled dict with a known
+`op`, a `submit` without a handle and a job) is answered `{"ok": False, "event": "error", "kind": "protocol", …}`
+and the connection stays; one longer than `MAX_MESSAGE_BYTES` is answered so and the connection is closed (its
+bytes were never read). The authentication handshake has `HANDSHAKE_TIMEOUT_S` and runs beside other clients.
+
+Error kinds (`ControllerError.kind`, the `kind` of an error event): "validation" (bad input, refused on every rank
+before work; the fleet stays), "job_error" (the same error on every rank; the fleet stays), "cancelled",
+"busy", "stale_handle", "fleet_lost" (a crash, stall or one-rank error tore the fleet down), "fleet_stopped" (a
+`stop` / `shutdown_fleet` from another client ended the running job), "protocol" (an unreadable request),
+"start_failed" / "not_running" (client side).
 """
 from __future__ import annotations
 
@@ -30,6 +43,16 @@ KEY_NAME = "authkey"
 
 # where POSIX shared memory lives on Linux (`shm_open` names are files here); frames are handed back through it
 SHM_DIR = "/dev/shm"
+
+# what each job kind is doing before its first progress event (error, worker-death and stall reports name it)
+JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "upscale", "decode": "decode",
+              "encode_text": "text encoding", "noop": "noop", "frames": "frames hand-back"}
+
+# a connection that has not passed the auth handshake within this long is dropped (it never blocks other clients)
+HANDSHAKE_TIMEOUT_S = float(os.environ.get("LTX2_MGPU_HANDSHAKE_TIMEOUT_S", 10.0))
+# the largest request the controller reads; stage payloads carry latents and Gemma embeddings (two prompts of 1024
+# tokens of LTX-2's all-layer features are ~1.5 GB in float32). `LTX2_MGPU_MAX_MESSAGE_BYTES` overrides.
+MAX_MESSAGE_BYTES = int(os.environ.get("LTX2_MGPU_MAX_MESSAGE_BYTES", 8 * 1024 ** 3))
 
 
 def send(conn, obj: Any) -> None:
@@ -63,7 +86,36 @@ class _Unpickler(pickle.Unpickler):
 
 
 def recv(conn) -> Any:
-    return _Unpickler(io.BytesIO(conn.recv_bytes())).load()
+    return loads(conn.recv_bytes())
+
+
+def loads(data: bytes) -> Any:
+    """Unpickle a message (this package's classes found whatever name the sender imported it under)."""
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+def unlink_shm(name: str) -> None:
+    """Free a shared-memory block of frames by name (a /dev/shm file on Linux); one already gone is fine."""
+    if os.path.isdir(SHM_DIR):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+        return
+    from multiprocessing import shared_memory
+
+    try:
+        shm = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    shm.close()
+    shm.unlink()
+
+
+def free_frames(result: Any) -> None:
+    """Free the frames block a job result refers to (`{"frames": {"name", …}}`), for a result nobody will read."""
+    if isinstance(result, dict) and isinstance(result.get("frames"), dict):
+        unlink_shm(result["frames"]["name"])
 
 
 def default_runtime_dir(name: str = "ltx2-multigpu") -> Path:

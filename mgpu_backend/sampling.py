@@ -32,6 +32,8 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from .validation import ValidationError
+
 TIMESTEP_SCALE = 1000.0
 """diffusers ``timestep_scale_multiplier``: the transformer wants ``timestep = sigma * 1000`` (per token)."""
 
@@ -644,6 +646,10 @@ class NonFiniteLatentError(FloatingPointError):
     """A latent became NaN/Inf during sampling; the message names the modality and the step."""
 
 
+class NonFiniteInputError(ValidationError):
+    """A latent was already NaN/Inf before the first step (bad input: e.g. encoded from a NaN image)."""
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     """What :func:`denoise_loop` hands the model function for one forward.
@@ -734,7 +740,8 @@ def denoise_loop(
         ``(video, audio)`` final packed latents (audio is the input object itself when frozen).
 
     Raises:
-        ValueError: bad schedule or shapes; SamplingCancelled; NonFiniteLatentError.
+        ValueError: bad schedule or shapes; NonFiniteInputError (a ValidationError): a start latent is already
+        NaN/Inf; SamplingCancelled; NonFiniteLatentError.
     """
     s = as_sigmas(sigmas)
     total = s.numel() - 1
@@ -747,6 +754,13 @@ def denoise_loop(
             raise ValueError(f"{name} latent must be packed [B, T, C]; got shape {tuple(x.shape)}")
     if video is not None and audio is not None and video.shape[0] != audio.shape[0]:
         raise ValueError(f"video batch {video.shape[0]} != audio batch {audio.shape[0]}")
+    if check_finite:  # a NaN in the input is the input's fault, not step 1's
+        for name, x in (("video", video), ("audio", audio)):
+            if x is not None and not bool(torch.isfinite(x).all()):
+                bad = int((~torch.isfinite(x)).sum())
+                raise NonFiniteInputError(f"the input {name} latent has {bad} non-finite values (NaN/Inf) before "
+                                          f"sampling step 1: a bad input (e.g. encoded from an image with NaN "
+                                          f"pixels, or a latent from a failed earlier stage)")
 
     def prep_mask(mask: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor:
         if mask is None:

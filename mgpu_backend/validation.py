@@ -51,8 +51,8 @@ def check_unit_interval(name: str, value: float) -> None:
         raise ValidationError(f"{name}={value}: must be in [0, 1]")
 
 
-def check_file(what: str, path: str | Path | None, required: bool = True) -> Path | None:
-    """The file must exist (a folder is accepted only for Gemma, which may be a Hugging Face folder)."""
+def check_file(what: str, path: str | Path | None, required: bool = True, folder_ok: bool = False) -> Path | None:
+    """The file must exist; a folder only where `folder_ok` (Gemma, which may be a Hugging Face folder)."""
     if path is None:
         if required:
             raise ValidationError(f"{what}: no file given")
@@ -60,7 +60,16 @@ def check_file(what: str, path: str | Path | None, required: bool = True) -> Pat
     p = Path(path)
     if not p.exists():
         raise ValidationError(f"{what}: file not found: {p}")
+    if p.is_dir() and not folder_ok:
+        raise ValidationError(f"{what}: {p} is a directory, not a file: give the .safetensors file in it")
     return p
+
+
+def check_seed(seed: int) -> None:
+    """Seeds are integers in [0, 2**64 - 1], as ComfyUI's seed inputs (`min=0, max=0xffffffffffffffff`)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= 0xFFFFFFFFFFFFFFFF:
+        raise ValidationError(f"seed={seed}: must be an integer from 0 to 18446744073709551615 (2**64 - 1), as in "
+                              f"ComfyUI")
 
 
 def check_image(path: str | Path) -> Path:
@@ -83,3 +92,32 @@ def check_finite(tensor: torch.Tensor | None, stage: str, modality: str) -> None
         bad = int((~torch.isfinite(tensor)).sum())
         raise FloatingPointError(f"{stage}: the {modality} latent has {bad} non-finite values (NaN/Inf); "
                                  f"check the checkpoint dtype, the inputs and the guidance scales")
+
+
+def check_output(path: str | Path) -> Path:
+    """The output file can be written: not a directory, and a file can be created in its folder (the nearest
+    existing one: the writer creates missing folders) or the existing file opened for writing — tried, not guessed
+    from permission bits (root, read-only mounts). Nothing is left behind. Checked before any work, so a long job
+    never ends on an unwritable destination."""
+    import tempfile
+
+    p = Path(path)
+    if p.is_dir():
+        raise ValidationError(f"output: {p} is a directory; give a file name such as {p / 'clip.mp4'}")
+    try:
+        if p.exists():
+            where = "the file is not writable"
+            with open(p, "ab"):
+                pass
+        else:
+            folder = p.parent
+            while not folder.exists():
+                folder = folder.parent
+            if not folder.is_dir():
+                raise ValidationError(f"output: cannot write {p}: {folder} is a file, not a folder")
+            where = f"no file can be created in {folder}"
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as exc:
+        raise ValidationError(f"output: cannot write {p}: {where} ({exc.strerror or exc})") from None
+    return p

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import SHM_DIR, FleetConfig, JobSpec
+from .protocol import JOB_STAGES, SHM_DIR, FleetConfig, JobSpec
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
@@ -202,7 +202,7 @@ def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_fla
             continue
         spec: JobSpec = message[1]
         ctx = JobContext(rank, config.world_size, device, spec.job_id, conn, cancel_flag, heartbeat, spec.fault,
-                         plan=state.plan)
+                         plan=state.plan, stage=JOB_STAGES.get(spec.kind, spec.kind))
         # every job-end message ends with this rank's OPEN_COUNT (a re-read checkpoint would show in status())
         try:
             if spec.kind not in jobs:

@@ -444,3 +444,21 @@ def test_stalled_rank_is_detected_and_named(ctl, files):
     assert ctl.status()["fleet"] is None
     assert wait_gone(lost["worker_pids"]), "the stalled fleet's workers still run"
     print(json.dumps({"stall_message": message}))
+
+
+def test_a_worker_death_in_a_stage_job_names_the_stage(ctl, files):
+    """A stage job's worker-death report names its stage ("stage 2" for a tiled one), not the word "stage"; the
+    failure is the controller's `last_failure`."""
+    from test_controller_serving import sample_payload
+
+    handle = ctl.configure(config(files, 2))
+    lost = fleet_status(ctl)
+    job = JobSpec("sample", sample_payload("tiled"), fault={"rank": 1, "stage": "stage 2", "step": 1,
+                                                            "kind": "crash"})
+    with pytest.raises(ControllerError) as info:
+        run(ctl, handle, job)
+    message = str(info.value)
+    assert info.value.fleet_lost, message
+    assert f"worker rank 1 (pid {lost['worker_pids'][1]}) died with exit code 17 during stage 2 (rank 0 at step " \
+           in message, message
+    assert ctl.status()["last_failure"] == message

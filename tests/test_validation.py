@@ -135,7 +135,30 @@ def test_check_file(tmp_path):
     present = tmp_path / "x.safetensors"
     present.write_bytes(b"")
     assert V.check_file("checkpoint", str(present)) == present
-    assert V.check_file("gemma", tmp_path) == tmp_path  # a Hugging Face folder
+    assert V.check_file("gemma", tmp_path, folder_ok=True) == tmp_path  # a Hugging Face folder
+    with pytest.raises(V.ValidationError, match=f"checkpoint: {tmp_path} is a directory, not a file"):
+        V.check_file("checkpoint", tmp_path)
+
+
+def test_check_seed_refuses_negative_and_too_large_seeds():
+    V.check_seed(0)
+    V.check_seed(2 ** 64 - 1)
+    for bad in (-1, 2 ** 64, 1.5):
+        with pytest.raises(V.ValidationError, match=f"seed={bad}: must be an integer from 0"):
+            V.check_seed(bad)
+
+
+def test_check_output_refuses_unwritable_destinations_before_any_work(tmp_path):
+    assert V.check_output(tmp_path / "new" / "clip.mp4") == tmp_path / "new" / "clip.mp4"
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []  # nothing left behind
+    with pytest.raises(V.ValidationError, match="is a directory; give a file name"):
+        V.check_output(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(V.ValidationError, match=f"cannot write {blocker / 'clip.mp4'}: {blocker} is a file"):
+        V.check_output(blocker / "clip.mp4")
+    with pytest.raises(V.ValidationError, match="cannot write /sys/clip.mp4: no file can be created in /sys"):
+        V.check_output("/sys/clip.mp4")  # read-only for root too (permission bits would say writable)
 
 
 # ------------------------------------------------------------------------------------------------ stage-2 sigmas

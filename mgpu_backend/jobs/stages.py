@@ -68,6 +68,28 @@ def _ancestral(p: dict, video_shape, audio_shape) -> S.AncestralSampler | None:
     return S.AncestralSampler(noise_fn, eta=eta, s_noise=float(p.get("s_noise", 1.0)))
 
 
+def _stage_name(p: dict, mode: str, sigmas: torch.Tensor) -> str:
+    """What errors and progress call this stage: the payload's `stage` ("stage 1", "stage 2", …), else "stage 2"
+    for a tiled stage or one that starts below sigma 1 (a refinement of an earlier stage's latent), else
+    "stage 1"."""
+    stage = p.get("stage")
+    if stage is not None:
+        if not isinstance(stage, str) or not stage.strip():
+            raise ValidationError(f"stage={stage!r}: a name such as 'stage 1' or 'stage 2'")
+        return stage
+    return "stage 2" if mode == "tiled" or float(sigmas[0]) < 1.0 else "stage 1"
+
+
+def _check_finite_inputs(stage: str, tensors: dict) -> None:
+    """A NaN/Inf already in a latent, noise, mask or conditioning is bad input, refused before any step runs."""
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise ValidationError(f"{stage}: the input {name} has {bad} non-finite values (NaN/Inf) of "
+                                  f"{x.numel()}; nothing was sampled (a bad input: e.g. a latent encoded from an "
+                                  f"image with NaN pixels, or the output of a failed earlier stage)")
+
+
 def _check_batch(name: str, x: torch.Tensor | None) -> None:
     if x is not None and x.shape[0] != 1:
         raise ValidationError(f"{name}: batch size {x.shape[0]} — the multi-GPU samplers take one clip per job; "
@@ -78,8 +100,10 @@ def _check_batch(name: str, x: torch.Tensor | None) -> None:
 def run_sample(state, p: dict, ctx) -> dict:
     """One denoising stage.
 
-    Payload: `positive` / `negative` (CONDITIONING embeddings `[1, T, C]`; negative may be None), `video`
-    `[1, 128, F, H, W]`, `audio` `[1, 8, T, 16]`, optional `video_mask` (ComfyUI `noise_mask`, broadcastable to
+    Payload: `stage` (optional name for progress and errors: "stage 1", "stage 2"; default from the mode and the
+    first sigma, `_stage_name`), `positive` / `negative` (CONDITIONING embeddings `[1, T, C]`; negative may be
+    None), `video` `[1, 128, F, H, W]`,
+    `audio` `[1, 8, T, 16]`, optional `video_mask` (ComfyUI `noise_mask`, broadcastable to
     `[1, 1, F, H, W]`; 1 = generate), `noise_video` / `noise_audio` (same shapes as the latents), `sigmas` (1-D,
     ending in 0), `fps`, `video_guidance` / `audio_guidance` (`sampling.GuidanceParams`), `mode`
     ("sequence_parallel" | "tiled"), `tiles` (TileCountConfig for tiled; None = balanced), `tile_overlap`,
@@ -110,6 +134,12 @@ def run_sample(state, p: dict, ctx) -> dict:
         sigmas = S.as_sigmas(p["sigmas"])
     except ValueError as exc:
         raise ValidationError(f"sigmas: {exc}") from None
+    stage = _stage_name(p, mode, sigmas)
+    ctx.stage = stage
+    _check_finite_inputs(stage, {"video latent": video, "audio latent": audio, "noise_video": p.get("noise_video"),
+                                 "noise_audio": p.get("noise_audio"), "video_mask": p.get("video_mask"),
+                                 "positive conditioning": p.get("positive"),
+                                 "negative conditioning": p.get("negative")})
     _, _, f, h, w = video.shape
     grid = (f, h, w)
     tiled = None
@@ -152,7 +182,7 @@ def run_sample(state, p: dict, ctx) -> dict:
     noise = (L.pack_video(p["noise_video"].float()), L.pack_audio(p["noise_audio"].float()))
     loras = read_loras(p.get("loras"))
     pipe.lora.check(loras)  # coverage and widths, on every rank alike, before any weight is touched
-    args = ("stage", positive_ctx, negative_ctx, grid, audio.shape[2], float(p["fps"]), L.pack_video(video),
+    args = (stage, positive_ctx, negative_ctx, grid, audio.shape[2], float(p["fps"]), L.pack_video(video),
             L.pack_audio(audio), sigmas, 0, token_mask, audio_frozen, video_guidance, audio_guidance, ctx.progress,
             ctx.step_boundary)
     try:
@@ -179,6 +209,7 @@ def run_upscale(state, p: dict, ctx) -> dict:
     """2× spatial latent upscale of `p["video"]` `[1, 128, F, H, W]` with the fleet's upscaler (same on every rank)."""
     video = p["video"].float()
     _check_batch("video latent", video)
+    _check_finite_inputs("upscale", {"video latent": video})
     out = state.pipeline.upscale(video)
     return {"video": out} if ctx.rank == 0 else {}
 
@@ -197,6 +228,7 @@ def run_decode(state, p: dict, ctx) -> dict:
     pipe = state.pipeline
     video = p["video"].float()
     _check_batch("video latent", video)
+    _check_finite_inputs("decode", {"video latent": video, "audio latent": p.get("audio")})
     ranks = pipe.plan.world_size if pipe.plan is not None else 1
     tiling = pipe.resolve_tiling(p.get("tiles"), ranks, tuple(video.shape[2:]), int(p.get("overlap", 2)),
                                  "decode tiles")

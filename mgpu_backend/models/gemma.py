@@ -70,6 +70,11 @@ Here `tokenize`/`encode` left-pad to the longest prompt of the batch (or to `min
 hidden states do not depend on the amount of left padding (masked keys; RoPE is relative). `encode` returns
 `[B, T, hidden, num_layers+1]` float32 with `[..., 0]` = scaled embeddings and `[..., -1]` = final-norm output,
 the same order as ComfyUI's `intermediate_output="all"` and transformers' `hidden_states`.
+
+Prompt length: Lightricks' text encoder takes at most `MAX_PROMPT_TOKENS` = 1024 tokens (ltx-core
+`LTXVGemmaTokenizer(tokenizer_root, 1024)`, diffusers `LTX2Pipeline(max_sequence_length=1024)`, both truncating
+silently; the fleet's Gemma memory plan assumes as many). ComfyUI pads to 1024 but never truncates, so cutting a
+prompt would change what the same graph computes there: a longer prompt is refused, naming its token count.
 """
 from __future__ import annotations
 
@@ -84,6 +89,9 @@ from torch import nn
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 #: ComfyUI left-pads every Gemma prompt to this many tokens (`Gemma3_12BTokenizer(min_length=1024)`).
 COMFY_MIN_LENGTH = 1024
+#: The longest prompt, in Gemma tokens with <bos>, that LTX-2's text encoder is run on (Lightricks ltx-core
+#: `LTXVGemmaTokenizer(..., 1024)`, diffusers `max_sequence_length=1024`).
+MAX_PROMPT_TOKENS = 1024
 #: Special strings ComfyUI maps to fixed ids (`Gemma3_12BTokenizer.special_tokens`).
 COMFY_SPECIAL_TOKENS = {"<image_soft_token>": 262144, "<end_of_turn>": 106}
 #: Constants not visible in tensor shapes: those of ComfyUI's `Gemma3_12B_Config` (equal to google/gemma-3-12b-it's
@@ -215,6 +223,20 @@ class GemmaPromptTokenizer:
         return [BOS_ID] + list(self._encode(text))
 
 
+def check_prompt_lengths(prompts: list[str], rows: list[list[int]]) -> None:
+    """Refuse a prompt longer than `MAX_PROMPT_TOKENS` tokens (ValidationError naming its tokens and characters)."""
+    from ..validation import ValidationError
+
+    for i, (prompt, ids) in enumerate(zip(prompts, rows)):
+        if len(ids) > MAX_PROMPT_TOKENS:
+            which = f"prompt {i + 1} of {len(prompts)}" if len(prompts) > 1 else "the prompt"
+            raise ValidationError(
+                f"{which} is {len(ids)} Gemma tokens ({len(prompt)} characters, starting {prompt[:40]!r}): LTX-2's "
+                f"text encoder takes at most {MAX_PROMPT_TOKENS} tokens (Lightricks ltx-core and diffusers truncate "
+                f"there; ComfyUI would encode all of them): shorten it by about "
+                f"{(len(ids) - MAX_PROMPT_TOKENS) * len(prompt) // len(ids)} characters")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Encoder
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,11 +295,12 @@ class GemmaTextEncoder(nn.Module):
                 longest prompt.
         Returns: `(input_ids [B, T] long, attention_mask [B, T] long)` on the CPU; pads are <pad>=0 with mask 0
             on the left, every row starts its valid part with <bos>=2.
-        Raises: TypeError if `prompts` is a bare string.
+        Raises: TypeError if `prompts` is a bare string; ValidationError for a prompt over `MAX_PROMPT_TOKENS`.
         """
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, not a single string")
         rows = [self.tokenizer.prompt_ids(p) for p in prompts]
+        check_prompt_lengths(prompts, rows)
         t = max([len(r) for r in rows] + [min_length or 0])
         ids = torch.full((len(rows), t), PAD_ID, dtype=torch.long)
         mask = torch.zeros((len(rows), t), dtype=torch.long)
