@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from comfy_api.latest import io
@@ -106,17 +107,22 @@ def make_room_on_fleet_devices(config: P.FleetConfig) -> None:
 
 
 def run_job(handle: P.FleetHandle, kind: str, payload: Any, *, node_id: str | None = None,
-            what: str = "job") -> Any:
+            what: str = "job", progress: bool = True,
+            on_handle: Callable[[P.FleetHandle], None] | None = None) -> Any:
     """Run one job on the fleet: progress into ComfyUI's bar, ComfyUI's interrupt cancels it (every rank stops at
     the next step boundary and the fleet stays), engine errors become NodeError with the engine's message.
 
     A stale handle (the fleet was rebuilt with another configuration since) or a controller that went away is
     handled transparently once: the fleet is configured again from the handle's own configuration and the job
-    re-submitted. A job that fails because a worker died is reported (the next run starts a fresh fleet)."""
+    re-submitted. A job that fails because a worker died is reported (the next run starts a fresh fleet).
+
+    progress=False: the job's progress events are not shown (a model forward inside ComfyUI's own sampler, whose
+    progress bar is ComfyUI's). on_handle: called with the new handle when the fleet was configured again."""
     import comfy.model_management as mm
 
     handle = check_handle(handle)
     make_room_on_fleet_devices(handle.config)
+    show_progress = progress
     progress = _Progress(node_id)
     for attempt in (1, 2):
         if progress.cancel_requested():
@@ -126,7 +132,7 @@ def run_job(handle: P.FleetHandle, kind: str, payload: Any, *, node_id: str | No
         except P.ControllerError as exc:
             raise NodeError(f"{what}: the multi-GPU controller could not be reached: {exc}") from None
         try:
-            return c.run(handle, P.JobSpec(kind, payload), on_event=progress,
+            return c.run(handle, P.JobSpec(kind, payload), on_event=progress if show_progress else None,
                          cancel_requested=progress.cancel_requested)
         except P.JobCancelled:
             log.info("%s: cancelled by an interrupt", what)
@@ -143,6 +149,8 @@ def run_job(handle: P.FleetHandle, kind: str, payload: Any, *, node_id: str | No
                     handle = c.configure(handle.config)
                 except P.ControllerError as exc2:
                     raise NodeError(f"{what}: reloading the fleet failed: {exc2}") from None
+                if on_handle is not None:
+                    on_handle(handle)
                 continue
             lost = " (the fleet was torn down; the next run starts a new one)" if exc.fleet_lost else ""
             raise NodeError(f"{what}: {exc}{lost}") from None

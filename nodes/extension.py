@@ -7,14 +7,15 @@ from comfy_api.latest import ComfyExtension, io
 
 from .decode import DistributedDecodeMGPU
 from .fleet import FleetMGPU
-from .loader import LoadCheckpointMGPU
+from .loader import LoadCheckpointMGPU, LoadDiffusionModelMGPU
 from .lora import LoRAMGPU
 from .sampler import SPSamplerMGPU
 from .text_encode import TextEncodeMGPU
 from .upscale import TDPUpscaleMGPU
 
 NODES: list[type[io.ComfyNode]] = [LoadCheckpointMGPU, TextEncodeMGPU, SPSamplerMGPU, TDPUpscaleMGPU,
-                                   DistributedDecodeMGPU, FleetMGPU, LoRAMGPU]
+                                   DistributedDecodeMGPU, FleetMGPU, LoRAMGPU,
+                                   LoadDiffusionModelMGPU]
 if os.environ.get("LTX2_MGPU_TEST_NODES") == "1":  # test-only nodes (nodes/testing.py), never in a user's graph
     from .testing import TEST_NODES
 

@@ -176,7 +176,8 @@ class LoadCheckpointMGPU(io.ComfyNode):
                                          "faster on GPUs. Changing it restarts the fleet."),
             ],
             outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
-                                                                "generation).")],
+                                                                "generation)."),
+                     io.Model.Output(display_name="model", tooltip=MODEL_TOOLTIP)],
             hidden=[io.Hidden.unique_id],
         )
 
@@ -205,4 +206,78 @@ class LoadCheckpointMGPU(io.ComfyNode):
             except P.ControllerError as exc:
                 raise NodeError(f"Load Checkpoint (MGPU): {exc}") from None
             plan = describe_plan(handle)
-        return io.NodeOutput(handle, ui=ui.PreviewText(plan))
+            model = _native_model(handle, "Load Checkpoint (MGPU)")
+        return io.NodeOutput(handle, model, ui=ui.PreviewText(plan))
+
+
+# ---- the native MODEL (issue 19): ComfyUI's own LTX-AV model whose transformer runs on the fleet ----------------
+
+MODEL_TOOLTIP = ("A native ComfyUI MODEL (ComfyUI's own LTX-AV model) whose transformer runs on the fleet: any "
+                 "ComfyUI sampler, guider, LTXV conditioning node and LoraLoaderModelOnly drives it; each forward "
+                 "runs sequence-parallel on the fleet's ranks. No weights are loaded in ComfyUI.")
+
+
+def _native_model(handle: P.FleetHandle, what: str):
+    from .native_model import fleet_model
+
+    try:
+        return fleet_model(handle.config.checkpoint, handle, name=os.path.basename(handle.config.checkpoint))
+    except ValueError as exc:
+        raise NodeError(f"{what}: {exc}") from None
+
+
+class LoadDiffusionModelMGPU(io.ComfyNode):
+    """Load Diffusion Model (MGPU): the MODEL of ComfyUI's Load Diffusion Model, its transformer on the fleet."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LTX2MGPU_LoadDiffusionModel",
+            display_name="Load Diffusion Model (MGPU)",
+            category=CATEGORY,
+            description="ComfyUI's Load Diffusion Model for LTX-2, with the transformer on the worker fleet: the "
+                        "MODEL is ComfyUI's own LTX-AV model (sampling, latent format and conditioning are "
+                        "ComfyUI's) whose every forward runs sequence-parallel on the fleet. Swap it for "
+                        "UNETLoader / the MODEL of CheckpointLoaderSimple; keep the rest of the graph. Plain LoRAs "
+                        "(LoraLoaderModelOnly) apply on the fleet; attention / block patches, object patches, "
+                        "model merges, ControlNet and hook-scheduled LoRAs are refused by name.",
+            inputs=[
+                io.Combo.Input("unet_name", options=_files("diffusion_models", "checkpoints"),
+                               tooltip="LTX-2 / LTX-2.3 transformer file (models/diffusion_models/) or single-file "
+                                       "checkpoint (models/checkpoints/)."),
+                io.String.Input("devices", default="all",
+                                tooltip="Devices of the fleet: 'all', a count ('4'), a CUDA index list ('0,1,3'; "
+                                        "one index: '1,'), or 'cpu:N' for N CPU ranks. Without CUDA, 'all' means "
+                                        "CPU ranks (see world_size)."),
+                io.Int.Input("world_size", default=0, min=0, max=64,
+                             tooltip="Number of ranks: 0 = every device of 'devices' (one CPU rank when 'all' has "
+                                     "no GPU); otherwise caps or sets the count."),
+            ],
+            outputs=[io.Model.Output(display_name="model", tooltip=MODEL_TOOLTIP),
+                     Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet, for the other MGPU "
+                                                                "nodes (e.g. Fleet (MGPU)).")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, unet_name, devices, world_size) -> io.NodeOutput:
+        from ..mgpu_backend.client import parse_devices
+
+        what = "Load Diffusion Model (MGPU)"
+        with guard(what):
+            devs = parse_devices(devices, world_size or None)
+            dtype = "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32"
+            path = _resolve(unet_name, "diffusion_models", "checkpoints")
+            # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
+            config = P.FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True)
+            try:
+                c = client()
+                try:
+                    handle = c.configure(config)
+                finally:
+                    c.close()
+            except P.ControllerError as exc:
+                raise NodeError(f"{what}: {exc}") from None
+            model = _native_model(handle, what)
+            plan = describe_plan(handle)
+        return io.NodeOutput(model, handle, ui=ui.PreviewText(plan))

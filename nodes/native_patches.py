@@ -1,0 +1,129 @@
+"""What a sampling MODEL patcher holds that the fleet must honour (LoRAs) or that must be refused by name.
+
+Importable without ComfyUI (duck-typed on the patcher's attributes), so that the rules are tested on stand-ins.
+
+A native MODEL from Load Diffusion Model (MGPU) has no weights in ComfyUI: its transformer runs on the fleet. So:
+- **plain LoRAs** (`LoraLoaderModelOnly` / `LoraLoader`: `ModelPatcher.add_patches` with ComfyUI's `LoRAAdapter`,
+  weights `(up [out, r], down [r, in], alpha | None, None, None, None)`) are read from the patcher at each forward
+  (`patches_uuid` says when they changed) and applied on the fleet: `W + strength · (alpha / r) · up @ down`, several
+  patches of one weight summed in their order — ComfyUI's `LoRAAdapter.calculate_weight` formula;
+- everything that needs real weights or a callable inside the transformer is refused with its name: block / attention
+  replacements and patches (`patches_replace`, `patches`, `optimized_attention_override` in `transformer_options`),
+  object patches, weight wrappers, hook-scheduled patches (`hook_patches`), model merges (`ModelMergeSimple` and
+  friends add another model's weights as patches), LoRA variants other than plain LoRA (LoCon mid weights, DoRA,
+  LoHa, LoKr, …), `strength_model` != 1, offsets and patch functions, and ControlNet (a `control` argument).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .native_types import UnsupportedInput
+
+UNET_PREFIX = "diffusion_model."
+
+# transformer_options keys that would need a callable inside the fleet's transformer
+REFUSED_OPTIONS = {
+    "patches_replace": "block / attention replacements (patches_replace: e.g. SkipLayerGuidanceDiT, attention-patch "
+                       "nodes)",
+    "patches": "attention / block patches (patches: e.g. attn1/attn2 patch nodes)",
+    "optimized_attention_override": "an attention override (e.g. a SageAttention patch node)",
+}
+
+
+@dataclass(frozen=True)
+class LoRATerm:
+    """One plain-LoRA patch of one weight, as ComfyUI applies it: `W += strength · (alpha / rank) · up @ down`.
+
+    key: ComfyUI's state-dict key without the model prefix (`transformer_blocks.0.attn1.to_q.weight`).
+    up: `[out, rank]`; down: `[rank, in]` (the file's lora_B / lora_A). alpha: None means alpha = rank (scale 1).
+    strength: the loader's strength (`strength_patch`)."""
+
+    key: str
+    up: torch.Tensor
+    down: torch.Tensor
+    alpha: float | None
+    strength: float
+
+    @property
+    def scale(self) -> float:
+        """strength · alpha / rank (ComfyUI: `alpha = v[2] / mat2.shape[0]`, 1.0 without alpha)."""
+        rank = self.down.shape[0]
+        return self.strength * (1.0 if self.alpha is None else float(self.alpha) / rank)
+
+
+def _describe_adapter(adapter: Any) -> str:
+    name = getattr(adapter, "name", None)
+    if name:
+        return f"LoRA type {name!r}"
+    if isinstance(adapter, tuple) and adapter and isinstance(adapter[0], str):
+        return f"a {adapter[0]!r} weight patch (a model merge or a model-add node)"
+    if isinstance(adapter, tuple):
+        return "another model's weights (a model merge: ModelMergeSimple / ModelMergeBlocks / ModelAdd …)"
+    return f"a weight patch of type {type(adapter).__name__}"
+
+
+def lora_terms(patches: dict) -> list[LoRATerm]:
+    """`ModelPatcher.patches` -> plain LoRA terms in ComfyUI's order (keys sorted, patches of a key in order).
+
+    Raises UnsupportedInput naming the first patch the fleet cannot apply (see the module docstring)."""
+    terms = []
+    for full_key in sorted(patches):
+        key = full_key if isinstance(full_key, str) else full_key[0]
+        if not isinstance(full_key, str):
+            raise UnsupportedInput(f"a weight patch with an offset on {key} (not a plain LoRA) cannot be applied on "
+                                   f"the fleet")
+        if not key.startswith(UNET_PREFIX):
+            raise UnsupportedInput(f"a weight patch on {key!r} (outside the diffusion model) cannot be applied on "
+                                   f"the fleet")
+        for entry in patches[full_key]:
+            strength_patch, adapter, strength_model = entry[0], entry[1], entry[2]
+            offset = entry[3] if len(entry) > 3 else None
+            function = entry[4] if len(entry) > 4 else None
+            if getattr(adapter, "name", None) != "lora":
+                raise UnsupportedInput(f"{_describe_adapter(adapter)} on {key}: only plain LoRAs "
+                                       f"(LoraLoaderModelOnly / LoraLoader) apply to the MGPU model")
+            weights = adapter.weights
+            up, down, alpha = weights[0], weights[1], weights[2]
+            extra = [n for n, v in zip(("LoCon mid weight", "DoRA scale", "reshape"), weights[3:6]) if v is not None]
+            if extra:
+                raise UnsupportedInput(f"a LoRA with a {extra[0]} on {key}: only plain LoRAs apply to the MGPU model")
+            if float(strength_model) != 1.0 or offset is not None or function is not None:
+                raise UnsupportedInput(f"a weight patch on {key} with strength_model={strength_model}, offset "
+                                       f"{offset}, function {function}: only plain LoRAs apply to the MGPU model")
+            if up.ndim != 2 or down.ndim != 2:
+                raise UnsupportedInput(f"a LoRA on {key} with up {tuple(up.shape)} / down {tuple(down.shape)}: "
+                                       f"only Linear (2-D) LoRAs apply to the MGPU model")
+            alpha_value = None if alpha is None else float(alpha.item() if torch.is_tensor(alpha) else alpha)
+            terms.append(LoRATerm(key[len(UNET_PREFIX):], up, down, alpha_value, float(strength_patch)))
+    return terms
+
+
+def refuse_patcher_features(patcher: Any) -> None:
+    """Raise UnsupportedInput naming what the sampling patcher holds that the fleet cannot honour (everything but
+    plain LoRAs, wrappers and callbacks, which run locally)."""
+    if patcher is None:
+        return
+    if getattr(patcher, "object_patches", None):
+        raise UnsupportedInput(f"object patches ({', '.join(sorted(patcher.object_patches))}) replace parts of the "
+                               f"model in ComfyUI's process, but the MGPU model's transformer runs on the fleet")
+    if getattr(patcher, "weight_wrapper_patches", None):
+        raise UnsupportedInput(f"weight wrappers ({', '.join(sorted(patcher.weight_wrapper_patches))}) need the "
+                               f"weights in ComfyUI's process; the MGPU model's weights are on the fleet")
+    if getattr(patcher, "hook_patches", None):
+        raise UnsupportedInput("hook-scheduled weight patches (Create Hook LoRA / hook keyframes) are not supported "
+                               "by the MGPU model; use LoraLoaderModelOnly")
+    options = (getattr(patcher, "model_options", None) or {}).get("transformer_options", {})
+    refuse_transformer_options(options)
+
+
+def refuse_transformer_options(options: dict) -> None:
+    """Raise UnsupportedInput for a transformer option that needs a callable inside the fleet's transformer."""
+    for key, what in REFUSED_OPTIONS.items():
+        value = options.get(key)
+        if value:
+            names = ", ".join(map(str, value)) if isinstance(value, dict) else type(value).__name__
+            raise UnsupportedInput(f"{what} [{key}: {names}] cannot run on the fleet: the MGPU model's transformer "
+                                   f"is in other processes")
