@@ -62,6 +62,11 @@ def tiny_23(live):
     return _link_tiny(live, "2.3")
 
 
+@pytest.fixture(scope="module")
+def tiny_20(live):
+    return _link_tiny(live, "2.0")
+
+
 def _link_tiny(live, variant: str) -> dict[str, str]:
     import shutil
     import tempfile
@@ -187,7 +192,8 @@ def max_diff(a, b) -> float:
 
 # ---- the tests -------------------------------------------------------------------------------------------------------
 
-NATIVE_23 = ["video_ltx2_3_t2v", "video_ltx2_3_i2v"]
+NATIVE_23 = ["video_ltx2_3_t2v", "video_ltx2_3_i2v"]  # the milestone
+MORE = ["video_ltx2_3_flf2v", "video_ltx2_t2v", "video_ltx2_i2v", "video_ltx2_3_id_lora", "video_ltx2_3_ic_lora"]
 _native_cache: dict[tuple[str, str], dict] = {}
 
 
@@ -199,11 +205,16 @@ def _native(live, stem, tiny, images, devices, tmp_path):
     return _native_cache[key]
 
 
-@pytest.mark.parametrize("stem", NATIVE_23)
-def test_template_runs_natively_on_tiny_models(live, tiny_23, images, stem, tmp_path):
+def _tiny_for(stem, request):
+    return request.getfixturevalue("tiny_20" if stem.startswith("video_ltx2_") and not stem.startswith(
+        ("video_ltx2_3", "video_ltx2_5")) else "tiny_23")
+
+
+@pytest.mark.parametrize("stem", NATIVE_23 + MORE)
+def test_template_runs_natively_on_tiny_models(live, images, stem, tmp_path, request):
     """The template, unswapped but for the tiny text encoding, at its own length / fps / sigmas / samplers: an mp4
     with audio, the template's frame count and a 2x upscaled size."""
-    res = _native(live, stem, tiny_23, images, "cpu:2", tmp_path)
+    res = _native(live, stem, _tiny_for(stem, request), images, "cpu:2", tmp_path)
     info = res["mp4"]
     assert info["audio_channels"] >= 1 and info["audio_sample_rate"] > 0
     assert info["video_frames"] >= 97
@@ -212,15 +223,16 @@ def test_template_runs_natively_on_tiny_models(live, tiny_23, images, stem, tmp_
 
 
 @pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
-@pytest.mark.parametrize("stem", NATIVE_23)
-def test_swapped_template_matches_native(live, tiny_23, images, stem, devices, tmp_path):
+@pytest.mark.parametrize("stem", NATIVE_23 + MORE)
+def test_swapped_template_matches_native(live, images, stem, devices, tmp_path, request):
     """Only the model loader swapped (MODEL from Load Checkpoint (MGPU) on a 2- / 4-rank CPU fleet): an mp4 with
     audio, and the final video and audio latents equal the native run's (same tiny models, same seeds)."""
     if not _has_node(live, "LTX2MGPU_LoadCheckpoint") or "model" not in json.dumps(
             live._get("/object_info/LTX2MGPU_LoadCheckpoint")["LTX2MGPU_LoadCheckpoint"].get("output_name", [])):
         pytest.skip("Load Checkpoint (MGPU) has no MODEL output in this build (the native-MODEL issue)")
-    native = _native(live, stem, tiny_23, images, devices, tmp_path)
-    api = template_graph(stem, tiny_23, images, devices=devices, swap=True, tag=f"{stem}-{devices}")
+    tiny = _tiny_for(stem, request)
+    native = _native(live, stem, tiny, images, devices, tmp_path)
+    api = template_graph(stem, tiny, images, devices=devices, swap=True, tag=f"{stem}-{devices}")
     got = run_graph(live, api, tmp_path)
     assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] == native["mp4"]["video_frames"]
     dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
