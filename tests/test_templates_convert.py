@@ -250,3 +250,43 @@ def test_swapped_template_differs_only_in_the_model_source(stem):
                                                     "ModelSamplingLTXV", "KSampler", "LoraLoader",
                                                     "LTXVReferenceAudio", "CheckpointLoaderSimple")
                            for k in changed), {k: api[k]["class_type"] for k in changed}
+
+
+# ---- the shipped workflows made from the templates (workflows/comfyui-*.json) ----------------------------------------
+
+SHIPPED = sorted(p.stem for p in (C.HERE.parent.parent / "workflows").glob("comfyui-*.json"))
+WF = C.HERE.parent.parent / "workflows"
+
+
+def test_shipped_template_workflows_exist():
+    assert {"comfyui-ltx2.3-t2v-mgpu", "comfyui-ltx2.3-i2v-mgpu"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_workflow_is_the_minimal_swap_and_its_api_twin(name):
+    import json
+
+    ui = json.loads((WF / f"{name}.json").read_text())
+    api = json.loads((WF / "api" / f"{name}.json").read_text())
+    assert (WF / f"{name}.jpg").read_bytes()[:3] == b"\xff\xd8\xff"
+    assert C.ui_to_api(ui, INFO) == api  # the API twin is what the frontend queues for the UI file
+    mgpu = C.nodes_of(api, "LTX2MGPU_LoadDiffusionModel")
+    assert len(mgpu) == 1 and api[mgpu[0]]["inputs"]["devices"] == "all"
+    models = [(k, n) for k, v in api.items() for n, val in v["inputs"].items()
+              if C.is_link(val) and api[val[0]]["class_type"] in C.MODEL_LOADERS and val[1] == 0]
+    assert not models, models  # no MODEL comes from ComfyUI's loader any more ...
+    assert C.nodes_of(api, "CheckpointLoaderSimple")  # ... which stays for the VAE
+    assert all(v["class_type"] in INFO or v["class_type"] == "LTX2MGPU_LoadDiffusionModel" for v in api.values())
+
+
+@needs_templates
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_workflow_equals_the_template_swapped_now(name):
+    import json
+
+    from templates import make_workflows
+
+    stem = {v: k for k, v in make_workflows.SHIPPED.items()}[name]
+    ui = json.loads((WF / f"{name}.json").read_text())
+    assert ui == json.loads(json.dumps(C.swap_model_loader_ui(C.load_template(stem)))), \
+        "regenerate with tests/templates/make_workflows.py"

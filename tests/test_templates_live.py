@@ -104,7 +104,8 @@ def _link_tiny(live, variant: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def images(live):
-    """Two generated pngs in the server's input folder (the templates' LoadImage files are not shipped)."""
+    """Two generated pngs and a wav in the server's input folder (the templates' LoadImage / LoadAudio files are not
+    shipped)."""
     import numpy as np
     from PIL import Image
 
@@ -118,6 +119,18 @@ def images(live):
             rng = np.random.default_rng(i)
             Image.fromarray(rng.integers(0, 256, (96, 160, 3), dtype=np.uint8)).save(path)
         names.append(path.name)
+    wav = inputs / "ltx2-mgpu-template-voice.wav"  # the ID-LoRA template's reference audio: 2 s of a chirp
+    if not wav.is_file():
+        import wave
+
+        t = np.arange(32000) / 16000.0
+        pcm = (0.3 * np.sin(2 * np.pi * (200 + 300 * t) * t) * 32767).astype(np.int16)
+        with wave.open(str(wav), "wb") as f:
+            f.setnchannels(1)
+            f.setsampwidth(2)
+            f.setframerate(16000)
+            f.writeframes(pcm.tobytes())
+    names.append(wav.name)
     return names
 
 
@@ -129,16 +142,21 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
     """The template as an API graph on the tiny files: text through Text Encode (MGPU) on a `devices` fleet (see
     the module docstring), the model loader swapped when `swap`, SaveLatent on the final video and audio latents."""
     ui = C.load_template(stem)
-    sets = {"width": WIDTH, "height": HEIGHT}
-    labels = {i.get("label") or i["name"] for d in ui.get("definitions", {}).get("subgraphs", []) for i in d["inputs"]}
-    if "prompt_enhance" in labels:
-        sets["prompt_enhance"] = False
+    labels = {n for d in ui.get("definitions", {}).get("subgraphs", []) for i in d["inputs"]
+              for n in (i.get("label"), i["name"])}
+    sets = {k: v for k, v in (("width", WIDTH), ("height", HEIGHT), ("prompt_enhance", False)) if k in labels}
     ui = C.set_template_inputs(ui, **sets)
     api = C.ui_to_api(ui, C.load_object_info())
+    for k in C.nodes_of(api, "ResizeImageMaskNode"):  # a literal target size (LTX-2.0 i2v sizes from its image)
+        v = api[k]["inputs"]
+        if v.get("resize_type") == "scale dimensions" and not C.is_link(v.get("resize_type.width")):
+            v["resize_type.width"], v["resize_type.height"] = WIDTH, HEIGHT
     api = C.point_files(api, {"checkpoint": tiny["checkpoint"], "gemma": tiny["gemma"],
                               "upsampler": tiny["upsampler"]}, loras={"*": tiny["lora"]})
     for k in C.nodes_of(api, "LoadImage"):
         api[k]["inputs"]["image"] = images[0]
+    for k in C.nodes_of(api, "LoadAudio"):
+        api[k]["inputs"]["audio"] = images[2]
     if len(C.nodes_of(api, "LoadImage")) > 1:
         api[C.nodes_of(api, "LoadImage")[1]]["inputs"]["image"] = images[1]
     api = C.swap_text_encode(api, checkpoint=tiny["checkpoint"], gemma=tiny["gemma"], devices=devices)
@@ -150,16 +168,15 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
 
 
 def add_latent_outputs(api: dict, prefix: str) -> None:
-    """SaveLatent on the video and audio latents that the template decodes (the LTXVSeparateAVLatent feeding its
-    VAE decode)."""
+    """SaveLatent on the video and audio latents that the template decodes (the inputs of its VAE decode and of
+    LTXVAudioVAEDecode)."""
     decode = next(k for k, v in api.items() if v["class_type"] in ("VAEDecodeTiled", "VAEDecode",
                                                                      "LTX2MGPU_DistributedDecode"))
-    src = api[decode]["inputs"].get("samples") or api[decode]["inputs"].get("latent")
-    sep = src[0]
-    assert api[sep]["class_type"] == "LTXVSeparateAVLatent", api[sep]
-    api["save_video_latent"] = {"class_type": "SaveLatent", "inputs": {"samples": [sep, 0],
+    video = api[decode]["inputs"].get("samples") or api[decode]["inputs"].get("latent")
+    audio = api[C.nodes_of(api, "LTXVAudioVAEDecode")[0]]["inputs"]["samples"]
+    api["save_video_latent"] = {"class_type": "SaveLatent", "inputs": {"samples": video,
                                                                        "filename_prefix": prefix + "-video"}}
-    api["save_audio_latent"] = {"class_type": "SaveLatent", "inputs": {"samples": [sep, 1],
+    api["save_audio_latent"] = {"class_type": "SaveLatent", "inputs": {"samples": audio,
                                                                        "filename_prefix": prefix + "-audio"}}
 
 

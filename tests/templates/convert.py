@@ -411,6 +411,58 @@ def swap_model_loader(api: dict, *, devices: str = "all", world_size: int = 0, v
     return api
 
 
+def swap_model_loader_ui(ui: dict, *, devices: str = "all", world_size: int = 0) -> dict:
+    """The same minimal swap in the UI format (for the shipped workflows): a Load Diffusion Model (MGPU) node is
+    added beside the template's model loader (in whichever graph or subgraph holds it) and every link from the
+    loader's MODEL output now starts at the new node's `model` output; the loader keeps its VAE (and CLIP) links.
+    The new node's `devices` and `world_size` are promoted onto the subgraph node where the template promotes
+    widgets (`proxyWidgets`). Returns a new workflow; raises ConversionError unless exactly one model loader feeds a
+    MODEL input."""
+    ui = copy.deepcopy(ui)
+    ui.get("extra", {}).pop("prompt", None)  # an embedded API prompt of the unswapped graph would be stale
+    graphs = [(None, ui)] + [(d, d) for d in ui.get("definitions", {}).get("subgraphs", [])]
+    found = []
+    for owner, g in graphs:
+        for n in g["nodes"]:
+            if n["type"] in MODEL_LOADERS and n.get("mode", 0) == 0 and n["outputs"][0].get("links"):
+                found.append((owner, g, n))
+    if len(found) != 1:
+        raise ConversionError(f"expected one model loader feeding a MODEL input, found {len(found)}")
+    owner, g, loader = found[0]
+    state = ui.setdefault("state", {})
+    new_id = max([int(ui.get("last_node_id") or 0), int(state.get("lastNodeId") or 0)]
+                 + [n["id"] for _o, gg in graphs for n in gg["nodes"]]) + 1
+    ui["last_node_id"] = state["lastNodeId"] = new_id
+    links = loader["outputs"][0]["links"]
+    name = (loader.get("widgets_values") or [None])[0]
+    x, y = loader.get("pos", [0, 0])
+    node = {
+        "id": new_id, "type": "LTX2MGPU_LoadDiffusionModel", "pos": [x, y - 220], "size": [430, 170], "flags": {},
+        "order": loader.get("order", 0), "mode": 0,
+        "inputs": [{"localized_name": w, "name": w, "type": t, "widget": {"name": w}, "link": None}
+                   for w, t in (("unet_name", "COMBO"), ("devices", "STRING"), ("world_size", "INT"))],
+        "outputs": [{"localized_name": "model", "name": "model", "type": "MODEL", "links": list(links)},
+                    {"localized_name": "fleet", "name": "fleet", "type": "LTX2_MGPU_FLEET", "links": []}],
+        "title": "Load Diffusion Model (MGPU) - the model runs on the fleet",
+        "properties": {"Node name for S&R": "LTX2MGPU_LoadDiffusionModel", "cnr_id": "ltx2-multigpu"},
+        "widgets_values": [name, devices, world_size],
+        "widgets_values_named": {"unet_name": name, "devices": devices, "world_size": world_size},
+    }
+    g["nodes"].append(node)
+    loader["outputs"][0]["links"] = []
+    for link in g["links"]:
+        if isinstance(link, dict) and link["id"] in links:
+            link["origin_id"], link["origin_slot"] = new_id, 0
+        elif isinstance(link, list) and link[0] in links:
+            link[1], link[2] = new_id, 0
+    if owner is not None:  # promote devices / world_size on the subgraph node(s) that show promoted widgets
+        for n in ui["nodes"]:
+            props = n.get("properties") or {}
+            if n["type"] == owner["id"] and props.get("proxyWidgets") is not None and not n.get("widgets_values"):
+                props["proxyWidgets"] += [[str(new_id), "devices"], [str(new_id), "world_size"]]
+    return ui
+
+
 def swap_decode(api: dict) -> dict:
     """VAEDecodeTiled -> Distributed Decode (MGPU) on the fleet of the graph's MGPU loader: its spatial tile size
     (pixels) and overlap (pixels) become the node's tile grid and latent overlap; the temporal settings have no
