@@ -94,6 +94,11 @@ def test_positional_widgets_follow_object_info():
     assert api["21:6"]["inputs"] == {"input": ["20", 0], "resize_type": "scale dimensions",
                                      "resize_type.width": 1920, "resize_type.height": 1088,
                                      "resize_type.crop": "center", "scale_method": "lanczos"}
+    # a seed inside a dynamic combo without control_after_generate takes one value
+    gen = C.widget_values(_node(9, "TextGenerateLTX2Prompt", ["", 2048, "on", 0.7, 64, 0.95, 0.05, 1.05, 0, 0,
+                                                              False, True]), INFO)
+    assert gen["sampling_mode.seed"] == 0 and gen["sampling_mode.presence_penalty"] == 0
+    assert gen["thinking"] is False and gen["use_default_template"] is True
     # LoadImage's upload widget value ('image') is not an input
     assert api["20"]["inputs"] == {"image": "a.png"}
     # a multi-type widget ("FLOAT,INT" with widgetType FLOAT) takes its value; the muted node is not emitted

@@ -143,7 +143,7 @@ def widget_values(node: dict, object_info: dict | None) -> dict[str, Any]:
             return
         key = prefix + name
         out[key] = v
-        if opts.get("control_after_generate") or (typ == "INT" and name in ("seed", "noise_seed")):
+        if opts.get("control_after_generate"):
             next(it, None)  # the 'fixed' / 'randomize' value
         if any(opts.get(f) for f in UPLOAD_FLAGS):
             next(it, None)  # the upload button's value
