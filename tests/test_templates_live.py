@@ -255,3 +255,46 @@ def test_swapped_template_matches_native(live, images, stem, devices, tmp_path, 
     dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
     print(f"{stem} {devices}: max |swapped - native| video {dv:.2e} audio {da:.2e}")
     assert dv <= TOL and da <= TOL
+
+
+# ---- the shipped API twins (workflows/api/comfyui-*.json) --------------------------------------------------------------
+
+SHIPPED = sorted((Path(__file__).resolve().parent.parent / "workflows" / "api").glob("comfyui-*.json"))
+
+
+def tiny_twin(api: dict, tiny: dict[str, str], images: list[str], devices: str) -> dict:
+    """A shipped API twin on the tiny files: model files pointed at the tiny set, the fleet on `devices`, the text
+    through Text Encode (MGPU) (the tiny Gemma, see the module docstring), the prompt enhancer switched off, width /
+    height (the PrimitiveInt nodes titled so) small, the images generated."""
+    api = C.point_files(api, {"checkpoint": tiny["checkpoint"], "gemma": tiny["gemma"],
+                              "upsampler": tiny["upsampler"], "diffusion_model": tiny["checkpoint"]},
+                        loras={"*": tiny["lora"]})
+    for k in C.nodes_of(api, "LTX2MGPU_LoadDiffusionModel"):
+        api[k]["inputs"]["devices"] = devices
+    for k, v in api.items():
+        title = ((v.get("_meta") or {}).get("title") or "").lower()
+        if v["class_type"] == "PrimitiveInt" and title in ("width", "height"):
+            v["inputs"]["value"] = WIDTH if title == "width" else HEIGHT
+        if v["class_type"] == "PrimitiveBoolean" and "prompt enhance" in title:
+            v["inputs"]["value"] = False
+    for i, k in enumerate(C.nodes_of(api, "LoadImage")):
+        api[k]["inputs"]["image"] = images[min(i, 1)]
+    # one fleet for text and model: the MODEL now comes from Load Checkpoint (MGPU), whose fleet also encodes text
+    api = C.swap_text_encode(api, checkpoint=tiny["checkpoint"], gemma=tiny["gemma"], devices=devices)
+    (mgpu,) = C.nodes_of(api, "LTX2MGPU_LoadDiffusionModel")
+    loader = C.nodes_of(api, "LTX2MGPU_LoadCheckpoint")[0]
+    C.rewire(api, [mgpu, 0], [loader, 1])
+    del api[mgpu]
+    return api
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_api_twin_runs_on_a_2_rank_fleet(live, tiny_23, images, path, tmp_path):
+    """The shipped API twin of a template (minimal swap) queued on the tiny LTX-2.3 models: an mp4 with audio."""
+    if "model" not in json.dumps(live._get("/object_info/LTX2MGPU_LoadCheckpoint").get(
+            "LTX2MGPU_LoadCheckpoint", {}).get("output_name", [])):
+        pytest.skip("Load Checkpoint (MGPU) has no MODEL output in this build (the native-MODEL issue)")
+    api = tiny_twin(json.loads(path.read_text()), tiny_23, images, "cpu:2")
+    add_latent_outputs(api, f"ltx2-mgpu-templates/{path.stem}")
+    got = run_graph(live, api, tmp_path)
+    assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] >= 97
