@@ -226,6 +226,21 @@ def _native_model(handle: P.FleetHandle, what: str):
         raise NodeError(f"{what}: {exc}") from None
 
 
+def _check_single_file(path: str, what: str) -> None:
+    """The fleet loads LTX-2 single-file checkpoints (transformer + VAEs + text projection); a transformer-only file
+    is refused by name before any worker starts."""
+    from .native_model import read_header
+
+    try:
+        sd, _ = read_header(path)
+    except (OSError, ValueError) as exc:
+        raise NodeError(f"{what}: {exc}") from None
+    if not any(k.startswith("vae.") for k in sd):
+        raise NodeError(f"{what}: {os.path.basename(path)} holds the transformer only; the fleet loads LTX-2 "
+                        f"single-file checkpoints for now (the file in models/checkpoints/, e.g. "
+                        f"ltx-2.3-22b-dev.safetensors)")
+
+
 class LoadDiffusionModelMGPU(io.ComfyNode):
     """Load Diffusion Model (MGPU): the MODEL of ComfyUI's Load Diffusion Model, its transformer on the fleet."""
 
@@ -268,6 +283,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             devs = parse_devices(devices, world_size or None)
             dtype = "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32"
             path = _resolve(unet_name, "diffusion_models", "checkpoints")
+            _check_single_file(path, what)
             # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
             config = P.FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True)
             try:

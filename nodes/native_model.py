@@ -110,6 +110,7 @@ class FleetTransformer(torch.nn.Module):
         self.known_contexts: OrderedDict[str, None] = OrderedDict()  # context row keys the fleet holds
         self.known_loras: set[str] = set()
         self.stats = {"forwards": 0, "context_sent": 0, "misses": 0, "preprocess": 0}
+        self.last_report = ""  # how the fleet ran the last forward (ForwardReply.report)
 
     # ---- what ComfyUI reads ----------------------------------------------------------------------------------------
 
@@ -187,10 +188,13 @@ class FleetTransformer(torch.nn.Module):
             if request.context is not None:
                 self.stats["context_sent"] += 1
             result = self._call(F.FORWARD_JOB, request)
-            if isinstance(result, F.ForwardReply):
-                self._remember(request)
+            # by name: the reply's classes may come from another import of the engine package (the controller's
+            # unpickler resolves them under whichever name imports first)
+            kind = type(result).__name__
+            if kind == "ForwardReply":
+                self._remember(request, result)
                 return result
-            if not isinstance(result, F.ForwardMiss):
+            if kind != "ForwardMiss":
                 raise RuntimeError(f"the fleet's forward job answered {type(result).__name__}, not a ForwardReply")
             self.stats["misses"] += 1
             for k in result.context_keys:
@@ -202,7 +206,8 @@ class FleetTransformer(torch.nn.Module):
                 request = _replace(request, lora=self._lora(patcher))
         raise RuntimeError("the fleet kept answering ForwardMiss for the same request")
 
-    def _remember(self, request: F.ForwardRequest) -> None:
+    def _remember(self, request: F.ForwardRequest, reply) -> None:
+        self.last_report = reply.report
         for k in request.context_keys:
             self.known_contexts[k] = None
             self.known_contexts.move_to_end(k)
@@ -210,8 +215,8 @@ class FleetTransformer(torch.nn.Module):
             self.known_contexts.popitem(last=False)
         if request.lora is not None and request.lora.patches is not None:
             self.known_loras.add(request.lora.key)
-            log.info("MGPU model: LoRA set %s (%d layer patches) applied on the fleet", request.lora.key,
-                     len(request.lora.patches))
+            log.info("MGPU model: LoRA set %s (%d layer patches) shipped to the fleet: %s", request.lora.key,
+                     len(request.lora.patches), reply.report)
 
     def _call(self, kind: str, payload):
         return self._transport(kind, payload)

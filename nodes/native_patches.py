@@ -9,7 +9,8 @@ A native MODEL from Load Diffusion Model (MGPU) has no weights in ComfyUI: its t
   patches of one weight summed in their order — ComfyUI's `LoRAAdapter.calculate_weight` formula;
 - everything that needs real weights or a callable inside the transformer is refused with its name: block / attention
   replacements and patches (`patches_replace`, `patches`, `optimized_attention_override` in `transformer_options`),
-  object patches, weight wrappers, hook-scheduled patches (`hook_patches`), model merges (`ModelMergeSimple` and
+  object patches inside the transformer (`diffusion_model.*`; the wrapper's own, e.g. ModelSamplingLTXV's
+  `model_sampling`, apply in ComfyUI as usual), weight wrappers, hook-scheduled patches (`hook_patches`), model merges (`ModelMergeSimple` and
   friends add another model's weights as patches), LoRA variants other than plain LoRA (LoCon mid weights, DoRA,
   LoHa, LoKr, …), `strength_model` != 1, offsets and patch functions, and ControlNet (a `control` argument).
 """
@@ -58,9 +59,9 @@ def _describe_adapter(adapter: Any) -> str:
     name = getattr(adapter, "name", None)
     if name:
         return f"LoRA type {name!r}"
-    if isinstance(adapter, tuple) and adapter and isinstance(adapter[0], str):
+    if isinstance(adapter, (tuple, list)) and adapter and isinstance(adapter[0], str):
         return f"a {adapter[0]!r} weight patch (a model merge or a model-add node)"
-    if isinstance(adapter, tuple):
+    if isinstance(adapter, (tuple, list)):
         return "another model's weights (a model merge: ModelMergeSimple / ModelMergeBlocks / ModelAdd …)"
     return f"a weight patch of type {type(adapter).__name__}"
 
@@ -106,9 +107,10 @@ def refuse_patcher_features(patcher: Any) -> None:
     plain LoRAs, wrappers and callbacks, which run locally)."""
     if patcher is None:
         return
-    if getattr(patcher, "object_patches", None):
-        raise UnsupportedInput(f"object patches ({', '.join(sorted(patcher.object_patches))}) replace parts of the "
-                               f"model in ComfyUI's process, but the MGPU model's transformer runs on the fleet")
+    inside = sorted(k for k in (getattr(patcher, "object_patches", None) or {}) if k.startswith(UNET_PREFIX))
+    if inside:  # object patches of the wrapper (ModelSamplingLTXV's model_sampling) apply in ComfyUI as usual
+        raise UnsupportedInput(f"object patches inside the transformer ({', '.join(inside)}) replace parts of it "
+                               f"in ComfyUI's process, but the MGPU model's transformer runs on the fleet")
     if getattr(patcher, "weight_wrapper_patches", None):
         raise UnsupportedInput(f"weight wrappers ({', '.join(sorted(patcher.weight_wrapper_patches))}) need the "
                                f"weights in ComfyUI's process; the MGPU model's weights are on the fleet")

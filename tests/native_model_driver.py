@@ -35,6 +35,7 @@ FPS = 25.0
 # a 3×3 latent (96×96 px) × 3 latent frames (17 px frames) = 27 video tokens: not divisible by 2 or 4
 WIDTH, HEIGHT, LENGTH = 96, 96, 17
 SIGMAS = [1.0, 0.85, 0.6, 0.3, 0.0]
+EASYCACHE_SIGMAS = [1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.3, 0.15, 0.0]  # 12 steps: some skipped
 
 
 def setup_comfy():
@@ -148,11 +149,11 @@ class LocalComfyTransport:
         self.active = lora.key
 
 
-def fleet_transport(nm, path: str, world_size: int):
+def fleet_transport(nm, path: str, world_size: int, gemma: str | None):
     from ltx2_multigpu.mgpu_backend import protocol as P
     from ltx2_multigpu.mgpu_backend.client import ControllerClient
 
-    config = P.FleetConfig(devices=("cpu",) * world_size, checkpoint=path, gemma=None, gemma_unload=True,
+    config = P.FleetConfig(devices=("cpu",) * world_size, checkpoint=path, gemma=gemma, gemma_unload=True,
                            dtype="float32")
     c = ControllerClient()
     try:
@@ -219,6 +220,23 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
         model, _ = comfy.sd.load_lora_for_models(model, None, comfy.utils.load_torch_file(lora_path), 0.7, 0)
         if case == "lora_stack":
             model, _ = comfy.sd.load_lora_for_models(model, None, comfy.utils.load_torch_file(lora_path), -0.4, 0)
+    if case == "model_sampling":  # an object patch of the wrapper (model_sampling): applies in ComfyUI as usual
+        model = lt.ModelSamplingLTXV.execute(model, 2.05, 0.95, None).result[0]
+    if case == "easycache":
+        from comfy_extras.nodes_easycache import EasyCacheNode as EasyCache
+
+        model = EasyCache.execute(model, 0.5, 0.0, 1.0, False).result[0]
+    if case == "refuse_slg":
+        from comfy_extras.nodes_slg import SkipLayerGuidanceDiT
+
+        model = SkipLayerGuidanceDiT.execute(model, 3.0, 0.0, 1.0, "1", "", 0.0).result[0]
+    if case == "refuse_attn_patch":
+        model = model.clone()
+        model.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))
+    if case == "refuse_merge":
+        from comfy_extras.nodes_model_merging import ModelMergeSimple
+
+        model = ModelMergeSimple().merge(model, REFERENCE["native"], 0.5)[0]
     if case == "stg_modality":
         model = lt.LTXVSpatioTemporalGuidance.execute(model, 1.0, "1", 0.0, 1.0).result[0]
         model = lt.LTXVModalityGuidance.execute(model, 3.0, 0.0, 1.0).result[0]
@@ -229,7 +247,7 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
         guider = cs.CFGGuider.execute(model, pos, neg, 3.0).result[0]
     noise = cs.RandomNoise.execute(42).result[0]
     sampler = cs.KSamplerSelect.execute(sampler_name).result[0]
-    sigmas = torch.tensor(SIGMAS)
+    sigmas = torch.tensor(SIGMAS if case != "easycache" else EASYCACHE_SIGMAS)
     out = cs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, av).result[0]
     video, audio = lt.LTXVSeparateAVLatent.execute(out).result
     if case.startswith("guides"):
@@ -237,8 +255,12 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
     return video["samples"].float(), audio["samples"].float()
 
 
+REFERENCE = {}  # "native": the native MODEL (the second model of a merge)
+REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
+            "refuse_merge": "model merge"}
+
 CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora", "lora_stack",
-         "t2v_after_lora", "long126")
+         "t2v_after_lora", "long126", "model_sampling", "easycache") + tuple(REFUSALS)
 
 
 def main():
@@ -249,6 +271,7 @@ def main():
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--lora", default=None)
+    ap.add_argument("--gemma", default=None, help="Gemma file for the fleet (None: a transformer-only fleet)")
     args = ap.parse_args()
     setup_comfy()
     nm = import_pack()
@@ -263,7 +286,7 @@ def main():
     if args.transport == "local":
         local = transport = LocalComfyTransport(args.checkpoint)
     else:
-        transport = fleet_transport(nm, args.checkpoint, args.world_size)
+        transport = fleet_transport(nm, args.checkpoint, args.world_size, args.gemma)
     mgpu = nm.build_native_model(args.checkpoint, transport, name="tiny")
     if args.transport == "fleet":
         transport.proxy = nm.proxy_of(mgpu)
@@ -273,8 +296,17 @@ def main():
             "params": len(list(mgpu.model.parameters())), "state_keys": len(mgpu.model.state_dict()),
             "native_state_keys": len(native.model.state_dict())}
     results = {}
+    REFERENCE["native"] = native
     with torch.no_grad():
         for case in args.cases.split(","):
+            if case in REFUSALS:
+                try:
+                    run_case(case, mgpu, vae, width, args.lora)
+                    results[case] = {"refused": None}
+                except Exception as exc:  # noqa: BLE001 - the refusal is what this case checks
+                    results[case] = {"refused": f"{type(exc).__name__}: {exc}"}
+                print(f"{case}: {results[case]}", file=sys.stderr, flush=True)
+                continue
             t0 = time.perf_counter()
             name = "t2v" if case == "t2v_after_lora" else case
             ref_v, ref_a = run_case(name, native, vae, width, args.lora)
@@ -286,7 +318,7 @@ def main():
                 "max_abs": max(float((got_v - ref_v).abs().max()), float((got_a - ref_a).abs().max())),
                 "max_ref": max(float(ref_v.abs().max()), float(ref_a.abs().max())),
                 "shape": [list(ref_v.shape), list(ref_a.shape)],
-                "native_s": t1 - t0, "mgpu_s": t2 - t1,
+                "native_s": t1 - t0, "mgpu_s": t2 - t1, "report": proxy.last_report,
                 "stats": {k: proxy.stats[k] - before.get(k, 0) for k in proxy.stats}}
             print(f"{case}: {results[case]}", file=sys.stderr, flush=True)
     if local is not None:

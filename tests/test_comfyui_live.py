@@ -529,3 +529,124 @@ def test_golden_graph_reproduces_the_committed_goldens(server, tiny_models):
         diff = float((got - goldens[f"t2v_euler.aligned.{modality}"]).abs().max())
         print(f"golden {modality}: max |now - committed| = {diff:.2e}")
         assert diff <= 1e-5  # same ComfyUI and weights: only thread-count-dependent CPU summation order
+
+
+# ---- the native MGPU MODEL (issue 19): Load Checkpoint (MGPU)'s `model` / Load Diffusion Model (MGPU) ------------
+
+
+def test_native_model_loaders_have_the_documented_sockets(server):
+    """Load Diffusion Model (MGPU): unet_name / devices / world_size in, MODEL + fleet out; Load Checkpoint (MGPU)
+    gains a MODEL output after its fleet (existing graphs keep their links)."""
+    info = _get("/object_info/LTX2MGPU_LoadDiffusionModel")["LTX2MGPU_LoadDiffusionModel"]
+    assert set(info["input"]["required"]) == {"unet_name", "devices", "world_size"}
+    assert info["output"] == ["MODEL", "LTX2_MGPU_FLEET"]
+    loader = _get("/object_info/LTX2MGPU_LoadCheckpoint")["LTX2MGPU_LoadCheckpoint"]
+    assert loader["output"] == ["LTX2_MGPU_FLEET", "MODEL"]
+
+
+def _engine_has_forward_job() -> bool:
+    try:
+        from mgpu_backend.jobs import load_all
+
+        return "forward" in load_all()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def native_model_graph(model_source: str, seed: int, prefix: str, lora: float | None = None,
+                       guidance: bool = False) -> dict:
+    """ComfyUI's own sampling graph (test conditioning, empty AV latent, CFGGuider, SamplerCustomAdvanced, euler,
+    SaveLatent ×2) on the MODEL of `model_source`: "native" (CheckpointLoaderSimple) or "mgpu" (Load Checkpoint
+    (MGPU)'s `model`, the workflows' fleet configuration); optionally LoraLoaderModelOnly and STG + modality
+    guidance on that MODEL."""
+    base = load(BASE_WORKFLOW)
+    loader = base[by_class(base, "LTX2MGPU_LoadCheckpoint")]
+    ckpt = loader["inputs"]["checkpoint"]
+    n = lambda cls, **inputs: {"class_type": cls, "inputs": inputs}  # noqa: E731
+    g = {
+        "1": n("CheckpointLoaderSimple", ckpt_name=ckpt),
+        "2": n("LTX2MGPU_TestConditioning", source="random", seed=5, positive_tokens=12, negative_tokens=9, width=64,
+               frame_rate=25.0, prompt="", negative_prompt="", gemma="none", checkpoint="none"),
+        "3": n("EmptyLTXVLatentVideo", width=96, height=96, length=17, batch_size=1),  # 27 tokens: odd
+        "4": n("LTXVAudioVAELoader", ckpt_name=ckpt),
+        "5": n("LTXVEmptyLatentAudio", frames_number=17, frame_rate=25, batch_size=1, audio_vae=["4", 0]),
+        "6": n("LTXVConcatAVLatent", video_latent=["3", 0], audio_latent=["5", 0]),
+        "7": n("RandomNoise", noise_seed=seed),
+        "9": n("KSamplerSelect", sampler_name="euler"),
+        "10": n("ManualSigmas", sigmas="1.0, 0.85, 0.6, 0.3, 0.0"),
+        "12": n("LTXVSeparateAVLatent", av_latent=["11", 0]),
+        "13": n("SaveLatent", samples=["12", 0], filename_prefix=f"{prefix}/video"),
+        "14": n("SaveLatent", samples=["12", 1], filename_prefix=f"{prefix}/audio"),
+    }
+    model = ["1", 0]
+    if model_source == "mgpu":
+        g["40"] = {"class_type": "LTX2MGPU_LoadCheckpoint", "inputs": dict(loader["inputs"])}
+        model = ["40", 1]
+    if lora is not None:
+        g["41"] = n("LoraLoaderModelOnly", model=model, lora_name=MODEL_LINKS_NAMES["distilled_lora"],
+                    strength_model=lora)
+        model = ["41", 0]
+    if guidance:
+        g["42"] = n("LTXVSpatioTemporalGuidance", model=model, scale=1.0, blocks="1", start_percent=0.0,
+                    end_percent=1.0)
+        g["43"] = n("LTXVModalityGuidance", model=["42", 0], modality_scale=3.0, start_percent=0.0, end_percent=1.0)
+        model = ["43", 0]
+    g["8"] = n("CFGGuider", model=model, positive=["2", 0], negative=["2", 1], cfg=3.0)
+    g["11"] = n("SamplerCustomAdvanced", noise=["7", 0], guider=["8", 0], sampler=["9", 0], sigmas=["10", 0],
+                latent_image=["6", 0])
+    return g
+
+
+MODEL_LINKS_NAMES = {key: name for (_, name), key in MODEL_LINKS.items()}
+NATIVE_MODEL_ATOL = 1e-4  # the engine vs ComfyUI over 4 steps (tests/test_native_model_comfyui.py: ≤ 7.6e-6)
+
+
+def _latents(entry: dict) -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_golden", ROOT / "tests" / "golden" / "make_golden.py")
+    mg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mg)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    return {m: mg.fetch_latent(URL, entry, node) for node, m in (("13", "video"), ("14", "audio"))}
+
+
+@pytest.mark.parametrize("variant", ["plain", "lora_stg_modality"])
+def test_mgpu_model_equals_native_model_through_prompt(server, tiny_models, variant):
+    """The same ComfyUI graph queued twice through /prompt — ComfyUI's native MODEL, then Load Checkpoint (MGPU)'s
+    MODEL (transformer on 2 CPU ranks, 27 video tokens) — gives the same latents; with LoraLoaderModelOnly 0.5 and
+    STG + modality guidance on the MODEL too; then the plain MGPU graph again equals native (the LoRA was
+    removed on the fleet)."""
+    _test_nodes_or_skip()
+    if not _engine_has_forward_job():
+        pytest.skip("the engine has no 'forward' job yet (mgpu_backend/jobs/forward.py)")
+    seed = int.from_bytes(os.urandom(4), "little")
+    kw = {"lora": 0.5, "guidance": True} if variant == "lora_stg_modality" else {}
+    tag = uuid.uuid4().hex[:8]
+    native = _latents(wait(queue(native_model_graph("native", seed, f"ltx2-mgpu-native-{tag}/n", **kw))))
+    mgpu = _latents(wait(queue(native_model_graph("mgpu", seed, f"ltx2-mgpu-native-{tag}/m", **kw))))
+    for modality in ("video", "audio"):
+        diff = float((mgpu[modality] - native[modality]).abs().max())
+        print(f"{variant} {modality}: max |MGPU - native| = {diff:.2e}")
+        assert diff <= NATIVE_MODEL_ATOL
+    if kw:
+        plain_native = _latents(wait(queue(native_model_graph("native", seed, f"ltx2-mgpu-native-{tag}/pn"))))
+        plain_mgpu = _latents(wait(queue(native_model_graph("mgpu", seed, f"ltx2-mgpu-native-{tag}/pm"))))
+        assert float((plain_mgpu["video"] - plain_native["video"]).abs().max()) <= NATIVE_MODEL_ATOL
+
+
+def test_mgpu_model_refuses_a_block_replacement_by_name(server, tiny_models):
+    """SkipLayerGuidanceDiT (a block replacement that must run inside the transformer) on the MGPU MODEL: the
+    sampler node fails naming it; the server stays up."""
+    _test_nodes_or_skip()
+    if not _engine_has_forward_job():
+        pytest.skip("the engine has no 'forward' job yet (the connectors run on the fleet before the refusal)")
+    g = native_model_graph("mgpu", int.from_bytes(os.urandom(4), "little"), f"ltx2-mgpu-refuse-{uuid.uuid4().hex[:8]}")
+    g["44"] = {"class_type": "SkipLayerGuidanceDiT", "inputs": {
+        "model": g["8"]["inputs"]["model"], "double_layers": "1", "single_layers": "", "scale": 3.0,
+        "start_percent": 0.0, "end_percent": 1.0, "rescaling_scale": 0.0}}
+    g["8"]["inputs"]["model"] = ["44", 0]
+    err = _error_of(wait(queue(g)))
+    assert err["node_type"] == "SamplerCustomAdvanced"
+    assert "MGPU model" in err["exception_message"] and "patches_replace" in err["exception_message"]
+    assert _get("/system_stats")

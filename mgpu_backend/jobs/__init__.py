@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable
 
 REGISTRY: dict[str, Callable] = {}
-_MODULES = ("generate", "diagnostics", "text", "stages")
+_MODULES = ("generate", "diagnostics", "text", "stages", "forward")
 
 
 def register(kind: str):

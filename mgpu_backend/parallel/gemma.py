@@ -439,6 +439,8 @@ class TextEncoderService:
     def for_fleet(cls, config, rank: int, device, projection) -> TextEncoderService:
         """The service of one worker from its `protocol.FleetConfig` (collective: every rank calls it; creates the
         gloo group on GPU fleets). Gemma is loaded here in the configured mode unless `gemma_unload` is set."""
+        # no Gemma (a transformer-only fleet: the native MODEL of Load Diffusion Model (MGPU)): no text service
+        projection = projection if config.gemma is not None else None
         svc = cls(config.gemma, projection, projection_source=config.text_projection or config.checkpoint,
                   device=device, dtype=getattr(torch, config.dtype), rank=rank, world_size=config.world_size,
                   group=make_group(config.world_size, config.collective_timeout_s), devices=config.devices,

@@ -20,6 +20,7 @@ Valid degrees: W must divide the video heads (32 for LTX-2/2.3 → 1, 2, 4, 8, 1
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,9 @@ class _ForwardState:
     """Per-forward information the processors need: the key-padding mask of the full padded video sequence."""
 
     key_mask: torch.Tensor | None = None  # additive [1, 1, 1, Tp]: 0 for real tokens, -inf for padding
+    # per-forward replacement of the video self-attention kernel `(q, k, v, key_mask) -> out` on the gathered
+    # sequence (all tokens, this rank's heads): the native forward's guide-attention bias (mgpu_backend/native.py)
+    self_attention: Callable | None = None
 
 
 class UlyssesSelfAttention(LTX2AttnProcessor):
@@ -79,7 +83,8 @@ class UlyssesSelfAttention(LTX2AttnProcessor):
         # one all_to_all for q, k and v (stacked along the batch): a third of the collectives' launches and waits
         q, k, v = self.exchange.seq_to_heads(torch.cat((q, k, v))).chunk(3)
         mask = self.state.key_mask
-        out = self.attend(q, k, v, None if mask is None else mask.to(q.dtype))
+        attend = self.state.self_attention or self.attend
+        out = attend(q, k, v, None if mask is None else mask.to(q.dtype))
         out = self.exchange.heads_to_seq(out)
         return self.finish(attn, hidden_states, out)
 
