@@ -246,15 +246,24 @@ def test_ltx23_t2v_keeps_the_template_defaults():
 
 
 @needs_templates
-@pytest.mark.parametrize("stem", C.TEMPLATES["2.3"])
+@pytest.mark.parametrize("stem", C.TEMPLATES["2.0"] + C.TEMPLATES["2.3"] + C.TEMPLATES["2.5"])
 def test_swapped_template_differs_only_in_the_model_source(stem):
+    """Every change is a MODEL input that read the template's loader (now the MGPU model), or that loader itself
+    (removed when nothing else read it: LTX-2.5's UNETLoader; LTX-2.0 / 2.3's CheckpointLoaderSimple stays for the
+    VAE). The text encoder, prompt enhancer, guiders' settings, sigmas, samplers and decode are untouched."""
     api = C.ui_to_api(C.load_template(stem), INFO)
     out = C.swap_model_loader(api, devices="cpu:2")
-    changed = {k for k in api if api[k] != out.get(k)}
-    assert changed and all(api[k]["class_type"] in ("LoraLoaderModelOnly", "CFGGuider", "LTXVDualCFGGuider",
-                                                    "ModelSamplingLTXV", "KSampler", "LoraLoader",
-                                                    "LTXVReferenceAudio", "CheckpointLoaderSimple")
-                           for k in changed), {k: api[k]["class_type"] for k in changed}
+    (mgpu,) = C.nodes_of(out, "LTX2MGPU_LoadDiffusionModel")
+    for k in api:
+        if k not in out:
+            assert api[k]["class_type"] in C.MODEL_LOADERS, (stem, k, api[k]["class_type"])
+            continue
+        for name, old in api[k]["inputs"].items():
+            new = out[k]["inputs"][name]
+            if new != old:
+                assert new == [mgpu, 0] and api[old[0]]["class_type"] in C.MODEL_LOADERS and old[1] == 0, \
+                    (stem, k, name, old, new)
+    assert set(out) - set(api) == {mgpu}
 
 
 # ---- the shipped workflows made from the templates (workflows/comfyui-*.json) ----------------------------------------
@@ -264,7 +273,8 @@ WF = C.HERE.parent.parent / "workflows"
 
 
 def test_shipped_template_workflows_exist():
-    assert {"comfyui-ltx2.3-t2v-mgpu", "comfyui-ltx2.3-i2v-mgpu"} <= set(SHIPPED)
+    assert {"comfyui-ltx2.3-t2v-mgpu", "comfyui-ltx2.3-i2v-mgpu", "comfyui-ltx2.5-t2v-mgpu",
+            "comfyui-ltx2.5-i2v-mgpu"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -280,7 +290,10 @@ def test_shipped_workflow_is_the_minimal_swap_and_its_api_twin(name):
     models = [(k, n) for k, v in api.items() for n, val in v["inputs"].items()
               if C.is_link(val) and api[val[0]]["class_type"] in C.MODEL_LOADERS and val[1] == 0]
     assert not models, models  # no MODEL comes from ComfyUI's loader any more ...
-    assert C.nodes_of(api, "CheckpointLoaderSimple")  # ... which stays for the VAE
+    if "ltx2.5" in name:  # ... LTX-2.5: the VAELoaders and CLIPLoaders stay; 2.0 / 2.3: the checkpoint, for its VAE
+        assert len(C.nodes_of(api, "VAELoader")) == 2 and not C.nodes_of(api, "UNETLoader")
+    else:
+        assert C.nodes_of(api, "CheckpointLoaderSimple")
     assert all(v["class_type"] in INFO or v["class_type"] == "LTX2MGPU_LoadDiffusionModel" for v in api.values())
 
 

@@ -299,6 +299,9 @@ def tiny_twin(api: dict, tiny: dict[str, str], images: list[str], devices: str) 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_shipped_api_twin_runs_on_a_2_rank_fleet(live, tiny_23, images, path, tmp_path):
     """The shipped API twin of a template (minimal swap) queued on the tiny LTX-2.3 models: an mp4 with audio."""
+    if "ltx2.5" in path.stem:
+        pytest.skip("LTX-2.5 twins need the tiny LTX-2.5 set (per-component files, Gemma 4 with its projection, "
+                    "diffusion VAE) and Text Encode (MGPU) for Gemma 4: the issue-18 branches, not merged here")
     if "model" not in json.dumps(live._get("/object_info/LTX2MGPU_LoadCheckpoint").get(
             "LTX2MGPU_LoadCheckpoint", {}).get("output_name", [])):
         pytest.skip("Load Checkpoint (MGPU) has no MODEL output in this build (the native-MODEL issue)")

@@ -25,6 +25,9 @@ SHIPPED = {  # template stem -> shipped name
     "video_ltx2_3_t2v": "comfyui-ltx2.3-t2v-mgpu",
     "video_ltx2_3_i2v": "comfyui-ltx2.3-i2v-mgpu",
     "video_ltx2_3_flf2v": "comfyui-ltx2.3-flf2v-mgpu",
+    "video_ltx2_5_t2v": "comfyui-ltx2.5-t2v-mgpu",
+    "video_ltx2_5_i2v": "comfyui-ltx2.5-i2v-mgpu",
+    "video_ltx2_5_flf2v": "comfyui-ltx2.5-flf2v-mgpu",
 }
 
 
