@@ -45,7 +45,7 @@ def check_tdp_sigmas(sigmas, max_first_sigma: float = DEFAULT_MAX_FIRST_SIGMA) -
     if first > max_first_sigma:
         raise ValueError(f"tiled stage 2 starting at sigma {first:g} is above the bound {max_first_sigma:g}: the "
                          f"more noise is re-injected, the more the tiles drift apart; use smaller sigmas (reference: "
-                         f"0.625, 0.4, 0) or raise the bound")
+                         f"0.625, 0.4, 0) or raise the bound (max_first_sigma) and check the reported tile drift")
 
 
 class TiledTransformer:
