@@ -143,3 +143,56 @@ def test_w_ranks_report_the_drift_of_one_rank(world):
             assert torch.allclose(video, one[name][0], rtol=1e-6, atol=1e-6)
             assert torch.allclose(audio, one[name][1], rtol=1e-6, atol=1e-6)
             assert drift == pytest.approx(one[name][2], rel=1e-6)
+
+
+# ---- the stage job (what TDP Upscale (MGPU) sends the fleet), one process, the tiny LTX-2.0 model --------------------
+
+TEMPLATE_STAGE2 = torch.tensor([0.85, 0.725, 0.4219, 0.0])  # ComfyUI's LTX-2.3 / 2.5 templates
+
+
+class _Ctx:
+    rank, progress, step_boundary = 0, None, None
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_dir):
+    from mgpu_backend.models.loader import load_components
+    from mgpu_backend.pipelines import TwoStagePipeline
+
+    return TwoStagePipeline(load_components(tiny_dir["2.0"]["checkpoint"], dtype=torch.float32), None)
+
+
+def _payload(pipe, **extra) -> dict:
+    g = torch.Generator().manual_seed(5)
+    width = pipe.components.text_projection.out_features if hasattr(pipe.components.text_projection,
+                                                                    "out_features") else None
+    video, audio = torch.randn(1, 128, 2, 4, 6, generator=g), torch.randn(1, 8, 5, 16, generator=g)
+    p = {"positive": torch.randn(1, 7, width or 64, generator=g), "negative": None, "video": video, "audio": audio,
+         "noise_video": torch.randn(video.shape, generator=g), "noise_audio": torch.randn(audio.shape, generator=g),
+         "fps": 24.0, "mode": "tiled", "tiles": TileCountConfig.spatial(1, 2, overlap=2), "sigmas": TEMPLATE_STAGE2}
+    p.update(extra)
+    return p
+
+
+def _run(pipe, payload):
+    from mgpu_backend.jobs.stages import run_sample
+
+    return run_sample(type("State", (), {"pipeline": pipe})(), payload, _Ctx())
+
+
+def test_stage_job_refuses_the_template_sigmas_by_default_and_runs_them_with_a_raised_bound(pipe):
+    from mgpu_backend.validation import ValidationError
+
+    with pytest.raises(ValidationError, match="max_first_sigma"):
+        _run(pipe, _payload(pipe))
+    frozen = _run(pipe, _payload(pipe, max_first_sigma=0.9))
+    assert frozen["audio_frozen"] is True and frozen["weights_normalized"] is False
+    assert len(frozen["tile_drift"]) == 3 and all(d > 0 for d in frozen["tile_drift"])  # 3 steps, no guidance
+    assert "tile drift per forward" in frozen["report"]
+    assert torch.equal(frozen["audio"], _payload(pipe)["audio"])  # the stage-1 audio, bit for bit
+    denoised = _run(pipe, _payload(pipe, max_first_sigma=0.9, audio_frozen=False))
+    assert denoised["audio_frozen"] is False and "re-denoised" in denoised["report"]
+    assert torch.isfinite(denoised["audio"]).all()
+    assert not torch.equal(denoised["audio"], frozen["audio"])
+    # the video of the two runs differs only through the audio (the audio stream feeds the video's cross-attention)
+    assert torch.isfinite(denoised["video"]).all()
