@@ -35,7 +35,7 @@ pytestmark = pytest.mark.comfyui
 URL = os.environ.get("COMFYUI_URL", "").rstrip("/")
 COMFY_DIR = Path(os.environ.get("COMFYUI_DIR", "/tmp/comfyui"))
 WIDTH, HEIGHT = 256, 128  # template width / height inputs (stage 1 runs at half)
-TOL = 2e-3  # max |swapped - native| over latents of unit scale: the fleet's forward vs ComfyUI's (NATIVE-MODEL.md)
+TOL = 1e-4  # max |swapped - native| over the final latents (measured 1.2e-6 on LTX-2.3 t2v / i2v at W = 2 and 4)
 
 
 def _live():
