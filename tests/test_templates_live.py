@@ -266,7 +266,7 @@ def test_swapped_template_matches_native(live, images, stem, devices, tmp_path, 
     assert dv <= TOL and da <= TOL
 
 
-# ---- the shipped API twins (workflows/api/comfyui-*.json) --------------------------------------------------------------
+# ---- the shipped API twins (workflows/api/comfyui-*.json) ------------------------------------------------------------
 
 SHIPPED = sorted((Path(__file__).resolve().parent.parent / "workflows" / "api").glob("comfyui-*.json"))
 
@@ -331,7 +331,7 @@ def test_swapped_template_with_distributed_decode(live, tiny_23, images, tmp_pat
     assert max_diff(got["video"], native["video"]) <= TOL and max_diff(got["audio"], native["audio"]) <= TOL
 
 
-# ---- TDP Upscale at a template's stage-2 settings (the pack's two-stage workflow) ---------------------------------------
+# ---- TDP Upscale at a template's stage-2 settings (the pack's two-stage workflow) ------------------------------------
 
 
 def _tdp_graph(live, **tdp_inputs) -> tuple[dict, str]:

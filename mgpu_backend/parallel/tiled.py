@@ -91,8 +91,9 @@ class TiledTransformer:
         return (f"{len(self.tiles)} tiles ({'×'.join(str(a.num_tiles) for a in self.tiling.axes)}) over "
                 f"{self.world_size} ranks; rank {self.rank}: tiles {[t.index for t in self.my_tiles]}\n"
                 f"tile drift per forward (RMS difference of overlapping tiles before blending / their mean): "
-                f"{drift}\nblend weights normalized: {'yes (three tiles overlap somewhere)' if self.normalized else 'no'}"
-                f"\naudio: {'re-denoised (tiles averaged)' if self.denoise_audio else 'frozen stage-1 audio'}")
+                f"{drift}\nblend weights normalized: "
+                f"{'yes (three tiles overlap somewhere)' if self.normalized else 'no'}\n"
+                f"audio: {'re-denoised (tiles averaged)' if self.denoise_audio else 'frozen stage-1 audio'}")
 
     @staticmethod
     def drift_of(sums: torch.Tensor, squares: torch.Tensor, count: torch.Tensor) -> float | None:

@@ -366,7 +366,7 @@ def _fresh_id(api: dict, stem: str) -> str:
     return f"{stem}{i or ''}"
 
 
-# ---- the swaps ---------------------------------------------------------------------------------------------------------
+# ---- the swaps -------------------------------------------------------------------------------------------------------
 
 MODEL_LOADERS = {"CheckpointLoaderSimple": 0, "UNETLoader": 0}  # class -> index of its MODEL output
 
