@@ -119,7 +119,10 @@ def split_latent(latent: dict) -> LatentParts:
         video, audio = parts
         nested = True
     else:
-        if latent.get("type") == "audio" or (isinstance(samples, torch.Tensor) and samples.ndim == 4):
+        # the shape decides: ComfyUI's LTXVSeparateAVLatent copies the AV latent's keys ("type": "audio" from
+        # LTXVEmptyLatentAudio included) into its video output, so a 5-D latent marked "audio" is video
+        if isinstance(samples, torch.Tensor) and (samples.ndim == 4 or (latent.get("type") == "audio"
+                                                                       and samples.ndim != 5)):
             raise UnsupportedInput("an audio-only LATENT: give the video latent, or both joined with "
                                    "LTXVConcatAVLatent")
         video, audio, nested = samples, None, False

@@ -1,5 +1,7 @@
 """TDP Upscale (MGPU): 2x latent upscale on the fleet, then a short refinement stage in tiles, one tile per device
-(tiled data parallelism; stage 2 of the two-stage recipe). The audio stays the stage-1 audio, bit for bit."""
+(tiled data parallelism; stage 2 of the two-stage recipe). By default the audio stays the stage-1 audio, bit for bit
+(the reference); on request it is re-denoised with the video as ComfyUI's LTX templates do. Every run shows the tile
+drift per forward and whether the blend weights were normalized."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +13,8 @@ from .native_types import (audio_frames_for, comfy_nested, frame_rate_of, join_l
                            split_conditioning, split_latent, split_noise, unnest)
 
 NAME = "TDP Upscale (MGPU)"
+AUDIO_FROZEN, AUDIO_DENOISE = "frozen stage-1 audio (reference)", "re-denoise with the video (templates)"
+DEFAULT_MAX_FIRST_SIGMA = 0.7  # = mgpu_backend.parallel.tiled.DEFAULT_MAX_FIRST_SIGMA (not imported at start-up)
 
 
 def tile_config(tiles_height: int, tiles_width: int, overlap: int):
@@ -58,6 +62,19 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 loras_input("LoRAs for this stage (a LoRA (MGPU) chain), e.g. the LTX-2 distilled LoRA at 1.0: "
                             "fused on every device for this job and restored after; the coverage is shown on the "
                             "node."),
+                io.Float.Input("max_first_sigma", default=DEFAULT_MAX_FIRST_SIGMA, min=0.05, max=0.99, step=0.01,
+                               optional=True,
+                               tooltip="Refuse a schedule whose first sigma is above this. Each tile denoises with "
+                                       "only its own part of the video as context, so the more noise stage 2 "
+                                       "re-injects the more overlapping tiles disagree (seams). 0.7 is the "
+                                       "reference's bound (its tiled stage 2 starts at 0.625). ComfyUI's LTX-2.3 / "
+                                       "2.5 templates start stage 2 at 0.85: raise this to run them tiled and watch "
+                                       "the tile drift shown on the node."),
+                io.Combo.Input("audio", options=[AUDIO_FROZEN, AUDIO_DENOISE], default=AUDIO_FROZEN, optional=True,
+                               tooltip="Default: the stage-1 audio passes through unchanged (the reference's final "
+                                       "audio; every tile sees it as clean context). Re-denoise: the audio is "
+                                       "re-noised to the first sigma and denoised with the video, every tile's audio "
+                                       "output averaged - what ComfyUI's LTX templates do in their stage 2."),
             ],
             outputs=[io.Latent.Output(display_name="latent")],
             hidden=[io.Hidden.unique_id],
@@ -65,10 +82,14 @@ class TDPUpscaleMGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, fleet, latent, positive, noise, upscale, tiles_height, tiles_width, overlap,
-                sigmas=None, loras=None) -> io.NodeOutput:
+                sigmas=None, loras=None, max_first_sigma=DEFAULT_MAX_FIRST_SIGMA,
+                audio=AUDIO_FROZEN) -> io.NodeOutput:
         from ..mgpu_backend import sampling as S
 
         with guard(NAME):
+            if audio not in (AUDIO_FROZEN, AUDIO_DENOISE):
+                raise NodeError(f"{NAME}: audio={audio!r}: choose {AUDIO_FROZEN!r} or {AUDIO_DENOISE!r}")
+            frozen = audio == AUDIO_FROZEN
             parts = split_latent(latent)
             pos = split_conditioning(positive, "positive")
             fps = frame_rate_of(pos)
@@ -85,19 +106,27 @@ class TDPUpscaleMGPU(io.ComfyNode):
             audio_in = unnest(latent["samples"])[1] if parts.nested else None
             audio = parts.audio if parts.audio is not None else torch.zeros(
                 video.shape[0], 8, audio_frames_for(video.shape[2], fps), 16)  # context only; not returned
+            if not frozen and not parts.nested:
+                raise NodeError(f"{NAME}: audio is set to re-denoise but the latent has no audio (an audio+video "
+                                f"LATENT from LTXVConcatAVLatent / the SP Sampler is needed)")
+            noise_audio = None
             if parts.nested:
-                noise_video, _ = split_noise(noise.generate_noise({"samples": comfy_nested([video, audio])}),
-                                             video.shape, audio.shape)
+                noise_video, noise_audio = split_noise(noise.generate_noise({"samples": comfy_nested([video, audio])}),
+                                                       video.shape, audio.shape)
             else:
                 noise_video, _ = split_noise(noise.generate_noise({"samples": video}), video.shape)
             schedule = sigmas_tensor(sigmas) if sigmas is not None else torch.tensor(S.TDP_STAGE2_SIGMAS)
             payload = {
                 "positive": pos.embeds, "negative": None, "video": video, "audio": audio, "video_mask": video_mask,
-                "noise_video": noise_video, "noise_audio": torch.zeros_like(audio), "sigmas": schedule, "fps": fps,
-                "mode": "tiled", "tiles": tile_config(tiles_height, tiles_width, overlap),
-                "tile_overlap": int(overlap), "audio_frozen": True, "loras": loras_payload(loras),
+                "noise_video": noise_video,
+                "noise_audio": torch.zeros_like(audio) if frozen else noise_audio.float(), "sigmas": schedule,
+                "fps": fps, "mode": "tiled", "tiles": tile_config(tiles_height, tiles_width, overlap),
+                "tile_overlap": int(overlap), "audio_frozen": frozen, "max_first_sigma": float(max_first_sigma),
+                "loras": loras_payload(loras),
             }
             result = run_job(fleet, "sample", payload, node_id=cls.hidden.unique_id, what=NAME)
-            lora_text = "\n".join(f"LoRA {r}" for r in result.get("lora_reports") or ())
-            out = join_latent(latent, result["video"], audio_in, keep_mask=not upscale)
-        return io.NodeOutput(out, ui=ui.PreviewText(lora_text) if lora_text else None)
+            text = "\n".join([str(result.get("report") or "")] +
+                              [f"LoRA {r}" for r in result.get("lora_reports") or ()]).strip()
+            out = join_latent(latent, result["video"], audio_in if frozen else result["audio"],
+                              keep_mask=not upscale)
+        return io.NodeOutput(out, ui=ui.PreviewText(text) if text else None)

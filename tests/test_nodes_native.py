@@ -122,6 +122,14 @@ def test_bad_latents_refused():
         NT.split_latent({"samples": FakeNested([torch.zeros(1, 128, 2, 2, 2)] * 3)})
 
 
+def test_separated_video_latent_marked_audio_is_video():
+    """ComfyUI's LTXVSeparateAVLatent copies the AV latent's keys into both outputs, so its video LATENT carries
+    "type": "audio" (from LTXVEmptyLatentAudio): the 5-D shape decides (ComfyUI's own LTX-2.3 templates decode it)."""
+    video = {**empty_video(), "type": "audio"}
+    parts = NT.split_latent(video)
+    assert parts.video.shape == empty_video()["samples"].shape and parts.audio is None
+
+
 def test_av_length_check_names_8k_plus_1():
     NT.check_av_lengths(torch.zeros(1, 128, 4, 2, 4), torch.zeros(1, 8, 25, 16), 25.0)
     NT.check_av_lengths(torch.zeros(1, 128, 16, 2, 4), torch.zeros(1, 8, 127, 16), 24.0)  # 121 f @ 24: ceil

@@ -107,13 +107,16 @@ def run_sample(state, p: dict, ctx) -> dict:
     `[1, 1, F, H, W]`; 1 = generate), `noise_video` / `noise_audio` (same shapes as the latents), `sigmas` (1-D,
     ending in 0), `fps`, `video_guidance` / `audio_guidance` (`sampling.GuidanceParams`), `mode`
     ("sequence_parallel" | "tiled"), `tiles` (TileCountConfig for tiled; None = balanced), `tile_overlap`,
-    `audio_frozen` (tiled stages always freeze audio), `max_first_sigma` (tiled bound), `sampler` ("euler" |
+    `audio_frozen` (default False, True for tiled: the clean stage-1 audio as context at timestep 0; a tiled stage
+    with False re-noises and denoises the audio, every tile's audio output averaged), `max_first_sigma` (tiled
+    bound, default `parallel.tiled.DEFAULT_MAX_FIRST_SIGMA`), `sampler` ("euler" |
     "euler_ancestral", with `seed`, `eta`, `s_noise`), `stg_blocks` ("auto" or block indices; replaces both
     guidances' blocks), `loras` (`[(path, strength), …]`: fused into every rank's transformer for this job — each
     rank computes its share and the fused layers are broadcast — and restored after it, exactly, without reading
     the checkpoint).
     Returns on rank 0: `{"video": [1, 128, F, H, W], "audio": [1, 8, T, 16], "report": str, "lora_reports":
-    [str, …] (matched / total layers per LoRA)}`.
+    [str, …] (matched / total layers per LoRA)}`; a tiled stage adds `tile_drift` (one relative difference of
+    overlapping tiles per forward, `TiledTransformer.drift`), `weights_normalized` and `audio_frozen`.
     Raises ValidationError before any work for bad shapes, modes, tile / sigma requests and LoRAs that do not fit the
     model (none of their layers found, another model width).
     """
@@ -175,7 +178,10 @@ def run_sample(state, p: dict, ctx) -> dict:
         raise ValidationError(f"noise_mask: {exc}") from None
     if float(p["fps"]) <= 0:
         raise ValidationError(f"fps={p['fps']}: must be positive")
-    audio_frozen = bool(p.get("audio_frozen", False)) or mode == "tiled"
+    # tiled: frozen stage-1 audio unless asked (the reference's final audio); else re-denoised, tiles averaged
+    audio_frozen = bool(p.get("audio_frozen", mode == "tiled"))
+    if tiled is not None:
+        tiled.denoise_audio = not audio_frozen
     for name, n, x in (("noise_video", p["noise_video"], video), ("noise_audio", p["noise_audio"], audio)):
         if tuple(n.shape) != tuple(x.shape):
             raise ValidationError(f"{name} of shape {tuple(n.shape)} does not match the latent {tuple(x.shape)}")
@@ -200,8 +206,12 @@ def run_sample(state, p: dict, ctx) -> dict:
     pipe.lora.restore()
     if ctx.rank != 0:
         return {}
-    return {"video": L.unpack_video(out_video, f, h, w), "audio": L.unpack_audio(out_audio), "report": report,
-            "lora_reports": [r.detail() for r in lora_reports]}
+    out = {"video": L.unpack_video(out_video, f, h, w), "audio": L.unpack_audio(out_audio), "report": report,
+           "lora_reports": [r.detail() for r in lora_reports]}
+    if tiled is not None:
+        out.update(tile_drift=list(tiled.drift), weights_normalized=bool(tiled.normalized),
+                   audio_frozen=audio_frozen)
+    return out
 
 
 @register("upscale")

@@ -10,8 +10,16 @@ with none still joins the collective). Each rank adds its weighted tile outputs 
 - Conditioning tokens (after the F·H·W generated tokens): a tile keeps one whose [start, end) overlaps the tile on
   all three axes, or whose time start is negative (reference tokens, kept by every tile); a token kept by k tiles
   weighs 1/k.
-- Audio is not tiled: every tile forward sees the full audio. The stage-2 audio is frozen (the clean stage-1 audio
-  at timestep 0), so the audio output here is not blended: zeros are returned and the caller keeps its audio.
+- Audio is not tiled: every tile forward sees the full audio. By default the stage-2 audio is frozen (the clean
+  stage-1 audio at timestep 0, the reference's final audio), so the audio output here is not blended: zeros are
+  returned and the caller keeps its audio. With `denoise_audio` (what ComfyUI's LTX templates do in their stage 2:
+  the audio is re-noised and denoised with the video) every tile's audio output is averaged over all tiles (the
+  reference computes this average too, then throws it away).
+- Tile drift (`drift`, one value per forward): how far overlapping tiles disagree before blending. Over the
+  generated tokens covered by n ≥ 2 tiles, with m and s² the mean and (unbiased) variance of the tiles' outputs at
+  a token: drift = sqrt(Σ 2·s²) / sqrt(Σ m²) — the RMS difference of two tiles' outputs relative to their mean
+  (for two tiles: ‖v₁ − v₂‖ / ‖(v₁ + v₂)/2‖ over the overlap). Costs one extra sum over the overlap tokens in the
+  same all_reduce. `normalized` says whether the trapezoid weights had to be normalized (three tiles overlapping).
 
 TDP is an approximation (each tile sees only local context): it is an upscaler, never a first stage.
 """
@@ -37,7 +45,7 @@ def check_tdp_sigmas(sigmas, max_first_sigma: float = DEFAULT_MAX_FIRST_SIGMA) -
     if first > max_first_sigma:
         raise ValueError(f"tiled stage 2 starting at sigma {first:g} is above the bound {max_first_sigma:g}: the "
                          f"more noise is re-injected, the more the tiles drift apart; use smaller sigmas (reference: "
-                         f"0.625, 0.4, 0) or raise the bound")
+                         f"0.625, 0.4, 0) or raise the bound (max_first_sigma) and check the reported tile drift")
 
 
 class TiledTransformer:
@@ -62,15 +70,42 @@ class TiledTransformer:
         self.my_tiles = [t for t in self.tiles if t.index % world_size == rank]
         self.compute_seconds = 0.0
         self.forwards = 0
+        self.denoise_audio = False  # True: average the tiles' audio outputs (audio re-denoised in this stage)
+        self.drift: list[float] = []  # per forward call; empty when no token is covered by two tiles
         self._local = LTX2AttnProcessor()
+        n_gen = self.grid[0] * self.grid[1] * self.grid[2]
+        cover = torch.zeros(n_gen, dtype=torch.int64)
+        for tile in self.tiles:
+            cover[tile.token_index(self.grid)] += 1
+        overlap = (cover >= 2).nonzero().flatten()
+        self._overlap_count = cover[overlap].float()  # [N_ov] tiles per overlap token
+        self._overlap_slot = torch.full((n_gen,), -1, dtype=torch.int64)  # token -> row in the overlap buffers
+        self._overlap_slot[overlap] = torch.arange(overlap.numel())
 
     def activate(self) -> None:
         """Install local attention processors (tiles run the whole model on this rank)."""
         use_processor(self.transformer, self._local)
 
     def describe(self) -> str:
+        drift = (", ".join(f"{d:.3g}" for d in self.drift) if self.drift
+                 else "n/a (no token is covered by two tiles)")
         return (f"{len(self.tiles)} tiles ({'×'.join(str(a.num_tiles) for a in self.tiling.axes)}) over "
-                f"{self.world_size} ranks; rank {self.rank}: tiles {[t.index for t in self.my_tiles]}")
+                f"{self.world_size} ranks; rank {self.rank}: tiles {[t.index for t in self.my_tiles]}\n"
+                f"tile drift per forward (RMS difference of overlapping tiles before blending / their mean): "
+                f"{drift}\nblend weights normalized: "
+                f"{'yes (three tiles overlap somewhere)' if self.normalized else 'no'}\n"
+                f"audio: {'re-denoised (tiles averaged)' if self.denoise_audio else 'frozen stage-1 audio'}")
+
+    @staticmethod
+    def drift_of(sums: torch.Tensor, squares: torch.Tensor, count: torch.Tensor) -> float | None:
+        """sqrt(Σ 2·s²) / sqrt(Σ m²) from per-token sums of the tiles' outputs and of their squares `[B, N, C]` and
+        the tile count per token `[N]` (all ≥ 2); None when there is no overlap token."""
+        if count.numel() == 0:
+            return None
+        n = count[None, :, None].to(sums.dtype)
+        mean = sums / n
+        var = ((squares - n * mean * mean) / (n - 1)).clamp(min=0)
+        return float(torch.sqrt(2 * var.sum()) / torch.sqrt((mean * mean).sum()).clamp(min=1e-30))
 
     def _conditioning_selection(self, tile: Tile, coords: torch.Tensor, tile_coords: torch.Tensor,
                                 n_generated: int) -> torch.Tensor:
@@ -101,6 +136,9 @@ class TiledTransformer:
                 keep[tile.index] = self._conditioning_selection(tile, video_coords, video_coords[:, :, idx], n_gen)
                 counts += keep[tile.index].float().cpu()
         out = torch.zeros(b, t, c, dtype=torch.float32, device=hidden_states.device)
+        n_ov = self._overlap_count.numel()
+        sums = torch.zeros(2, b, n_ov, c, dtype=torch.float32, device=out.device)  # Σ v and Σ v² on overlaps
+        audio_sum = None
         start = time.perf_counter()
         for tile in self.my_tiles:
             idx = tile.token_index(self.grid).to(hidden_states.device)
@@ -115,13 +153,45 @@ class TiledTransformer:
                 coords = coords - offset[:, :, None, None]
             per_token = {"video_keyframes_mask": kwargs["video_keyframes_mask"][:, idx]} \
                 if kwargs.get("video_keyframes_mask") is not None else {}  # from the un-normalized positions
-            video, _ = self.transformer(hidden_states=hidden_states[:, idx], timestep=timestep[:, idx],
-                                        video_coords=coords, audio_hidden_states=audio_hidden_states,
-                                        return_dict=False, **{**{k: v for k, v in kwargs.items() if k != "return_dict"},
-                                                              **per_token})
+            video, audio = self.transformer(hidden_states=hidden_states[:, idx], timestep=timestep[:, idx],
+                                            video_coords=coords, audio_hidden_states=audio_hidden_states,
+                                            return_dict=False,
+                                            **{**{k: v for k, v in kwargs.items() if k != "return_dict"},
+                                               **per_token})
             out[:, idx] += video.float() * weights[None, :, None]
+            if n_ov:
+                gen = tile.token_index(self.grid)
+                slot = self._overlap_slot[gen]
+                on = (slot >= 0).nonzero().flatten()
+                v = video[:, on.to(video.device)].float()
+                rows = slot[on].to(out.device)
+                sums[0].index_add_(1, rows, v)
+                sums[1].index_add_(1, rows, v * v)
+            if self.denoise_audio:
+                audio_sum = audio.float() if audio_sum is None else audio_sum + audio.float()
             self.forwards += 1
         self.compute_seconds += time.perf_counter() - start
+        if self.denoise_audio and audio_sum is None:  # a rank without a tile joins with zeros
+            audio_sum = torch.zeros(audio_hidden_states.shape[:2] + (self._audio_channels(audio_hidden_states),),
+                                    dtype=torch.float32, device=out.device)
         if self.world_size > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out.to(hidden_states.dtype), torch.zeros_like(audio_hidden_states)
+            # one collective: the blended video, the overlap sums, and (re-denoised audio) the audio sum
+            parts = [out, sums] + ([audio_sum] if self.denoise_audio else [])
+            flat = torch.cat([x.reshape(-1) for x in parts])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            offset = 0
+            for x in parts:
+                x.copy_(flat[offset:offset + x.numel()].view_as(x))
+                offset += x.numel()
+        if n_ov:
+            self.drift.append(self.drift_of(sums[0], sums[1], self._overlap_count.to(out.device)))
+        if self.denoise_audio:
+            audio_out = (audio_sum / len(self.tiles)).to(audio_hidden_states.dtype)
+        else:
+            audio_out = torch.zeros_like(audio_hidden_states)
+        return out.to(hidden_states.dtype), audio_out
+
+    def _audio_channels(self, audio_hidden_states: torch.Tensor) -> int:
+        """Width of the transformer's audio output (its audio patch size: the input width for LTX-2)."""
+        proj = getattr(self.transformer, "audio_proj_out", None)
+        return int(proj.out_features) if proj is not None else int(audio_hidden_states.shape[-1])
