@@ -6,7 +6,8 @@ relative and absolute — are read with `ast` (nothing is imported or executed) 
   schedules, tile counts) — never `sampling`, `parallel`, `lora`, `models` or any other engine module;
 - `mgpu_backend` never imports `nodes`, `comfy*`, `folder_paths`, `server` or `comfy_api`;
 - `mgpu_backend/models` and `mgpu_backend/parallel` never import `controller`, `client`, `worker` or `fleet`;
-- nothing imports the pack's `kernels/` folder;
+- the pack's `kernels/` folder is imported only through `mgpu_backend/parallel/exchange.py` (today by nothing), and
+  `kernels/` never imports `mgpu_backend`, `nodes` or ComfyUI;
 - those contract modules import from `mgpu_backend` only each other and `validation` (so a node never pulls in the
   engine through them).
 
@@ -19,7 +20,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ("mgpu_backend", "nodes")
+LAYERS = ("mgpu_backend", "nodes", "kernels")
+KERNELS_DOOR = "mgpu_backend.parallel.exchange"
 
 NODES_MAY_IMPORT = {"mgpu_backend.client", "mgpu_backend.protocol", "mgpu_backend.forward",
                     "mgpu_backend.stage_params"}
@@ -80,8 +82,10 @@ def _rule_broken(importer: str, imported: str) -> str | None:
     def within(name: str, prefixes) -> bool:
         return any(name == p or name.startswith(p + ".") for p in prefixes)
 
-    if within(imported, ("kernels",)):
-        return "nothing imports the pack's kernels/ folder"
+    if within(imported, ("kernels",)) and importer != KERNELS_DOOR and not within(importer, ("kernels",)):
+        return f"kernels/ is imported only through {KERNELS_DOOR}"
+    if within(importer, ("kernels",)) and within(imported, ("mgpu_backend",) + COMFYUI_MODULES):
+        return "kernels/ never imports mgpu_backend, nodes or ComfyUI"
     if within(importer, ("nodes",)) and within(imported, ("mgpu_backend",)) and imported not in NODES_MAY_IMPORT:
         return f"nodes/ imports from mgpu_backend only {', '.join(sorted(NODES_MAY_IMPORT))}"
     if within(importer, ("mgpu_backend",)) and within(imported, COMFYUI_MODULES):
@@ -139,6 +143,8 @@ def test_the_reader_sees_every_kind_of_import(tmp_path, monkeypatch):
     assert _rule_broken("nodes.x", "mgpu_backend.protocol") is None
     assert _rule_broken("mgpu_backend.fleet", "folder_paths")
     assert _rule_broken("mgpu_backend.parallel.plan", "mgpu_backend.worker")
-    assert _rule_broken("mgpu_backend.parallel.exchange", "kernels.attention")
+    assert _rule_broken("mgpu_backend.parallel.tiled", "kernels.all2all")
+    assert _rule_broken("mgpu_backend.parallel.exchange", "kernels.all2all") is None
+    assert _rule_broken("kernels.all2all", "mgpu_backend.protocol")
     assert _rule_broken("mgpu_backend.forward", "mgpu_backend.sampling")
     assert _rule_broken("mgpu_backend.forward", "mgpu_backend.validation") is None
