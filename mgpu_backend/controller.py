@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import fields
 from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
@@ -247,10 +248,13 @@ class Controller:
 
     def configure(self, config: P.FleetConfig, client: str = "a client",
                   others: list[str] | None = None) -> tuple[P.FleetHandle, dict | None]:
-        """Reuse the fleet when the configuration is unchanged, else (re)build it. Refused while a job runs.
+        """Reuse the running fleet when its identity (`FleetConfig.identity`: model files, devices, dtype, …) is
+        unchanged — whatever the policy, which the returned handle carries to each of its jobs (no worker restarts,
+        no file is read again by a worker) — else (re)build it. Refused while a job runs.
 
         Returns the handle and what was replaced: None, or the old fleet (`Fleet.describe`) with the other
-        clients connected at the time (`clients`)."""
+        clients connected at the time (`clients`). Raises ControllerError ("validation") for a configuration that
+        cannot work (`check_config`), before anything running is touched."""
         if not self.job_lock.acquire(blocking=False):
             raise P.FleetBusy(f"the fleet is busy with {self.busy_with()}; try again when it ends (a cancelled "
                               f"job stops at its next denoising step; a first compiled job finishes compiling "
@@ -261,9 +265,12 @@ class Controller:
                 self.current_client = client
             with self.fleet_lock:
                 fleet = self.fleet
-                if fleet is not None and fleet.alive() and fleet.config == config:
+                check_config(config)  # headers only, before any worker starts; nothing running is touched
+                if fleet is not None and fleet.alive() and fleet.identity == config.identity:
+                    if config.policy != fleet.config.policy:
+                        log.info("fleet generation %d kept for %s: a policy change only (%s)", fleet.generation,
+                                 client, _policy_change(fleet.config.policy, config.policy))
                     return P.FleetHandle(fleet.generation, config, fleet.pids), None
-                check_config(config)  # before any worker starts; nothing running is touched
                 replaced = None
                 if fleet is not None:
                     if fleet.alive():
@@ -333,12 +340,12 @@ class Controller:
             fleet = self.fleet
             if fleet is not None:
                 fleet.cancel_flag.value = 0
-        if fleet is not None and fleet.alive() and fleet.config != handle.config:
+        if fleet is not None and fleet.alive() and fleet.identity != handle.config.identity:
             return _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was rebuilt "
                                 f"with another configuration (generation {fleet.generation}); load the checkpoint "
                                 f"again", "stale_handle")
-        # a live fleet of the handle's config serves it, also one rebuilt after a failure (generation + 1): the
-        # model is the same. A lost fleet is started again with the handle's config.
+        # a live fleet of the handle's identity serves it (under the handle's policy), also one rebuilt after a
+        # failure (generation + 1): the model is the same. A lost fleet is started again with the handle's config.
         if fleet is None or not fleet.alive():
             with self.fleet_lock:
                 if fleet is not None:
@@ -361,7 +368,7 @@ class Controller:
         _send_quiet(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
                            "worker_pids": list(fleet.pids)})
         try:
-            result = fleet.run(spec, on_event=lambda event: _send_quiet(conn, event))
+            result = fleet.run(spec, on_event=lambda event: _send_quiet(conn, event), policy=handle.config.policy)
             return {"event": "result", "job_id": spec.job_id, "result": result}
         except P.ControllerError as exc:
             message = str(exc)
@@ -424,21 +431,14 @@ def _protocol_error(message: str) -> dict:
 def check_config(config: P.FleetConfig) -> None:
     """Checks that need only file headers, before any worker starts (so a running fleet is not torn down for a
     configuration that cannot work): the checkpoint is a readable LTX-2 file, and an explicit SP degree divides its
-    heads and fits the ranks; `guidance_parallel` is a known mode; `min_tokens_per_rank` is not negative.
+    heads and fits the ranks. (Each field's own rule — a known guidance-parallel mode, a non-negative token
+    minimum, … — is checked when the `FleetIdentity` / `FleetPolicy` is built.)
 
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
     from .models.loader import CheckpointError, SafetensorsFile, transformer_prefix
-    from .parallel.passes import check_mode
     from .parallel.plan import check_requested_degree
     from .validation import ValidationError
 
-    try:
-        check_mode(config.guidance_parallel)
-    except ValueError as exc:
-        raise P.ControllerError(str(exc), kind="validation") from None
-    if config.min_tokens_per_rank is not None and config.min_tokens_per_rank < 0:
-        raise P.ControllerError(f"min_tokens_per_rank={config.min_tokens_per_rank}: must be 0 (always every rank) or "
-                                f"a positive video-token count", kind="validation")
     for what, path in (("checkpoint", config.checkpoint), ("upscaler", config.upscaler),
                        ("video_vae", config.video_vae), ("audio_vae", config.audio_vae),
                        ("text_projection", config.text_projection)):
@@ -453,6 +453,12 @@ def check_config(config: P.FleetConfig) -> None:
             check_requested_degree(heads, config.sp_degree, config.world_size)
     except (ValidationError, CheckpointError, FileNotFoundError) as exc:
         raise P.ControllerError(str(exc), kind="validation") from None
+
+
+def _policy_change(old: P.FleetPolicy, new: P.FleetPolicy) -> str:
+    """"sp_degree None -> 2, compile False -> True" for the log."""
+    return ", ".join(f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}" for f in fields(P.FleetPolicy)
+                     if getattr(old, f.name) != getattr(new, f.name))
 
 
 def _error(spec: P.JobSpec, message: str, kind: str, fleet_lost: bool = False, details: dict | None = None) -> dict:

@@ -10,6 +10,7 @@ Failure handling (DESIGN.md §8):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import os
 import signal
@@ -20,7 +21,8 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from .protocol import JOB_STAGES, SHM_DIR, ControllerError, FleetConfig, JobCancelled, JobSpec, free_frames, unlink_shm
+from .protocol import (JOB_STAGES, SHM_DIR, ControllerError, FleetConfig, FleetPolicy, JobCancelled, JobSpec, free_frames,
+                       unlink_shm)
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -42,13 +44,16 @@ def exit_text(code: int | None) -> str:
 
 
 class Fleet:
-    """W worker processes, rank r on `config.devices[r]`.
+    """W worker processes, rank r on `config.devices[r]`, started from `config.identity` (what they load) under
+    `config.policy`; each job may run under another policy (`run`), which changes no process.
 
     Raises ControllerError (fleet_lost=True) when a worker fails to start, naming the rank and the cause.
     """
 
     def __init__(self, config: FleetConfig, generation: int):
-        self.config, self.generation = config, generation
+        self.config, self.generation = config, generation  # the configuration it was started with
+        self.identity = config.identity  # what makes a fleet this one (the controller compares it)
+        self.policy = config.policy  # the policy of the last job (status)
         self.world_size = config.world_size
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="ltx2-mgpu-fleet-")
@@ -63,7 +68,8 @@ class Fleet:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=worker_main, name=f"ltx2-mgpu-rank{rank}", daemon=True,
-                                   args=(rank, config, init_file, child, self.cancel_flag, self.heartbeat))
+                                   args=(rank, self.identity, config.policy, init_file, child, self.cancel_flag,
+                                         self.heartbeat))
                 proc.start()
                 child.close()
                 self.conns.append(parent)
@@ -158,7 +164,8 @@ class Fleet:
     def describe(self) -> dict:
         """The fleet for status answers and for saying what a stop or a rebuild replaces."""
         return {"generation": self.generation, "devices": list(self.config.devices), "worker_pids": list(self.pids),
-                "checkpoint": self.config.checkpoint, "load_seconds": self.load_seconds}
+                "checkpoint": self.config.checkpoint, "load_seconds": self.load_seconds,
+                "policy": dataclasses.asdict(self.policy)}
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:
@@ -209,15 +216,17 @@ class Fleet:
         """Ask rank 0 to stop the running job at the next step boundary (all ranks stop there together)."""
         self.cancel_flag.value = 1
 
-    def run(self, spec: JobSpec, on_event: EventFn) -> dict:
-        """Run one job on every rank; stream rank 0's progress to `on_event`; return rank 0's result.
+    def run(self, spec: JobSpec, on_event: EventFn, policy: FleetPolicy | None = None) -> dict:
+        """Run one job on every rank under `policy` (None: the start configuration's); stream rank 0's progress to
+        `on_event`; return rank 0's result. The policy reaches every rank with the job (no process restarts).
 
         Raises JobCancelled, ControllerError (kind "job_error": same error on every rank, fleet kept; kind
         "fleet_lost": crash, stall or asymmetric error, fleet torn down).
         """
         results: dict[int, dict] = {}
         try:
-            result = self._run(spec, on_event, results)
+            self.policy = policy or self.config.policy
+            result = self._run(spec, on_event, results, self.policy)
         except BaseException:
             for r in results.values():  # e.g. rank 0's frames when another rank then died: nobody will read them
                 free_frames(r)
@@ -226,7 +235,7 @@ class Fleet:
             self.handed_out.append(result["frames"]["name"])
         return result
 
-    def _run(self, spec: JobSpec, on_event: EventFn, results: dict[int, dict]) -> dict:
+    def _run(self, spec: JobSpec, on_event: EventFn, results: dict[int, dict], policy: FleetPolicy) -> dict:
         # the cancel flag is cleared by the controller when the job becomes current (a cancel may come before this)
         for i in range(2 * self.world_size):
             self.heartbeat[i] = 0.0
@@ -234,14 +243,15 @@ class Fleet:
         self._job_stage = JOB_STAGES.get(spec.kind, f"a {spec.kind} job")
         positions: dict[int, tuple[str, int]] = {}
         for conn in self.conns:
-            conn.send(("job", spec))
+            conn.send(("job", spec, policy))
         errors: dict[int, tuple] = {}
         cancelled: set[int] = set()
         last_progress = time.monotonic()
         last_steps = tuple(self.heartbeat[2 * r] for r in range(self.world_size))
         first_error_at: float | None = None
         # an error the other ranks have not reported within this long is asymmetric (they wait in a collective)
-        error_grace = min(ERROR_GRACE_S, self.config.stall_timeout_s)
+        stall_timeout = policy.stall_timeout_s
+        error_grace = min(ERROR_GRACE_S, stall_timeout)
         while len(results) + len(errors) + len(cancelled) < self.world_size:
             for rank, message in self._receive(timeout=1.0):
                 kind = message[0]
@@ -265,11 +275,11 @@ class Fleet:
             steps = tuple(self.heartbeat[2 * r] for r in range(self.world_size))
             if steps != last_steps:
                 last_steps, last_progress = steps, time.monotonic()
-            stalled = time.monotonic() - last_progress > self.config.stall_timeout_s
+            stalled = time.monotonic() - last_progress > stall_timeout
             if errors and (stalled or time.monotonic() - first_error_at > error_grace):
                 self._asymmetric_error(errors)  # the error is the cause; the others wait for the failed rank
             if stalled:
-                self._stalled(steps)
+                self._stalled(steps, stall_timeout)
         if cancelled:
             if len(cancelled) != self.world_size:
                 self._fail(f"cancel reached only ranks {sorted(cancelled)}; the fleet was torn down")
@@ -292,7 +302,7 @@ class Fleet:
         self._fail(f"rank {rank} failed during {e[5]} step {e[6]} with {e[3]}: {e[4]} (ranks {others} did not "
                    f"fail; a collective would hang) — the fleet was torn down", details={"traceback": e[8]})
 
-    def _stalled(self, steps: tuple[float, ...]) -> None:
+    def _stalled(self, steps: tuple[float, ...], stall_timeout: float) -> None:
         """A rank that stalls before a step boundary has begun fewer steps than those waiting for it there; when all
         have begun as many, the hang is inside a step (e.g. a collective of the model) and no single rank is named."""
         fewest = min(steps)
@@ -301,7 +311,7 @@ class Fleet:
             who = f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} stalled{self._where(behind[0])}"
         else:
             who = f"all ranks stalled inside a step{self._where(0)}"
-        self._fail(f"no progress for {self.config.stall_timeout_s:g} s: {who}; "
+        self._fail(f"no progress for {stall_timeout:g} s: {who}; "
                    f"steps begun per rank: {[int(s) for s in steps]} — the fleet was torn down")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import JOB_STAGES, SHM_DIR, FleetConfig, JobSpec
+from .protocol import JOB_STAGES, SHM_DIR, FleetIdentity, FleetPolicy, JobSpec
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
@@ -132,35 +132,54 @@ def send_frames(frames: torch.Tensor) -> dict:
 
 
 class WorkerState:
-    """The resident models of one rank (loaded once per fleet, kept between jobs)."""
+    """The resident models of one rank (loaded once per fleet from its `FleetIdentity`, kept between jobs), and the
+    policy (`FleetPolicy`) applied to them, which each job may change (`apply_policy`) without reloading."""
 
-    def __init__(self, config: FleetConfig, rank: int, device: torch.device):
+    def __init__(self, identity: FleetIdentity, policy: FleetPolicy, rank: int, device: torch.device):
         from .models import loader
         from .parallel.gemma import TextEncoderService
         from .parallel.plan import build_plan
         from .pipelines import TwoStagePipeline
 
-        dtype = getattr(torch, config.dtype)
-        self.config, self.rank, self.device, self.dtype = config, rank, device, dtype
-        if config.transformer_only:
-            self.components = loader.load_components(config.checkpoint, dtype=dtype, device=device,
+        dtype = getattr(torch, identity.dtype)
+        self.config, self.rank, self.device, self.dtype = identity, rank, device, dtype
+        if identity.transformer_only:
+            self.components = loader.load_components(identity.checkpoint, dtype=dtype, device=device,
                                                      transformer_only=True)
         else:
             self.components = loader.load_components(
-                config.checkpoint, video_vae=config.video_vae, audio_vae=config.audio_vae,
-                text_projection=config.text_projection, upsampler=config.upscaler, text_encoder=config.gemma,
+                identity.checkpoint, video_vae=identity.video_vae, audio_vae=identity.audio_vae,
+                text_projection=identity.text_projection, upsampler=identity.upscaler, text_encoder=identity.gemma,
                 dtype=dtype, device=device)
-        if config.compile:
-            from .compile import compile_blocks
-
-            compile_blocks(self.components.transformer)
         # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
-        self.text = TextEncoderService.for_fleet(config, rank, device, self.components.text_projection,
+        self.text = TextEncoderService.for_fleet(identity, rank, device, self.components.text_projection,
                                                  family=self.components.family)
-        self.plan = (build_plan(self.components.transformer, rank, config.world_size, device, config.token_cap,
-                                config.min_tokens_per_rank, config.sp_degree, config.guidance_parallel)
-                     if config.sequence_parallel else None)
+        # every group any policy may use is built here, once (build_plan); the policy only picks among them
+        self.plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy.token_cap,
+                                policy.min_tokens_per_rank, policy.sp_degree, policy.guidance_parallel)
+                     if identity.sequence_parallel else None)
         self.pipeline = TwoStagePipeline(self.components, self.text, device=device, dtype=dtype, plan=self.plan)
+        self.policy: FleetPolicy | None = None
+        self.apply_policy(policy)
+
+    def apply_policy(self, policy: FleetPolicy) -> None:
+        """Make `policy` this rank's (every rank gets the same one with the same job): the plan's degree cap, token
+        minimum, guidance-parallel mode and token cap (`ParallelPlan.set_policy`, no collective), and the compiled or
+        eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError for a degree
+        the heads or the fleet do not allow, before anything changes."""
+        if policy == self.policy:
+            return
+        if self.plan is not None:
+            self.plan.set_policy(sp_degree=policy.sp_degree, min_tokens_per_rank=policy.min_tokens_per_rank,
+                                 guidance_parallel=policy.guidance_parallel, token_cap=policy.token_cap)
+        if self.policy is None or policy.compile != self.policy.compile:
+            from .compile import compile_blocks, uncompile_blocks
+
+            if policy.compile:
+                compile_blocks(self.components.transformer)
+            elif self.policy is not None:
+                uncompile_blocks(self.components.transformer)
+        self.policy = policy
 
     @property
     def gemma(self):
@@ -168,8 +187,10 @@ class WorkerState:
         return self.text.encoder
 
 
-def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_flag, heartbeat) -> None:
-    """Entry point of a spawned worker. Reports ("ready", …) or ("init_error", …), then serves jobs."""
+def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, conn, cancel_flag,
+                heartbeat) -> None:
+    """Entry point of a spawned worker. Reports ("ready", …) or ("init_error", …), then serves jobs: each
+    ("job", JobSpec, FleetPolicy) message runs under its policy (`WorkerState.apply_policy`)."""
     from .jobs import load_all
     from .models import loader
     from .sampling import SamplingCancelled
@@ -186,7 +207,7 @@ def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_fla
         t0 = time.perf_counter()
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=config.world_size, timeout=timedelta(seconds=config.collective_timeout_s))
-        state = WorkerState(config, rank, device)
+        state = WorkerState(config, policy, rank, device)
         dist.barrier()
         conn.send(("ready", rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0))
     except Exception as exc:  # reported to the controller, which tears the fleet down
@@ -201,6 +222,7 @@ def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_fla
             conn.send(("status", rank, os.getpid(), loader.OPEN_COUNT))
             continue
         spec: JobSpec = message[1]
+        job_policy: FleetPolicy = message[2]
         ctx = JobContext(rank, config.world_size, device, spec.job_id, conn, cancel_flag, heartbeat, spec.fault,
                          plan=state.plan, stage=JOB_STAGES.get(spec.kind, spec.kind))
         # every job-end message ends with this rank's OPEN_COUNT (a re-read checkpoint would show in status())
@@ -213,6 +235,8 @@ def worker_main(rank: int, config: FleetConfig, init_file: str, conn, cancel_fla
                     f"FleetConfig.transformer_only), where ComfyUI's own loaders give the VAEs and the text encoder; "
                     f"it runs {', '.join(sorted(TRANSFORMER_JOBS))} — load the whole checkpoint (Load Checkpoint "
                     f"(MGPU)) for the stage jobs")
+            state.apply_policy(job_policy)  # before any work (a refused policy leaves the last one in place)
+            ctx.plan = state.plan
             result = jobs[spec.kind](state, spec.payload, ctx)
             conn.send(("result", spec.job_id, rank, result, loader.OPEN_COUNT))
         except SamplingCancelled:

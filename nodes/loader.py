@@ -102,12 +102,19 @@ def describe_plan(handle: P.FleetHandle) -> str:
     cfg = handle.config
     w = cfg.world_size
     heads = _heads(cfg.checkpoint)
-    degree = cfg.sp_degree or max(d for d in range(1, w + 1) if heads % d == 0)
+    largest = max(d for d in range(1, w + 1) if heads % d == 0)
+    degree = cfg.sp_degree or largest
     backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
-    sp = (f"sequence parallel up to degree {degree} (each stage's split - tokens over ranks, guidance passes over "
-          f"ranks, or one GPU - is chosen per job and shown by the SP Sampler)" if degree == w
-          else f"sequence parallel degree {degree} on ranks 0-{degree - 1}: {w} does not divide the {heads} "
-               f"attention heads (valid: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
+    per_job = ("each stage's split - tokens over ranks, guidance passes over ranks, or one GPU - is chosen per job "
+               "and shown by the SP Sampler")
+    if degree == w:
+        sp = f"sequence parallel up to degree {degree} ({per_job})"
+    elif cfg.sp_degree is not None:
+        sp = (f"sequence parallel up to degree {degree} on ranks 0-{degree - 1}, set by sp_degree ({per_job}; "
+              f"changing it keeps the fleet)")
+    else:
+        sp = (f"sequence parallel degree {degree} on ranks 0-{degree - 1}: {w} does not divide the {heads} "
+              f"attention heads (valid: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
     size = sum(os.path.getsize(p) for p in (cfg.checkpoint, cfg.upscaler, cfg.video_vae, cfg.audio_vae,
                                             cfg.text_projection) if p and os.path.isfile(p))
     lines = [
@@ -170,13 +177,15 @@ class LoadCheckpointMGPU(io.ComfyNode):
                                        "2.0 / 2.3 transformer-only checkpoint (none = from the checkpoint; LTX-2.5: "
                                        "from the Gemma 4 text-encoder file)."),
                 io.Int.Input("sp_degree", default=0, min=0, max=64, optional=True,
-                             tooltip="Sequence-parallel degree for stage 1: 0 = the largest that divides the model's "
-                                     "attention heads (32 for LTX-2: 1, 2, 4, 8, …) and fits the ranks; another value "
-                                     "is refused before any worker starts when the heads do not allow it."),
+                             tooltip="Largest sequence-parallel degree a stage may use: 0 = the largest that "
+                                     "divides the model's attention heads (32 for LTX-2: 1, 2, 4, 8, …) and fits the "
+                                     "ranks; another value is refused when the heads do not allow it. Changing it "
+                                     "keeps the running fleet (no reload)."),
                 io.Boolean.Input("compile", default=False, optional=True,
                                  tooltip="torch.compile the transformer blocks on the workers: the first generation "
                                          "at each size pays the compile (tens of seconds); later ones run ~10 % "
-                                         "faster on GPUs. Changing it restarts the fleet."),
+                                         "faster on GPUs. Changing it keeps the fleet (turning it off restores the "
+                                         "eager blocks)."),
             ],
             outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
                                                                 "generation)."),

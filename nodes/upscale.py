@@ -22,7 +22,7 @@ def tile_config(tiles_height: int, tiles_width: int, overlap: int):
     axis means 1 tile there)."""
     if tiles_height == 0 and tiles_width == 0:
         return None
-    from ..mgpu_backend.parallel.tiling import TileCountConfig
+    from ..mgpu_backend.stage_params import TileCountConfig
 
     return TileCountConfig.spatial(max(1, int(tiles_height)), max(1, int(tiles_width)), int(overlap))
 
@@ -84,7 +84,7 @@ class TDPUpscaleMGPU(io.ComfyNode):
     def execute(cls, fleet, latent, positive, noise, upscale, tiles_height, tiles_width, overlap,
                 sigmas=None, loras=None, max_first_sigma=DEFAULT_MAX_FIRST_SIGMA,
                 audio=AUDIO_FROZEN) -> io.NodeOutput:
-        from ..mgpu_backend import sampling as S
+        from ..mgpu_backend import stage_params as S
 
         with guard(NAME):
             if audio not in (AUDIO_FROZEN, AUDIO_DENOISE):

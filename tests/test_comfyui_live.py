@@ -353,6 +353,35 @@ def test_sp_degree_the_heads_do_not_allow_is_a_node_error(server, tiny_models):
     assert _fleet_pids() == pids_before
 
 
+def test_sp_degree_change_keeps_the_fleet(server, tiny_models):
+    """Load Checkpoint (MGPU)'s sp_degree (a policy option) is applied to the running fleet: the prompt with
+    sp_degree 1 runs on the same worker processes (same generation), which opened no file again."""
+    if not os.environ.get("LTX2_MGPU_RUNTIME_DIR"):
+        pytest.skip("set LTX2_MGPU_RUNTIME_DIR to the server's controller directory to find the worker PIDs")
+    from mgpu_backend.client import ControllerClient
+
+    def fleet():
+        c = ControllerClient(start=False)
+        try:
+            return c.status()["fleet"]
+        finally:
+            c.close()
+
+    wf = load(BASE_WORKFLOW)
+    assert wait(queue(wf))["status"]["status_str"] == "success"
+    before = fleet()
+    wf[by_class(wf, "LTX2MGPU_LoadCheckpoint")]["inputs"]["sp_degree"] = 1
+    wf[by_class(wf, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
+    entry = wait(queue(wf))
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    plan = entry["outputs"][by_class(wf, "LTX2MGPU_LoadCheckpoint")]["text"][0]
+    assert "up to degree 1 on ranks 0-0, set by sp_degree" in plan
+    after = fleet()
+    assert (after["generation"], after["worker_pids"], after["open_counts"]) == \
+        (before["generation"], before["worker_pids"], before["open_counts"])
+    assert after["policy"]["sp_degree"] == 1
+
+
 def test_interrupt_cancels_the_fleet_job_and_the_next_prompt_runs(server, tiny_models):
     """ComfyUI's interrupt mid-sampling cancels the fleet job at a step boundary; the same workers serve the next
     prompt."""

@@ -43,6 +43,20 @@ def _compile_rank(rank: int, world: int, files: dict) -> dict:
         out["compiled_stg"] = _forward(sp, kwargs)
     out["compiled_again"] = _forward(sp, kwargs)
     out["graph_breaks"] = C.graph_breaks()
+    # the fleet's policy switch (a job with compile off, then on again) on this resident transformer
+    from mgpu_backend.protocol import FleetPolicy
+    from mgpu_backend.worker import WorkerState
+
+    blocks = components.transformer.transformer_blocks
+    state = WorkerState.__new__(WorkerState)  # a rank's state without the fleet around it: no plan, just the model
+    state.components, state.plan, state.policy = components, None, FleetPolicy(compile=True)
+    state.apply_policy(FleetPolicy(compile=False))
+    out["compiled_blocks_off"] = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    out["eager_after_off"] = _forward(sp, kwargs)
+    state.apply_policy(FleetPolicy(compile=True))
+    out["compiled_blocks_on"] = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    out["compiled_after_on"] = _forward(sp, kwargs)
+    out["blocks"] = len(blocks)
     return out
 
 
@@ -65,3 +79,13 @@ def test_compiled_sequence_parallel_equals_eager(ranks):
 
 def test_exchanges_do_not_break_the_compiled_graph(ranks):
     assert [out["graph_breaks"] for out in ranks] == [0, 0]
+
+
+def test_compile_policy_switches_off_to_eager_and_on_again(ranks):
+    """`compile` is fleet policy: a job with it off restores the eager blocks (the forward equals the eager one bit
+    for bit), a later job with it on compiles them again (dynamo's cache kept) — on the same resident weights."""
+    for out in ranks:
+        assert out["compiled_blocks_off"] == 0 and out["compiled_blocks_on"] == out["blocks"] > 0
+        for i in range(2):
+            assert torch.equal(out["eager_after_off"][i], out["eager"][i])
+            assert _rel(out["compiled_after_on"][i], out["eager"][i]) <= REL_TOL

@@ -199,10 +199,49 @@ def test_cli_status_shows_the_fleet(ctl, handle, runtime):
     assert status["fleet"]["open_counts"] == [2]  # checkpoint + upscaler, opened once
 
 
+def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
+    """A configuration that differs in policy only (SP degree, guidance-parallel mode, token minimum and cap,
+    timeouts, compile) is served by the running fleet: same generation, same worker PIDs, no file opened again; the
+    old handle and the new one both run jobs (each under its own policy). A policy the checkpoint cannot take (a
+    degree above the ranks) is refused before anything changes."""
+    policy = dict(sp_degree=1, guidance_parallel="off", min_tokens_per_rank=0, token_cap=4096, stall_timeout_s=61.0,
+                  init_timeout_s=90.0, compile=True)
+    new = ctl.configure(tiny_config(tiny_dir, **policy))
+    assert new.config.identity == handle.config.identity and new.config.policy != handle.config.policy
+    assert (new.generation, new.worker_pids) == (handle.generation, handle.worker_pids)
+    assert ctl.last_replaced is None
+    for h in (new, handle):
+        out = ctl.run(h, JobSpec("noop", {"steps": 1}))
+        assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
+    status = ctl.status()["fleet"]
+    assert status["worker_pids"] == list(handle.worker_pids) and status["generation"] == handle.generation
+    assert status["open_counts"] == [2]  # checkpoint + upscaler, opened once at start
+    assert status["policy"]["sp_degree"] is None  # the last job ran under the first handle's policy
+    with pytest.raises(ControllerError, match="degree 2 is not possible") as info:
+        ctl.configure(tiny_config(tiny_dir, sp_degree=2))
+    assert info.value.kind == "validation"
+    assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
+
+
+def test_policy_fields_are_checked_on_construction(tiny_dir):
+    """Each half validates itself: a bad policy or identity value is refused by name before any request is sent."""
+    with pytest.raises(ValueError, match="guidance_parallel='sometimes'"):
+        tiny_config(tiny_dir, guidance_parallel="sometimes")
+    with pytest.raises(ValueError, match="stall_timeout_s=0"):
+        tiny_config(tiny_dir, stall_timeout_s=0)
+    with pytest.raises(ValueError, match="dtype='float8'"):
+        tiny_config(tiny_dir, dtype="float8")
+    with pytest.raises(ValueError, match="gemma_mode='split'"):
+        P.FleetIdentity(devices=("cpu",), checkpoint="c.safetensors", gemma=None, gemma_mode="split")
+    with pytest.raises(ValueError, match="sp_degree=0"):
+        P.FleetPolicy(sp_degree=0)
+
+
 def test_stale_handle_is_refused(ctl, handle, tiny_dir):
-    """A handle from before a rebuild with another configuration is refused, saying so; the new handle works."""
-    other_config = tiny_config(tiny_dir, stall_timeout_s=61.0)
-    assert other_config != handle.config
+    """A handle from before a rebuild with another identity (here the threads per worker) is refused, saying so;
+    the new handle works."""
+    other_config = tiny_config(tiny_dir, threads_per_worker=2)
+    assert other_config.identity != handle.config.identity
     new = ctl.configure(other_config)
     assert new.generation > handle.generation
     assert not set(new.worker_pids) & set(handle.worker_pids)
@@ -217,6 +256,38 @@ def test_stale_handle_is_refused(ctl, handle, tiny_dir):
 
 
 # ---- controllers of their own ---------------------------------------------------------------------------------------
+
+def test_cli_policy_change_runs_on_the_same_fleet(tiny_dir, tmp_path):
+    """Two `generate` runs with different `--sp-degree` / `--guidance-parallel` on a 2-rank CPU fleet: the second
+    runs on the first's workers (same generation and PIDs, each rank's checkpoint opened once) under its own
+    policy, which its report shows."""
+    runtime = short_runtime_dir()
+    env = {"LTX2_MGPU_RUNTIME_DIR": str(runtime)}
+    files = tiny_dir["2.0"]
+    base = ["generate", "--checkpoint", str(files["checkpoint"]), "--gemma", str(files["gemma"]), "--upscaler",
+            str(files["upsampler"]), "--prompt", "a fox", "--width", "128", "--height", "128", "--frames", "9",
+            "--steps", "1", "--devices", "cpu:2"]
+    try:
+        seen = []
+        for i, policy in enumerate((["--sp-degree", "2", "--guidance-parallel", "off"],
+                                    ["--sp-degree", "1", "--guidance-parallel", "on"])):
+            run = _cli(*base, *policy, "--output", str(tmp_path / f"clip{i}.mp4"), env_extra=env)
+            assert run.returncode == 0, run.stderr
+            status = _cli("status", env_extra=env)
+            assert status.returncode == 0, status.stderr
+            fleet = json.loads(status.stdout)["fleet"]
+            seen.append((fleet["generation"], fleet["worker_pids"], fleet["open_counts"],
+                         fleet["policy"]["sp_degree"], fleet["policy"]["guidance_parallel"], run.stdout))
+        (gen1, pids1, opens1, sp1, gp1, out1), (gen2, pids2, opens2, sp2, gp2, out2) = seen
+        assert (gen2, pids2, opens2) == (gen1, pids1, opens1) and len(pids1) == 2
+        assert (sp1, gp1, sp2, gp2) == (2, "off", 1, "on")
+        assert "replaced" not in out2
+        assert "guidance passes in parallel" not in out1 and "sequence parallel" in out1
+        assert "stage 1: guidance passes in parallel on 2 ranks" in out2 and "guidance_parallel='on'" in out2
+    finally:
+        stop_controller(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+
 
 def test_cli_stop_stops_controller_and_workers():
     runtime = short_runtime_dir()

@@ -380,7 +380,7 @@ def test_stop_and_a_replacing_configure_say_what_they_stop(tiny_dir):
         old = first.configure(tiny_config(tiny_dir))
         assert first.last_replaced is None
         second = ControllerClient(runtime, start=False)
-        new = second.configure(tiny_config(tiny_dir, stall_timeout_s=61.0))
+        new = second.configure(tiny_config(tiny_dir, threads_per_worker=2))  # another identity: a new fleet
         replaced = second.last_replaced
         assert replaced["generation"] == old.generation and replaced["devices"] == ["cpu"]
         assert replaced["checkpoint"] == old.config.checkpoint

@@ -385,26 +385,22 @@ def _fleet_config_from_cli(paths, monkeypatch, *options: str):
 
 def test_fleet_config_cli_and_controller(paths, monkeypatch):
     """`--guidance-parallel` reaches FleetConfig (the worker hands it to build_plan); the controller refuses an
-    unknown mode before any worker starts."""
-    from mgpu_backend.controller import check_config
-    from mgpu_backend.protocol import ControllerError, FleetConfig
+    unknown mode when the config is built, before anything is sent."""
+    from mgpu_backend.protocol import FleetConfig
 
     config = _fleet_config_from_cli(paths, monkeypatch, "--devices", "cpu:2", "--guidance-parallel", "on")
     assert config.guidance_parallel == "on"
     assert FleetConfig(devices=("cpu",), checkpoint="c", gemma="g").guidance_parallel == "auto"
-    with pytest.raises(ControllerError, match="guidance_parallel='always'"):
-        check_config(FleetConfig(devices=("cpu",), checkpoint=paths["checkpoint"], gemma=paths["gemma"],
-                                 guidance_parallel="always"))
+    with pytest.raises(ValueError, match="guidance_parallel='always'"):  # FleetPolicy checks itself
+        FleetConfig(devices=("cpu",), checkpoint=paths["checkpoint"], gemma=paths["gemma"], guidance_parallel="always")
 
 
 def test_min_tokens_per_rank_and_compile_flags_reach_the_fleet_config(paths, monkeypatch):
     """`--min-tokens-per-rank N` alone sends the run to a fleet with that override, `--compile` sets
-    FleetConfig.compile; a negative minimum is refused by the controller before any worker starts."""
-    from mgpu_backend.controller import check_config
-    from mgpu_backend.protocol import ControllerError, FleetConfig
+    FleetConfig.compile; a negative minimum is refused when the config is built, before anything is sent."""
+    from mgpu_backend.protocol import FleetConfig
 
     config = _fleet_config_from_cli(paths, monkeypatch, "--min-tokens-per-rank", "0", "--compile")
     assert config.min_tokens_per_rank == 0 and config.compile is True
-    with pytest.raises(ControllerError, match="min_tokens_per_rank=-5"):
-        check_config(FleetConfig(devices=("cpu",), checkpoint=paths["checkpoint"], gemma=paths["gemma"],
-                                 min_tokens_per_rank=-5))
+    with pytest.raises(ValueError, match="min_tokens_per_rank=-5"):  # FleetPolicy checks itself
+        FleetConfig(devices=("cpu",), checkpoint=paths["checkpoint"], gemma=paths["gemma"], min_tokens_per_rank=-5)

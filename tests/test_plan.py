@@ -92,6 +92,64 @@ def test_small_stage_runs_on_one_rank_and_equals_one_process(paths):
     assert "on 1 of 2 ranks" in results[0]["report"] and "would not pay" in results[0]["report"]
 
 
+def _policy_switches(rank, world, paths):
+    """One plan, its policy changed between runs the way a fleet changes it between jobs (no group is created)."""
+    import torch.distributed as dist
+
+    from mgpu_backend.parallel.plan import build_plan
+    from mgpu_backend.validation import ValidationError
+
+    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    plan = build_plan(components.transformer, rank, world, torch.device("cpu"))  # CPU default: full degree
+    created = []
+    new_group = dist.new_group
+    dist.new_group = lambda *a, **k: created.append(a) or new_group(*a, **k)
+    try:
+        out = {"built": sorted(plan.all_stages), "pass groups built": sorted(plan.all_pass_groups)}
+        for name, policy in (("sp1 on", dict(sp_degree=1, guidance_parallel="on")),
+                             ("min8", dict(min_tokens_per_rank=8, guidance_parallel="off")),
+                             ("sp2", dict(sp_degree=2, min_tokens_per_rank=0, guidance_parallel="off"))):
+            plan.set_policy(**policy)
+            out[name] = {"degree": plan.sp_degree, "stages": sorted(plan.stages), "passes": sorted(plan.pass_groups),
+                         "at 40": plan.stage(40).degree, "at 12": plan.stage(12).degree,
+                         "same groups": all(plan.stages[d] is plan.all_stages[d] for d in plan.stages)}
+        try:
+            plan.set_policy(sp_degree=3)
+        except ValidationError as exc:
+            out["refused"] = str(exc)
+        out["kept"] = plan.sp_degree
+        plan.set_policy(min_tokens_per_rank=10 ** 6, guidance_parallel="off")  # every stage on rank 0 alone
+        pipeline = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
+        result = pipeline.generate(GenerateRequest(**REQUEST))
+        out["audio_latent"], out["report"] = result.audio_latent, result.parallel_report
+    finally:
+        dist.new_group = new_group
+    out["created"] = created
+    return out
+
+
+def test_policy_changes_pick_among_the_groups_built_at_start(paths):
+    """`ParallelPlan.set_policy` (what a fleet does when a job brings another policy): every SP degree's group and
+    every guidance-pass group exists from `build_plan` on; a policy only picks among them (no collective, no new
+    group), a degree the heads do not allow is refused leaving the policy as it was, and a run under the new policy
+    equals the one-process run bit for bit."""
+    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    reference = TwoStagePipeline(components, load_gemma(paths["gemma"])).generate(GenerateRequest(**REQUEST))
+    results = run_ranks(_policy_switches, 4, paths)
+    for r in results:
+        assert r["created"] == []
+        assert torch.equal(r["audio_latent"], reference.audio_latent)
+    got = results[0]
+    assert got["built"] == [1, 2, 4] and got["pass groups built"] == [2, 3, 4]
+    assert got["sp1 on"] == {"degree": 1, "stages": [1], "passes": [2, 3, 4], "at 40": 1, "at 12": 1,
+                             "same groups": True}
+    assert got["min8"] == {"degree": 4, "stages": [1, 2, 4], "passes": [], "at 40": 4, "at 12": 1,
+                           "same groups": True}
+    assert got["sp2"] == {"degree": 2, "stages": [2], "passes": [], "at 40": 2, "at 12": 2, "same groups": True}
+    assert "degree 3 is not possible" in got["refused"] and got["kept"] == 2
+    assert "on 1 of 4 ranks" in got["report"] and "would not pay" in got["report"]
+
+
 def _cancel_on_three(rank, world, paths):
     from mgpu_backend.parallel.plan import build_plan
     from mgpu_backend.sampling import SamplingCancelled

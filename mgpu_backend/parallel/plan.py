@@ -83,6 +83,42 @@ class ParallelPlan:
     guidance_parallel: str = "off"  # "auto" | "on" | "off" (build_plan's default is "auto"; see passes.py)
     pass_groups: dict[int, dist.ProcessGroup | None] | None = None  # group size g -> ranks 0..g-1 (built collectively)
     last_split: StageSplit | None = None  # how the last stage run through `split` ran (job report)
+    # every group built at fleet start (`build_plan`); a policy (`set_policy`) picks `stages` / `pass_groups` among them
+    all_stages: dict[int, SPStage] | None = None
+    all_pass_groups: dict[int, dist.ProcessGroup | None] | None = None
+    heads: int | None = None  # the transformer's attention heads (the SP degree must divide them)
+    model_shape: ModelShape | None = None  # the transformer's shape (`shape` is set from it when a policy needs it)
+
+    def set_policy(self, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
+                   guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> None:
+        """Apply a parallel policy (`protocol.FleetPolicy`'s fields; see `build_plan`) to this plan, on every rank
+        with the same values, between jobs: it only chooses among the groups `build_plan` built, so no collective
+        runs and nothing is reloaded. Raises ValidationError (a degree the heads or the fleet do not allow) or
+        ValueError (an unknown guidance-parallel mode) before anything changes."""
+        check_mode(guidance_parallel)
+        if self.all_stages is None:
+            raise RuntimeError("set_policy needs a plan from build_plan (its groups are built there)")
+        heads = self.heads or 1
+        if sp_degree is not None:
+            check_requested_degree(heads, sp_degree, self.world_size)
+        cost_model = None
+        if min_tokens_per_rank is None:
+            cost_model = default_model() if self.device.type == "cuda" else None  # the graphed forward's
+            min_tokens_per_rank = 0
+        degree = sp_degree or largest_sp_degree(heads, self.world_size)
+        self.stages = {d: s for d, s in self.all_stages.items()
+                       if d <= degree and (d == degree or min_tokens_per_rank > 0 or cost_model is not None)}
+        use_passes = guidance_parallel == "on" or (guidance_parallel == "auto" and self.device.type == "cuda")
+        self.pass_groups = dict(self.all_pass_groups or {}) if use_passes else {}
+        top = self.all_stages[degree]
+        self.sp_degree, self.sp_group, self.sp_forward = degree, top.group, top.forward
+        self.token_cap, self.min_tokens_per_rank, self.cost_model = token_cap, min_tokens_per_rank, cost_model
+        for stage in self.all_stages.values():
+            if stage.forward is not None:
+                stage.forward.token_cap = token_cap
+        self.shape = self.model_shape if cost_model is not None or self.pass_groups else None
+        self.guidance_parallel = guidance_parallel
+        self.last_degree = self.last_reason = self.last_split = None
 
     def stage(self, tokens: int) -> SPStage:
         """The SP stage for a forward of `tokens` video tokens.
@@ -218,41 +254,39 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
                sp_degree: int | None = None, guidance_parallel: str = "auto") -> ParallelPlan:
     """Called by every rank of an initialized default process group (creating the sub-groups is collective).
 
+    Every group a policy may use is built here, once, in the same order on every rank: an SP group of ranks
+    0..d-1 for every degree d that divides the heads and fits the fleet, and a guidance-pass group of ranks 0..g-1
+    for g = 2..min(W, 4) (sharing the SP group of the same ranks). `torch.distributed.new_group` is collective, so a
+    later policy change (`ParallelPlan.set_policy`, per job, on every rank) only picks among these groups.
+
+    The policy arguments (`FleetPolicy`'s fields) are then applied with `set_policy`:
     `min_tokens_per_rank`: None = the default policy: on CUDA the cost model (`cost.py`) picks each stage's degree,
     on CPU the full degree; an int = smaller SP degrees for stages with fewer video tokens per rank than that (0:
     always the full degree), the cost model off.
     `sp_degree`: an explicit degree (checked by `check_requested_degree`); None = the largest valid one. It is the
     largest degree a stage uses; the policy may still pick fewer ranks.
     `guidance_parallel`: "auto" | "on" | "off" (`passes.py`): whether a guided stage may run its passes in parallel
-    instead. Its groups (ranks 0..g-1 for g = 2..min(W, 4)) are built when it may be used ("on", or "auto" on CUDA),
-    sharing the SP groups of the same ranks.
+    instead ("on", or "auto" on CUDA).
     """
     check_mode(guidance_parallel)
-    cost_model = None
-    if min_tokens_per_rank is None:
-        cost_model = default_model() if device.type == "cuda" else None  # the graphed forward's, graphs on
-        min_tokens_per_rank = 0
     heads = transformer.config.num_attention_heads
     if sp_degree is not None:
         check_requested_degree(heads, sp_degree, world_size)
-    degree = sp_degree or largest_sp_degree(heads, world_size)
-    stages = {}
+    all_stages: dict[int, SPStage] = {}
     # every rank creates every group, in the same order; degree 1 gets a group of rank 0 alone (cancel checks)
-    degrees = [d for d in range(1, degree + 1)
-               if heads % d == 0 and (d == degree or min_tokens_per_rank > 0 or cost_model is not None)]
-    for d in degrees:
+    for d in [d for d in range(1, min(heads, world_size) + 1) if heads % d == 0]:
         group = None if d == world_size else dist.new_group(list(range(d)))
         forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank), token_cap)
                    if rank < d and d > 1 else None)
-        stages[d] = SPStage(d, group, forward)
-    pass_groups: dict[int, dist.ProcessGroup | None] = {}
-    if guidance_parallel == "on" or (guidance_parallel == "auto" and device.type == "cuda"):
-        for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
-            pass_groups[g] = (None if g == world_size else stages[g].group if g in stages
+        all_stages[d] = SPStage(d, group, forward)
+    all_pass_groups: dict[int, dist.ProcessGroup | None] = {}
+    for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
+        all_pass_groups[g] = (None if g == world_size else all_stages[g].group if g in all_stages
                               else dist.new_group(list(range(g))))
-    top = stages[degree]
-    shape = ModelShape.of(transformer.config)
-    return ParallelPlan(rank, world_size, device, degree, top.group, top.forward, token_cap,
-                        stages=stages, min_tokens_per_rank=min_tokens_per_rank, cost_model=cost_model,
-                        shape=shape if cost_model is not None or pass_groups else None,
-                        guidance_parallel=guidance_parallel, pass_groups=pass_groups)
+    top = all_stages[largest_sp_degree(heads, world_size)]
+    plan = ParallelPlan(rank, world_size, device, top.degree, top.group, top.forward, token_cap,
+                        all_stages=all_stages, all_pass_groups=all_pass_groups, heads=heads,
+                        model_shape=ModelShape.of(transformer.config))
+    plan.set_policy(sp_degree=sp_degree, min_tokens_per_rank=min_tokens_per_rank,
+                    guidance_parallel=guidance_parallel, token_cap=token_cap)
+    return plan

@@ -14,41 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class DimensionTilingConfig:
-    """Tiles along one axis: a count (not a size) and the overlap in latent cells."""
-
-    num_tiles: int = 1
-    overlap: int = 0
-
-    def __post_init__(self):
-        if self.num_tiles < 1:
-            raise ValueError(f"num_tiles={self.num_tiles}: must be at least 1")
-        if self.overlap < 0:
-            raise ValueError(f"overlap={self.overlap}: must be non-negative")
-
-
-@dataclass(frozen=True)
-class TileCountConfig:
-    """Tile counts and overlaps per latent axis (frames, height, width)."""
-
-    frames: DimensionTilingConfig = field(default_factory=DimensionTilingConfig)
-    height: DimensionTilingConfig = field(default_factory=DimensionTilingConfig)
-    width: DimensionTilingConfig = field(default_factory=DimensionTilingConfig)
-
-    @property
-    def axes(self) -> tuple[DimensionTilingConfig, DimensionTilingConfig, DimensionTilingConfig]:
-        return self.frames, self.height, self.width
-
-    @property
-    def num_tiles(self) -> int:
-        return math.prod(a.num_tiles for a in self.axes)
-
-    @classmethod
-    def spatial(cls, h_tiles: int, w_tiles: int, overlap: int = 5) -> "TileCountConfig":
-        return cls(height=DimensionTilingConfig(h_tiles, overlap if h_tiles > 1 else 0),
-                   width=DimensionTilingConfig(w_tiles, overlap if w_tiles > 1 else 0))
+from ..stage_params import DimensionTilingConfig, TileCountConfig
 
 
 def balanced_tile_split(world_size: int) -> tuple[int, int]:
