@@ -68,6 +68,34 @@ def tiny_20(live):
     return _link_tiny(live, "2.0")
 
 
+@pytest.fixture(scope="module")
+def tiny_25(live):
+    """The tiny LTX-2.5 set (per-component files, as the 2.5 templates load them): the transformer in
+    diffusion_models/, Gemma 4 with its projection in text_encoders/, the diffusion-decoder video VAE and the audio VAE
+    in vae/, the upscaler in latent_upscale_models/."""
+    return _link_tiny(live, "2.5")
+
+
+def _tiny_files(variant: str) -> dict[str, tuple[str, str]]:
+    """key -> (path under the server's models folder, file name in the tiny set) for a family."""
+    if variant == "2.5":
+        return {"checkpoint": ("diffusion_models/ltx-2.5-tiny-transformer.safetensors",
+                               "ltx-2.5-tiny-transformer.safetensors"),
+                "gemma": ("text_encoders/gemma4-tiny-with-proj-ltx-2.5.safetensors",
+                          "gemma4-tiny-with-proj-ltx-2.5.safetensors"),
+                "upsampler": ("latent_upscale_models/ltx-2.5-tiny-spatial-upscaler-x2.safetensors",
+                              "ltx-2.5-tiny-spatial-upscaler-x2.safetensors"),
+                "video_vae": ("vae/ltx-2.5-tiny-video-vae.safetensors", "ltx-2.5-tiny-video-vae.safetensors"),
+                "audio_vae": ("vae/ltx-2.5-tiny-audio-vae.safetensors", "ltx-2.5-tiny-audio-vae.safetensors")}
+    tag = variant.replace(".", "")
+    return {"checkpoint": (f"checkpoints/ltx-{variant}-tiny.safetensors", f"ltx-{variant}-tiny.safetensors"),
+            "gemma": ("text_encoders/gemma-3-tiny.safetensors", "gemma-3-tiny.safetensors"),
+            "upsampler": (f"latent_upscale_models/ltx-{tag}-tiny-spatial-upscaler-x2.safetensors",
+                          f"ltx-{tag}-tiny-spatial-upscaler-x2.safetensors"),
+            "lora": (f"loras/ltx-{variant}-tiny-distilled-lora.safetensors",
+                     f"ltx-{variant}-tiny-distilled-lora.safetensors")}
+
+
 def _link_tiny(live, variant: str) -> dict[str, str]:
     import shutil
     import tempfile
@@ -86,13 +114,7 @@ def _link_tiny(live, variant: str) -> dict[str, str]:
         (staging / "done").write_text("ok")
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
-    tag = variant.replace(".", "")
-    files = {"checkpoint": (f"checkpoints/ltx-{variant}-tiny.safetensors", f"ltx-{variant}-tiny.safetensors"),
-             "gemma": ("text_encoders/gemma-3-tiny.safetensors", "gemma-3-tiny.safetensors"),
-             "upsampler": (f"latent_upscale_models/ltx-{tag}-tiny-spatial-upscaler-x2.safetensors",
-                           f"ltx-{tag}-tiny-spatial-upscaler-x2.safetensors"),
-             "lora": (f"loras/ltx-{variant}-tiny-distilled-lora.safetensors",
-                      f"ltx-{variant}-tiny-distilled-lora.safetensors")}
+    files = _tiny_files(variant)
     for rel, src in files.values():
         link = models / rel
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -148,12 +170,18 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
     sets = {k: v for k, v in (("width", WIDTH), ("height", HEIGHT), ("prompt_enhance", False)) if k in labels}
     ui = C.set_template_inputs(ui, **sets)
     api = C.ui_to_api(ui, C.load_object_info())
+    for k in C.nodes_of(api, "ResolutionSelector"):  # LTX-2.5 t2v / i2v: width / height come from it, not widgets
+        C.rewire_to_value(api, [k, 0], WIDTH)
+        C.rewire_to_value(api, [k, 1], HEIGHT)
+    api = C.prune(api, C.load_object_info())
     for k in C.nodes_of(api, "ResizeImageMaskNode"):  # a literal target size (LTX-2.0 i2v sizes from its image)
         v = api[k]["inputs"]
         if v.get("resize_type") == "scale dimensions" and not C.is_link(v.get("resize_type.width")):
             v["resize_type.width"], v["resize_type.height"] = WIDTH, HEIGHT
     api = C.point_files(api, {"checkpoint": tiny["checkpoint"], "gemma": tiny["gemma"],
-                              "upsampler": tiny["upsampler"]}, loras={"*": tiny["lora"]})
+                              "upsampler": tiny["upsampler"], "diffusion_model": tiny["checkpoint"],
+                              **{k: tiny[k] for k in ("video_vae", "audio_vae") if k in tiny}},
+                        loras={"*": tiny["lora"]} if "lora" in tiny else None)
     for k in C.nodes_of(api, "LoadImage"):
         api[k]["inputs"]["image"] = images[0]
     for k in C.nodes_of(api, "LoadAudio"):
@@ -211,6 +239,7 @@ def max_diff(a, b) -> float:
 # ---- the tests -------------------------------------------------------------------------------------------------------
 
 NATIVE_23 = ["video_ltx2_3_t2v", "video_ltx2_3_i2v"]  # the milestone
+NATIVE_25 = ["video_ltx2_5_t2v", "video_ltx2_5_i2v", "video_ltx2_5_flf2v"]
 MORE = ["video_ltx2_3_flf2v", "video_ltx2_t2v", "video_ltx2_i2v", "video_ltx2_3_id_lora", "video_ltx2_3_ic_lora"]
 _native_cache: dict[tuple[str, str], dict] = {}
 
@@ -232,11 +261,13 @@ def _native(live, stem, tiny, images, devices, tmp_path):
 
 
 def _tiny_for(stem, request):
+    if stem.startswith("video_ltx2_5"):
+        return request.getfixturevalue("tiny_25")
     return request.getfixturevalue("tiny_20" if stem.startswith("video_ltx2_") and not stem.startswith(
-        ("video_ltx2_3", "video_ltx2_5")) else "tiny_23")
+        "video_ltx2_3") else "tiny_23")
 
 
-@pytest.mark.parametrize("stem", NATIVE_23 + MORE)
+@pytest.mark.parametrize("stem", NATIVE_23 + NATIVE_25 + MORE)
 def test_template_runs_natively_on_tiny_models(live, images, stem, tmp_path, request):
     """The template, unswapped but for the tiny text encoding, at its own length / fps / sigmas / samplers: an mp4
     with audio, the template's frame count and a 2x upscaled size."""
@@ -249,7 +280,7 @@ def test_template_runs_natively_on_tiny_models(live, images, stem, tmp_path, req
 
 
 @pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
-@pytest.mark.parametrize("stem", NATIVE_23 + MORE)
+@pytest.mark.parametrize("stem", NATIVE_23 + NATIVE_25 + MORE)
 def test_swapped_template_matches_native(live, images, stem, devices, tmp_path, request):
     """Only the model loader swapped (MODEL from Load Checkpoint (MGPU) on a 2- / 4-rank CPU fleet): an mp4 with
     audio, and the final video and audio latents equal the native run's (same tiny models, same seeds)."""
