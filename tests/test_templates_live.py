@@ -189,6 +189,9 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
     if len(C.nodes_of(api, "LoadImage")) > 1:
         api[C.nodes_of(api, "LoadImage")[1]]["inputs"]["image"] = images[1]
     api = C.swap_text_encode(api, checkpoint=tiny["checkpoint"], gemma=tiny["gemma"], devices=devices)
+    if "video_vae" in tiny:  # LTX-2.5: the fleet of a transformer file takes its VAE files beside it
+        api[C.nodes_of(api, "LTX2MGPU_LoadCheckpoint")[0]]["inputs"].update(video_vae=tiny["video_vae"],
+                                                                             audio_vae=tiny["audio_vae"])
     if swap:
         api = C.swap_model_loader(api, via="checkpoint", checkpoint=tiny["checkpoint"], gemma=tiny["gemma"],
                                   devices=devices)
