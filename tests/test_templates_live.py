@@ -310,8 +310,9 @@ def tiny_twin(api: dict, tiny: dict[str, str], images: list[str], devices: str) 
     through Text Encode (MGPU) (the tiny Gemma, see the module docstring), the prompt enhancer switched off, width /
     height (the PrimitiveInt nodes titled so) small, the images generated."""
     api = C.point_files(api, {"checkpoint": tiny["checkpoint"], "gemma": tiny["gemma"],
-                              "upsampler": tiny["upsampler"], "diffusion_model": tiny["checkpoint"]},
-                        loras={"*": tiny["lora"]})
+                              "upsampler": tiny["upsampler"], "diffusion_model": tiny["checkpoint"],
+                              **{k: tiny[k] for k in ("video_vae", "audio_vae") if k in tiny}},
+                        loras={"*": tiny["lora"]} if "lora" in tiny else None)
     for k in C.nodes_of(api, "LTX2MGPU_LoadDiffusionModel"):
         api[k]["inputs"]["devices"] = devices
     for k, v in api.items():
@@ -326,21 +327,22 @@ def tiny_twin(api: dict, tiny: dict[str, str], images: list[str], devices: str) 
     api = C.swap_text_encode(api, checkpoint=tiny["checkpoint"], gemma=tiny["gemma"], devices=devices)
     (mgpu,) = C.nodes_of(api, "LTX2MGPU_LoadDiffusionModel")
     loader = C.nodes_of(api, "LTX2MGPU_LoadCheckpoint")[0]
+    if "video_vae" in tiny:  # LTX-2.5: the fleet of a transformer file takes its VAE files beside it
+        api[loader]["inputs"].update(video_vae=tiny["video_vae"], audio_vae=tiny["audio_vae"])
     C.rewire(api, [mgpu, 0], [loader, 1])
     del api[mgpu]
-    return api
+    return C.prune(api, C.load_object_info())
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
-def test_shipped_api_twin_runs_on_a_2_rank_fleet(live, tiny_23, images, path, tmp_path):
-    """The shipped API twin of a template (minimal swap) queued on the tiny LTX-2.3 models: an mp4 with audio."""
-    if "ltx2.5" in path.stem:
-        pytest.skip("LTX-2.5 twins need the tiny LTX-2.5 set (per-component files, Gemma 4 with its projection, "
-                    "diffusion VAE) and Text Encode (MGPU) for Gemma 4: the issue-18 branches, not merged here")
+def test_shipped_api_twin_runs_on_a_2_rank_fleet(live, images, path, tmp_path, request):
+    """The shipped API twin of a template (minimal swap) queued on the tiny LTX-2.3 / 2.5 models: an mp4 with
+    audio."""
+    tiny = request.getfixturevalue("tiny_25" if "ltx2.5" in path.stem else "tiny_23")
     if "model" not in json.dumps(live._get("/object_info/LTX2MGPU_LoadCheckpoint").get(
             "LTX2MGPU_LoadCheckpoint", {}).get("output_name", [])):
         pytest.skip("Load Checkpoint (MGPU) has no MODEL output in this build (the native-MODEL issue)")
-    api = tiny_twin(json.loads(path.read_text()), tiny_23, images, "cpu:2")
+    api = tiny_twin(json.loads(path.read_text()), tiny, images, "cpu:2")
     add_latent_outputs(api, f"ltx2-mgpu-templates/{path.stem}")
     got = run_graph(live, api, tmp_path)
     assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] >= 97
