@@ -300,6 +300,36 @@ def test_swapped_template_matches_native(live, images, stem, devices, tmp_path, 
     assert dv <= TOL and da <= TOL
 
 
+@pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
+@pytest.mark.parametrize("stem", NATIVE_25)
+def test_ltx25_template_with_load_diffusion_model_matches_native(live, images, stem, devices, tmp_path, request):
+    """LTX-2.5 with the swap a user makes (README): UNETLoader's MODEL -> Load Diffusion Model (MGPU), whose fleet
+    loads the transformer file alone (diffusion_models/, no Gemma, no VAE). The tiny text still goes through Text
+    Encode (MGPU), whose fleet (Load Checkpoint (MGPU)) differs from the model's and the controller holds one fleet:
+    so the text nodes are run first in a prompt of their own and ComfyUI's cache serves their conditioning to the
+    template's prompt (unchanged inputs are not re-executed) — with real files the text stays ComfyUI's CLIPLoader /
+    CLIPTextEncode and only the model's fleet exists. Same latents as the native run."""
+    if not _has_node(live, "LTX2MGPU_LoadDiffusionModel"):
+        pytest.skip("no Load Diffusion Model (MGPU) in this build")
+    tiny = _tiny_for(stem, request)
+    native = _native(live, stem, tiny, images, devices, tmp_path)
+    api = template_graph(stem, tiny, images, devices=devices, swap=False, tag=f"{stem}-{devices}-unet")
+    api = C.swap_model_loader(api, via="diffusion_model", unet_name=tiny["checkpoint"], devices=devices)
+    (loader,) = C.nodes_of(api, "LTX2MGPU_LoadCheckpoint")
+    (text,) = C.nodes_of(api, "LTX2MGPU_TextEncode")
+    warm = {loader: api[loader], text: api[text], "text_preview": {"class_type": "PreviewAny",
+                                                                    "inputs": {"source": [text, 0]}}}
+    entry = live.wait(live.queue(warm))
+    assert entry["status"]["status_str"] == "success", live.messages_of(entry, "execution_error")
+    got = run_graph(live, api, tmp_path)
+    cached = {k for m in live.messages_of(got["entry"], "execution_cached") for k in m.get("nodes", [])}
+    assert {loader, text} <= cached, "the text nodes were re-executed (ComfyUI's cache missed)"
+    assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] == native["mp4"]["video_frames"]
+    dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
+    print(f"{stem} {devices} Load Diffusion Model (MGPU): max |swapped - native| video {dv:.2e} audio {da:.2e}")
+    assert dv <= TOL and da <= TOL
+
+
 # ---- the shipped API twins (workflows/api/comfyui-*.json) ------------------------------------------------------------
 
 SHIPPED = sorted((Path(__file__).resolve().parent.parent / "workflows" / "api").glob("comfyui-*.json"))
