@@ -16,7 +16,10 @@ LoRA strengths, tiled-decode settings, seeds — is the template's own):
   in BOTH the native and the swapped run (the same embeddings feed both). The prompt enhancer is switched off
   (`prompt_enhance` False) for the same reason: it generates text with ComfyUI's Gemma.
 - **files**: every model file points at the tiny set; every LoRA at the tiny distilled LoRA (the tiny set has one).
-- **size**: width / height small (the tiny VAE decodes 121 frames on 2 CPU cores); images are a generated png.
+- **size**: width / height small (the tiny VAE decodes 121 frames on 2 CPU cores; LTX-2.5 t2v / i2v take them from
+  a `ResolutionSelector`, whose outputs become the literals); images are a generated png.
+- **LTX-2.5**: the tiny LTX-2.5 set in the templates' own per-component layout (transformer in diffusion_models/,
+  two VAELoaders, Gemma 4 with its projection); Text Encode (MGPU)'s fleet takes the transformer and the VAE files.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ pytestmark = pytest.mark.comfyui
 URL = os.environ.get("COMFYUI_URL", "").rstrip("/")
 COMFY_DIR = Path(os.environ.get("COMFYUI_DIR", "/tmp/comfyui"))
 WIDTH, HEIGHT = 256, 128  # template width / height inputs (stage 1 runs at half)
-TOL = 1e-4  # max |swapped - native| over the final latents (measured 1.2e-6 on LTX-2.3 t2v / i2v at W = 2 and 4)
+TOL = 1e-4  # max |swapped - native| over the final latents (measured 1.2e-6 on LTX-2.3 t2v / i2v and on LTX-2.5
+#            t2v / i2v / flf2v at W = 2 and 4)
 
 
 def _live():
@@ -81,6 +85,8 @@ def _tiny_files(variant: str) -> dict[str, tuple[str, str]]:
     if variant == "2.5":
         return {"checkpoint": ("diffusion_models/ltx-2.5-tiny-transformer.safetensors",
                                "ltx-2.5-tiny-transformer.safetensors"),
+                "checkpoint_int8": ("diffusion_models/ltx-2.5-tiny-transformer-int8-convrot.safetensors",
+                                    "ltx-2.5-tiny-transformer-int8-convrot.safetensors"),
                 "gemma": ("text_encoders/gemma4-tiny-with-proj-ltx-2.5.safetensors",
                           "gemma4-tiny-with-proj-ltx-2.5.safetensors"),
                 "upsampler": ("latent_upscale_models/ltx-2.5-tiny-spatial-upscaler-x2.safetensors",
@@ -300,6 +306,17 @@ def test_swapped_template_matches_native(live, images, stem, devices, tmp_path, 
     assert dv <= TOL and da <= TOL
 
 
+def _ancestors(api: dict, node: str) -> set[str]:
+    """`node` and every node it reads from."""
+    out, stack = set(), [node]
+    while stack:
+        k = stack.pop()
+        if k not in out:
+            out.add(k)
+            stack.extend(v[0] for v in api[k]["inputs"].values() if C.is_link(v))
+    return out
+
+
 @pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
 @pytest.mark.parametrize("stem", NATIVE_25)
 def test_ltx25_template_with_load_diffusion_model_matches_native(live, images, stem, devices, tmp_path, request):
@@ -317,8 +334,8 @@ def test_ltx25_template_with_load_diffusion_model_matches_native(live, images, s
     api = C.swap_model_loader(api, via="diffusion_model", unet_name=tiny["checkpoint"], devices=devices)
     (loader,) = C.nodes_of(api, "LTX2MGPU_LoadCheckpoint")
     (text,) = C.nodes_of(api, "LTX2MGPU_TextEncode")
-    warm = {loader: api[loader], text: api[text], "text_preview": {"class_type": "PreviewAny",
-                                                                    "inputs": {"source": [text, 0]}}}
+    warm = {k: api[k] for k in _ancestors(api, text)}
+    warm["text_preview"] = {"class_type": "PreviewAny", "inputs": {"source": [text, 0]}}
     entry = live.wait(live.queue(warm))
     assert entry["status"]["status_str"] == "success", live.messages_of(entry, "execution_error")
     got = run_graph(live, api, tmp_path)
@@ -327,6 +344,21 @@ def test_ltx25_template_with_load_diffusion_model_matches_native(live, images, s
     assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] == native["mp4"]["video_frames"]
     dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
     print(f"{stem} {devices} Load Diffusion Model (MGPU): max |swapped - native| video {dv:.2e} audio {da:.2e}")
+    assert dv <= TOL and da <= TOL
+
+
+def test_ltx25_t2v_on_int8_convrot_weights_matches_native(live, images, tiny_25, tmp_path):
+    """The LTX-2.5 templates' own weight format: the int8-convrot twin of the tiny transformer, loaded by ComfyUI's
+    UNETLoader in the native run and by the fleet (dequantized per call) in the swapped one, on 2 ranks."""
+    stem, devices = "video_ltx2_5_t2v", "cpu:2"
+    tiny = {**tiny_25, "checkpoint": tiny_25["checkpoint_int8"]}
+    native = run_graph(live, template_graph(stem, tiny, images, devices=devices, swap=False,
+                                            tag=f"{stem}-int8-native"), tmp_path)
+    got = run_graph(live, template_graph(stem, tiny, images, devices=devices, swap=True, tag=f"{stem}-int8"),
+                    tmp_path)
+    assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] == native["mp4"]["video_frames"]
+    dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
+    print(f"{stem} int8-convrot {devices}: max |swapped - native| video {dv:.2e} audio {da:.2e}")
     assert dv <= TOL and da <= TOL
 
 
