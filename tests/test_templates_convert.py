@@ -202,6 +202,26 @@ def test_point_files():
     assert out["2"]["inputs"]["lora_name"] == "l.safetensors"
 
 
+def test_rewire_to_value_replaces_links_by_a_literal():
+    api = {"1": {"class_type": "ResolutionSelector", "inputs": {}},
+           "2": {"class_type": "PrimitiveInt", "inputs": {"value": ["1", 0]}},
+           "3": {"class_type": "PrimitiveInt", "inputs": {"value": ["1", 1]}}}
+    assert C.rewire_to_value(api, ["1", 0], 256) == 1
+    assert api["2"]["inputs"]["value"] == 256 and api["3"]["inputs"]["value"] == ["1", 1]
+
+
+def test_point_files_tells_the_ltx25_vae_loaders_apart():
+    """LTX-2.5 templates load the video and the audio VAE through two VAELoaders: each gets its own file."""
+    api = {"1": {"class_type": "VAELoader", "inputs": {"vae_name": "ltx-2.5-video-vae-bf16.safetensors"}},
+           "2": {"class_type": "VAELoader", "inputs": {"vae_name": "ltx-2.5-audio-vae-bf16.safetensors"}},
+           "3": {"class_type": "UNETLoader", "inputs": {"unet_name": "x.safetensors", "weight_dtype": "default"}}}
+    out = C.point_files(api, {"video_vae": "v.safetensors", "audio_vae": "a.safetensors",
+                              "diffusion_model": "t.safetensors"})
+    assert [out[k]["inputs"].get("vae_name", out[k]["inputs"].get("unet_name")) for k in "123"] == [
+        "v.safetensors", "a.safetensors", "t.safetensors"]
+    assert C.point_files(api, {})["1"] == api["1"]  # a file the mapping does not cover is left as it is
+
+
 # ---- ComfyUI's own templates (skipped without the package) -----------------------------------------------------------
 
 TEMPLATE_DIR = C.templates_dir()

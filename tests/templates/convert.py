@@ -359,6 +359,18 @@ def rewire(api: dict, old: list, new: list) -> int:
     return n
 
 
+def rewire_to_value(api: dict, old: list, value: Any) -> int:
+    """Every input fed by output `old` ([node id, slot]) set to the literal `value` (what a user does by typing a
+    value where a link was); returns how many inputs changed."""
+    n = 0
+    for v in api.values():
+        for name, val in v["inputs"].items():
+            if is_link(val) and val == old:
+                v["inputs"][name] = value
+                n += 1
+    return n
+
+
 def _fresh_id(api: dict, stem: str) -> str:
     i = 0
     while f"{stem}{i or ''}" in api:
@@ -534,8 +546,15 @@ FILE_INPUTS = {  # class -> (input name, key of the files mapping)
 }
 
 
+def _vae_role(name: str) -> str:
+    """The files key of a VAELoader's file: LTX-2.5 templates load the video and the audio VAE each through a
+    VAELoader, told apart by the file name ('...audio-vae...' -> audio_vae, else video_vae)."""
+    return "audio_vae" if "audio" in name.lower() else "video_vae"
+
+
 def point_files(api: dict, files: dict[str, str], loras: dict[str, str] | None = None) -> dict:
-    """Every model-file widget pointed at the given files (`files`: checkpoint, gemma, upsampler, ... ; `loras`:
+    """Every model-file widget pointed at the given files (`files`: checkpoint, gemma, upsampler, diffusion_model,
+    video_vae / audio_vae (VAELoaders, by their file name), ... ; `loras`:
     template LoRA name -> tiny LoRA name, '*' for the rest). Linked file inputs (subgraph widgets already resolved
     to literals) are literals here. A file the mapping does not cover is left as it is."""
     api = copy.deepcopy(api)
@@ -543,6 +562,10 @@ def point_files(api: dict, files: dict[str, str], loras: dict[str, str] | None =
         for name, key in FILE_INPUTS.get(v["class_type"], ()):
             if name in v["inputs"] and not is_link(v["inputs"][name]) and key in files:
                 v["inputs"][name] = files[key]
+        if v["class_type"] == "VAELoader" and not is_link(v["inputs"].get("vae_name")):
+            key = _vae_role(v["inputs"].get("vae_name", ""))
+            if key in files:
+                v["inputs"]["vae_name"] = files[key]
         if v["class_type"] in ("LoraLoaderModelOnly", "LoraLoader") and loras is not None:
             cur = v["inputs"].get("lora_name")
             if not is_link(cur):
