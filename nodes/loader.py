@@ -98,6 +98,17 @@ def _free_memory(devices: tuple[str, ...]) -> str:
     return ", ".join(parts)
 
 
+def _device_inputs() -> list:
+    """The `devices` and `world_size` inputs both loader nodes share."""
+    return [io.String.Input("devices", default="all",
+                            tooltip="Devices of the fleet: 'all', a count ('4'), a CUDA index list ('0,1,3'; one "
+                                    "index: '1,'), or 'cpu:N' for N CPU ranks. Without CUDA, 'all' means CPU ranks "
+                                    "(see world_size)."),
+            io.Int.Input("world_size", default=0, min=0, max=64,
+                         tooltip="Number of ranks: 0 = every device of 'devices' (one CPU rank when 'all' has no "
+                                 "GPU); otherwise caps or sets the count.")]
+
+
 def describe_plan(handle: P.FleetHandle) -> str:
     cfg = handle.config
     w = cfg.world_size
@@ -153,13 +164,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 io.Combo.Input("upscaler", options=[NONE] + _files(UPSCALER_FOLDER), default=NONE,
                                tooltip="2x spatial latent upscaler (models/latent_upscale_models/), needed by "
                                        "TDP Upscale (MGPU) when it upscales."),
-                io.String.Input("devices", default="all",
-                                tooltip="Devices of the fleet: 'all', a count ('4'), a CUDA index list ('0,1,3'; "
-                                        "one index: '1,'), or 'cpu:N' for N CPU ranks. Without CUDA, 'all' means "
-                                        "CPU ranks (see world_size)."),
-                io.Int.Input("world_size", default=0, min=0, max=64,
-                             tooltip="Number of ranks: 0 = every device of 'devices' (one CPU rank when 'all' has "
-                                     "no GPU); otherwise caps or sets the count."),
+                *_device_inputs(),
                 io.Combo.Input("weight_dtype", options=list(DTYPES), default="auto",
                                tooltip="Compute / weight dtype on the workers: auto = bfloat16 on GPUs, float32 on "
                                        "CPU ranks."),
@@ -263,13 +268,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
                                tooltip="The transformer: an LTX-2.5 file (models/diffusion_models/: bf16, fp8 or "
                                        "ComfyUI's int8-convrot), a 2.0 / 2.3 transformer-only file, or a single-file "
                                        "checkpoint (only its transformer is loaded on the fleet)."),
-                io.String.Input("devices", default="all",
-                                tooltip="Devices of the fleet: 'all', a count ('4'), a CUDA index list ('0,1,3'; "
-                                        "one index: '1,'), or 'cpu:N' for N CPU ranks. Without CUDA, 'all' means "
-                                        "CPU ranks (see world_size)."),
-                io.Int.Input("world_size", default=0, min=0, max=64,
-                             tooltip="Number of ranks: 0 = every device of 'devices' (one CPU rank when 'all' has "
-                                     "no GPU); otherwise caps or sets the count."),
+                *_device_inputs(),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip=MODEL_TOOLTIP),
                      Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet, for the other MGPU "
