@@ -65,8 +65,9 @@ Numbers like 12, 345 and 2026 appear on the screen, then fade away.
 
 
 @functools.lru_cache(maxsize=4)
-def tiny_spiece_model(vocab_size: int = TINY_VOCAB_TARGET) -> bytes:
-    """Serialized SentencePiece model proto trained on the built-in corpus (deterministic, cached).
+def tiny_spiece_model(vocab_size: int = TINY_VOCAB_TARGET, symbols: tuple[str, ...] = tuple(SPECIAL_SYMBOLS)) -> bytes:
+    """Serialized SentencePiece model proto trained on the built-in corpus (deterministic, cached); `symbols`: the
+    user-defined special tokens (Gemma 3's chat markers by default; the tiny Gemma 4 passes its own).
 
     Returns: the model proto bytes (what ComfyUI stores as the uint8 tensor `spiece_model`).
     """
@@ -79,7 +80,7 @@ def tiny_spiece_model(vocab_size: int = TINY_VOCAB_TARGET) -> bytes:
         byte_fallback=True, character_coverage=1.0, hard_vocab_limit=False, num_threads=1,
         pad_id=0, eos_id=1, bos_id=2, unk_id=3,
         pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
-        user_defined_symbols=SPECIAL_SYMBOLS, add_dummy_prefix=False, remove_extra_whitespaces=False,
+        user_defined_symbols=list(symbols), add_dummy_prefix=False, remove_extra_whitespaces=False,
         split_digits=True, normalization_rule_name="identity", minloglevel=2)
     return buf.getvalue()
 

@@ -42,7 +42,6 @@ converted tokenizer encodes exactly as the SentencePiece model and that the byte
 from __future__ import annotations
 
 import functools
-import io
 import json
 from pathlib import Path
 
@@ -79,18 +78,9 @@ def tiny_gemma4_tokenizer_json(vocab_size: int = TINY_VOCAB_TARGET) -> bytes:
     from transformers import GemmaTokenizer
     from transformers.tokenization_utils_base import generate_merges
 
-    from .tiny_gemma import _CORPUS
+    from .tiny_gemma import tiny_spiece_model
 
-    lines = [line for line in _CORPUS.splitlines() if line.strip()]
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines * 8), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, hard_vocab_limit=False, num_threads=1,
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
-        user_defined_symbols=SPECIAL_SYMBOLS, add_dummy_prefix=False, remove_extra_whitespaces=False,
-        split_digits=True, normalization_rule_name="identity", minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=tiny_spiece_model(vocab_size, tuple(SPECIAL_SYMBOLS)))
     n = sp.get_piece_size()
     vocab = {sp.id_to_piece(i): i for i in range(n)}
     scores = {sp.id_to_piece(i): sp.get_score(i) for i in range(n)}
