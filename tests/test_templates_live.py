@@ -15,7 +15,14 @@ LoRA strengths, tiled-decode settings, seeds — is the template's own):
   cannot load the tiny Gemma, so the positive / negative CLIPTextEncode pair becomes the pack's Text Encode (MGPU)
   in BOTH the native and the swapped run (the same embeddings feed both). The prompt enhancer is switched off
   (`prompt_enhance` False) for the same reason: it generates text with ComfyUI's Gemma.
-- **files**: every model file points at the tiny set; every LoRA at the tiny distilled LoRA (the tiny set has one).
+- **files**: every model file points at the tiny set; the IC-LoRA at a tiny IC-LoRA in the real layout whose
+  metadata carries `reference_downscale_factor` 2 (`write_tiny_ic_lora`; loaded by the template's own
+  LoraLoaderModelOnly, read by its GetICLoRAParameters), every other LoRA at the tiny distilled LoRA.
+- **IC-LoRA template, its preprocessor only**: the 'Video Depth Estimation (MoGe)' subgraph's MoGeInference +
+  MoGeRender('depth') become ComfyUI core's Canny on the same frames (`swap_depth_for_canny`): MoGe needs a
+  ~0.6 GB ViT-L geometry model and no tiny MoGe exists; Canny needs no weights, is deterministic, and is a control
+  the union-control IC-LoRA is trained for. Its LoadVideo reads a generated 6 s control mp4 (Video Slice keeps the
+  template's 5 s, so the template's own length rule gives 121 frames).
 - **size**: width / height small (the tiny VAE decodes 121 frames on 2 CPU cores; LTX-2.5 t2v / i2v take them from
   a `ResolutionSelector`, whose outputs become the literals); images are a generated png.
 - **LTX-2.5**: the tiny LTX-2.5 set in the templates' own per-component layout (transformer in diffusion_models/,
@@ -23,6 +30,7 @@ LoRA strengths, tiled-decode settings, seeds — is the template's own):
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import uuid
@@ -94,7 +102,10 @@ def _tiny_files(variant: str) -> dict[str, tuple[str, str]]:
                 "video_vae": ("vae/ltx-2.5-tiny-video-vae.safetensors", "ltx-2.5-tiny-video-vae.safetensors"),
                 "audio_vae": ("vae/ltx-2.5-tiny-audio-vae.safetensors", "ltx-2.5-tiny-audio-vae.safetensors")}
     tag = variant.replace(".", "")
-    return {"checkpoint": (f"checkpoints/ltx-{variant}-tiny.safetensors", f"ltx-{variant}-tiny.safetensors"),
+    ic_lora = {"ic_lora": (f"loras/ltx-{variant}-tiny-ic-lora-ref0.5.safetensors",
+                           f"ltx-{variant}-tiny-ic-lora-ref0.5.safetensors")} if variant == "2.3" else {}
+    return {**ic_lora,
+            "checkpoint": (f"checkpoints/ltx-{variant}-tiny.safetensors", f"ltx-{variant}-tiny.safetensors"),
             "gemma": ("text_encoders/gemma-3-tiny.safetensors", "gemma-3-tiny.safetensors"),
             "upsampler": (f"latent_upscale_models/ltx-{tag}-tiny-spatial-upscaler-x2.safetensors",
                           f"ltx-{tag}-tiny-spatial-upscaler-x2.safetensors"),
@@ -121,6 +132,12 @@ def _link_tiny(live, variant: str) -> dict[str, str]:
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
     files = _tiny_files(variant)
+    if "ic_lora" in files and not (final / files["ic_lora"][1]).is_file():  # not part of make_tiny's set
+        from mgpu_backend.models.tiny import write_tiny_ic_lora
+
+        tmp = final / f".{files['ic_lora'][1]}.{os.getpid()}.tmp"
+        write_tiny_ic_lora(tmp, variant, seed=0)
+        os.replace(tmp, final / files["ic_lora"][1])
     for rel, src in files.values():
         link = models / rel
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +177,33 @@ def images(live):
             f.setframerate(16000)
             f.writeframes(pcm.tobytes())
     names.append(wav.name)
+    names.append(_control_video(inputs / "ltx2-mgpu-template-control.mp4").name)
     return names
+
+
+def _control_video(path: Path) -> Path:
+    """The IC-LoRA template's control video (its LoadVideo file is not shipped): 6 s at 25 fps, 160 x 96, a bright
+    square moving over a gradient (edges for the Canny stand-in), H.264 through PyAV."""
+    if path.is_file():
+        return path
+    import av
+    import numpy as np
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.mp4")
+    h, w = 96, 160
+    base = np.broadcast_to(np.linspace(30, 120, w, dtype=np.float32), (h, w))
+    with av.open(str(tmp), "w") as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for i in range(150):
+            img = np.repeat(base[:, :, None], 3, axis=2).copy()
+            x, y = 10 + i * 120 // 150, 20 + (i % 50)
+            img[y:y + 24, x:x + 24] = 230
+            frame = av.VideoFrame.from_ndarray(img.astype(np.uint8), format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    os.replace(tmp, path)
+    return path
 
 
 # ---- building the graphs -------------------------------------------------------------------------------------------
@@ -187,7 +230,11 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
     api = C.point_files(api, {"checkpoint": tiny["checkpoint"], "gemma": tiny["gemma"],
                               "upsampler": tiny["upsampler"], "diffusion_model": tiny["checkpoint"],
                               **{k: tiny[k] for k in ("video_vae", "audio_vae") if k in tiny}},
-                        loras={"*": tiny["lora"]} if "lora" in tiny else None)
+                        loras=_lora_map(api, tiny) if "lora" in tiny else None)
+    if C.nodes_of(api, "MoGeInference"):
+        api = swap_depth_for_canny(api)
+    for k in C.nodes_of(api, "LoadVideo"):
+        api[k]["inputs"]["file"] = images[3]
     for k in C.nodes_of(api, "LoadImage"):
         api[k]["inputs"]["image"] = images[0]
     for k in C.nodes_of(api, "LoadAudio"):
@@ -202,7 +249,48 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
         api = C.swap_model_loader(api, via="checkpoint", checkpoint=tiny["checkpoint"], gemma=tiny["gemma"],
                                   devices=devices)
     add_latent_outputs(api, f"ltx2-mgpu-templates/{tag}")
+    for k in C.nodes_of(api, "GetICLoRAParameters"):  # what the IC-LoRA's metadata told LTXVAddGuide
+        api["ic_lora_parameters"] = {"class_type": "PreviewAny", "inputs": {"source": [k, 0]}}
     return api
+
+
+def _lora_map(api: dict, tiny: dict[str, str]) -> dict[str, str]:
+    """Template LoRA name -> tiny file: the IC-LoRA (a name with 'ic-lora') -> the tiny IC-LoRA (its metadata carries
+    the reference_downscale_factor the template's GetICLoRAParameters reads), every other LoRA -> the tiny distilled
+    LoRA."""
+    out = {"*": tiny["lora"]}
+    for v in api.values():
+        name = v["inputs"].get("lora_name")
+        if v["class_type"] in ("LoraLoaderModelOnly", "LoraLoader") and isinstance(name, str) \
+                and "ic-lora" in name.lower():
+            out[name] = tiny["ic_lora"]
+    return out
+
+
+CANNY = {"low_threshold": 0.4, "high_threshold": 0.8}  # ComfyUI's Canny defaults
+
+
+def swap_depth_for_canny(api: dict) -> dict:
+    """The IC-LoRA template's depth preprocessor -> ComfyUI core's Canny, on the same frames.
+
+    Replaced: the 'Video Depth Estimation (MoGe)' subgraph's MoGeInference + MoGeRender('depth') (its LoadMoGeModel
+    needs moge_2_vitl_normal_fp16.safetensors, a ViT-L geometry model of about 0.6 GB, and no tiny MoGe exists).
+    Canny (comfy_extras/nodes_canny.py, kornia) is deterministic, needs no weights, and is one of the controls the
+    union-control IC-LoRA is trained for (the template's own note: 'Users can swap in other preprocessors').
+    Everything downstream — GetImageSize (the length), LTXVAddGuide with the IC-LoRA parameters — is the
+    template's. Raises ConversionError unless exactly one MoGeRender('depth') feeds the graph."""
+    api = copy.deepcopy(api)
+    renders = [k for k in C.nodes_of(api, "MoGeRender") if api[k]["inputs"].get("output") == "depth"
+               and C.consumers(api, k)]
+    if len(renders) != 1:
+        raise C.ConversionError(f"expected one MoGeRender('depth') feeding the graph, found {renders}")
+    (render,) = renders
+    inference = api[render]["inputs"]["moge_geometry"][0]
+    frames = api[inference]["inputs"]["image"]
+    api["ic_control_canny"] = {"class_type": "Canny", "inputs": {"image": frames, **CANNY},
+                               "_meta": {"title": "Canny (stands in for the MoGe depth preprocessor)"}}
+    C.rewire(api, [render, 0], ["ic_control_canny", 0])
+    return C.prune(api, C.load_object_info())
 
 
 def add_latent_outputs(api: dict, prefix: str) -> None:
@@ -253,10 +341,7 @@ MORE = ["video_ltx2_3_flf2v", "video_ltx2_t2v", "video_ltx2_i2v", "video_ltx2_3_
 _native_cache: dict[tuple[str, str], dict] = {}
 
 
-NOT_TINY = {  # templates that need more than the tiny LTX models
-    "video_ltx2_3_ic_lora": "needs a MoGe depth-estimation model (its 'Video Depth Estimation' subgraph) and a "
-                            "control video; no tiny stand-in exists for MoGe",
-}
+NOT_TINY: dict[str, str] = {}  # templates that need more than the tiny models (a skip reason each); none left
 
 
 def _native(live, stem, tiny, images, devices, tmp_path):
@@ -286,6 +371,9 @@ def test_template_runs_natively_on_tiny_models(live, images, stem, tmp_path, req
     assert info["video_frames"] >= 97
     assert info["audio_duration"] == pytest.approx(info["video_frames"] / info["fps"], abs=0.15)
     assert bool(res["video"].isfinite().all()) and bool(res["audio"].isfinite().all())
+    if "ic_lora_parameters" in res["entry"]["outputs"]:  # the tiny IC-LoRA's metadata reached LTXVAddGuide
+        text = res["entry"]["outputs"]["ic_lora_parameters"]["text"][0]
+        assert json.loads(text) == {"reference_downscale_factor": 2}, text
 
 
 @pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])

@@ -371,9 +371,11 @@ def write_tiny_upsampler(path: Path, seed: int = 0, modules: dict[str, nn.Module
     return path
 
 
-def write_tiny_lora(path: Path, variant: str = "2.0", seed: int = 0, rank: int = 4, scale: float = 0.05) -> Path:
+def write_tiny_lora(path: Path, variant: str = "2.0", seed: int = 0, rank: int = 4, scale: float = 0.05,
+                    metadata: dict[str, str] | None = None) -> Path:
     """A distilled-LoRA-style file: `diffusion_model.<original module path>.lora_A/lora_B.weight` for every
-    attention and feed-forward Linear of the tiny transformer, plus `.alpha` (= rank, i.e. scale 1)."""
+    attention and feed-forward Linear of the tiny transformer, plus `.alpha` (= rank, i.e. scale 1); `metadata`
+    is added to the safetensors header."""
     from diffusers import LTX2VideoTransformer3DModel
 
     generator = torch.Generator().manual_seed(seed + 1000)
@@ -387,8 +389,16 @@ def write_tiny_lora(path: Path, variant: str = "2.0", seed: int = 0, rank: int =
             state[orig + ".lora_B.weight"] = (torch.randn(module.out_features, rank, generator=generator)
                                               * scale).to(torch.bfloat16)
             state[orig + ".alpha"] = torch.tensor(float(rank))
-    save_file(state, str(path), metadata={"format": "ltx-lora", "rank": str(rank)})
+    save_file(state, str(path), metadata={"format": "ltx-lora", "rank": str(rank), **(metadata or {})})
     return path
+
+
+def write_tiny_ic_lora(path: Path, variant: str = "2.3", seed: int = 0, reference_downscale_factor: int = 2) -> Path:
+    """An IC-LoRA-style file (LTX-2.3 union control, `...-ref0.5`): the same key layout as `write_tiny_lora`, other
+    random weights (seed + 1), and the safetensors metadata `reference_downscale_factor` that ComfyUI's
+    GetICLoRAParameters reads (its guides are encoded at 1 / factor of the latent size and dilated)."""
+    return write_tiny_lora(path, variant, seed + 1, metadata={"reference_downscale_factor":
+                                                              str(int(reference_downscale_factor))})
 
 
 def make_tiny(directory: Path, variant: str = "2.0", seed: int = 0) -> dict[str, Path]:

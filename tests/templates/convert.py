@@ -284,7 +284,25 @@ class _Flattener:
         values = self._instance_values(instance, graph.definition)
         if name in values:
             return values[name]
-        return _MISSING  # the inner node keeps its own widget value
+        return self._inner_widget_value(graph, sg_input, frame)
+
+    def _inner_widget_value(self, graph: _Graph, sg_input: dict, frame):
+        """An unlinked subgraph input with no value on the instance takes the value of the inner widget it drives
+        (the widget the instance promotes, e.g. the IC-LoRA template's `prompt`, which feeds TextGenerateLTX2Prompt's
+        prompt widget and the prompt switch's `on_false`), as the frontend queues it; _MISSING when it drives no
+        widget (each inner node then keeps its own value)."""
+        for link_id in sg_input.get("linkIds") or []:
+            _o, _s, target_id, target_slot = graph.links[link_id]
+            node = graph.nodes.get(target_id)
+            if node is None or target_slot >= len(node.get("inputs", [])):
+                continue
+            widget = node["inputs"][target_slot].get("widget")
+            if widget is None:
+                continue
+            values = {**widget_values(node, self.object_info), **self._proxy_overrides(node, frame)}
+            if widget["name"] in values:
+                return values[widget["name"]]
+        return _MISSING
 
     def _instance_values(self, instance: dict, definition: dict) -> dict:
         named = instance.get("widgets_values_named")
