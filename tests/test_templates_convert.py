@@ -248,6 +248,23 @@ def test_every_ltx_template_converts(stem):
         for val in v["inputs"].values():
             if C.is_link(val):
                 assert val[0] in api, (k, val)
+        # every required input has a value or a link, as ComfyUI's prompt validation demands (the IC-LoRA template's
+        # prompt switch takes `on_false` from the subgraph's promoted prompt widget)
+        given = set(v["inputs"]) | {n.split(".")[0] for n in v["inputs"]}  # autogrow / dynamic combo: values.a
+        missing = set(INFO[v["class_type"]]["input"].get("required", {})) - given
+        assert not missing, (k, v["class_type"], missing)
+
+
+@needs_templates
+def test_an_unlinked_subgraph_input_takes_the_inner_widget_it_drives():
+    """The IC-LoRA template's `prompt` subgraph input feeds TextGenerateLTX2Prompt's prompt widget (promoted on the
+    subgraph node) and the prompt switch's `on_false`: both get the widget's text, as the frontend queues it."""
+    api = C.ui_to_api(C.load_template("video_ltx2_3_ic_lora"), INFO)
+    (gen,) = C.nodes_of(api, "TextGenerateLTX2Prompt")
+    (switch,) = [k for k in C.nodes_of(api, "ComfySwitchNode") if api[k]["inputs"].get("on_true") == [gen, 0]]
+    prompt = api[gen]["inputs"]["prompt"]
+    assert isinstance(prompt, str) and prompt.startswith("A slow forward dolly shot")
+    assert api[switch]["inputs"]["on_false"] == prompt
 
 
 @needs_templates
