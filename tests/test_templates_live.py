@@ -14,7 +14,9 @@ LoRA strengths, tiled-decode settings, seeds — is the template's own):
 - **text encoding**: ComfyUI's Gemma loaders (LTXAVTextEncoderLoader, CLIPLoader ltxv) build the 12B shape and
   cannot load the tiny Gemma, so the positive / negative CLIPTextEncode pair becomes the pack's Text Encode (MGPU)
   in BOTH the native and the swapped run (the same embeddings feed both). The prompt enhancer is switched off
-  (`prompt_enhance` False) for the same reason: it generates text with ComfyUI's Gemma.
+  (`prompt_enhance` False) for the same reason: it generates text with ComfyUI's Gemma. The enhancer test switches
+  it on and runs where the enhancer's CLIP is given real files (LTX2_TEMPLATES_ENHANCER_*), else skips with
+  ComfyUI's own load error.
 - **files**: every model file points at the tiny set; the IC-LoRA at a tiny IC-LoRA in the real layout whose
   metadata carries `reference_downscale_factor` 2 (`write_tiny_ic_lora`; loaded by the template's own
   LoraLoaderModelOnly, read by its GetICLoRAParameters), every other LoRA at the tiny distilled LoRA.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -46,8 +49,8 @@ pytestmark = pytest.mark.comfyui
 URL = os.environ.get("COMFYUI_URL", "").rstrip("/")
 COMFY_DIR = Path(os.environ.get("COMFYUI_DIR", "/tmp/comfyui"))
 WIDTH, HEIGHT = 256, 128  # template width / height inputs (stage 1 runs at half)
-TOL = 1e-4  # max |swapped - native| over the final latents (measured 1.2e-6 on LTX-2.3 t2v / i2v and on LTX-2.5
-#            t2v / i2v / flf2v at W = 2 and 4)
+TOL = 1e-4  # max |swapped - native| over the final latents (measured 1.2e-6 on LTX-2.3 t2v / i2v / ic_lora and on
+#            LTX-2.5 t2v / i2v / flf2v at W = 2 and 4)
 
 
 def _live():
@@ -210,13 +213,15 @@ def _control_video(path: Path) -> Path:
 
 
 def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, devices: str, swap: bool,
-                   tag: str) -> dict:
+                   tag: str, prompt_enhance: bool = False) -> dict:
     """The template as an API graph on the tiny files: text through Text Encode (MGPU) on a `devices` fleet (see
-    the module docstring), the model loader swapped when `swap`, SaveLatent on the final video and audio latents."""
+    the module docstring), the model loader swapped when `swap`, SaveLatent on the final video and audio latents;
+    the prompt enhancer off unless `prompt_enhance`."""
     ui = C.load_template(stem)
     labels = {n for d in ui.get("definitions", {}).get("subgraphs", []) for i in d["inputs"]
               for n in (i.get("label"), i["name"])}
-    sets = {k: v for k, v in (("width", WIDTH), ("height", HEIGHT), ("prompt_enhance", False)) if k in labels}
+    sets = {k: v for k, v in (("width", WIDTH), ("height", HEIGHT), ("prompt_enhance", prompt_enhance))
+            if k in labels}
     ui = C.set_template_inputs(ui, **sets)
     api = C.ui_to_api(ui, C.load_object_info())
     for k in C.nodes_of(api, "ResolutionSelector"):  # LTX-2.5 t2v / i2v: width / height come from it, not widgets
@@ -309,10 +314,14 @@ def add_latent_outputs(api: dict, prefix: str) -> None:
 def run_graph(live, api: dict, tmp_path: Path) -> dict:
     """Queue, wait, and return {"entry", "mp4" (probe), "video", "audio" (latents)}; a failed prompt raises with
     ComfyUI's error."""
+    return graph_results(live, live.wait(live.queue(api)), tmp_path)
+
+
+def graph_results(live, entry: dict, tmp_path: Path) -> dict:
+    """run_graph's answer for a finished history entry."""
     from mgpu_backend.media import probe_mp4
     from safetensors.torch import load
 
-    entry = live.wait(live.queue(api))
     if entry["status"]["status_str"] != "success":
         errs = live.messages_of(entry, "execution_error")
         raise AssertionError(f"{errs[0].get('node_type')}: {errs[0].get('exception_message')}" if errs
@@ -456,6 +465,96 @@ def test_ltx25_t2v_on_int8_convrot_weights_matches_native(live, images, tiny_25,
     assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] == native["mp4"]["video_frames"]
     dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
     print(f"{stem} int8-convrot {devices}: max |swapped - native| video {dv:.2e} audio {da:.2e}")
+    assert dv <= TOL and da <= TOL
+
+
+# ---- the prompt enhancer beside the pack --------------------------------------------------------------------------
+
+ENHANCER_TEMPLATES = ["video_ltx2_3_t2v", "video_ltx2_5_t2v"]
+ENHANCER_LOADERS = {"LTXAVTextEncoderLoader", "CLIPLoader"}
+WHY_NO_TINY_ENHANCER = (
+    "ComfyUI's Gemma loaders build a fixed configuration chosen from the file's key names, never from its shapes: "
+    "LTXAVTextEncoderLoader always builds Gemma3_12B (hidden 3840, 48 layers, vocabulary 262208); CLIPLoader type "
+    "ltxv picks one of its fixed Gemma 4 (31B / 12B / E4B / E2B) or Gemma 3 (12B / 4B) configurations by which "
+    "keys exist. So the tiny Gemma fails load_state_dict with size mismatches and the enhancer "
+    "(TextGenerateLTX2Prompt on ComfyUI's CLIP) cannot run on tiny files")
+
+
+def _enhancer_files(api: dict) -> None:
+    """Point the enhancer's CLIP at real files when given (the tiny Gemma cannot be loaded, WHY_NO_TINY_ENHANCER):
+    LTX2_TEMPLATES_ENHANCER_TEXT_ENCODER (a file in text_encoders/: LTX-2.3's gemma_3_12B_it_fp4_mixed, LTX-2.5's
+    gemma4_e2b_it_int8_convrot), for LTX-2.3 also LTX2_TEMPLATES_ENHANCER_CHECKPOINT (its LTXAVTextEncoderLoader
+    loads the text projection from the LTX checkpoint, which must match that Gemma) and LTX2_TEMPLATES_ENHANCER_LORA
+    (the Gemma LoRA of the template's LoraLoader). The text the enhancer writes is then encoded by the tiny Gemma of
+    Text Encode (MGPU), as for the other tests."""
+    te = os.environ.get("LTX2_TEMPLATES_ENHANCER_TEXT_ENCODER")
+    ckpt = os.environ.get("LTX2_TEMPLATES_ENHANCER_CHECKPOINT")
+    lora = os.environ.get("LTX2_TEMPLATES_ENHANCER_LORA")
+    (gen,) = C.nodes_of(api, "TextGenerateLTX2Prompt")
+    for k in _ancestors(api, gen):
+        v = api[k]["inputs"]
+        if api[k]["class_type"] == "CLIPLoader" and te:
+            v["clip_name"] = te
+        if api[k]["class_type"] == "LTXAVTextEncoderLoader":
+            v.update({**({"text_encoder": te} if te else {}), **({"ckpt_name": ckpt} if ckpt else {})})
+        if api[k]["class_type"] == "LoraLoader" and lora:
+            v["lora_name"] = lora
+
+
+def _enhancer_skip_reason(live, entry: dict) -> str | None:
+    """The skip reason when the run failed at the enhancer's CLIP loader (WHY_NO_TINY_ENHANCER with ComfyUI's own
+    first error lines and the files it was given); None when it did not fail there."""
+    errs = live.messages_of(entry, "execution_error")
+    if entry["status"]["status_str"] == "success" or not errs or errs[0].get("node_type") not in ENHANCER_LOADERS:
+        return None
+    err = errs[0]
+    files = sorted({str(v["inputs"][n]) for v in _prompt_of(entry).values() if v["class_type"] == err["node_type"]
+                    for n in ("clip_name", "text_encoder") if n in v["inputs"]})
+    first = " / ".join(line.strip() for line in str(err.get("exception_message", "")).splitlines()[:2])
+    first = first.rstrip(".")
+    return (f"{WHY_NO_TINY_ENHANCER}. ComfyUI 0.33's {err['node_type']} on {files}: {first}. Set "
+            "LTX2_TEMPLATES_ENHANCER_TEXT_ENCODER (and for LTX-2.3 LTX2_TEMPLATES_ENHANCER_CHECKPOINT) to real files "
+            "in the server's models folders to run it")
+
+
+def _prompt_of(entry: dict) -> dict:
+    """The API graph of a history entry (ComfyUI stores [number, id, prompt, extra, outputs])."""
+    return entry["prompt"][2]
+
+
+@pytest.mark.parametrize("stem", ENHANCER_TEMPLATES)
+def test_prompt_enhancer_beside_the_pack_matches_native(live, images, stem, tmp_path, request):
+    """The template with its prompt enhancer ON (prompt_enhance True: TextGenerateLTX2Prompt writes the prompt with
+    ComfyUI's own Gemma CLIP, in ComfyUI's process) and the model loader swapped (2-rank CPU fleet): the enhancer
+    runs in the same prompt as the fleet's sampling (executed, not served from ComfyUI's cache), writes the same text
+    as in the native run, and the latents equal the native run's. The swapped run goes first, so that the
+    enhancer is executed beside the pack; the native run then reuses its text (same inputs, ComfyUI's cache).
+    Skips, saying why, where ComfyUI's loader cannot load the enhancer's Gemma (the tiny one: WHY_NO_TINY_ENHANCER)."""
+    tiny = _tiny_for(stem, request)
+    devices = "cpu:2"
+    graphs = {}
+    for swap in (True, False):
+        api = template_graph(stem, tiny, images, devices=devices, swap=swap, prompt_enhance=True,
+                             tag=f"{stem}-enhanced-{'swap' if swap else 'native'}")
+        _enhancer_files(api)
+        (gen,) = C.nodes_of(api, "TextGenerateLTX2Prompt")
+        api["enhanced_prompt"] = {"class_type": "PreviewAny", "inputs": {"source": [gen, 0]}}
+        graphs[swap] = (api, gen)
+    live._post("/free", {"free_memory": True})  # ComfyUI resets its output cache: the enhancer is executed below
+    time.sleep(2)  # the flag is read by ComfyUI's prompt worker, which it wakes
+    entry = live.wait(live.queue(graphs[True][0]))
+    reason = _enhancer_skip_reason(live, entry)
+    if reason:
+        pytest.skip(reason)
+    got = graph_results(live, entry, tmp_path)
+    cached = {k for m in live.messages_of(got["entry"], "execution_cached") for k in m.get("nodes", [])}
+    assert graphs[True][1] not in cached, "the enhancer was served from ComfyUI's cache, not executed"
+    native = run_graph(live, graphs[False][0], tmp_path)
+    text = got["entry"]["outputs"]["enhanced_prompt"]["text"][0]
+    assert text.strip() and text == native["entry"]["outputs"]["enhanced_prompt"]["text"][0]
+    assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] == native["mp4"]["video_frames"]
+    dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
+    print(f"{stem} prompt enhancer on, {devices}: max |swapped - native| video {dv:.2e} audio {da:.2e}")
     assert dv <= TOL and da <= TOL
 
 
