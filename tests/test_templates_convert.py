@@ -345,3 +345,25 @@ def test_shipped_workflow_equals_the_template_swapped_now(name):
     ui = json.loads((WF / f"{name}.json").read_text())
     assert ui == json.loads(json.dumps(C.swap_model_loader_ui(C.load_template(stem)))), \
         "regenerate with tests/templates/make_workflows.py"
+
+
+@needs_templates
+def test_ic_lora_depth_preprocessor_becomes_canny_and_nothing_else_changes():
+    """The MoGe depth branch of the IC-LoRA template -> Canny on the same frames: the nodes that read the depth
+    images (LTXVAddGuide's guide image, GetImageSize for the length) read Canny; no MoGe node is left; every other
+    node is the template's, unchanged."""
+    api = C.ui_to_api(C.load_template("video_ltx2_3_ic_lora"), INFO)
+    out = C.swap_depth_for_canny(api)
+    (render,) = [k for k in C.nodes_of(api, "MoGeRender") if api[k]["inputs"]["output"] == "depth"]
+    (inference,) = C.nodes_of(api, "MoGeInference")
+    assert out["ic_control_canny"]["inputs"] == {"image": api[inference]["inputs"]["image"], **C.CANNY}
+    readers = {k for k, _name in C.consumers(api, render)}
+    assert readers and {k for k, _name in C.consumers(out, "ic_control_canny")} == readers
+    assert {out[k]["class_type"] for k in readers} >= {"LTXVAddGuide", "GetImageSize"}
+    assert not [k for k, v in out.items() if "MoGe" in v["class_type"]]
+    moge = {k for k, v in api.items() if "MoGe" in v["class_type"]}
+    for k, v in api.items():
+        if k not in moge and k not in readers:
+            assert out[k] == v, k
+    with pytest.raises(C.ConversionError, match="MoGeRender"):
+        C.swap_depth_for_canny(out)

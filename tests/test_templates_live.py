@@ -21,7 +21,7 @@ LoRA strengths, tiled-decode settings, seeds — is the template's own):
   metadata carries `reference_downscale_factor` 2 (`write_tiny_ic_lora`; loaded by the template's own
   LoraLoaderModelOnly, read by its GetICLoRAParameters), every other LoRA at the tiny distilled LoRA.
 - **IC-LoRA template, its preprocessor only**: the 'Video Depth Estimation (MoGe)' subgraph's MoGeInference +
-  MoGeRender('depth') become ComfyUI core's Canny on the same frames (`swap_depth_for_canny`): MoGe needs a
+  MoGeRender('depth') become ComfyUI core's Canny on the same frames (`convert.swap_depth_for_canny`): MoGe needs a
   ~0.6 GB ViT-L geometry model and no tiny MoGe exists; Canny needs no weights, is deterministic, and is a control
   the union-control IC-LoRA is trained for. Its LoadVideo reads a generated 6 s control mp4 (Video Slice keeps the
   template's 5 s, so the template's own length rule gives 121 frames).
@@ -32,7 +32,6 @@ LoRA strengths, tiled-decode settings, seeds — is the template's own):
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -237,7 +236,7 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
                               **{k: tiny[k] for k in ("video_vae", "audio_vae") if k in tiny}},
                         loras=_lora_map(api, tiny) if "lora" in tiny else None)
     if C.nodes_of(api, "MoGeInference"):
-        api = swap_depth_for_canny(api)
+        api = C.swap_depth_for_canny(api)
     for k in C.nodes_of(api, "LoadVideo"):
         api[k]["inputs"]["file"] = images[3]
     for k in C.nodes_of(api, "LoadImage"):
@@ -270,32 +269,6 @@ def _lora_map(api: dict, tiny: dict[str, str]) -> dict[str, str]:
                 and "ic-lora" in name.lower():
             out[name] = tiny["ic_lora"]
     return out
-
-
-CANNY = {"low_threshold": 0.4, "high_threshold": 0.8}  # ComfyUI's Canny defaults
-
-
-def swap_depth_for_canny(api: dict) -> dict:
-    """The IC-LoRA template's depth preprocessor -> ComfyUI core's Canny, on the same frames.
-
-    Replaced: the 'Video Depth Estimation (MoGe)' subgraph's MoGeInference + MoGeRender('depth') (its LoadMoGeModel
-    needs moge_2_vitl_normal_fp16.safetensors, a ViT-L geometry model of about 0.6 GB, and no tiny MoGe exists).
-    Canny (comfy_extras/nodes_canny.py, kornia) is deterministic, needs no weights, and is one of the controls the
-    union-control IC-LoRA is trained for (the template's own note: 'Users can swap in other preprocessors').
-    Everything downstream — GetImageSize (the length), LTXVAddGuide with the IC-LoRA parameters — is the
-    template's. Raises ConversionError unless exactly one MoGeRender('depth') feeds the graph."""
-    api = copy.deepcopy(api)
-    renders = [k for k in C.nodes_of(api, "MoGeRender") if api[k]["inputs"].get("output") == "depth"
-               and C.consumers(api, k)]
-    if len(renders) != 1:
-        raise C.ConversionError(f"expected one MoGeRender('depth') feeding the graph, found {renders}")
-    (render,) = renders
-    inference = api[render]["inputs"]["moge_geometry"][0]
-    frames = api[inference]["inputs"]["image"]
-    api["ic_control_canny"] = {"class_type": "Canny", "inputs": {"image": frames, **CANNY},
-                               "_meta": {"title": "Canny (stands in for the MoGe depth preprocessor)"}}
-    C.rewire(api, [render, 0], ["ic_control_canny", 0])
-    return C.prune(api, C.load_object_info())
 
 
 def add_latent_outputs(api: dict, prefix: str) -> None:

@@ -17,6 +17,8 @@ What a user does by hand, done by a script so that the live tests can run ComfyU
    12B shape and cannot load a tiny Gemma, so tiny-model tests replace the positive/negative CLIPTextEncode pair by
    the pack's Text Encode (MGPU). Tests that do this say so; a user with the real Gemma keeps ComfyUI's text nodes.
 5. `point_files(api, files)`: every model-file widget is pointed at the tiny files.
+6. `swap_depth_for_canny(api)`: tiny-model tests of the IC-LoRA template only: its MoGe depth preprocessor (a
+   ~0.6 GB model, no tiny one) -> ComfyUI core's Canny on the same frames.
 
 Standard library only (the tests run it in the project's venv; the templates are read from the
 `comfyui-workflow-templates-json` package, never committed). `object_info.json` beside this file is a subset of
@@ -550,6 +552,32 @@ def swap_text_encode(api: dict, *, checkpoint: str, gemma: str, devices: str = "
     rewire(api, [neg, 0], [te, 1])
     del api[pos], api[neg]
     return prune(api)
+
+
+CANNY = {"low_threshold": 0.4, "high_threshold": 0.8}  # ComfyUI's Canny defaults
+
+
+def swap_depth_for_canny(api: dict) -> dict:
+    """The IC-LoRA template's depth preprocessor -> ComfyUI core's Canny, on the same frames.
+
+    Replaced: the 'Video Depth Estimation (MoGe)' subgraph's MoGeInference + MoGeRender('depth') (its LoadMoGeModel
+    needs moge_2_vitl_normal_fp16.safetensors, a ViT-L geometry model of about 0.6 GB, and no tiny MoGe exists).
+    Canny (comfy_extras/nodes_canny.py, kornia) is deterministic, needs no weights, and is one of the controls the
+    union-control IC-LoRA is trained for (the template's own note: 'Users can swap in other preprocessors').
+    Everything downstream — GetImageSize (the length), LTXVAddGuide with the IC-LoRA parameters — is the
+    template's. Raises ConversionError unless exactly one MoGeRender('depth') feeds the graph."""
+    api = copy.deepcopy(api)
+    renders = [k for k in nodes_of(api, "MoGeRender") if api[k]["inputs"].get("output") == "depth"
+               and consumers(api, k)]
+    if len(renders) != 1:
+        raise ConversionError(f"expected one MoGeRender('depth') feeding the graph, found {renders}")
+    (render,) = renders
+    inference = api[render]["inputs"]["moge_geometry"][0]
+    frames = api[inference]["inputs"]["image"]
+    api["ic_control_canny"] = {"class_type": "Canny", "inputs": {"image": frames, **CANNY},
+                               "_meta": {"title": "Canny (stands in for the MoGe depth preprocessor)"}}
+    rewire(api, [render, 0], ["ic_control_canny", 0])
+    return prune(api, load_object_info())
 
 
 FILE_INPUTS = {  # class -> (input name, key of the files mapping)
