@@ -294,3 +294,20 @@ def test_lora_of_wrong_width_names_shapes_and_touches_nothing(tiny_dir, tmp_path
     assert str(path) in msg and "transformer_blocks.1.attn1.to_k" in msg
     assert "(4, 96)" in msg and "(96, 4)" in msg and "64 -> 64" in msg
     assert not fuser.active and _states_equal(_weights(model), original)
+
+
+def test_tiny_ic_lora_is_a_lora_with_the_reference_downscale_metadata(tmp_path):
+    """The tiny IC-LoRA (the live IC-LoRA template's file): the distilled tiny LoRA's key layout and dtypes, other
+    weights, and the `reference_downscale_factor` safetensors metadata that ComfyUI's GetICLoRAParameters reads."""
+    from mgpu_backend.models.tiny import write_tiny_ic_lora, write_tiny_lora
+
+    plain = write_tiny_lora(tmp_path / "plain.safetensors", "2.3", seed=0)
+    ic = write_tiny_ic_lora(tmp_path / "ic.safetensors", "2.3", seed=0)
+    with safe_open(str(plain), "pt") as a, safe_open(str(ic), "pt") as b:
+        assert b.metadata()["reference_downscale_factor"] == "2" and "reference_downscale_factor" not in a.metadata()
+        assert sorted(a.keys()) == sorted(b.keys())
+        key = next(k for k in a.keys() if k.endswith("lora_A.weight"))
+        assert a.get_tensor(key).dtype == b.get_tensor(key).dtype and not torch.equal(a.get_tensor(key),
+                                                                                      b.get_tensor(key))
+    read = read_lora(ic, 1.0)  # the fleet's reader takes it as a plain LoRA, every pair understood
+    assert read.index.keys() == read_lora(plain, 1.0).index.keys() and not read.unmatched_keys
