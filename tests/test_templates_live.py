@@ -21,10 +21,10 @@ LoRA strengths, tiled-decode settings, seeds — is the template's own):
   metadata carries `reference_downscale_factor` 2 (`write_tiny_ic_lora`; loaded by the template's own
   LoraLoaderModelOnly, read by its GetICLoRAParameters), every other LoRA at the tiny distilled LoRA.
 - **IC-LoRA template, its preprocessor only**: the 'Video Depth Estimation (MoGe)' subgraph's MoGeInference +
-  MoGeRender('depth') become ComfyUI core's Canny on the same frames (`convert.swap_depth_for_canny`): MoGe needs a
-  ~0.6 GB ViT-L geometry model and no tiny MoGe exists; Canny needs no weights, is deterministic, and is a control
-  the union-control IC-LoRA is trained for. Its LoadVideo reads a generated 6 s control mp4 (Video Slice keeps the
-  template's 5 s, so the template's own length rule gives 121 frames).
+  MoGeRender('depth') become ComfyUI core's Canny on the same frames (`convert.swap_depth_for_canny`): MoGe needs
+  a ViT-L geometry model (hundreds of MB) and no tiny MoGe exists; Canny needs no weights, is deterministic, and is
+  a control the union-control IC-LoRA is trained for. Its LoadVideo reads a generated 6 s control mp4 (Video Slice
+  keeps the template's 5 s, so the template's own length rule gives 121 frames).
 - **size**: width / height small (the tiny VAE decodes 121 frames on 2 CPU cores; LTX-2.5 t2v / i2v take them from
   a `ResolutionSelector`, whose outputs become the literals); images are a generated png.
 - **LTX-2.5**: the tiny LTX-2.5 set in the templates' own per-component layout (transformer in diffusion_models/,

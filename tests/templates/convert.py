@@ -18,7 +18,7 @@ What a user does by hand, done by a script so that the live tests can run ComfyU
    the pack's Text Encode (MGPU). Tests that do this say so; a user with the real Gemma keeps ComfyUI's text nodes.
 5. `point_files(api, files)`: every model-file widget is pointed at the tiny files.
 6. `swap_depth_for_canny(api)`: tiny-model tests of the IC-LoRA template only: its MoGe depth preprocessor (a
-   ~0.6 GB model, no tiny one) -> ComfyUI core's Canny on the same frames.
+   ViT-L model, no tiny one) -> ComfyUI core's Canny on the same frames.
 
 Standard library only (the tests run it in the project's venv; the templates are read from the
 `comfyui-workflow-templates-json` package, never committed). `object_info.json` beside this file is a subset of
@@ -561,7 +561,7 @@ def swap_depth_for_canny(api: dict) -> dict:
     """The IC-LoRA template's depth preprocessor -> ComfyUI core's Canny, on the same frames.
 
     Replaced: the 'Video Depth Estimation (MoGe)' subgraph's MoGeInference + MoGeRender('depth') (its LoadMoGeModel
-    needs moge_2_vitl_normal_fp16.safetensors, a ViT-L geometry model of about 0.6 GB, and no tiny MoGe exists).
+    needs moge_2_vitl_normal_fp16.safetensors, a ViT-L geometry model of hundreds of MB; no tiny MoGe exists).
     Canny (comfy_extras/nodes_canny.py, kornia) is deterministic, needs no weights, and is one of the controls the
     union-control IC-LoRA is trained for (the template's own note: 'Users can swap in other preprocessors').
     Everything downstream — GetImageSize (the length), LTXVAddGuide with the IC-LoRA parameters — is the
