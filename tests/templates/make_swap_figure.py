@@ -1,6 +1,6 @@
-"""Draws docs/template-swap.png: the one swap that moves an LTX template's transformer onto the fleet, before / after.
+"""Draws workflows/template-swap.png: the one swap that moves an LTX template's transformer onto the fleet.
 
-    python docs/make_template_swap_figure.py          # rewrites docs/template-swap.png
+    python tests/templates/make_swap_figure.py          # rewrites workflows/template-swap.png
 
 Pillow only (a dependency of the pack), its built-in font, no machine paths; the nodes are drawn in ComfyUI's colours
 (MODEL wires lavender, VAE red, CLIP yellow) with the names and outputs ComfyUI 0.33 shows. What it shows is what
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-OUT = Path(__file__).resolve().parent / "template-swap.png"
+OUT = Path(__file__).resolve().parents[2] / "workflows" / "template-swap.png"
 W, H = 1240, 860
 BG, PANEL, NODE, TITLE, TEXT, DIM = "#1e1e1e", "#262626", "#353535", "#222222", "#dddddd", "#8a8a8a"
 WIDGET = "#2b2b2b"
