@@ -56,6 +56,15 @@ HANDSHAKE_TIMEOUT_S = float(os.environ.get("LTX2_MGPU_HANDSHAKE_TIMEOUT_S", 10.0
 MAX_MESSAGE_BYTES = int(os.environ.get("LTX2_MGPU_MAX_MESSAGE_BYTES", 8 * 1024 ** 3))
 
 
+# jobs whose payload and result travel between the controller and the workers pickled by value (one pickle for all
+# ranks, written to each rank's pipe) instead of through torch's multiprocessing pickler, which moves every CPU
+# tensor into a new shared-memory file and passes its descriptor (~ms per tensor: most of a native forward's
+# round-trip overhead, bench/results/native_forward_h200.txt). Only small, frequent jobs: the native MODEL's forward
+# (a few MB at the templates' sizes, its context cached on the fleet) and the diagnostics noop; the stage jobs'
+# payloads (up to GBs) keep the shared-memory path, which copies them once for all ranks.
+INLINE_JOBS = ("forward", "noop")
+
+
 def send(conn, obj: Any) -> None:
     """Send with plain pickle: tensors travel by value. (`Connection.send` uses torch's ForkingPickler once torch is
     imported, which shares tensors through file descriptors only a parent/child pair can exchange.)"""
@@ -84,6 +93,14 @@ class _Unpickler(pickle.Unpickler):
                 if hasattr(candidate, name):
                     return getattr(candidate, name)
             raise
+
+
+def send_inline(conns, obj: Any) -> None:
+    """Send `obj` pickled once by value to every connection in `conns` (controller <-> workers pipes; the receiver's
+    `Connection.recv` reads it like any message)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    for conn in conns:
+        conn.send_bytes(data)
 
 
 def recv(conn) -> Any:
@@ -366,6 +383,23 @@ class JobSpec:
     payload: Any
     job_id: str = field(default_factory=lambda: secrets.token_hex(6))
     fault: dict | None = None
+
+
+@dataclass(frozen=True)
+class Pickled:
+    """A job payload or result pickled once by its producer (the client; rank 0) and unpickled only by its consumer
+    (every rank; the client): the controller passes the bytes through, with no tensor (de)serialisation in between.
+    The client wraps the payloads of `INLINE_JOBS` so; a rank answers a `Pickled` payload with a `Pickled` result."""
+
+    data: bytes
+
+    @classmethod
+    def of(cls, obj: Any) -> "Pickled":
+        return cls(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def load(self) -> Any:
+        """The object (this package's classes found whatever name the producer imported it under)."""
+        return loads(self.data)
 
 
 class ControllerError(RuntimeError):
