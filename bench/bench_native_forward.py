@@ -3,6 +3,7 @@ back, with the text context shipped every call against left in the fleet's cache
 
     PYTHONPATH=. python bench/bench_native_forward.py                     # W = 1, 2; 640×352×121, CFG batch 2
     PYTHONPATH=. python bench/bench_native_forward.py --world-sizes 2 --repeat 20 --out bench/results/x.txt
+    PYTHONPATH=. python bench/bench_native_forward.py --device cuda --world-sizes 1   # the GPU machine (bf16)
 
 What is measured (CPU ranks, gloo, float32; one client connection, the fleet already started):
 - `transport, real bytes`: a job that does no work ("noop") carrying a `ForwardRequest` of the real LTX-2.3 sizes at
@@ -14,7 +15,12 @@ What is measured (CPU ranks, gloo, float32; one client connection, the fleet alr
   steps, B = 2; its context is [2, 1024, 96]): wall time per call at the client, the fleet's own forward time
   (`ForwardReply.seconds`, rank 0) and their difference, the round trip's overhead (request + reply transport,
   controller, unpacking) — context shipped vs cached.
-Figures: median and 90th percentile of `--repeat` calls after one warm-up call.
+- `in-process`: the same forward (same request, context cached) on a `NativeEngine` in this process on the same
+  device — what ComfyUI would pay with the transformer in its own process; `overhead vs in-process` is the round
+  trip minus it (the issue's definition), `overhead vs fleet` the round trip minus the fleet's own forward time.
+- bytes per forward: the request as pickled by the client (with / without the context) and the reply.
+`--device cuda`: the ranks and the in-process engine on cuda:0 in bf16 (CUDA graphs on, as in use); W = 1 only
+(NCCL refuses two ranks on one GPU). Figures: median and 90th percentile of `--repeat` calls after one warm-up call.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import pickle
 import platform
 import signal
 import statistics
@@ -96,34 +103,72 @@ def _stop(client: ControllerClient, pids: list[int]) -> None:
             os.kill(p, signal.SIGKILL)
 
 
+def _in_process(paths: dict, shipped: ForwardRequest, cached: ForwardRequest, device: str, dtype: torch.dtype,
+                repeat: int) -> tuple[float, float]:
+    """Median / p90 seconds of the same forward on a `NativeEngine` in this process (context cached)."""
+    from mgpu_backend.models.loader import load_components
+    from mgpu_backend.native import NativeEngine
+
+    components = load_components(paths["checkpoint"], dtype=dtype, device=torch.device(device))
+    engine = NativeEngine(components, None, dtype, torch.device(device))
+    engine.forward(shipped, engine.resolve_context(shipped)[0])  # stores the context rows
+
+    def call():
+        context, missing = engine.resolve_context(cached)
+        assert not missing
+        engine.forward(cached, context)
+    call()  # CUDA graphs: the warm-up forward runs eagerly, the next one captures
+    out = _stats(_timed(call, repeat))
+    del engine, components
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", default="1,2")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--device", default="cpu", help="cpu (gloo ranks, float32) or cuda (cuda:0 ranks, bf16)")
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    cuda = args.device.startswith("cuda")
+    if not cuda:
+        torch.set_num_threads(1)
+    compute = torch.bfloat16 if cuda else torch.float32
+    device_name = torch.cuda.get_device_name() if cuda else f"{platform.machine()} CPU"
     lines = [f"# bench_native_forward — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-             f"{platform.machine()} CPU, torch {torch.__version__}",
+             f"{device_name}, torch {torch.__version__}",
              f"# command: python bench/bench_native_forward.py {' '.join(argv if argv is not None else sys.argv[1:])}",
              f"# 640×352×121 grid {GRID}, {AUDIO_STEPS} audio steps, CFG batch 2; median / p90 of {args.repeat} calls",
              f"# {os.cpu_count()} CPU cores; load average at start {os.getloadavg()[0]:.1f} (other processes share "
              f"the cores: figures are upper bounds)"]
     real = _request(2, 6144, torch.bfloat16, ("neg", "pos"))
     real_cached = dataclasses.replace(real, context=None)
-    tiny = _request(2, 96, torch.float32, ("neg", "pos"))
+    tiny = _request(2, 96, compute, ("neg", "pos"))
     tiny_cached = dataclasses.replace(tiny, context=None)
     lines.append(f"# real request: {_nbytes(real) / 2**20:.1f} MiB with the context, "
                  f"{_nbytes(real_cached) / 2**20:.2f} MiB without; tiny request {_nbytes(tiny) / 2**20:.2f} / "
                  f"{_nbytes(tiny_cached) / 2**20:.2f} MiB")
+    pickled = {k: len(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)) for k, v in
+               (("real", real), ("real_cached", real_cached))}
+    lines.append(f"# bytes per forward (pickled by the client): real request {pickled['real'] / 2**20:.2f} MiB with the "
+                 f"context, {pickled['real_cached'] / 2**20:.2f} MiB cached; a real reply (video + audio, bf16) "
+                 f"{2 * 2 * (128 * GRID[0] * GRID[1] * GRID[2] + 128 * AUDIO_STEPS) / 2**20:.2f} MiB")
     with tempfile.TemporaryDirectory(prefix="ltx2-bench-native-") as tmp:
         paths = make_tiny(Path(tmp) / "tiny", "2.3", seed=0)
         client = ControllerClient(runtime_dir=Path(tmp) / "rt")
         pids = [client.ping()["pid"]]
+        inproc = _in_process(paths, tiny, tiny_cached, "cuda:0" if cuda else "cpu", compute, args.repeat)
+        lines.append(f"in-process tiny forward (NativeEngine here, context cached) {inproc[0] * 1e3:8.2f} ms  "
+                     f"(p90 {inproc[1] * 1e3:8.2f})")
+        print(lines[-1], flush=True)
         try:
             for world in (int(w) for w in args.world_sizes.split(",")):
-                handle = client.configure(FleetConfig(devices=("cpu",) * world, checkpoint=str(paths["checkpoint"]),
-                                                      gemma=str(paths["gemma"]), dtype="float32"))
+                devices = ("cuda:0",) * world if cuda else ("cpu",) * world
+                handle = client.configure(FleetConfig(devices=devices, checkpoint=str(paths["checkpoint"]),
+                                                      gemma=str(paths["gemma"]),
+                                                      dtype="bfloat16" if cuda else "float32"))
                 pids += list(client.status()["fleet"]["worker_pids"])
                 rows = []
                 for label, payload in (("empty noop job", {"steps": 0}),
@@ -144,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
                     fleet = fleet[1:]
                     over = [w - f for w, f in zip(wall, fleet)]
                     rows.append(f"W={world}  tiny forward, {label:16s} wall {_stats(wall)[0] * 1e3:8.2f} ms  "
-                                f"fleet {_stats(fleet)[0] * 1e3:8.2f} ms  overhead {_stats(over)[0] * 1e3:7.2f} ms "
-                                f"(p90 {_stats(over)[1] * 1e3:7.2f})")
+                                f"fleet {_stats(fleet)[0] * 1e3:8.2f} ms  overhead vs fleet {_stats(over)[0] * 1e3:7.2f} "
+                                f"ms (p90 {_stats(over)[1] * 1e3:7.2f}), vs in-process "
+                                f"{(_stats(wall)[0] - inproc[0]) * 1e3:7.2f} ms")
                 for r in rows:
                     print(r, flush=True)
                 lines += rows

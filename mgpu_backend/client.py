@@ -6,6 +6,8 @@ it), in a new session so that it survives the caller. A later client (e.g. after
 """
 from __future__ import annotations
 
+import dataclasses
+
 import mmap
 import os
 import subprocess
@@ -202,6 +204,8 @@ class ControllerClient:
         Returns the job's result with shared-memory frames already copied into a tensor (and the block freed).
         Raises FleetBusy at once when another job runs; JobCancelled; ControllerError.
         """
+        if job.kind in P.INLINE_JOBS and not isinstance(job.payload, P.Pickled):
+            job = dataclasses.replace(job, payload=P.Pickled.of(job.payload))  # the controller passes the bytes on
         P.send(self._conn, {"op": "submit", "handle": handle, "job": job})
         cancel_sent = False
 
@@ -231,7 +235,8 @@ class ControllerClient:
                 if on_event:
                     on_event(event)
             elif kind == "result":
-                return receive_frames(event["result"])
+                result = event["result"]
+                return result.load() if isinstance(result, P.Pickled) else receive_frames(result)
             elif kind == "error":
                 cls = P.JobCancelled if event["kind"] == "cancelled" else P.ControllerError
                 raise cls(event["message"], kind=event["kind"], fleet_lost=event["fleet_lost"],

@@ -21,8 +21,8 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from .protocol import (JOB_STAGES, SHM_DIR, ControllerError, FleetConfig, FleetPolicy, JobCancelled, JobSpec, free_frames,
-                       unlink_shm)
+from .protocol import (INLINE_JOBS, JOB_STAGES, SHM_DIR, ControllerError, FleetConfig, FleetPolicy, JobCancelled,
+                       JobSpec, free_frames, send_inline, unlink_shm)
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -242,8 +242,11 @@ class Fleet:
         self._stage = None
         self._job_stage = JOB_STAGES.get(spec.kind, f"a {spec.kind} job")
         positions: dict[int, tuple[str, int]] = {}
-        for conn in self.conns:
-            conn.send(("job", spec, policy))
+        if spec.kind in INLINE_JOBS:
+            send_inline(self.conns, ("job", spec, policy))
+        else:
+            for conn in self.conns:
+                conn.send(("job", spec, policy))
         errors: dict[int, tuple] = {}
         cancelled: set[int] = set()
         last_progress = time.monotonic()

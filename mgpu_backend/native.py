@@ -42,6 +42,7 @@ way ComfyUI's connector appends its registers). `ContextCache` keeps processed r
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cuda_graphs
 from .attention import LTX2AttnProcessor
 from .denoiser import skip_self_attention, text_contexts
 from .forward import (ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraSet,
@@ -59,6 +61,8 @@ from .parallel.exchange import Exchange
 from .parallel.sequence import NEG_INF, SequenceParallelTransformer
 from .validation import ValidationError
 
+log = logging.getLogger("ltx2_mgpu.native")
+_ROPE = ("video_rotary_emb", "audio_rotary_emb", "ca_video_rotary_emb", "ca_audio_rotary_emb")
 COMFY_QK_EPS = 1e-5  # ComfyUI's q/k RMSNorm eps (comfy/ldm/lightricks/model.py CrossAttention)
 VAE_SCALE = (8, 32, 32)  # LTX-2 video VAE: time, height, width compression
 AUDIO_HOP, AUDIO_RATE, AUDIO_DOWNSAMPLE = 160, 16000, 4  # ComfyUI AudioPatchifier defaults for LTX-AV
@@ -424,6 +428,7 @@ class NativeEngine:
         self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, 0), None)
         self.last_report = ""
         self.forwards = 0
+        self.graph_fallbacks: list[str] = []  # why native forwards ran eagerly on CUDA (cuda_graphs' reasons)
 
     # ---- checks (every rank, before any work) ----
     @property
@@ -625,25 +630,69 @@ class NativeEngine:
             key_mask[..., n:] = NEG_INF
         if t.transformer_blocks[0].attn1.processor is not sp._self_attention:  # noqa: SLF001
             sp.activate()  # another job used the shared transformer since
-        sp.state.key_mask, sp.state.self_attention = key_mask, (p.bias.attend if p.bias is not None else None)
-        try:
-            stg = options.stg_self_attn_blocks
-            with skip_self_attention(t, stg, stg):
-                for block in t.transformer_blocks:
-                    hidden, audio_hidden = comfy_block(
-                        block, hidden, audio_hidden, v_ctx=v_ctx, a_ctx=a_ctx, text_mask=text_mask, temb=temb,
-                        temb_audio=temb_audio, video_ca_ss=video_ca_ss, audio_ca_ss=audio_ca_ss, a2v_gate=a2v_gate,
-                        v2a_gate=v2a_gate, temb_prompt=temb_prompt, temb_prompt_audio=temb_prompt_audio, rope=rope,
-                        run_vx=options.run_vx, run_ax=options.run_ax, a2v=options.a2v_cross_attn,
-                        v2a=options.v2a_cross_attn)
-        finally:
-            sp.state.key_mask = sp.state.self_attention = None
+        # the block loop's tensor inputs, contiguous (a CUDA graph's static copies are; eager runs on the same layout)
+        inputs = dict(hidden=hidden, audio_hidden=audio_hidden, v_ctx=v_ctx, a_ctx=a_ctx, text_mask=text_mask,
+                      temb=temb, temb_audio=temb_audio, video_ca_ss=video_ca_ss, audio_ca_ss=audio_ca_ss,
+                      a2v_gate=a2v_gate, v2a_gate=v2a_gate, temb_prompt=temb_prompt,
+                      temb_prompt_audio=temb_prompt_audio, key_mask=key_mask,
+                      guide_log_w=p.bias.log_w if p.bias is not None else None)
+        for name, (cos, sin) in rope.items():
+            inputs[name + "_cos"], inputs[name + "_sin"] = cos, sin
+        inputs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        guide_start = p.bias.guide_start if p.bias is not None else None
+        stg = options.stg_self_attn_blocks
+        with skip_self_attention(t, stg, stg):
+            hidden, audio_hidden = self._blocks(sp, options, guide_start, inputs)
         shift, scale = (t.scale_shift_table[None, None].to(dt) + emb[:, :, None]).unbind(dim=2)
         out = t.proj_out(t.norm_out(hidden) * (1 + scale) + shift)
         out = sp.exchange.all_gather_seq(out)[:, :n]
         a_shift, a_scale = (t.audio_scale_shift_table[None, None].to(dt) + a_emb[:, :, None]).unbind(dim=2)
         audio_out = t.audio_proj_out(t.audio_norm_out(audio_hidden) * (1 + a_scale) + a_shift)
         return out, audio_out[:, p.ref_steps:]
+
+    def _blocks(self, sp: SequenceParallelTransformer, options: ForwardOptions, guide_start: int | None,
+                inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block loop on `inputs` (`run_rows`' tensors), replayed from CUDA graphs where it can be
+        (`cuda_graphs.call`, keyed on the tensors' shapes, the installed processors — STG's skipped self-attention,
+        the sequence-parallel group — and the options below; piecewise around the sequence-parallel collectives).
+        The guide bias's weights and the padding key mask are graph inputs, so a replay honours new values. A forward
+        that cannot be captured runs eagerly; the reason is logged once by name and kept for the report."""
+        def loop(**kw):
+            return self._run_blocks(sp, options, guide_start, kw)
+
+        if cuda_graphs.eligible(inputs) is not None:  # a CPU forward, or graphs set off
+            return loop(**inputs)
+        cache = cuda_graphs.graphs_of(self.transformer)
+        seen = len(cache.events)
+        extra = ("native blocks", options.stg_self_attn_blocks, options.run_vx, options.run_ax,
+                 options.a2v_cross_attn, options.v2a_cross_attn, guide_start, COMFY_QK_EPS)
+        out = cuda_graphs.call(self.transformer, loop, inputs, extra=extra, what="native forward")
+        for reason in cache.events[seen:]:
+            log.warning("native forward runs eagerly: %s", reason)
+        self.graph_fallbacks.extend(cache.events[seen:])
+        return out
+
+    def _run_blocks(self, sp: SequenceParallelTransformer, options: ForwardOptions, guide_start: int | None,
+                    kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """ComfyUI's blocks in order on `kw` (a pure function of those tensors and the arguments)."""
+        t = self.transformer
+        rope = {name: (kw[name + "_cos"], kw[name + "_sin"]) for name in _ROPE}
+        hidden, audio_hidden = kw["hidden"], kw["audio_hidden"]
+        log_w = kw["guide_log_w"]
+        sp.state.key_mask = kw["key_mask"]
+        sp.state.self_attention = GuideBias(guide_start, log_w).attend if log_w is not None else None
+        try:
+            for block in t.transformer_blocks:
+                hidden, audio_hidden = comfy_block(
+                    block, hidden, audio_hidden, v_ctx=kw["v_ctx"], a_ctx=kw["a_ctx"], text_mask=kw["text_mask"],
+                    temb=kw["temb"], temb_audio=kw["temb_audio"], video_ca_ss=kw["video_ca_ss"],
+                    audio_ca_ss=kw["audio_ca_ss"], a2v_gate=kw["a2v_gate"], v2a_gate=kw["v2a_gate"],
+                    temb_prompt=kw["temb_prompt"], temb_prompt_audio=kw["temb_prompt_audio"], rope=rope,
+                    run_vx=options.run_vx, run_ax=options.run_ax, a2v=options.a2v_cross_attn,
+                    v2a=options.v2a_cross_attn)
+        finally:
+            sp.state.key_mask = sp.state.self_attention = None
+        return hidden, audio_hidden
 
     def unpack(self, p: _Prepared, video: torch.Tensor, audio: torch.Tensor, dtype: torch.dtype):
         """Packed outputs -> ComfyUI's `[B, 128, F, H, W]` (dropped tokens zero) and `[B, 8, T, 16]`, CPU, `dtype`."""

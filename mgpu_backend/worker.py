@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import JOB_STAGES, SHM_DIR, FleetIdentity, FleetPolicy, JobSpec
+from .protocol import INLINE_JOBS, JOB_STAGES, SHM_DIR, FleetIdentity, FleetPolicy, JobSpec, Pickled, send_inline
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
@@ -237,8 +237,15 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
                     f"(MGPU)) for the stage jobs")
             state.apply_policy(job_policy)  # before any work (a refused policy leaves the last one in place)
             ctx.plan = state.plan
-            result = jobs[spec.kind](state, spec.payload, ctx)
-            conn.send(("result", spec.job_id, rank, result, loader.OPEN_COUNT))
+            pickled = isinstance(spec.payload, Pickled)  # the client's bytes, passed on by the controller
+            result = jobs[spec.kind](state, spec.payload.load() if pickled else spec.payload, ctx)
+            if pickled and rank == 0:
+                result = Pickled.of(result)
+            message = ("result", spec.job_id, rank, result, loader.OPEN_COUNT)
+            if spec.kind in INLINE_JOBS:  # by value (protocol.INLINE_JOBS); rank 0's reply is the only large one
+                send_inline((conn,), message)
+            else:
+                conn.send(message)
         except SamplingCancelled:
             conn.send(("cancelled", spec.job_id, rank, ctx.stage, ctx.step, loader.OPEN_COUNT))
         except Exception as exc:
