@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu_backend import client as client_module  # noqa: E402
+from mgpu_backend import frames as frames_module  # noqa: E402
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
 from mgpu_backend.protocol import FleetConfig, JobSpec  # noqa: E402
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             handle = client.configure(FleetConfig(devices=("cpu",), checkpoint=str(paths["checkpoint"]),
                                                   gemma=str(paths["gemma"]), upscaler=str(paths["upsampler"]),
                                                   dtype="float32", threads_per_worker=1))
-            receive = client_module.receive_frames
+            receive = frames_module.receive_frames
             for shape in clips:
                 nbytes = int(np.prod(shape)) * 4
                 copy_s = numpy_copy_seconds(shape, args.repeat)
@@ -133,12 +133,12 @@ def main(argv: list[str] | None = None) -> None:
                         _timing["client"] = time.perf_counter() - t
                         return out
 
-                    client_module.receive_frames = timed_receive
+                    frames_module.receive_frames = timed_receive
                     try:
                         out = client.run(handle, JobSpec("frames", {"shape": shape}))
                         done = time.time()
                     finally:
-                        client_module.receive_frames = receive
+                        frames_module.receive_frames = receive
                     assert tuple(out["frames"].shape) == shape
                     if done - out["sent_at"] < best:
                         best, best_client = done - out["sent_at"], timing["client"]

@@ -47,8 +47,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mgpu_backend.client import ControllerClient  # noqa: E402
+from mgpu_backend.frames import SHM_DIR  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import SHM_DIR, ControllerError, FleetBusy, FleetConfig, JobCancelled, JobSpec  # noqa: E402
+from mgpu_backend.protocol import ControllerError, FleetBusy, FleetConfig, JobCancelled, JobSpec  # noqa: E402
 
 SP_VIDEO, AUDIO = (1, 128, 2, 2, 3), (1, 8, 5, 16)
 
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         os.kill(p, signal.SIGKILL)
     shm_after = set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
     # /dev/shm is shared with every other process of the machine: count the blocks our workers made
-    # (`worker.send_frames` names them ltx2mgpu-<worker pid>-<ns>) and anything else new, separately
+    # (`frames.send_frames` names them ltx2mgpu-<worker pid>-<ns>) and anything else new, separately
     ours = re.compile(r"ltx2mgpu-(\d+)-")
     new_shm = sorted(shm_after - shm_before)
     leaked_shm = [n for n in new_shm if (m := ours.match(n)) and int(m.group(1)) in soak.worker_pids]

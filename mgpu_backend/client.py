@@ -6,20 +6,18 @@ it), in a new session so that it survives the caller. A later client (e.g. after
 """
 from __future__ import annotations
 
-import mmap
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from multiprocessing import shared_memory
 from multiprocessing.connection import Client as _Connect
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from . import frames as F
 from . import protocol as P
 
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the directory that holds `mgpu_backend`
@@ -231,49 +229,8 @@ class ControllerClient:
                 if on_event:
                     on_event(event)
             elif kind == "result":
-                return receive_frames(event["result"])
+                return F.receive_frames(event["result"])
             elif kind == "error":
                 cls = P.JobCancelled if event["kind"] == "cancelled" else P.ControllerError
                 raise cls(event["message"], kind=event["kind"], fleet_lost=event["fleet_lost"],
                           details=event.get("details"))
-
-
-def receive_frames(result: Any) -> Any:
-    """Replace a `{"frames": {"name", "shape", "dtype"}}` shared-memory reference by a tensor and free the block.
-
-    On Linux the block's file is mapped with MAP_POPULATE (its pages mapped in one call, not faulted in one by one)
-    and copied into ordinary memory by torch on all threads, so /dev/shm is free again as soon as this returns —
-    ComfyUI may keep the frames for a long time (a zero-copy view would hold /dev/shm that long)."""
-    if not isinstance(result, dict) or not isinstance(result.get("frames"), dict):
-        return result
-    ref = result["frames"]
-    shape, dtype = tuple(ref["shape"]), np.dtype(ref["dtype"])
-    path = os.path.join(P.SHM_DIR, ref["name"])
-    if os.path.exists(path):
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        try:
-            if nbytes == 0:
-                return {**result, "frames": torch.from_numpy(np.empty(shape, dtype=dtype))}
-            fd = os.open(path, os.O_RDWR)
-            try:
-                mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
-            with mapped:
-                torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-                view = torch.frombuffer(mapped, dtype=torch_dtype).view(shape)
-                # torch's copy runs on all threads: the fresh destination's page faults are shared out too
-                frames = torch.empty(shape, dtype=torch_dtype).copy_(view)
-                del view
-        finally:
-            os.unlink(path)
-        return {**result, "frames": frames}
-    shm = shared_memory.SharedMemory(name=ref["name"])
-    try:
-        array = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
-        frames = torch.from_numpy(array.copy())
-        del array
-    finally:
-        shm.close()
-        shm.unlink()
-    return {**result, "frames": frames}

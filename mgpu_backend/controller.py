@@ -29,6 +29,7 @@ from multiprocessing.connection import AuthenticationError, Listener, answer_cha
 from pathlib import Path
 
 from . import protocol as P
+from .frames import free_frames
 from .fleet import Fleet, next_generation
 
 log = logging.getLogger("ltx2_mgpu.controller")
@@ -327,7 +328,7 @@ class Controller:
         log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
         # released first: a client submitting again the moment it reads this answer finds the fleet free
         if not _send_quiet(conn, final) and final["event"] == "result":
-            P.free_frames(final["result"])  # the client went away: nobody will read (and unlink) the frames
+            free_frames(final["result"])  # the client went away: nobody will read (and unlink) the frames
             log.info("job %s: its client had gone; its frames were freed", spec.job_id)
 
     def _run_job(self, conn, handle: P.FleetHandle, spec: P.JobSpec, client: str) -> dict:

@@ -21,8 +21,8 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from .protocol import (JOB_STAGES, SHM_DIR, ControllerError, FleetConfig, FleetPolicy, JobCancelled, JobSpec, free_frames,
-                       unlink_shm)
+from .frames import frames_ref, free_frames, remove_orphans
+from .protocol import JOB_STAGES, ControllerError, FleetConfig, FleetPolicy, JobCancelled, JobSpec
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -189,14 +189,8 @@ class Fleet:
         self._remove_orphan_frames()
 
     def _remove_orphan_frames(self) -> None:
-        """Unlink /dev/shm frames blocks this fleet's workers wrote that no client was handed (`send_frames` names
-        them `ltx2mgpu-<worker pid>-<ns>`)."""
-        if not os.path.isdir(SHM_DIR):
-            return
-        prefixes = tuple(f"ltx2mgpu-{pid}-" for pid in self.pids)
-        for name in os.listdir(SHM_DIR):
-            if name.startswith(prefixes) and name not in self.handed_out:
-                unlink_shm(name)
+        """Unlink the /dev/shm frames blocks this fleet's workers wrote that no client was handed."""
+        remove_orphans(self.pids, keep=self.handed_out)
 
     # ---- jobs ---------------------------------------------------------------------------------------------------
 
@@ -231,8 +225,9 @@ class Fleet:
             for r in results.values():  # e.g. rank 0's frames when another rank then died: nobody will read them
                 free_frames(r)
             raise
-        if isinstance(result, dict) and isinstance(result.get("frames"), dict):
-            self.handed_out.append(result["frames"]["name"])
+        ref = frames_ref(result)
+        if ref is not None:
+            self.handed_out.append(ref.name)
         return result
 
     def _run(self, spec: JobSpec, on_event: EventFn, results: dict[int, dict], policy: FleetPolicy) -> dict:

@@ -42,9 +42,6 @@ from typing import Any
 SOCKET_NAME = "controller.sock"
 KEY_NAME = "authkey"
 
-# where POSIX shared memory lives on Linux (`shm_open` names are files here); frames are handed back through it
-SHM_DIR = "/dev/shm"
-
 # what each job kind is doing before its first progress event (error, worker-death and stall reports name it)
 JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "upscale", "decode": "decode",
               "encode_text": "text encoding", "noop": "noop", "frames": "frames hand-back"}
@@ -93,30 +90,6 @@ def recv(conn) -> Any:
 def loads(data: bytes) -> Any:
     """Unpickle a message (this package's classes found whatever name the sender imported it under)."""
     return _Unpickler(io.BytesIO(data)).load()
-
-
-def unlink_shm(name: str) -> None:
-    """Free a shared-memory block of frames by name (a /dev/shm file on Linux); one already gone is fine."""
-    if os.path.isdir(SHM_DIR):
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
-        return
-    from multiprocessing import shared_memory
-
-    try:
-        shm = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        return
-    shm.close()
-    shm.unlink()
-
-
-def free_frames(result: Any) -> None:
-    """Free the frames block a job result refers to (`{"frames": {"name", …}}`), for a result nobody will read."""
-    if isinstance(result, dict) and isinstance(result.get("frames"), dict):
-        unlink_shm(result["frames"]["name"])
 
 
 def default_runtime_dir(name: str = "ltx2-multigpu") -> Path:

@@ -2,7 +2,8 @@
 
 Every rank runs the same job code in lockstep (SPMD). Cancel is decided by rank 0 and applied by all ranks at the
 same step boundary: before each denoising step rank 0 broadcasts its cancel flag, so no collective is ever left
-half-entered. Rank 0 streams progress and returns the result: latents by value, frames through shared memory.
+half-entered. Rank 0 streams progress and returns the result: latents by value, frames through shared memory
+(`frames.py`).
 """
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .protocol import JOB_STAGES, SHM_DIR, FleetIdentity, FleetPolicy, JobSpec
+from .protocol import JOB_STAGES, FleetIdentity, FleetPolicy, JobSpec
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
@@ -92,43 +92,6 @@ class JobContext:
             from .models import loader
 
             loader.OPEN_COUNT += 1
-
-
-def send_frames(frames: torch.Tensor) -> dict:
-    """Put `[F, H, W, 3]` float32 frames in a new shared-memory block; the client unlinks it after reading.
-
-    Returns `{"name", "shape", "dtype"}` (`name` as `multiprocessing.shared_memory` names it). On Linux the block is a
-    file in /dev/shm written with `os.write` — the kernel allocates and fills its pages without a fault per 4 KiB
-    page (measured, 0.75 GiB: 0.46 s against 0.84-1.1 s through a fresh mapping); elsewhere a `SharedMemory`
-    mapping. Either way the block is not registered with this process's resource tracker, so the
-    persistent worker does not unlink it when it exits. Raises OSError when /dev/shm has no room (the message says
-    how much was needed).
-    """
-    array = frames.contiguous().numpy()
-    if os.path.isdir(SHM_DIR):
-        name = f"ltx2mgpu-{os.getpid()}-{time.monotonic_ns()}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        try:
-            view, done = memoryview(array.reshape(-1)).cast("B"), 0  # flat: an empty clip has a 0 in its shape
-            while done < len(view):
-                done += os.write(fd, view[done:done + (1 << 30)])
-        except OSError as exc:
-            os.unlink(path)
-            raise OSError(exc.errno, f"cannot hand back {array.nbytes / 2**30:.2f} GiB of frames through {SHM_DIR}: "
-                                     f"{exc.strerror} (make /dev/shm larger, e.g. docker --shm-size)") from None
-        finally:
-            os.close(fd)
-        return {"name": name, "shape": tuple(array.shape), "dtype": str(array.dtype)}
-    shm = shared_memory.SharedMemory(create=True, size=max(1, array.nbytes))
-    try:
-        view = __import__("numpy").ndarray(array.shape, dtype=array.dtype, buffer=shm.buf)
-        view[...] = array
-        del view
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (documented workaround, py<3.13)
-        return {"name": shm.name, "shape": tuple(array.shape), "dtype": str(array.dtype)}
-    finally:
-        shm.close()
 
 
 class WorkerState:

@@ -384,14 +384,14 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
 def test_frame_hand_back_round_trip(monkeypatch, shm_dir, shape):
     """`send_frames` -> `receive_frames` gives the same values in ordinary (writable) memory and frees the block —
     through a /dev/shm file (Linux) and through `SharedMemory` where that directory does not exist."""
-    from mgpu_backend import client, protocol, worker
+    from mgpu_backend import frames as F
 
-    monkeypatch.setattr(protocol, "SHM_DIR", shm_dir)
-    monkeypatch.setattr(worker, "SHM_DIR", shm_dir)
+    monkeypatch.setattr(F, "SHM_DIR", shm_dir)
     before = set(os.listdir("/dev/shm"))
     frames = torch.rand(shape)
-    ref = worker.send_frames(frames)
-    out = client.receive_frames({"frames": ref, "audio": None})
+    ref = F.send_frames(frames)
+    assert ref.shape == shape and ref.dtype == "float32"
+    out = F.receive_frames({"frames": ref, "audio": None})
     assert torch.equal(out["frames"], frames) and out["audio"] is None
     out["frames"].add_(1.0)  # a private copy: writable, not a view of the freed block
     assert set(os.listdir("/dev/shm")) - before == set(), "the shared-memory block was not freed"

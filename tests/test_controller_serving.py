@@ -360,9 +360,9 @@ def test_a_torn_down_fleet_unlinks_the_frames_no_client_was_handed(tmp_path, mon
     from types import SimpleNamespace
 
     from mgpu_backend import fleet as fleet_module
+    from mgpu_backend import frames as frames_module
 
-    monkeypatch.setattr(fleet_module, "SHM_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(frames_module, "SHM_DIR", str(tmp_path))
     for name in ("ltx2mgpu-101-1", "ltx2mgpu-101-2", "ltx2mgpu-102-3", "ltx2mgpu-1011-4", "other"):
         (tmp_path / name).write_bytes(b"x")
     fake = SimpleNamespace(pids=(101, 102), handed_out=collections.deque(["ltx2mgpu-101-2"]))

@@ -27,7 +27,7 @@ def run_noop(state, payload, ctx) -> dict:
 def run_frames(state, payload, ctx) -> dict:
     """Hand back `payload["shape"]` float32 frames (frame i filled with i / F) from rank 0 through shared memory, as
     `generate` does; `sent_at` is the wall time just before the hand-back began."""
-    from ..worker import send_frames
+    from ..frames import send_frames
 
     if ctx.rank != 0:
         return {}
