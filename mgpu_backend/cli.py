@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(exc, ControllerError):
             print(f"error: {exc}", file=sys.stderr)
-            return 2 if exc.kind in ("validation", "busy", "stale_handle") else 1
+            return 2 if exc.kind in (P.ErrorKind.VALIDATION, P.ErrorKind.BUSY, P.ErrorKind.STALE_HANDLE) else 1
         if isinstance(exc, (CheckpointError, ValueError)):  # bad files and bad values, named by the message
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -136,7 +136,8 @@ class ControllerClient:
         conn = self._try_connect()
         if conn is not None or not start:
             if conn is None:
-                raise P.ControllerError(f"no controller answers on {self.socket_path}", kind="not_running")
+                raise P.ControllerError(f"no controller answers on {self.socket_path}",
+                                        kind=P.ErrorKind.NOT_RUNNING)
             return conn
         proc = _launch(self.runtime_dir, self.runtime_dir / "controller.log")
         self.started_pid = proc.pid
@@ -144,12 +145,13 @@ class ControllerClient:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise P.ControllerError(f"the controller exited with code {proc.returncode} at start; see "
-                                        f"{self.runtime_dir / 'controller.log'}", kind="start_failed")
+                                        f"{self.runtime_dir / 'controller.log'}", kind=P.ErrorKind.START_FAILED)
             conn = self._try_connect()
             if conn is not None:
                 return conn
             time.sleep(0.1)
-        raise P.ControllerError(f"the controller did not answer within {START_TIMEOUT_S:g} s", kind="start_failed")
+        raise P.ControllerError(f"the controller did not answer within {START_TIMEOUT_S:g} s",
+                                kind=P.ErrorKind.START_FAILED)
 
     def close(self) -> None:
         self._conn.close()
@@ -158,8 +160,8 @@ class ControllerClient:
         P.send(self._conn, {"op": op, **fields})
         reply = P.recv(self._conn)
         if not reply.get("ok", False):
-            cls = P.FleetBusy if reply.get("kind") == "busy" else P.ControllerError
-            raise cls(reply.get("error", "request failed"), kind=reply.get("kind", "error"))
+            cls = P.FleetBusy if reply.get("kind") == P.ErrorKind.BUSY else P.ControllerError
+            raise cls(reply.get("error", "request failed"), kind=reply.get("kind", P.ErrorKind.ERROR))
         return reply
 
     def ping(self) -> dict:
@@ -221,7 +223,7 @@ class ControllerClient:
             kind = event["event"]
             if kind == "busy":
                 raise P.FleetBusy(f"the fleet is busy with {event['running']}; try again when it is done",
-                                 kind="busy")
+                                 kind=P.ErrorKind.BUSY)
             if kind == "accepted":
                 if on_accepted:
                     on_accepted(event)
@@ -231,6 +233,6 @@ class ControllerClient:
             elif kind == "result":
                 return F.receive_frames(event["result"])
             elif kind == "error":
-                cls = P.JobCancelled if event["kind"] == "cancelled" else P.ControllerError
+                cls = P.JobCancelled if event["kind"] == P.ErrorKind.CANCELLED else P.ControllerError
                 raise cls(event["message"], kind=event["kind"], fleet_lost=event["fleet_lost"],
                           details=event.get("details"))

@@ -20,11 +20,11 @@ and the nodes can say what they stopped. A request the controller cannot read (n
 and the connection stays; one longer than `MAX_MESSAGE_BYTES` is answered so and the connection is closed (its
 bytes were never read). The authentication handshake has `HANDSHAKE_TIMEOUT_S` and runs beside other clients.
 
-Error kinds (`ControllerError.kind`, the `kind` of an error event): "validation" (bad input, refused on every rank
-before work; the fleet stays), "job_error" (the same error on every rank; the fleet stays), "cancelled",
-"busy", "stale_handle", "fleet_lost" (a crash, stall or one-rank error tore the fleet down), "fleet_stopped" (a
-`stop` / `shutdown_fleet` from another client ended the running job), "protocol" (an unreadable request),
-"start_failed" / "not_running" (client side).
+Error kinds: `ErrorKind` (`ControllerError.kind`); on the wire (the `kind` of an error event or reply) its plain
+string value, e.g. "validation".
+
+Fleet <-> worker messages (each worker's pipe): `RunJob` / `StopWorker` to the workers; `WorkerReady` /
+`WorkerInitError` once, then per job `JobProgress` (rank 0) and one of `JobDone`, `JobStopped`, `JobFailed`.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import secrets
 import stat
 import tempfile
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -341,12 +342,122 @@ class JobSpec:
     fault: dict | None = None
 
 
-class ControllerError(RuntimeError):
-    """An error reported by the controller or the fleet (message says rank, stage, step where known)."""
+# ---- fleet <-> worker messages (each worker's pipe; `multiprocessing.Connection` pickles them) ---------------------
 
-    def __init__(self, message: str, kind: str = "error", fleet_lost: bool = False, details: dict | None = None):
+@dataclass(frozen=True)
+class RunJob:
+    """Fleet -> every worker: run `spec` under `policy` (`WorkerState.apply_policy` first; no process restarts)."""
+
+    spec: JobSpec
+    policy: FleetPolicy
+
+
+@dataclass(frozen=True)
+class StopWorker:
+    """Fleet -> worker: leave the job loop, destroy the process group and exit."""
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Worker -> fleet, once: the process group is up and the weights are loaded. `open_count`: checkpoint opens so
+    far (`models.loader.OPEN_COUNT`); `load_seconds`: from joining the group to ready; `heads`: the loaded
+    transformer's attention heads (the SP degree must divide them; `FleetPlan`)."""
+
+    rank: int
+    pid: int
+    open_count: int
+    load_seconds: float
+    heads: int
+
+
+@dataclass(frozen=True)
+class WorkerInitError:
+    """Worker -> fleet, instead of `WorkerReady`: the start failed (`error` = "Type: message")."""
+
+    rank: int
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """Rank 0 -> fleet: `step` of `total` steps of `stage` done (forwarded to the client as a progress event)."""
+
+    job_id: str
+    stage: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """Worker -> fleet: the job ended on this rank; `result` is rank 0's answer (other ranks send `{}`).
+    `open_count` is this rank's `models.loader.OPEN_COUNT` after the job (a re-read checkpoint shows in status)."""
+
+    job_id: str
+    rank: int
+    result: Any
+    open_count: int
+
+
+@dataclass(frozen=True)
+class JobStopped:
+    """Worker -> fleet: the job was cancelled on this rank before `step` of `stage` (every rank stops at the same
+    step boundary)."""
+
+    job_id: str
+    rank: int
+    stage: str
+    step: int
+    open_count: int
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """Worker -> fleet: the job raised on this rank during `step` of `stage`. `error_type` is the exception's class
+    name, `message` its text; `bad_input`: a ValidationError / FileNotFoundError (refused before work: reported as
+    kind "validation")."""
+
+    job_id: str
+    rank: int
+    error_type: str
+    message: str
+    stage: str
+    step: int
+    bad_input: bool
+    traceback: str
+    open_count: int
+
+
+WorkerMessage = WorkerReady | WorkerInitError | JobProgress | JobDone | JobStopped | JobFailed
+
+
+class ErrorKind(StrEnum):
+    """What kind of failure a `ControllerError` (or an error event) is. A `StrEnum`: a member equals its value
+    (`ErrorKind.BUSY == "busy"`), prints as it, and the value is what travels on the wire."""
+
+    VALIDATION = "validation"  # bad input, refused on every rank before work; the fleet stays
+    JOB_ERROR = "job_error"  # the same error on every rank; the fleet stays
+    CANCELLED = "cancelled"  # every rank stopped at the same step boundary; the fleet stays
+    BUSY = "busy"  # another job runs (answered at once, never queued)
+    STALE_HANDLE = "stale_handle"  # the handle names a fleet another configuration replaced
+    FLEET_LOST = "fleet_lost"  # a crash, stall or one-rank error tore the fleet down
+    FLEET_STOPPED = "fleet_stopped"  # a `stop` / `shutdown_fleet` from another client ended the running job
+    PROTOCOL = "protocol"  # an unreadable request
+    START_FAILED = "start_failed"  # (client side) the controller did not start
+    NOT_RUNNING = "not_running"  # (client side) no controller answers
+    ERROR = "error"  # anything else (a failure inside the controller itself)
+
+
+class ControllerError(RuntimeError):
+    """An error reported by the controller or the fleet (message says rank, stage, step where known).
+
+    `kind`: an `ErrorKind` or its string value (converted; ValueError for an unknown one)."""
+
+    def __init__(self, message: str, kind: ErrorKind | str = ErrorKind.ERROR, fleet_lost: bool = False,
+                 details: dict | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind = ErrorKind(kind)
         self.fleet_lost = fleet_lost
         self.details = details or {}
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import JOB_STAGES, FleetIdentity, FleetPolicy, JobSpec
+from .protocol import (JOB_STAGES, FleetIdentity, FleetPolicy, JobDone, JobFailed, JobProgress, JobSpec, JobStopped,
+                       RunJob, StopWorker, WorkerInitError, WorkerReady)
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
@@ -58,7 +59,7 @@ class JobContext:
     def progress(self, stage: str, done: int, total: int) -> None:
         self.stage, self.step = stage, done
         if self.rank == 0:
-            self.conn.send(("progress", self.job_id, stage, done, total))
+            self.conn.send(JobProgress(self.job_id, stage, done, total))
 
     def step_boundary(self, stage: str, step: int) -> bool:
         """Called by every rank before each step; returns True (on every rank) when the job is cancelled."""
@@ -152,8 +153,9 @@ class WorkerState:
 
 def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, conn, cancel_flag,
                 heartbeat) -> None:
-    """Entry point of a spawned worker. Reports ("ready", …) or ("init_error", …), then serves jobs: each
-    ("job", JobSpec, FleetPolicy) message runs under its policy (`WorkerState.apply_policy`)."""
+    """Entry point of a spawned worker. Reports `WorkerReady` or `WorkerInitError`, then serves jobs: each `RunJob`
+    runs under its policy (`WorkerState.apply_policy`) and ends with `JobDone`, `JobStopped` or `JobFailed`; a
+    `StopWorker` ends the loop."""
     from .jobs import load_all
     from .models import loader
     from .sampling import SamplingCancelled
@@ -172,20 +174,20 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
                                 world_size=config.world_size, timeout=timedelta(seconds=config.collective_timeout_s))
         state = WorkerState(config, policy, rank, device)
         dist.barrier()
-        conn.send(("ready", rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0))
+        heads = int(state.components.transformer.config.num_attention_heads)
+        conn.send(WorkerReady(rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0, heads))
     except Exception as exc:  # reported to the controller, which tears the fleet down
-        conn.send(("init_error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        conn.send(WorkerInitError(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
 
     while True:
         message = conn.recv()
-        if message[0] == "stop":
+        if isinstance(message, StopWorker):
             break
-        if message[0] == "status":
-            conn.send(("status", rank, os.getpid(), loader.OPEN_COUNT))
-            continue
-        spec: JobSpec = message[1]
-        job_policy: FleetPolicy = message[2]
+        if not isinstance(message, RunJob):
+            raise TypeError(f"worker rank {rank}: unknown message {type(message).__name__} from the fleet")
+        spec: JobSpec = message.spec
+        job_policy: FleetPolicy = message.policy
         ctx = JobContext(rank, config.world_size, device, spec.job_id, conn, cancel_flag, heartbeat, spec.fault,
                          plan=state.plan, stage=JOB_STAGES.get(spec.kind, spec.kind))
         # every job-end message ends with this rank's OPEN_COUNT (a re-read checkpoint would show in status())
@@ -201,13 +203,13 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
             state.apply_policy(job_policy)  # before any work (a refused policy leaves the last one in place)
             ctx.plan = state.plan
             result = jobs[spec.kind](state, spec.payload, ctx)
-            conn.send(("result", spec.job_id, rank, result, loader.OPEN_COUNT))
+            conn.send(JobDone(spec.job_id, rank, result, loader.OPEN_COUNT))
         except SamplingCancelled:
-            conn.send(("cancelled", spec.job_id, rank, ctx.stage, ctx.step, loader.OPEN_COUNT))
+            conn.send(JobStopped(spec.job_id, rank, ctx.stage, ctx.step, loader.OPEN_COUNT))
         except Exception as exc:
-            conn.send(("error", spec.job_id, rank, type(exc).__name__, str(exc), ctx.stage, ctx.step,
-                       isinstance(exc, (ValidationError, FileNotFoundError)), traceback.format_exc(),
-                       loader.OPEN_COUNT))
+            conn.send(JobFailed(spec.job_id, rank, type(exc).__name__, str(exc), ctx.stage, ctx.step,
+                                isinstance(exc, (ValidationError, FileNotFoundError)), traceback.format_exc(),
+                                loader.OPEN_COUNT))
     try:
         dist.destroy_process_group()
     finally:
