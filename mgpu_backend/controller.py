@@ -271,7 +271,7 @@ class Controller:
                     if config.policy != fleet.config.policy:
                         log.info("fleet generation %d kept for %s: a policy change only (%s)", fleet.generation,
                                  client, _policy_change(fleet.config.policy, config.policy))
-                    return P.FleetHandle(fleet.generation, config, fleet.pids), None
+                    return P.FleetHandle(fleet.generation, config, fleet.pids, fleet.plan_for(config.policy)), None
                 replaced = None
                 if fleet is not None:
                     if fleet.alive():
@@ -282,7 +282,8 @@ class Controller:
                         self._teardown(fleet, "lost", graceful=False)
                     self.fleet = None
                 self.fleet = self._start_fleet(config, f"configure from {client}")
-                return P.FleetHandle(self.fleet.generation, config, self.fleet.pids), replaced
+                return (P.FleetHandle(self.fleet.generation, config, self.fleet.pids,
+                                      self.fleet.plan_for(config.policy)), replaced)
         finally:
             with self.state_lock:
                 self.current_job = self.current_client = None
@@ -437,8 +438,9 @@ def check_config(config: P.FleetConfig) -> None:
     minimum, … — is checked when the `FleetIdentity` / `FleetPolicy` is built.)
 
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
+    # header reads and the degree rule only: neither diffusers nor a model class is imported here
     from .models.loader import CheckpointError, SafetensorsFile, transformer_prefix
-    from .parallel.plan import check_requested_degree
+    from .parallel.degrees import check_requested_degree
     from .validation import ValidationError
 
     for what, path in (("checkpoint", config.checkpoint), ("upscaler", config.upscaler),

@@ -22,9 +22,10 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 from .frames import frames_ref, free_frames, remove_orphans
-from .protocol import (JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPolicy, JobCancelled, JobDone,
-                       JobFailed, JobProgress, JobSpec, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerMessage,
-                       WorkerReady)
+from .parallel.degrees import top_sp_degree, valid_sp_degrees
+from .protocol import (JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPlan, FleetPolicy, JobCancelled,
+                       JobDone, JobFailed, JobProgress, JobSpec, JobStopped, RunJob, StopWorker, WorkerInitError,
+                       WorkerMessage, WorkerReady)
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -166,11 +167,21 @@ class Fleet:
                         f"the fleet was idle")
         return None
 
+    def plan_for(self, policy: FleetPolicy) -> FleetPlan:
+        """The split this fleet's jobs get under `policy`: the heads its workers loaded (`WorkerReady.heads`) and the
+        degree rule the workers apply (`parallel/degrees.py top_sp_degree`, as `ParallelPlan.set_policy`). Raises
+        ValidationError for a degree the heads do not allow (the controller's `check_config` refuses it first)."""
+        heads = self.heads or 1
+        if not self.identity.sequence_parallel:
+            return FleetPlan(self.world_size, heads, 1, (1,), sequence_parallel=False)
+        return FleetPlan(self.world_size, heads, top_sp_degree(heads, self.world_size, policy.sp_degree),
+                         tuple(valid_sp_degrees(heads, self.world_size)), set_by_policy=policy.sp_degree is not None)
+
     def describe(self) -> dict:
         """The fleet for status answers and for saying what a stop or a rebuild replaces."""
         return {"generation": self.generation, "devices": list(self.config.devices), "worker_pids": list(self.pids),
                 "checkpoint": self.config.checkpoint, "load_seconds": self.load_seconds,
-                "policy": dataclasses.asdict(self.policy)}
+                "policy": dataclasses.asdict(self.policy), "plan": dataclasses.asdict(self.plan_for(self.policy))}
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:

@@ -41,7 +41,7 @@ def send_frames(frames: torch.Tensor) -> FramesRef:
     """Put `[F, H, W, 3]` float32 frames in a new shared-memory block; the client unlinks it after reading.
 
     On Linux the block is a file in /dev/shm written with `os.write` (the kernel allocates and fills its pages
-    without a fault per 4 KiB page; bench/results/controller_cpu.txt); elsewhere a `SharedMemory` mapping. Raises
+    without a fault per 4 KiB page: bench/results/docstring_figures.md); elsewhere a `SharedMemory` mapping. Raises
     OSError when /dev/shm has no room (the message says how much was needed).
     """
     array = frames.contiguous().numpy()

@@ -229,8 +229,8 @@ class FleetPolicy:
     init_timeout_s: how long a fleet start may take (used when the controller starts a fleet for this policy).
     stall_timeout_s: a job with no step progress for this long is declared hung and the fleet torn down.
     compile: regional torch.compile of the transformer blocks (mgpu_backend/compile.py): the first job at each size
-        pays the compile (~10-20 s per shape on an H200), later jobs run ~10 % faster. Switching it off restores
-        the eager blocks (`compile.uncompile_blocks`; dynamo keeps its cache for a later switch on).
+        pays the compile, later jobs run faster (README, "compile"). Switching it off restores the eager blocks
+        (`compile.uncompile_blocks`; dynamo keeps its cache for a later switch on).
 
     Raises ValueError (naming the field, the value and the rule) on construction.
     """
@@ -319,13 +319,36 @@ class FleetConfig:
 
 
 @dataclass(frozen=True)
+class FleetPlan:
+    """How a fleet splits its stages under one policy, as the fleet computed it (`Fleet.plan_for`, from the heads of
+    the transformer its workers loaded and the rule in `parallel/degrees.py`): shown by Load Checkpoint (MGPU).
+
+    world_size: ranks in the fleet. heads: the transformer's video attention heads.
+    sp_degree: the largest sequence-parallel degree a stage may use (ranks 0..sp_degree-1); 1 when the fleet runs
+        without a parallel plan (`FleetIdentity.sequence_parallel` False). Each stage's own split (fewer ranks,
+        guidance passes over ranks, one GPU) is chosen per job and reported with the job.
+    valid_degrees: the degrees the heads allow on this fleet (`FleetPolicy.sp_degree` must be one of them).
+    set_by_policy: `sp_degree` is the policy's explicit `FleetPolicy.sp_degree`, not the largest valid one.
+    """
+
+    world_size: int
+    heads: int
+    sp_degree: int
+    valid_degrees: tuple[int, ...]
+    set_by_policy: bool = False
+    sequence_parallel: bool = True
+
+
+@dataclass(frozen=True)
 class FleetHandle:
     """A client's reference to a fleet; `generation` detects a handle from an older fleet. `config` is the client's
-    own: its `identity` names the fleet, its `policy` is applied to each job the handle submits."""
+    own: its `identity` names the fleet, its `policy` is applied to each job the handle submits. `plan`: the split
+    the fleet computed for that policy (None from a controller that predates it)."""
 
     generation: int
     config: FleetConfig
     worker_pids: tuple[int, ...] = ()
+    plan: FleetPlan | None = None
 
 
 @dataclass
@@ -340,6 +363,88 @@ class JobSpec:
     payload: Any
     job_id: str = field(default_factory=lambda: secrets.token_hex(6))
     fault: dict | None = None
+
+
+# ---- job requests (the payload of a `JobSpec`; the stage jobs' and the native MODEL's have their own modules) ----
+
+# the reference's negative prompt: the default of the generate request and of Text Encode (MGPU)
+DEFAULT_NEGATIVE_PROMPT = (
+    "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, grainy "
+    "texture, poor lighting, flickering, motion blur, distorted proportions, unnatural skin tones, deformed facial "
+    "features, asymmetrical face, missing facial features, extra limbs, disfigured hands, wrong hand count, "
+    "artifacts around text, inconsistent perspective, camera shake, incorrect depth of field, background too sharp, "
+    "background clutter, distracting reflections, harsh shadows, inconsistent lighting direction, color banding, "
+    "cartoonish rendering, 3D CGI look, unrealistic materials, uncanny valley effect, incorrect ethnicity, wrong "
+    "gender, exaggerated expressions, wrong gaze direction, mismatched lip sync, silent or muted audio, distorted "
+    "voice, robotic voice, echo, background noise, off-sync audio, incorrect dialogue, added dialogue, repetitive "
+    "speech, jittery movement, awkward pauses, incorrect timing, unnatural transitions, inconsistent framing, tilted "
+    "camera, flat lighting, inconsistent tone, cinematic oversaturation, stylized filters, or AI artifacts."
+)  # reference DEFAULT_NEGATIVE_PROMPT (ltx_pipelines/utils/constants.py)
+
+
+@dataclass(frozen=True)
+class EncodeTextRequest:
+    """The "encode_text" job (jobs/text.py): prompts -> ComfyUI CONDITIONING on the fleet.
+
+    prompts: one or more prompts (a single string is taken as one).
+    mode: Gemma's layout for this job (`GEMMA_MODES`); None = the fleet's `FleetIdentity.gemma_mode` (another mode
+        reloads Gemma).
+    unload: free Gemma after this encode; None = the fleet's `FleetIdentity.gemma_unload`.
+    frame_rate: frames per second written into the conditioning (None: not written).
+
+    Raises ValueError (naming the field, the value and the rule) on construction.
+    """
+
+    prompts: tuple[str, ...]
+    mode: str | None = None
+    unload: bool | None = None
+    frame_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        prompts = (self.prompts,) if isinstance(self.prompts, str) else self.prompts
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"encode_text: 'prompts' must be a non-empty list of strings, got {self.prompts!r:.120}")
+        object.__setattr__(self, "prompts", tuple(prompts))
+        if self.mode is not None and self.mode not in GEMMA_MODES:
+            raise ValueError(f"encode_text: mode={self.mode!r}: choose one of {', '.join(GEMMA_MODES)} or None (the "
+                             f"fleet's)")
+        if self.unload is not None and not isinstance(self.unload, bool):
+            raise ValueError(f"encode_text: unload={self.unload!r} must be True, False or None (the fleet's)")
+        if self.frame_rate is not None and (isinstance(self.frame_rate, bool) or not isinstance(
+                self.frame_rate, (int, float)) or self.frame_rate <= 0):
+            raise ValueError(f"encode_text: frame_rate={self.frame_rate!r} must be a positive number")
+
+
+@dataclass(frozen=True)
+class NoopRequest:
+    """The "noop" job (jobs/diagnostics.py: controller overhead, busy / cancel tests): `steps` synchronized,
+    cancellable steps of `sleep_s` seconds each; a `[4]` float32 tensor back. `carry` travels with the job and is
+    not read (transport benchmarks). Raises ValueError on construction for a negative or non-integer count."""
+
+    steps: int = 0
+    sleep_s: float = 0.0
+    carry: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"noop: steps={self.steps!r} must be a non-negative integer")
+        if isinstance(self.sleep_s, bool) or not isinstance(self.sleep_s, (int, float)) or self.sleep_s < 0:
+            raise ValueError(f"noop: sleep_s={self.sleep_s!r} must be a non-negative number of seconds")
+
+
+@dataclass(frozen=True)
+class FramesRequest:
+    """The "frames" job (jobs/diagnostics.py: the frame hand-back benchmark): rank 0 hands back float32 frames of
+    `shape` `[F, H, W, 3]` (frame i filled with i / F) through shared memory (`frames.py`). Raises ValueError on
+    construction for a shape that is not four non-negative integers."""
+
+    shape: tuple[int, int, int, int]
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.shape, (tuple, list)) or len(self.shape) != 4
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.shape)):
+            raise ValueError(f"frames: shape={self.shape!r} must be four non-negative integers [F, H, W, 3]")
+        object.__setattr__(self, "shape", tuple(self.shape))
 
 
 # ---- fleet <-> worker messages (each worker's pipe; `multiprocessing.Connection` pickles them) ---------------------
