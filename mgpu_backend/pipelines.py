@@ -40,9 +40,10 @@ ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
 CancelFn = Callable[[str, int], bool]  # (stage, step about to run) -> stop now
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateRequest:
-    """One text/image-to-audio+video generation. Sizes in pixels, fps in frames per second."""
+    """One text/image-to-audio+video generation (the "generate" job's request). Sizes in pixels, fps in frames per
+    second."""
 
     prompt: str
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
