@@ -8,9 +8,13 @@ Client -> controller requests are dicts with an `op`:
 - `{"op": "ping"}` -> `{"ok": True, "pid": …}`
 - `{"op": "status"}` -> controller and fleet status (generation, devices, worker PIDs, busy job)
 - `{"op": "configure", "config": FleetConfig}` -> `{"ok": True, "handle": FleetHandle}` (same `identity`: the
-  running fleet is reused, whatever the policy; the handle carries the new policy, applied to each of its jobs)
+  running fleet is reused, whatever the policy; the handle carries the new policy, applied to each of its jobs, and
+  the `FleetPlan` the fleet computed for it)
 - `{"op": "submit", "handle": FleetHandle, "job": JobSpec}` -> a stream of events on the same connection, ending
-  with one `result` or `error` event (or a single `busy` event)
+  with one `result` or `error` event (or a single `busy` event). A job's payload is its kind's frozen request:
+  `EncodeTextRequest`, `NoopRequest`, `FramesRequest` here, `pipelines.GenerateRequest`, `forward.ForwardRequest` /
+  `PreprocessTextRequest` (the stage jobs "sample", "upscale", "decode" still take dicts: jobs/stages.py); frames in
+  a result come back as a `frames.FramesRef` (shared memory)
 - `{"op": "cancel", "job_id": str}`, `{"op": "shutdown_fleet"}`, `{"op": "stop"}`
 
 `configure` answers `replaced` (what a rebuild replaced: `describe_fleet` of the old fleet, or None) and `stop` /
@@ -36,7 +40,7 @@ import secrets
 import stat
 import tempfile
 from dataclasses import dataclass, field, fields
-from enum import StrEnum
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -537,9 +541,10 @@ class JobFailed:
 WorkerMessage = WorkerReady | WorkerInitError | JobProgress | JobDone | JobStopped | JobFailed
 
 
-class ErrorKind(StrEnum):
-    """What kind of failure a `ControllerError` (or an error event) is. A `StrEnum`: a member equals its value
-    (`ErrorKind.BUSY == "busy"`), prints as it, and the value is what travels on the wire."""
+class ErrorKind(str, Enum):
+    """What kind of failure a `ControllerError` (or an error event) is. A `str` enum (`enum.StrEnum` needs Python
+    3.11): a member equals and hashes as its value (`ErrorKind.BUSY == "busy"`), prints as it, and the value is what
+    travels on the wire."""
 
     VALIDATION = "validation"  # bad input, refused on every rank before work; the fleet stays
     JOB_ERROR = "job_error"  # the same error on every rank; the fleet stays
@@ -552,6 +557,12 @@ class ErrorKind(StrEnum):
     START_FAILED = "start_failed"  # (client side) the controller did not start
     NOT_RUNNING = "not_running"  # (client side) no controller answers
     ERROR = "error"  # anything else (a failure inside the controller itself)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 class ControllerError(RuntimeError):

@@ -243,9 +243,10 @@ def test_the_plan_in_the_handle_follows_the_fleets_heads_and_the_policy():
 
 
 def test_error_kinds_keep_their_wire_values():
-    """`ErrorKind` is a StrEnum: a member equals (and prints as) the string the nodes and clients compare with, and a
+    """`ErrorKind` is a str enum: a member equals, hashes and prints as the string the nodes and clients compare with, and a
     `ControllerError` built from a wire string has the member; an unknown kind is refused by name."""
-    assert P.ErrorKind.STALE_HANDLE == "stale_handle" and f"{P.ErrorKind.BUSY}" == "busy"
+    assert P.ErrorKind.STALE_HANDLE == "stale_handle" and f"{P.ErrorKind.BUSY}" == "busy" == str(P.ErrorKind.BUSY)
+    assert "busy" in {P.ErrorKind.BUSY} and {"validation": 1}[P.ErrorKind.VALIDATION] == 1
     assert {k.value for k in P.ErrorKind} == {"validation", "job_error", "cancelled", "busy", "stale_handle",
                                                "fleet_lost", "fleet_stopped", "protocol", "start_failed",
                                                "not_running", "error"}
