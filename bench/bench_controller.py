@@ -30,10 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu_backend import client as client_module  # noqa: E402
+from mgpu_backend import frames as frames_module  # noqa: E402
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import FleetConfig, JobSpec  # noqa: E402
+from mgpu_backend.protocol import FleetConfig, FramesRequest, JobSpec, NoopRequest  # noqa: E402
 
 
 def _clip(text: str) -> tuple[int, int, int, int]:
@@ -98,18 +98,18 @@ def main(argv: list[str] | None = None) -> None:
                 handle = client.configure(config)
                 start = time.perf_counter() - t
                 for _ in range(3):
-                    client.run(handle, JobSpec("noop", {"steps": 0}))
+                    client.run(handle, JobSpec("noop", NoopRequest(steps=0)))
                 samples = []
                 for _ in range(args.jobs):
                     t = time.perf_counter()
-                    client.run(handle, JobSpec("noop", {"steps": 0}))
+                    client.run(handle, JobSpec("noop", NoopRequest(steps=0)))
                     samples.append(time.perf_counter() - t)
                 med, p90 = _stats(samples)
                 steps = 50
                 stepped = []
                 for _ in range(max(3, args.jobs // 10)):
                     t = time.perf_counter()
-                    client.run(handle, JobSpec("noop", {"steps": steps}), on_event=lambda e: None)
+                    client.run(handle, JobSpec("noop", NoopRequest(steps=steps)), on_event=lambda e: None)
                     stepped.append(time.perf_counter() - t)
                 per_step = (statistics.median(stepped) - med) / steps
                 print(f"  W={world}: fleet start {start:6.1f} s | noop job median {_ms(med)}  p90 {_ms(p90)} | "
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             handle = client.configure(FleetConfig(devices=("cpu",), checkpoint=str(paths["checkpoint"]),
                                                   gemma=str(paths["gemma"]), upscaler=str(paths["upsampler"]),
                                                   dtype="float32", threads_per_worker=1))
-            receive = client_module.receive_frames
+            receive = frames_module.receive_frames
             for shape in clips:
                 nbytes = int(np.prod(shape)) * 4
                 copy_s = numpy_copy_seconds(shape, args.repeat)
@@ -133,12 +133,12 @@ def main(argv: list[str] | None = None) -> None:
                         _timing["client"] = time.perf_counter() - t
                         return out
 
-                    client_module.receive_frames = timed_receive
+                    frames_module.receive_frames = timed_receive
                     try:
-                        out = client.run(handle, JobSpec("frames", {"shape": shape}))
+                        out = client.run(handle, JobSpec("frames", FramesRequest(shape)))
                         done = time.time()
                     finally:
-                        client_module.receive_frames = receive
+                        frames_module.receive_frames = receive
                     assert tuple(out["frames"].shape) == shape
                     if done - out["sent_at"] < best:
                         best, best_client = done - out["sent_at"], timing["client"]

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.forward import ForwardReply, ForwardRequest  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import FleetConfig, JobSpec  # noqa: E402
+from mgpu_backend.protocol import FleetConfig, JobSpec, NoopRequest  # noqa: E402
 
 GRID = (16, 11, 20)  # 640×352×121: latent frames, height, width
 AUDIO_STEPS = 126  # ~5 s of audio latents
@@ -171,9 +171,9 @@ def main(argv: list[str] | None = None) -> None:
                                                       dtype="bfloat16" if cuda else "float32"))
                 pids += list(client.status()["fleet"]["worker_pids"])
                 rows = []
-                for label, payload in (("empty noop job", {"steps": 0}),
-                                       ("noop + real request, context shipped", {"steps": 0, "request": real}),
-                                       ("noop + real request, context cached", {"steps": 0, "request": real_cached})):
+                for label, payload in (("empty noop job", NoopRequest()),
+                                       ("noop + real request, context shipped", NoopRequest(carry=real)),
+                                       ("noop + real request, context cached", NoopRequest(carry=real_cached))):
                     med, p90 = _stats(_timed(lambda p=payload: client.run(handle, JobSpec("noop", p)), args.repeat))
                     rows.append(f"W={world}  transport, {label:38s} {med * 1e3:8.2f} ms  (p90 {p90 * 1e3:8.2f})")
                 client.run(handle, JobSpec("forward", tiny))  # stores the rows under their keys

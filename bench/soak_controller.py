@@ -47,8 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mgpu_backend.client import ControllerClient  # noqa: E402
+from mgpu_backend.frames import SHM_DIR  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import SHM_DIR, ControllerError, FleetBusy, FleetConfig, JobCancelled, JobSpec  # noqa: E402
+from mgpu_backend.protocol import (ControllerError, FleetBusy, FleetConfig, FramesRequest, JobCancelled, JobSpec,  # noqa: E402
+                                   NoopRequest)
 
 SP_VIDEO, AUDIO = (1, 128, 2, 2, 3), (1, 8, 5, 16)
 
@@ -136,14 +138,14 @@ class Soak:
         r = rng.random()
         a = self.args
         if r < a.cancel_prob:
-            return "cancel", JobSpec("noop", {"steps": 200, "sleep_s": 0.01})
+            return "cancel", JobSpec("noop", NoopRequest(steps=200, sleep_s=0.01))
         r -= a.cancel_prob
         if r < a.sample_prob:
             return "sample", JobSpec("sample", sample_payload(rng))
         r -= a.sample_prob
         if r < a.frames_prob:
-            return "frames", JobSpec("frames", {"shape": (5, 32, 48, 3)})
-        return "noop", JobSpec("noop", {"steps": rng.randrange(4)})
+            return "frames", JobSpec("frames", FramesRequest((5, 32, 48, 3)))
+        return "noop", JobSpec("noop", NoopRequest(steps=rng.randrange(4)))
 
     def run_one(self, client: ControllerClient, label: str, job: JobSpec, rng: random.Random) -> str:
         """Submit until not busy; returns the outcome."""
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         os.kill(p, signal.SIGKILL)
     shm_after = set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
     # /dev/shm is shared with every other process of the machine: count the blocks our workers made
-    # (`worker.send_frames` names them ltx2mgpu-<worker pid>-<ns>) and anything else new, separately
+    # (`frames.send_frames` names them ltx2mgpu-<worker pid>-<ns>) and anything else new, separately
     ours = re.compile(r"ltx2mgpu-(\d+)-")
     new_shm = sorted(shm_after - shm_before)
     leaked_shm = [n for n in new_shm if (m := ours.match(n)) and int(m.group(1)) in soak.worker_pids]

@@ -6,8 +6,8 @@ output projection — split into `project` / `attend` / `finish` so the sequence
 (`parallel/sequence.py`) can put their exchanges between the steps.
 
 What differs from diffusers is only where the arithmetic happens, the way Lightricks' reference does it (ltx-core
-1.0.0 `rope.precompute_freqs_cis` / `apply_split_rotary_emb`, `utils.rms_norm`), measured on an H200 to be most of
-diffusers' 1.12–1.17× overhead (bench/results/profile_forward_1280x704_h200.txt: ~15 ms of dtype copies in 198 ms):
+1.0.0 `rope.precompute_freqs_cis` / `apply_split_rotary_emb`, `utils.rms_norm`): the dtype copies diffusers makes
+here are most of its overhead against the reference (bench/results/profile_forward_1280x704_h200.txt):
 - RoPE is applied in the compute dtype with the cos / sin tables cast to it **once per forward** (diffusers upcasts
   q and k to float32 in every attention and casts back);
 - the blocks' parameter-free RMSNorms run as one fused `torch.nn.functional.rms_norm` kernel
@@ -154,8 +154,8 @@ def use_fused_norms(transformer) -> None:
 
 def _attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                        key_rotary_emb=None, **kwargs):
-    """`LTX2Attention.forward` without its per-call `inspect.signature` of the processor (288 calls per forward;
-    a measurable share of the CPU time that bounds small sizes on an H200): the processor is called directly."""
+    """`LTX2Attention.forward` without its per-call `inspect.signature` of the processor (288 calls per forward, CPU
+    time that bounds small sizes): the processor is called directly."""
     return self.processor(self, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
                           key_rotary_emb, **kwargs)
 

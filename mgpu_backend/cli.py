@@ -430,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # engine and fleet errors: the message, not a traceback from deep in the fleet
         from .models.loader import CheckpointError
-        from .protocol import ControllerError
+        from .protocol import ControllerError, ErrorKind
 
         if isinstance(exc, ControllerError):
             print(f"error: {exc}", file=sys.stderr)
-            return 2 if exc.kind in ("validation", "busy", "stale_handle") else 1
+            return 2 if exc.kind in (ErrorKind.VALIDATION, ErrorKind.BUSY, ErrorKind.STALE_HANDLE) else 1
         if isinstance(exc, (CheckpointError, ValueError)):  # bad files and bad values, named by the message
             print(f"error: {exc}", file=sys.stderr)
             return 2

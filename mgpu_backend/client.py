@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import mmap
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from multiprocessing import shared_memory
 from multiprocessing.connection import Client as _Connect
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from . import frames as F
 from . import protocol as P
 
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the directory that holds `mgpu_backend`
@@ -140,7 +138,8 @@ class ControllerClient:
         conn = self._try_connect()
         if conn is not None or not start:
             if conn is None:
-                raise P.ControllerError(f"no controller answers on {self.socket_path}", kind="not_running")
+                raise P.ControllerError(f"no controller answers on {self.socket_path}",
+                                        kind=P.ErrorKind.NOT_RUNNING)
             return conn
         proc = _launch(self.runtime_dir, self.runtime_dir / "controller.log")
         self.started_pid = proc.pid
@@ -148,12 +147,13 @@ class ControllerClient:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise P.ControllerError(f"the controller exited with code {proc.returncode} at start; see "
-                                        f"{self.runtime_dir / 'controller.log'}", kind="start_failed")
+                                        f"{self.runtime_dir / 'controller.log'}", kind=P.ErrorKind.START_FAILED)
             conn = self._try_connect()
             if conn is not None:
                 return conn
             time.sleep(0.1)
-        raise P.ControllerError(f"the controller did not answer within {START_TIMEOUT_S:g} s", kind="start_failed")
+        raise P.ControllerError(f"the controller did not answer within {START_TIMEOUT_S:g} s",
+                                kind=P.ErrorKind.START_FAILED)
 
     def close(self) -> None:
         self._conn.close()
@@ -162,8 +162,8 @@ class ControllerClient:
         P.send(self._conn, {"op": op, **fields})
         reply = P.recv(self._conn)
         if not reply.get("ok", False):
-            cls = P.FleetBusy if reply.get("kind") == "busy" else P.ControllerError
-            raise cls(reply.get("error", "request failed"), kind=reply.get("kind", "error"))
+            cls = P.FleetBusy if reply.get("kind") == P.ErrorKind.BUSY else P.ControllerError
+            raise cls(reply.get("error", "request failed"), kind=reply.get("kind", P.ErrorKind.ERROR))
         return reply
 
     def ping(self) -> dict:
@@ -227,7 +227,7 @@ class ControllerClient:
             kind = event["event"]
             if kind == "busy":
                 raise P.FleetBusy(f"the fleet is busy with {event['running']}; try again when it is done",
-                                 kind="busy")
+                                 kind=P.ErrorKind.BUSY)
             if kind == "accepted":
                 if on_accepted:
                     on_accepted(event)
@@ -236,49 +236,8 @@ class ControllerClient:
                     on_event(event)
             elif kind == "result":
                 result = event["result"]
-                return result.load() if isinstance(result, P.Pickled) else receive_frames(result)
+                return result.load() if isinstance(result, P.Pickled) else F.receive_frames(result)
             elif kind == "error":
-                cls = P.JobCancelled if event["kind"] == "cancelled" else P.ControllerError
+                cls = P.JobCancelled if event["kind"] == P.ErrorKind.CANCELLED else P.ControllerError
                 raise cls(event["message"], kind=event["kind"], fleet_lost=event["fleet_lost"],
                           details=event.get("details"))
-
-
-def receive_frames(result: Any) -> Any:
-    """Replace a `{"frames": {"name", "shape", "dtype"}}` shared-memory reference by a tensor and free the block.
-
-    On Linux the block's file is mapped with MAP_POPULATE (its pages mapped in one call, not faulted in one by one)
-    and copied into ordinary memory by torch on all threads, so /dev/shm is free again as soon as this returns —
-    ComfyUI may keep the frames for a long time (a zero-copy view would hold /dev/shm that long)."""
-    if not isinstance(result, dict) or not isinstance(result.get("frames"), dict):
-        return result
-    ref = result["frames"]
-    shape, dtype = tuple(ref["shape"]), np.dtype(ref["dtype"])
-    path = os.path.join(P.SHM_DIR, ref["name"])
-    if os.path.exists(path):
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        try:
-            if nbytes == 0:
-                return {**result, "frames": torch.from_numpy(np.empty(shape, dtype=dtype))}
-            fd = os.open(path, os.O_RDWR)
-            try:
-                mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
-            with mapped:
-                torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-                view = torch.frombuffer(mapped, dtype=torch_dtype).view(shape)
-                # torch's copy runs on all threads: the fresh destination's page faults are shared out too
-                frames = torch.empty(shape, dtype=torch_dtype).copy_(view)
-                del view
-        finally:
-            os.unlink(path)
-        return {**result, "frames": frames}
-    shm = shared_memory.SharedMemory(name=ref["name"])
-    try:
-        array = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
-        frames = torch.from_numpy(array.copy())
-        del array
-    finally:
-        shm.close()
-        shm.unlink()
-    return {**result, "frames": frames}

@@ -22,7 +22,7 @@ def compile_blocks(transformer, mode: str | None = None) -> int:
     """Compile every transformer block of `transformer` in place (`nn.Module.compile`, static shapes).
 
     Returns the number of blocks compiled; a no-op (0) when the blocks are already compiled. The first forward at a
-    new shape is slow (the compile: 6-10 s per graph on an H200); `graph_breaks()` tells whether a block split.
+    new shape is slow (it compiles); `graph_breaks()` tells whether a block split.
     """
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)

@@ -29,6 +29,7 @@ from multiprocessing.connection import AuthenticationError, Listener, answer_cha
 from pathlib import Path
 
 from . import protocol as P
+from .frames import free_frames
 from .fleet import Fleet, next_generation
 
 log = logging.getLogger("ltx2_mgpu.controller")
@@ -139,7 +140,7 @@ class Controller:
                 except Exception as exc:  # noqa: BLE001 - a bug answering one request must not kill the connection
                     log.exception("%s: %s failed", client, op)
                     reply = {"ok": False, "error": f"{op} failed in the controller: {type(exc).__name__}: {exc}",
-                             "kind": "error"}
+                             "kind": P.ErrorKind.ERROR.value}
                 if not _send_quiet(conn, reply):
                     return
                 if op == "stop":
@@ -170,12 +171,12 @@ class Controller:
             config = request.get("config")
             if not isinstance(config, P.FleetConfig):
                 return {"ok": False, "error": f"configure needs a FleetConfig, got {type(config).__name__}",
-                        "kind": "protocol"}
+                        "kind": P.ErrorKind.PROTOCOL.value}
             try:
                 handle, replaced = self.configure(config, client, self._others(conn))
                 return {"ok": True, "handle": handle, "replaced": replaced}
             except P.ControllerError as exc:
-                return {"ok": False, "error": str(exc), "kind": exc.kind}
+                return {"ok": False, "error": str(exc), "kind": exc.kind.value}
         if op == "cancel":
             with self.state_lock:
                 fleet = self.fleet
@@ -201,7 +202,7 @@ class Controller:
                     self.stopped_by = None
             return {"ok": True, "stopped": stopped}
         return {"ok": False, "error": f"unknown op {op!r} (known: ping, status, configure, submit, cancel, "
-                                      f"shutdown_fleet, stop)", "kind": "protocol"}
+                                      f"shutdown_fleet, stop)", "kind": P.ErrorKind.PROTOCOL.value}
 
     # ---- fleet --------------------------------------------------------------------------------------------------
 
@@ -258,7 +259,7 @@ class Controller:
         if not self.job_lock.acquire(blocking=False):
             raise P.FleetBusy(f"the fleet is busy with {self.busy_with()}; try again when it ends (a cancelled "
                               f"job stops at its next denoising step; a first compiled job finishes compiling "
-                              f"first)", kind="busy")
+                              f"first)", kind=P.ErrorKind.BUSY)
         try:
             with self.state_lock:
                 self.current_job = f"starting a {config.world_size}-rank fleet"  # what status / busy answers show
@@ -270,7 +271,7 @@ class Controller:
                     if config.policy != fleet.config.policy:
                         log.info("fleet generation %d kept for %s: a policy change only (%s)", fleet.generation,
                                  client, _policy_change(fleet.config.policy, config.policy))
-                    return P.FleetHandle(fleet.generation, config, fleet.pids), None
+                    return P.FleetHandle(fleet.generation, config, fleet.pids, fleet.plan_for(config.policy)), None
                 replaced = None
                 if fleet is not None:
                     if fleet.alive():
@@ -281,7 +282,8 @@ class Controller:
                         self._teardown(fleet, "lost", graceful=False)
                     self.fleet = None
                 self.fleet = self._start_fleet(config, f"configure from {client}")
-                return P.FleetHandle(self.fleet.generation, config, self.fleet.pids), replaced
+                return (P.FleetHandle(self.fleet.generation, config, self.fleet.pids,
+                                      self.fleet.plan_for(config.policy)), replaced)
         finally:
             with self.state_lock:
                 self.current_job = self.current_client = None
@@ -312,14 +314,15 @@ class Controller:
             final = self._run_job(conn, handle, spec, client)
         except BaseException as exc:  # a bug: the client still gets an answer, the job lock is released
             log.exception("job %s failed in the controller", spec.job_id)
-            final = _error(spec, f"the controller failed running the job: {type(exc).__name__}: {exc}", "error")
+            final = _error(spec, f"the controller failed running the job: {type(exc).__name__}: {exc}",
+                           P.ErrorKind.ERROR)
         finally:
             with self.state_lock:
                 self.current_job = self.current_kind = self.current_client = None
             self.job_lock.release()
         if final["event"] == "result":
             outcome = "done"
-        elif final["kind"] == "cancelled":
+        elif final["kind"] == P.ErrorKind.CANCELLED:
             outcome = "cancelled"
         else:
             outcome = f"{final['kind']}{' (fleet lost)' if final['fleet_lost'] else ''}: {final['message']}"
@@ -327,7 +330,7 @@ class Controller:
         log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
         # released first: a client submitting again the moment it reads this answer finds the fleet free
         if not _send_quiet(conn, final) and final["event"] == "result":
-            P.free_frames(final["result"])  # the client went away: nobody will read (and unlink) the frames
+            free_frames(final["result"])  # the client went away: nobody will read (and unlink) the frames
             log.info("job %s: its client had gone; its frames were freed", spec.job_id)
 
     def _run_job(self, conn, handle: P.FleetHandle, spec: P.JobSpec, client: str) -> dict:
@@ -343,7 +346,7 @@ class Controller:
         if fleet is not None and fleet.alive() and fleet.identity != handle.config.identity:
             return _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was rebuilt "
                                 f"with another configuration (generation {fleet.generation}); load the checkpoint "
-                                f"again", "stale_handle")
+                                f"again", P.ErrorKind.STALE_HANDLE)
         # a live fleet of the handle's identity serves it (under the handle's policy), also one rebuilt after a
         # failure (generation + 1): the model is the same. A lost fleet is started again with the handle's config.
         if fleet is None or not fleet.alive():
@@ -375,7 +378,7 @@ class Controller:
             stopped_by = self.stopped_by
             if stopped_by is not None and (exc.fleet_lost or isinstance(exc, P.JobCancelled)):
                 return _error(spec, f"the fleet was stopped while this job ran ({stopped_by}): the job did not "
-                                    f"finish", "fleet_stopped", fleet_lost=True)
+                                    f"finish", P.ErrorKind.FLEET_STOPPED, fleet_lost=True)
             if exc.fleet_lost:
                 self.last_failure = self.lost_reason = message
                 log.warning("fleet generation %d lost during job %s: %s", fleet.generation, spec.job_id, message)
@@ -424,8 +427,8 @@ def _parse(data: bytes) -> dict | str:
 
 def _protocol_error(message: str) -> dict:
     """An answer both client paths read: a request reply (`ok`/`error`) and a job's final event (`event`)."""
-    return {"ok": False, "error": message, "event": "error", "job_id": None, "message": message, "kind": "protocol",
-            "fleet_lost": False, "details": {}}
+    return {"ok": False, "error": message, "event": "error", "job_id": None, "message": message,
+            "kind": P.ErrorKind.PROTOCOL.value, "fleet_lost": False, "details": {}}
 
 
 def check_config(config: P.FleetConfig) -> None:
@@ -435,8 +438,9 @@ def check_config(config: P.FleetConfig) -> None:
     minimum, … — is checked when the `FleetIdentity` / `FleetPolicy` is built.)
 
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
+    # header reads and the degree rule only: neither diffusers nor a model class is imported here
     from .models.loader import CheckpointError, SafetensorsFile, transformer_prefix
-    from .parallel.plan import check_requested_degree
+    from .parallel.degrees import check_requested_degree
     from .validation import ValidationError
 
     for what, path in (("checkpoint", config.checkpoint), ("upscaler", config.upscaler),
@@ -444,7 +448,7 @@ def check_config(config: P.FleetConfig) -> None:
                        ("text_projection", config.text_projection)):
         if path and Path(path).is_dir():
             raise P.ControllerError(f"{what}: {path} is a directory, not a file: give the .safetensors file in it",
-                                    kind="validation")
+                                    kind=P.ErrorKind.VALIDATION)
     try:
         header = SafetensorsFile(config.checkpoint)
         transformer_prefix(header)
@@ -452,7 +456,7 @@ def check_config(config: P.FleetConfig) -> None:
             heads = int(header.config().get("transformer", {}).get("num_attention_heads", 32))
             check_requested_degree(heads, config.sp_degree, config.world_size)
     except (ValidationError, CheckpointError, FileNotFoundError) as exc:
-        raise P.ControllerError(str(exc), kind="validation") from None
+        raise P.ControllerError(str(exc), kind=P.ErrorKind.VALIDATION) from None
 
 
 def _policy_change(old: P.FleetPolicy, new: P.FleetPolicy) -> str:
@@ -461,9 +465,11 @@ def _policy_change(old: P.FleetPolicy, new: P.FleetPolicy) -> str:
                      if getattr(old, f.name) != getattr(new, f.name))
 
 
-def _error(spec: P.JobSpec, message: str, kind: str, fleet_lost: bool = False, details: dict | None = None) -> dict:
-    return {"event": "error", "job_id": spec.job_id, "message": message, "kind": kind, "fleet_lost": fleet_lost,
-            "details": details or {}}
+def _error(spec: P.JobSpec, message: str, kind: P.ErrorKind, fleet_lost: bool = False,
+           details: dict | None = None) -> dict:
+    """A job's final error event; `kind` travels as its plain string value."""
+    return {"event": "error", "job_id": spec.job_id, "message": message, "kind": P.ErrorKind(kind).value,
+            "fleet_lost": fleet_lost, "details": details or {}}
 
 
 def _send_quiet(conn, event: dict) -> bool:

@@ -29,9 +29,9 @@ BATCH_MODES = ("auto", "on", "off")
 (per-rank video tokens ≤ `BATCH_TOKENS`, and the extra activations fit in free memory), "on" whenever possible
 (CPU too: the tests), "off" never."""
 BATCH_TOKENS = 4096
-"""Above this many video tokens per rank a batch of passes pays nothing on an H200 (measured per pass, 4 passes:
-0.79× eager / 0.89× graphed at 1,536 tokens, 0.94× / 0.96× at 3,520, 1.01× at 6,144, 1.06× at 14,080:
-bench/results/speed_h200.txt), while its activations grow with the pass count."""
+"""Per-rank video tokens above which "auto" runs the passes one by one: above it a batch of passes is no faster on an
+H200 while its activations grow with the pass count (source: bench/results/speed_h200.txt, "guidance passes at
+W = 1"; the figures are quoted in bench/results/docstring_figures.md)."""
 ACTIVATION_BYTES_PER_TOKEN = 10 * 4096 * 2
 """Rough live activations of one LTX-2 block forward per video token (the feed-forward's 4× hidden plus a few
 hidden-size tensors, bf16): what a batch of P passes needs beyond one forward, times P − 1, with a 2× margin."""

@@ -21,8 +21,11 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from .protocol import (INLINE_JOBS, JOB_STAGES, SHM_DIR, ControllerError, FleetConfig, FleetPolicy, JobCancelled,
-                       JobSpec, free_frames, send_inline, unlink_shm)
+from .frames import frames_ref, free_frames, remove_orphans
+from .parallel.degrees import top_sp_degree, valid_sp_degrees
+from .protocol import (INLINE_JOBS, JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPlan, FleetPolicy,
+                       JobCancelled, JobDone, JobFailed, JobProgress, JobSpec, JobStopped, RunJob, StopWorker,
+                       WorkerInitError, WorkerMessage, WorkerReady, send_inline)
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -80,6 +83,7 @@ class Fleet:
         self.pids = tuple(p.pid for p in self.processes)
         self.open_counts: list[int] = [0] * self.world_size
         self.load_seconds = 0.0
+        self.heads: int | None = None  # the loaded transformer's attention heads (`WorkerReady`)
         self.lost: str | None = None
         # frames blocks handed to clients lately (theirs to unlink); any other block of this fleet's workers left in
         # /dev/shm at teardown is an orphan (e.g. written by rank 0 of a job another rank's death ended)
@@ -98,14 +102,16 @@ class Fleet:
                 self._fail(f"fleet start timed out after {self.config.init_timeout_s:g} s; ranks {missing} did not "
                            f"report ready")
             for rank, message in self._receive(remaining):
-                if message[0] == "ready":
+                if isinstance(message, WorkerReady):
                     ready.add(rank)
-                    self.open_counts[rank] = message[3]
-                    self.load_seconds = max(self.load_seconds, message[4])
-                elif message[0] == "init_error":
-                    self._fail(f"rank {rank} failed to start: {message[2]}", details={"traceback": message[3]})
+                    self.open_counts[rank] = message.open_count
+                    self.load_seconds = max(self.load_seconds, message.load_seconds)
+                    self.heads = message.heads
+                elif isinstance(message, WorkerInitError):
+                    self._fail(f"rank {rank} failed to start: {message.error}",
+                               details={"traceback": message.traceback})
 
-    def _receive(self, timeout: float) -> list[tuple[int, tuple]]:
+    def _receive(self, timeout: float) -> list[tuple[int, WorkerMessage]]:
         """Messages from the workers within `timeout`; a dead worker raises ControllerError."""
         by_object = {id(c): r for r, c in enumerate(self.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self.processes)}
@@ -136,15 +142,15 @@ class Fleet:
             try:
                 while conn.poll(0):
                     message = conn.recv()
-                    if message[0] == "progress":
-                        self._stage = (message[2], message[3], message[4])
+                    if isinstance(message, JobProgress):
+                        self._stage = (message.stage, message.step, message.total)
             except (EOFError, OSError):
                 continue
 
     def _fail(self, message: str, details: dict | None = None) -> None:
         self.lost = message
         self.shutdown(graceful=False)
-        raise ControllerError(message, kind="fleet_lost", fleet_lost=True, details=details)
+        raise ControllerError(message, kind=ErrorKind.FLEET_LOST, fleet_lost=True, details=details)
 
     def alive(self) -> bool:
         return self.lost is None and all(p.is_alive() for p in self.processes)
@@ -161,17 +167,27 @@ class Fleet:
                         f"the fleet was idle")
         return None
 
+    def plan_for(self, policy: FleetPolicy) -> FleetPlan:
+        """The split this fleet's jobs get under `policy`: the heads its workers loaded (`WorkerReady.heads`) and the
+        degree rule the workers apply (`parallel/degrees.py top_sp_degree`, as `ParallelPlan.set_policy`). Raises
+        ValidationError for a degree the heads do not allow (the controller's `check_config` refuses it first)."""
+        heads = self.heads or 1
+        if not self.identity.sequence_parallel:
+            return FleetPlan(self.world_size, heads, 1, (1,), sequence_parallel=False)
+        return FleetPlan(self.world_size, heads, top_sp_degree(heads, self.world_size, policy.sp_degree),
+                         tuple(valid_sp_degrees(heads, self.world_size)), set_by_policy=policy.sp_degree is not None)
+
     def describe(self) -> dict:
         """The fleet for status answers and for saying what a stop or a rebuild replaces."""
         return {"generation": self.generation, "devices": list(self.config.devices), "worker_pids": list(self.pids),
                 "checkpoint": self.config.checkpoint, "load_seconds": self.load_seconds,
-                "policy": dataclasses.asdict(self.policy)}
+                "policy": dataclasses.asdict(self.policy), "plan": dataclasses.asdict(self.plan_for(self.policy))}
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:
             for conn in self.conns:
                 try:
-                    conn.send(("stop",))
+                    conn.send(StopWorker())
                 except OSError:
                     pass
             deadline = time.monotonic() + STOP_GRACE_S
@@ -189,14 +205,8 @@ class Fleet:
         self._remove_orphan_frames()
 
     def _remove_orphan_frames(self) -> None:
-        """Unlink /dev/shm frames blocks this fleet's workers wrote that no client was handed (`send_frames` names
-        them `ltx2mgpu-<worker pid>-<ns>`)."""
-        if not os.path.isdir(SHM_DIR):
-            return
-        prefixes = tuple(f"ltx2mgpu-{pid}-" for pid in self.pids)
-        for name in os.listdir(SHM_DIR):
-            if name.startswith(prefixes) and name not in self.handed_out:
-                unlink_shm(name)
+        """Unlink the /dev/shm frames blocks this fleet's workers wrote that no client was handed."""
+        remove_orphans(self.pids, keep=self.handed_out)
 
     # ---- jobs ---------------------------------------------------------------------------------------------------
 
@@ -231,8 +241,9 @@ class Fleet:
             for r in results.values():  # e.g. rank 0's frames when another rank then died: nobody will read them
                 free_frames(r)
             raise
-        if isinstance(result, dict) and isinstance(result.get("frames"), dict):
-            self.handed_out.append(result["frames"]["name"])
+        ref = frames_ref(result)
+        if ref is not None:
+            self.handed_out.append(ref.name)
         return result
 
     def _run(self, spec: JobSpec, on_event: EventFn, results: dict[int, dict], policy: FleetPolicy) -> dict:
@@ -243,11 +254,11 @@ class Fleet:
         self._job_stage = JOB_STAGES.get(spec.kind, f"a {spec.kind} job")
         positions: dict[int, tuple[str, int]] = {}
         if spec.kind in INLINE_JOBS:
-            send_inline(self.conns, ("job", spec, policy))
+            send_inline(self.conns, RunJob(spec, policy))
         else:
             for conn in self.conns:
-                conn.send(("job", spec, policy))
-        errors: dict[int, tuple] = {}
+                conn.send(RunJob(spec, policy))
+        errors: dict[int, JobFailed] = {}
         cancelled: set[int] = set()
         last_progress = time.monotonic()
         last_steps = tuple(self.heartbeat[2 * r] for r in range(self.world_size))
@@ -257,24 +268,22 @@ class Fleet:
         error_grace = min(ERROR_GRACE_S, stall_timeout)
         while len(results) + len(errors) + len(cancelled) < self.world_size:
             for rank, message in self._receive(timeout=1.0):
-                kind = message[0]
-                if kind == "progress":
-                    _, _, stage, done, total = message
-                    self._stage = (stage, done, total)
-                    on_event({"event": "progress", "job_id": spec.job_id, "stage": stage, "step": done,
-                              "total": total})
+                if isinstance(message, JobProgress):
+                    self._stage = (message.stage, message.step, message.total)
+                    on_event({"event": "progress", "job_id": spec.job_id, "stage": message.stage,
+                              "step": message.step, "total": message.total})
                     last_progress = time.monotonic()
-                elif kind == "result":
-                    results[rank] = message[3]
-                elif kind == "cancelled":
+                elif isinstance(message, JobDone):
+                    results[rank] = message.result
+                elif isinstance(message, JobStopped):
                     cancelled.add(rank)
-                    positions[rank] = (message[3], message[4])
-                elif kind == "error":
+                    positions[rank] = (message.stage, message.step)
+                elif isinstance(message, JobFailed):
                     errors[rank] = message
-                    positions[rank] = (message[5], message[6])
+                    positions[rank] = (message.stage, message.step)
                     first_error_at = first_error_at or time.monotonic()
-                if kind in ("result", "cancelled", "error"):
-                    self.open_counts[rank] = message[-1]  # the worker's loader.OPEN_COUNT after the job
+                if isinstance(message, (JobDone, JobStopped, JobFailed)):
+                    self.open_counts[rank] = message.open_count  # the worker's loader.OPEN_COUNT after the job
             steps = tuple(self.heartbeat[2 * r] for r in range(self.world_size))
             if steps != last_steps:
                 last_steps, last_progress = steps, time.monotonic()
@@ -287,23 +296,26 @@ class Fleet:
             if len(cancelled) != self.world_size:
                 self._fail(f"cancel reached only ranks {sorted(cancelled)}; the fleet was torn down")
             stage, step = positions[0]
-            raise JobCancelled(f"job {spec.job_id} cancelled before {stage} step {step + 1}", kind="cancelled")
+            raise JobCancelled(f"job {spec.job_id} cancelled before {stage} step {step + 1}",
+                               kind=ErrorKind.CANCELLED)
         if errors:
             if len(errors) != self.world_size:
                 self._asymmetric_error(errors)
             rank0 = errors[0]
-            kind = "validation" if all(e[7] for e in errors.values()) else "job_error"
+            kind = ErrorKind.VALIDATION if all(e.bad_input for e in errors.values()) else ErrorKind.JOB_ERROR
             # bad input reads as in one process ("error: frames=10: …"); other errors keep their class name
-            message = rank0[4] if kind == "validation" else f"{rank0[3]}: {rank0[4]}"
-            raise ControllerError(message, kind=kind, details={"stage": rank0[5], "step": rank0[6],
-                                                               "error_type": rank0[3], "traceback": rank0[8]})
+            message = rank0.message if kind == ErrorKind.VALIDATION else f"{rank0.error_type}: {rank0.message}"
+            raise ControllerError(message, kind=kind, details={"stage": rank0.stage, "step": rank0.step,
+                                                               "error_type": rank0.error_type,
+                                                               "traceback": rank0.traceback})
         return results[0]
 
-    def _asymmetric_error(self, errors: dict[int, tuple]) -> None:
+    def _asymmetric_error(self, errors: dict[int, JobFailed]) -> None:
         rank, e = sorted(errors.items())[0]
         others = sorted(set(range(self.world_size)) - set(errors))
-        self._fail(f"rank {rank} failed during {e[5]} step {e[6]} with {e[3]}: {e[4]} (ranks {others} did not "
-                   f"fail; a collective would hang) — the fleet was torn down", details={"traceback": e[8]})
+        self._fail(f"rank {rank} failed during {e.stage} step {e.step} with {e.error_type}: {e.message} (ranks "
+                   f"{others} did not fail; a collective would hang) — the fleet was torn down",
+                   details={"traceback": e.traceback})
 
     def _stalled(self, steps: tuple[float, ...], stall_timeout: float) -> None:
         """A rank that stalls before a step boundary has begun fewer steps than those waiting for it there; when all

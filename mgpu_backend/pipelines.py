@@ -31,19 +31,8 @@ from .models.loader import LTX2Components
 from .parallel.decode import decode_tiles, decode_untiled, is_diffusion_decoder
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
 from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
+from .protocol import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
 
-DEFAULT_NEGATIVE_PROMPT = (
-    "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, grainy "
-    "texture, poor lighting, flickering, motion blur, distorted proportions, unnatural skin tones, deformed facial "
-    "features, asymmetrical face, missing facial features, extra limbs, disfigured hands, wrong hand count, "
-    "artifacts around text, inconsistent perspective, camera shake, incorrect depth of field, background too sharp, "
-    "background clutter, distracting reflections, harsh shadows, inconsistent lighting direction, color banding, "
-    "cartoonish rendering, 3D CGI look, unrealistic materials, uncanny valley effect, incorrect ethnicity, wrong "
-    "gender, exaggerated expressions, wrong gaze direction, mismatched lip sync, silent or muted audio, distorted "
-    "voice, robotic voice, echo, background noise, off-sync audio, incorrect dialogue, added dialogue, repetitive "
-    "speech, jittery movement, awkward pauses, incorrect timing, unnatural transitions, inconsistent framing, tilted "
-    "camera, flat lighting, inconsistent tone, cinematic oversaturation, stylized filters, or AI artifacts."
-)  # reference DEFAULT_NEGATIVE_PROMPT (ltx_pipelines/utils/constants.py)
 
 PIPELINES = ("two-stage", "distilled")
 SAMPLERS = ("euler", "euler_ancestral")
@@ -51,9 +40,10 @@ ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
 CancelFn = Callable[[str, int], bool]  # (stage, step about to run) -> stop now
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateRequest:
-    """One text/image-to-audio+video generation. Sizes in pixels, fps in frames per second."""
+    """One text/image-to-audio+video generation (the "generate" job's request). Sizes in pixels, fps in frames per
+    second."""
 
     prompt: str
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT

@@ -8,9 +8,13 @@ Client -> controller requests are dicts with an `op`:
 - `{"op": "ping"}` -> `{"ok": True, "pid": …}`
 - `{"op": "status"}` -> controller and fleet status (generation, devices, worker PIDs, busy job)
 - `{"op": "configure", "config": FleetConfig}` -> `{"ok": True, "handle": FleetHandle}` (same `identity`: the
-  running fleet is reused, whatever the policy; the handle carries the new policy, applied to each of its jobs)
+  running fleet is reused, whatever the policy; the handle carries the new policy, applied to each of its jobs, and
+  the `FleetPlan` the fleet computed for it)
 - `{"op": "submit", "handle": FleetHandle, "job": JobSpec}` -> a stream of events on the same connection, ending
-  with one `result` or `error` event (or a single `busy` event)
+  with one `result` or `error` event (or a single `busy` event). A job's payload is its kind's frozen request:
+  `EncodeTextRequest`, `NoopRequest`, `FramesRequest` here, `pipelines.GenerateRequest`, `forward.ForwardRequest` /
+  `PreprocessTextRequest` (the stage jobs "sample", "upscale", "decode" still take dicts: jobs/stages.py); frames in
+  a result come back as a `frames.FramesRef` (shared memory)
 - `{"op": "cancel", "job_id": str}`, `{"op": "shutdown_fleet"}`, `{"op": "stop"}`
 
 `configure` answers `replaced` (what a rebuild replaced: `describe_fleet` of the old fleet, or None) and `stop` /
@@ -20,11 +24,11 @@ and the nodes can say what they stopped. A request the controller cannot read (n
 and the connection stays; one longer than `MAX_MESSAGE_BYTES` is answered so and the connection is closed (its
 bytes were never read). The authentication handshake has `HANDSHAKE_TIMEOUT_S` and runs beside other clients.
 
-Error kinds (`ControllerError.kind`, the `kind` of an error event): "validation" (bad input, refused on every rank
-before work; the fleet stays), "job_error" (the same error on every rank; the fleet stays), "cancelled",
-"busy", "stale_handle", "fleet_lost" (a crash, stall or one-rank error tore the fleet down), "fleet_stopped" (a
-`stop` / `shutdown_fleet` from another client ended the running job), "protocol" (an unreadable request),
-"start_failed" / "not_running" (client side).
+Error kinds: `ErrorKind` (`ControllerError.kind`); on the wire (the `kind` of an error event or reply) its plain
+string value, e.g. "validation".
+
+Fleet <-> worker messages (each worker's pipe): `RunJob` / `StopWorker` to the workers; `WorkerReady` /
+`WorkerInitError` once, then per job `JobProgress` (rank 0) and one of `JobDone`, `JobStopped`, `JobFailed`.
 """
 from __future__ import annotations
 
@@ -37,14 +41,12 @@ import stat
 import sys
 import tempfile
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 SOCKET_NAME = "controller.sock"
 KEY_NAME = "authkey"
-
-# where POSIX shared memory lives on Linux (`shm_open` names are files here); frames are handed back through it
-SHM_DIR = "/dev/shm"
 
 # what each job kind is doing before its first progress event (error, worker-death and stall reports name it)
 JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "upscale", "decode": "decode",
@@ -79,9 +81,18 @@ _PACKAGE = __name__.rpartition(".")[0]
 class _Unpickler(pickle.Unpickler):
     """Resolves this package's classes whatever name the sender imported it under: ComfyUI imports the pack under a
     mangled module name, while the controller runs it as `mgpu_backend` (a `FleetConfig` pickled as
-    `<mangled>.protocol.FleetConfig` is found here as `<this package>.protocol.FleetConfig`, and back)."""
+    `<mangled>.protocol.FleetConfig` is found here as `<this package>.protocol.FleetConfig`, and back). A class of
+    this package always resolves to this copy, even where a second copy is importable (the pack also pip-installed):
+    `isinstance` against this package's classes (e.g. `Pickled`, `FleetHandle`) must hold."""
 
     def find_class(self, module: str, name: str):
+        parts = module.split(".")
+        if "mgpu_backend" in parts:  # this package's class: take it from this copy of the package, never another
+            own = ".".join([_PACKAGE, *parts[parts.index("mgpu_backend") + 1:]])
+            try:
+                return getattr(importlib.import_module(own), name)
+            except (ImportError, AttributeError):
+                pass
         try:
             return super().find_class(module, name)
         except (ImportError, AttributeError):
@@ -111,30 +122,6 @@ def recv(conn) -> Any:
 def loads(data: bytes) -> Any:
     """Unpickle a message (this package's classes found whatever name the sender imported it under)."""
     return _Unpickler(io.BytesIO(data)).load()
-
-
-def unlink_shm(name: str) -> None:
-    """Free a shared-memory block of frames by name (a /dev/shm file on Linux); one already gone is fine."""
-    if os.path.isdir(SHM_DIR):
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
-        return
-    from multiprocessing import shared_memory
-
-    try:
-        shm = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        return
-    shm.close()
-    shm.unlink()
-
-
-def free_frames(result: Any) -> None:
-    """Free the frames block a job result refers to (`{"frames": {"name", …}}`), for a result nobody will read."""
-    if isinstance(result, dict) and isinstance(result.get("frames"), dict):
-        unlink_shm(result["frames"]["name"])
 
 
 def default_runtime_dir(name: str = "ltx2-multigpu") -> Path:
@@ -273,8 +260,8 @@ class FleetPolicy:
     init_timeout_s: how long a fleet start may take (used when the controller starts a fleet for this policy).
     stall_timeout_s: a job with no step progress for this long is declared hung and the fleet torn down.
     compile: regional torch.compile of the transformer blocks (mgpu_backend/compile.py): the first job at each size
-        pays the compile (~10-20 s per shape on an H200), later jobs run ~10 % faster. Switching it off restores
-        the eager blocks (`compile.uncompile_blocks`; dynamo keeps its cache for a later switch on).
+        pays the compile, later jobs run faster (README, "compile"). Switching it off restores the eager blocks
+        (`compile.uncompile_blocks`; dynamo keeps its cache for a later switch on).
 
     Raises ValueError (naming the field, the value and the rule) on construction.
     """
@@ -363,13 +350,36 @@ class FleetConfig:
 
 
 @dataclass(frozen=True)
+class FleetPlan:
+    """How a fleet splits its stages under one policy, as the fleet computed it (`Fleet.plan_for`, from the heads of
+    the transformer its workers loaded and the rule in `parallel/degrees.py`): shown by Load Checkpoint (MGPU).
+
+    world_size: ranks in the fleet. heads: the transformer's video attention heads.
+    sp_degree: the largest sequence-parallel degree a stage may use (ranks 0..sp_degree-1); 1 when the fleet runs
+        without a parallel plan (`FleetIdentity.sequence_parallel` False). Each stage's own split (fewer ranks,
+        guidance passes over ranks, one GPU) is chosen per job and reported with the job.
+    valid_degrees: the degrees the heads allow on this fleet (`FleetPolicy.sp_degree` must be one of them).
+    set_by_policy: `sp_degree` is the policy's explicit `FleetPolicy.sp_degree`, not the largest valid one.
+    """
+
+    world_size: int
+    heads: int
+    sp_degree: int
+    valid_degrees: tuple[int, ...]
+    set_by_policy: bool = False
+    sequence_parallel: bool = True
+
+
+@dataclass(frozen=True)
 class FleetHandle:
     """A client's reference to a fleet; `generation` detects a handle from an older fleet. `config` is the client's
-    own: its `identity` names the fleet, its `policy` is applied to each job the handle submits."""
+    own: its `identity` names the fleet, its `policy` is applied to each job the handle submits. `plan`: the split
+    the fleet computed for that policy (None from a controller that predates it)."""
 
     generation: int
     config: FleetConfig
     worker_pids: tuple[int, ...] = ()
+    plan: FleetPlan | None = None
 
 
 @dataclass
@@ -431,12 +441,211 @@ class Pickled:
         return loads(self.data)
 
 
-class ControllerError(RuntimeError):
-    """An error reported by the controller or the fleet (message says rank, stage, step where known)."""
+# ---- job requests (the payload of a `JobSpec`; the stage jobs' and the native MODEL's have their own modules) ----
 
-    def __init__(self, message: str, kind: str = "error", fleet_lost: bool = False, details: dict | None = None):
+# the reference's negative prompt: the default of the generate request and of Text Encode (MGPU)
+DEFAULT_NEGATIVE_PROMPT = (
+    "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, grainy "
+    "texture, poor lighting, flickering, motion blur, distorted proportions, unnatural skin tones, deformed facial "
+    "features, asymmetrical face, missing facial features, extra limbs, disfigured hands, wrong hand count, "
+    "artifacts around text, inconsistent perspective, camera shake, incorrect depth of field, background too sharp, "
+    "background clutter, distracting reflections, harsh shadows, inconsistent lighting direction, color banding, "
+    "cartoonish rendering, 3D CGI look, unrealistic materials, uncanny valley effect, incorrect ethnicity, wrong "
+    "gender, exaggerated expressions, wrong gaze direction, mismatched lip sync, silent or muted audio, distorted "
+    "voice, robotic voice, echo, background noise, off-sync audio, incorrect dialogue, added dialogue, repetitive "
+    "speech, jittery movement, awkward pauses, incorrect timing, unnatural transitions, inconsistent framing, tilted "
+    "camera, flat lighting, inconsistent tone, cinematic oversaturation, stylized filters, or AI artifacts."
+)  # reference DEFAULT_NEGATIVE_PROMPT (ltx_pipelines/utils/constants.py)
+
+
+@dataclass(frozen=True)
+class EncodeTextRequest:
+    """The "encode_text" job (jobs/text.py): prompts -> ComfyUI CONDITIONING on the fleet.
+
+    prompts: one or more prompts (a single string is taken as one).
+    mode: Gemma's layout for this job (`GEMMA_MODES`); None = the fleet's `FleetIdentity.gemma_mode` (another mode
+        reloads Gemma).
+    unload: free Gemma after this encode; None = the fleet's `FleetIdentity.gemma_unload`.
+    frame_rate: frames per second written into the conditioning (None: not written).
+
+    Raises ValueError (naming the field, the value and the rule) on construction.
+    """
+
+    prompts: tuple[str, ...]
+    mode: str | None = None
+    unload: bool | None = None
+    frame_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        prompts = (self.prompts,) if isinstance(self.prompts, str) else self.prompts
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"encode_text: 'prompts' must be a non-empty list of strings, got {self.prompts!r:.120}")
+        object.__setattr__(self, "prompts", tuple(prompts))
+        if self.mode is not None and self.mode not in GEMMA_MODES:
+            raise ValueError(f"encode_text: mode={self.mode!r}: choose one of {', '.join(GEMMA_MODES)} or None (the "
+                             f"fleet's)")
+        if self.unload is not None and not isinstance(self.unload, bool):
+            raise ValueError(f"encode_text: unload={self.unload!r} must be True, False or None (the fleet's)")
+        if self.frame_rate is not None and (isinstance(self.frame_rate, bool) or not isinstance(
+                self.frame_rate, (int, float)) or self.frame_rate <= 0):
+            raise ValueError(f"encode_text: frame_rate={self.frame_rate!r} must be a positive number")
+
+
+@dataclass(frozen=True)
+class NoopRequest:
+    """The "noop" job (jobs/diagnostics.py: controller overhead, busy / cancel tests): `steps` synchronized,
+    cancellable steps of `sleep_s` seconds each; a `[4]` float32 tensor back. `carry` travels with the job and is
+    not read (transport benchmarks). Raises ValueError on construction for a negative or non-integer count."""
+
+    steps: int = 0
+    sleep_s: float = 0.0
+    carry: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"noop: steps={self.steps!r} must be a non-negative integer")
+        if isinstance(self.sleep_s, bool) or not isinstance(self.sleep_s, (int, float)) or self.sleep_s < 0:
+            raise ValueError(f"noop: sleep_s={self.sleep_s!r} must be a non-negative number of seconds")
+
+
+@dataclass(frozen=True)
+class FramesRequest:
+    """The "frames" job (jobs/diagnostics.py: the frame hand-back benchmark): rank 0 hands back float32 frames of
+    `shape` `[F, H, W, 3]` (frame i filled with i / F) through shared memory (`frames.py`). Raises ValueError on
+    construction for a shape that is not four non-negative integers."""
+
+    shape: tuple[int, int, int, int]
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.shape, (tuple, list)) or len(self.shape) != 4
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.shape)):
+            raise ValueError(f"frames: shape={self.shape!r} must be four non-negative integers [F, H, W, 3]")
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+
+# ---- fleet <-> worker messages (each worker's pipe; `multiprocessing.Connection` pickles them) ---------------------
+
+@dataclass(frozen=True)
+class RunJob:
+    """Fleet -> every worker: run `spec` under `policy` (`WorkerState.apply_policy` first; no process restarts)."""
+
+    spec: JobSpec
+    policy: FleetPolicy
+
+
+@dataclass(frozen=True)
+class StopWorker:
+    """Fleet -> worker: leave the job loop, destroy the process group and exit."""
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Worker -> fleet, once: the process group is up and the weights are loaded. `open_count`: checkpoint opens so
+    far (`models.loader.OPEN_COUNT`); `load_seconds`: from joining the group to ready; `heads`: the loaded
+    transformer's attention heads (the SP degree must divide them; `FleetPlan`)."""
+
+    rank: int
+    pid: int
+    open_count: int
+    load_seconds: float
+    heads: int
+
+
+@dataclass(frozen=True)
+class WorkerInitError:
+    """Worker -> fleet, instead of `WorkerReady`: the start failed (`error` = "Type: message")."""
+
+    rank: int
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """Rank 0 -> fleet: `step` of `total` steps of `stage` done (forwarded to the client as a progress event)."""
+
+    job_id: str
+    stage: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """Worker -> fleet: the job ended on this rank; `result` is rank 0's answer (other ranks send `{}`).
+    `open_count` is this rank's `models.loader.OPEN_COUNT` after the job (a re-read checkpoint shows in status)."""
+
+    job_id: str
+    rank: int
+    result: Any
+    open_count: int
+
+
+@dataclass(frozen=True)
+class JobStopped:
+    """Worker -> fleet: the job was cancelled on this rank before `step` of `stage` (every rank stops at the same
+    step boundary)."""
+
+    job_id: str
+    rank: int
+    stage: str
+    step: int
+    open_count: int
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """Worker -> fleet: the job raised on this rank during `step` of `stage`. `error_type` is the exception's class
+    name, `message` its text; `bad_input`: a ValidationError / FileNotFoundError (refused before work: reported as
+    kind "validation")."""
+
+    job_id: str
+    rank: int
+    error_type: str
+    message: str
+    stage: str
+    step: int
+    bad_input: bool
+    traceback: str
+    open_count: int
+
+
+WorkerMessage = WorkerReady | WorkerInitError | JobProgress | JobDone | JobStopped | JobFailed
+
+
+class ErrorKind(str, Enum):
+    """What kind of failure a `ControllerError` (or an error event) is. A `str` enum (`enum.StrEnum` needs Python
+    3.11): a member equals and hashes as its value (`ErrorKind.BUSY == "busy"`), prints as it, and the value is what
+    travels on the wire."""
+
+    VALIDATION = "validation"  # bad input, refused on every rank before work; the fleet stays
+    JOB_ERROR = "job_error"  # the same error on every rank; the fleet stays
+    CANCELLED = "cancelled"  # every rank stopped at the same step boundary; the fleet stays
+    BUSY = "busy"  # another job runs (answered at once, never queued)
+    STALE_HANDLE = "stale_handle"  # the handle names a fleet another configuration replaced
+    FLEET_LOST = "fleet_lost"  # a crash, stall or one-rank error tore the fleet down
+    FLEET_STOPPED = "fleet_stopped"  # a `stop` / `shutdown_fleet` from another client ended the running job
+    PROTOCOL = "protocol"  # an unreadable request
+    START_FAILED = "start_failed"  # (client side) the controller did not start
+    NOT_RUNNING = "not_running"  # (client side) no controller answers
+    ERROR = "error"  # anything else (a failure inside the controller itself)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class ControllerError(RuntimeError):
+    """An error reported by the controller or the fleet (message says rank, stage, step where known).
+
+    `kind`: an `ErrorKind` or its string value (converted; ValueError for an unknown one)."""
+
+    def __init__(self, message: str, kind: ErrorKind | str = ErrorKind.ERROR, fleet_lost: bool = False,
+                 details: dict | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind = ErrorKind(kind)
         self.fleet_lost = fleet_lost
         self.details = details or {}
 

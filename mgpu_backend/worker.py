@@ -2,7 +2,8 @@
 
 Every rank runs the same job code in lockstep (SPMD). Cancel is decided by rank 0 and applied by all ranks at the
 same step boundary: before each denoising step rank 0 broadcasts its cancel flag, so no collective is ever left
-half-entered. Rank 0 streams progress and returns the result: latents by value, frames through shared memory.
+half-entered. Rank 0 streams progress and returns the result: latents by value, frames through shared memory
+(`frames.py`).
 """
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .protocol import INLINE_JOBS, JOB_STAGES, SHM_DIR, FleetIdentity, FleetPolicy, JobSpec, Pickled, send_inline
+from .protocol import (INLINE_JOBS, JOB_STAGES, FleetIdentity, FleetPolicy, JobDone, JobFailed, JobProgress, JobSpec,
+                       JobStopped, Pickled, RunJob, StopWorker, WorkerInitError, WorkerReady, send_inline)
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
@@ -58,7 +59,7 @@ class JobContext:
     def progress(self, stage: str, done: int, total: int) -> None:
         self.stage, self.step = stage, done
         if self.rank == 0:
-            self.conn.send(("progress", self.job_id, stage, done, total))
+            self.conn.send(JobProgress(self.job_id, stage, done, total))
 
     def step_boundary(self, stage: str, step: int) -> bool:
         """Called by every rank before each step; returns True (on every rank) when the job is cancelled."""
@@ -92,43 +93,6 @@ class JobContext:
             from .models import loader
 
             loader.OPEN_COUNT += 1
-
-
-def send_frames(frames: torch.Tensor) -> dict:
-    """Put `[F, H, W, 3]` float32 frames in a new shared-memory block; the client unlinks it after reading.
-
-    Returns `{"name", "shape", "dtype"}` (`name` as `multiprocessing.shared_memory` names it). On Linux the block is a
-    file in /dev/shm written with `os.write` — the kernel allocates and fills its pages without a fault per 4 KiB
-    page (measured, 0.75 GiB: 0.46 s against 0.84-1.1 s through a fresh mapping); elsewhere a `SharedMemory`
-    mapping. Either way the block is not registered with this process's resource tracker, so the
-    persistent worker does not unlink it when it exits. Raises OSError when /dev/shm has no room (the message says
-    how much was needed).
-    """
-    array = frames.contiguous().numpy()
-    if os.path.isdir(SHM_DIR):
-        name = f"ltx2mgpu-{os.getpid()}-{time.monotonic_ns()}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        try:
-            view, done = memoryview(array.reshape(-1)).cast("B"), 0  # flat: an empty clip has a 0 in its shape
-            while done < len(view):
-                done += os.write(fd, view[done:done + (1 << 30)])
-        except OSError as exc:
-            os.unlink(path)
-            raise OSError(exc.errno, f"cannot hand back {array.nbytes / 2**30:.2f} GiB of frames through {SHM_DIR}: "
-                                     f"{exc.strerror} (make /dev/shm larger, e.g. docker --shm-size)") from None
-        finally:
-            os.close(fd)
-        return {"name": name, "shape": tuple(array.shape), "dtype": str(array.dtype)}
-    shm = shared_memory.SharedMemory(create=True, size=max(1, array.nbytes))
-    try:
-        view = __import__("numpy").ndarray(array.shape, dtype=array.dtype, buffer=shm.buf)
-        view[...] = array
-        del view
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (documented workaround, py<3.13)
-        return {"name": shm.name, "shape": tuple(array.shape), "dtype": str(array.dtype)}
-    finally:
-        shm.close()
 
 
 class WorkerState:
@@ -189,8 +153,9 @@ class WorkerState:
 
 def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, conn, cancel_flag,
                 heartbeat) -> None:
-    """Entry point of a spawned worker. Reports ("ready", …) or ("init_error", …), then serves jobs: each
-    ("job", JobSpec, FleetPolicy) message runs under its policy (`WorkerState.apply_policy`)."""
+    """Entry point of a spawned worker. Reports `WorkerReady` or `WorkerInitError`, then serves jobs: each `RunJob`
+    runs under its policy (`WorkerState.apply_policy`) and ends with `JobDone`, `JobStopped` or `JobFailed`; a
+    `StopWorker` ends the loop."""
     from .jobs import load_all
     from .models import loader
     from .sampling import SamplingCancelled
@@ -209,20 +174,20 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
                                 world_size=config.world_size, timeout=timedelta(seconds=config.collective_timeout_s))
         state = WorkerState(config, policy, rank, device)
         dist.barrier()
-        conn.send(("ready", rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0))
+        heads = int(state.components.transformer.config.num_attention_heads)
+        conn.send(WorkerReady(rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0, heads))
     except Exception as exc:  # reported to the controller, which tears the fleet down
-        conn.send(("init_error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        conn.send(WorkerInitError(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
 
     while True:
         message = conn.recv()
-        if message[0] == "stop":
+        if isinstance(message, StopWorker):
             break
-        if message[0] == "status":
-            conn.send(("status", rank, os.getpid(), loader.OPEN_COUNT))
-            continue
-        spec: JobSpec = message[1]
-        job_policy: FleetPolicy = message[2]
+        if not isinstance(message, RunJob):
+            raise TypeError(f"worker rank {rank}: unknown message {type(message).__name__} from the fleet")
+        spec: JobSpec = message.spec
+        job_policy: FleetPolicy = message.policy
         ctx = JobContext(rank, config.world_size, device, spec.job_id, conn, cancel_flag, heartbeat, spec.fault,
                          plan=state.plan, stage=JOB_STAGES.get(spec.kind, spec.kind))
         # every job-end message ends with this rank's OPEN_COUNT (a re-read checkpoint would show in status())
@@ -241,17 +206,17 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
             result = jobs[spec.kind](state, spec.payload.load() if pickled else spec.payload, ctx)
             if pickled and rank == 0:
                 result = Pickled.of(result)
-            message = ("result", spec.job_id, rank, result, loader.OPEN_COUNT)
+            message = JobDone(spec.job_id, rank, result, loader.OPEN_COUNT)
             if spec.kind in INLINE_JOBS:  # by value (protocol.INLINE_JOBS); rank 0's reply is the only large one
                 send_inline((conn,), message)
             else:
                 conn.send(message)
         except SamplingCancelled:
-            conn.send(("cancelled", spec.job_id, rank, ctx.stage, ctx.step, loader.OPEN_COUNT))
+            conn.send(JobStopped(spec.job_id, rank, ctx.stage, ctx.step, loader.OPEN_COUNT))
         except Exception as exc:
-            conn.send(("error", spec.job_id, rank, type(exc).__name__, str(exc), ctx.stage, ctx.step,
-                       isinstance(exc, (ValidationError, FileNotFoundError)), traceback.format_exc(),
-                       loader.OPEN_COUNT))
+            conn.send(JobFailed(spec.job_id, rank, type(exc).__name__, str(exc), ctx.stage, ctx.step,
+                                isinstance(exc, (ValidationError, FileNotFoundError)), traceback.format_exc(),
+                                loader.OPEN_COUNT))
     try:
         dist.destroy_process_group()
     finally:

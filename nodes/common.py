@@ -143,7 +143,7 @@ def run_job(handle: P.FleetHandle, kind: str, payload: Any, *, node_id: str | No
             raise NodeError(f"{what}: {exc} (another client — a CLI run or a second ComfyUI — is using the fleet; "
                             f"queue again when it is done)") from None
         except P.ControllerError as exc:
-            if exc.kind == "stale_handle" and attempt == 1:
+            if exc.kind == P.ErrorKind.STALE_HANDLE and attempt == 1:
                 log.info("%s: %s — configuring the fleet again from the handle", what, exc)
                 try:
                     handle = c.configure(handle.config)

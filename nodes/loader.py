@@ -1,7 +1,6 @@
 """Load Checkpoint (MGPU): resolve model files from ComfyUI's folders, start (or reuse) the worker fleet, show the plan."""
 from __future__ import annotations
 
-import json
 import os
 
 import folder_paths
@@ -69,18 +68,6 @@ def _optional(name: str, *folders: str) -> str | None:
     return None if name in (None, "", NONE) else _resolve(name, *folders)
 
 
-def _heads(checkpoint: str) -> int:
-    """Video attention heads from the checkpoint's `config` metadata (32 for the released models)."""
-    try:
-        from safetensors import safe_open
-
-        with safe_open(checkpoint, framework="pt") as f:
-            meta = f.metadata() or {}
-        return int(json.loads(meta.get("config", "{}")).get("transformer", {}).get("num_attention_heads", 32))
-    except Exception:  # noqa: BLE001 - the plan is informative; the workers load (and check) the file
-        return 32
-
-
 def _free_memory(devices: tuple[str, ...]) -> str:
     import torch
 
@@ -110,22 +97,26 @@ def _device_inputs() -> list:
 
 
 def describe_plan(handle: P.FleetHandle) -> str:
+    """The node's text: the fleet and the split it computed for this handle's policy (`handle.plan`, a
+    `protocol.FleetPlan`: nothing is re-derived here), the weights and the free memory."""
     cfg = handle.config
     w = cfg.world_size
-    heads = _heads(cfg.checkpoint)
-    largest = max(d for d in range(1, w + 1) if heads % d == 0)
-    degree = cfg.sp_degree or largest
     backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
     per_job = ("each stage's split - tokens over ranks, guidance passes over ranks, or one GPU - is chosen per job "
                "and shown by the SP Sampler")
-    if degree == w:
-        sp = f"sequence parallel up to degree {degree} ({per_job})"
-    elif cfg.sp_degree is not None:
-        sp = (f"sequence parallel up to degree {degree} on ranks 0-{degree - 1}, set by sp_degree ({per_job}; "
-              f"changing it keeps the fleet)")
+    plan = getattr(handle, "plan", None)
+    if plan is None:
+        sp = "parallel plan: not reported by the running controller (stop it to start the current one)"
+    elif not plan.sequence_parallel:
+        sp = "no parallel plan (sequence_parallel off): every rank computes every stage whole"
+    elif plan.sp_degree == w:
+        sp = f"sequence parallel up to degree {plan.sp_degree} ({per_job})"
+    elif plan.set_by_policy:
+        sp = (f"sequence parallel up to degree {plan.sp_degree} on ranks 0-{plan.sp_degree - 1}, set by sp_degree "
+              f"({per_job}; changing it keeps the fleet)")
     else:
-        sp = (f"sequence parallel degree {degree} on ranks 0-{degree - 1}: {w} does not divide the {heads} "
-              f"attention heads (valid: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
+        sp = (f"sequence parallel degree {plan.sp_degree} on ranks 0-{plan.sp_degree - 1}: {w} does not divide the "
+              f"{plan.heads} attention heads (valid: {', '.join(map(str, plan.valid_degrees))})")
     size = sum(os.path.getsize(p) for p in (cfg.checkpoint, cfg.upscaler, cfg.video_vae, cfg.audio_vae,
                                             cfg.text_projection) if p and os.path.isfile(p))
     lines = [

@@ -9,28 +9,13 @@ tests/test_gemma4_parallel.py), so graphs built from ComfyUI's 2.5 templates can
 """
 from __future__ import annotations
 
-import ast
-import functools
-from pathlib import Path
-
 from comfy_api.latest import io
 
+from ..mgpu_backend import protocol as P
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
 from .native_types import DEFAULT_FRAME_RATE, make_conditioning
 
 MODES = ("fleet default", "sharded", "batch_parallel", "replicated")
-
-
-@functools.lru_cache(maxsize=1)
-def reference_negative_prompt() -> str:
-    """The reference negative prompt (`mgpu_backend.pipelines.DEFAULT_NEGATIVE_PROMPT`), read from the source so
-    that ComfyUI's start-up does not import diffusers just for a widget default."""
-    source = (Path(__file__).resolve().parent.parent / "mgpu_backend" / "pipelines.py").read_text()
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULT_NEGATIVE_PROMPT"
-                                                for t in node.targets):
-            return ast.literal_eval(node.value)
-    return ""
 
 
 class TextEncodeMGPU(io.ComfyNode):
@@ -48,7 +33,7 @@ class TextEncodeMGPU(io.ComfyNode):
                 fleet_input(),
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="What the clip shows and sounds like."),
-                io.String.Input("negative_prompt", multiline=True, default=reference_negative_prompt(),
+                io.String.Input("negative_prompt", multiline=True, default=P.DEFAULT_NEGATIVE_PROMPT,
                                 tooltip="What to steer away from (used by CFG in the SP Sampler). Default: the "
                                         "reference pipeline's negative prompt."),
                 io.Combo.Input("mode", options=list(MODES), default="fleet default",
@@ -69,8 +54,8 @@ class TextEncodeMGPU(io.ComfyNode):
     @classmethod
     def execute(cls, fleet, prompt, negative_prompt, mode, frame_rate) -> io.NodeOutput:
         with guard("Text Encode (MGPU)"):
-            payload = {"prompts": [prompt, negative_prompt], "mode": None if mode == "fleet default" else mode,
-                       "frame_rate": float(frame_rate)}
+            payload = P.EncodeTextRequest(prompts=(prompt, negative_prompt),
+                                          mode=None if mode == "fleet default" else mode, frame_rate=float(frame_rate))
             result = run_job(fleet, "encode_text", payload, node_id=cls.hidden.unique_id, what="Text Encode (MGPU)")
             embeds = result.get("embeds") if isinstance(result, dict) else None
             if not embeds or len(embeds) != 2:

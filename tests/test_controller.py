@@ -24,7 +24,8 @@ import torch
 
 from mgpu_backend import protocol as P
 from mgpu_backend.client import ControllerClient
-from mgpu_backend.protocol import ControllerError, FleetBusy, FleetConfig, JobCancelled, JobSpec
+from mgpu_backend.protocol import (ControllerError, FleetBusy, FleetConfig, FramesRequest, JobCancelled, JobSpec,
+                                   NoopRequest)
 from _procs import deadline, process_alive as _alive, wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,14 +126,14 @@ def test_second_client_reattaches_to_the_same_controller_and_fleet(ctl, handle, 
         # the same configuration from the second client reuses the fleet
         again = other.configure(handle.config)
         assert again.generation == handle.generation and again.worker_pids == handle.worker_pids
-        out = other.run(again, JobSpec("noop", {"steps": 1}))
+        out = other.run(again, JobSpec("noop", NoopRequest(steps=1)))
         assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
     finally:
         other.close()
 
 
 def test_busy_is_answered_at_once_and_cancel_keeps_the_fleet(ctl, handle, runtime):
-    job = JobSpec("noop", {"steps": 400, "sleep_s": 0.05})  # ~20 s unless cancelled
+    job = JobSpec("noop", NoopRequest(steps=400, sleep_s=0.05))  # ~20 s unless cancelled
     started, outcome = threading.Event(), {}
 
     def first():
@@ -147,7 +148,7 @@ def test_busy_is_answered_at_once_and_cancel_keeps_the_fleet(ctl, handle, runtim
     other = ControllerClient(runtime, start=False)
     try:
         with pytest.raises(FleetBusy) as info:
-            other.run(handle, JobSpec("noop", {"steps": 1}))
+            other.run(handle, JobSpec("noop", NoopRequest(steps=1)))
         assert f"busy with a noop job ({job.job_id})" in str(info.value)
         assert thread.is_alive(), "FleetBusy came only after the running job ended"
         with pytest.raises(FleetBusy, match=f"busy with a noop job \\({job.job_id}\\); try again when it ends"):
@@ -173,7 +174,7 @@ def test_unknown_job_kind_is_refused_and_fleet_kept(ctl, handle):
 
 def test_frames_come_back_through_shared_memory(ctl, handle):
     before = set(os.listdir("/dev/shm"))
-    out = ctl.run(handle, JobSpec("frames", {"shape": (5, 32, 48, 3)}))
+    out = ctl.run(handle, JobSpec("frames", FramesRequest((5, 32, 48, 3))))
     frames = out["frames"]
     assert frames.shape == (5, 32, 48, 3) and frames.dtype == torch.float32
     expected = torch.arange(5, dtype=torch.float32).div(5).view(5, 1, 1, 1).expand(5, 32, 48, 3)
@@ -183,7 +184,7 @@ def test_frames_come_back_through_shared_memory(ctl, handle):
 
 def test_fault_injection_is_ignored_without_the_test_switch(ctl, handle):
     """This controller runs without LTX2_MGPU_TEST_FAULTS=1: a job's `fault` is dropped, the job runs."""
-    out = ctl.run(handle, JobSpec("noop", {"steps": 2}, fault={"rank": 0, "stage": "noop", "step": 0,
+    out = ctl.run(handle, JobSpec("noop", NoopRequest(steps=2), fault={"rank": 0, "stage": "noop", "step": 0,
                                                                "kind": "crash"}))
     assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
     assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
@@ -208,10 +209,11 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
                   init_timeout_s=90.0, compile=True)
     new = ctl.configure(tiny_config(tiny_dir, **policy))
     assert new.config.identity == handle.config.identity and new.config.policy != handle.config.policy
+    assert handle.plan == P.FleetPlan(1, 8, 1, (1,)) and new.plan == P.FleetPlan(1, 8, 1, (1,), set_by_policy=True)
     assert (new.generation, new.worker_pids) == (handle.generation, handle.worker_pids)
     assert ctl.last_replaced is None
     for h in (new, handle):
-        out = ctl.run(h, JobSpec("noop", {"steps": 1}))
+        out = ctl.run(h, JobSpec("noop", NoopRequest(steps=1)))
         assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
     status = ctl.status()["fleet"]
     assert status["worker_pids"] == list(handle.worker_pids) and status["generation"] == handle.generation
@@ -219,8 +221,64 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
     assert status["policy"]["sp_degree"] is None  # the last job ran under the first handle's policy
     with pytest.raises(ControllerError, match="degree 2 is not possible") as info:
         ctl.configure(tiny_config(tiny_dir, sp_degree=2))
-    assert info.value.kind == "validation"
+    assert info.value.kind == "validation" and info.value.kind is P.ErrorKind.VALIDATION
     assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
+    assert ctl.status()["fleet"]["plan"] == {"world_size": 1, "heads": 8, "sp_degree": 1, "valid_degrees": (1,),
+                                             "set_by_policy": False, "sequence_parallel": True}
+
+
+def test_the_plan_in_the_handle_follows_the_fleets_heads_and_the_policy():
+    """`Fleet.plan_for`: the degree rule (`parallel/degrees.py`) applied to the heads the workers reported — what
+    Load Checkpoint (MGPU) shows. 8 heads on 3 ranks: degree 2 (3 does not divide 8); an explicit degree is the
+    policy's; a fleet without a parallel plan runs every stage whole."""
+    from types import SimpleNamespace
+
+    from mgpu_backend.fleet import Fleet
+
+    fleet = SimpleNamespace(heads=8, world_size=3, identity=SimpleNamespace(sequence_parallel=True))
+    assert Fleet.plan_for(fleet, P.FleetPolicy()) == P.FleetPlan(3, 8, 2, (1, 2))
+    assert Fleet.plan_for(fleet, P.FleetPolicy(sp_degree=1)) == P.FleetPlan(3, 8, 1, (1, 2), set_by_policy=True)
+    whole = SimpleNamespace(heads=8, world_size=3, identity=SimpleNamespace(sequence_parallel=False))
+    assert Fleet.plan_for(whole, P.FleetPolicy()) == P.FleetPlan(3, 8, 1, (1,), sequence_parallel=False)
+
+
+def test_error_kinds_keep_their_wire_values():
+    """`ErrorKind` is a str enum: a member equals, hashes and prints as the string the nodes and clients compare with, and a
+    `ControllerError` built from a wire string has the member; an unknown kind is refused by name."""
+    assert P.ErrorKind.STALE_HANDLE == "stale_handle" and f"{P.ErrorKind.BUSY}" == "busy" == str(P.ErrorKind.BUSY)
+    assert "busy" in {P.ErrorKind.BUSY} and {"validation": 1}[P.ErrorKind.VALIDATION] == 1
+    assert {k.value for k in P.ErrorKind} == {"validation", "job_error", "cancelled", "busy", "stale_handle",
+                                               "fleet_lost", "fleet_stopped", "protocol", "start_failed",
+                                               "not_running", "error"}
+    exc = ControllerError("x", kind="cancelled")
+    assert exc.kind is P.ErrorKind.CANCELLED and ControllerError("y").kind is P.ErrorKind.ERROR
+    with pytest.raises(ValueError, match="'sometimes'"):
+        ControllerError("z", kind="sometimes")
+
+
+def test_the_controller_validates_a_checkpoint_without_diffusers(tiny_dir):
+    """`check_config` (the controller's validation before any worker starts) reads the safetensors header and applies
+    the degree rule: in a fresh process it refuses a bad degree and accepts a good one without importing diffusers
+    (nor transformers)."""
+    files = tiny_dir["2.0"]
+    code = textwrap.dedent(f"""
+        import sys
+        from mgpu_backend.controller import check_config
+        from mgpu_backend.protocol import ControllerError, FleetConfig
+        config = dict(devices=("cpu",) * 4, checkpoint={str(files["checkpoint"])!r}, gemma=None)
+        try:
+            check_config(FleetConfig(**config, sp_degree=3))
+        except ControllerError as exc:
+            assert exc.kind == "validation" and "valid degrees: 1, 2, 4" in str(exc), exc
+        else:
+            raise AssertionError("degree 3 was accepted")
+        check_config(FleetConfig(**config, sp_degree=2))
+        loaded = sorted(m for m in ("diffusers", "transformers") if m in sys.modules)
+        assert not loaded, loaded
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_policy_fields_are_checked_on_construction(tiny_dir):
@@ -246,11 +304,11 @@ def test_stale_handle_is_refused(ctl, handle, tiny_dir):
     assert new.generation > handle.generation
     assert not set(new.worker_pids) & set(handle.worker_pids)
     with pytest.raises(ControllerError) as info:
-        ctl.run(handle, JobSpec("noop", {"steps": 1}))
+        ctl.run(handle, JobSpec("noop", NoopRequest(steps=1)))
     message = str(info.value)
     assert info.value.kind == "stale_handle" and not info.value.fleet_lost
     assert f"generation {handle.generation} is stale" in message and "another configuration" in message
-    out = ctl.run(new, JobSpec("noop", {"steps": 1}))
+    out = ctl.run(new, JobSpec("noop", NoopRequest(steps=1)))
     assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
     assert ctl.status()["fleet"]["generation"] == new.generation  # the refused handle rebuilt nothing
 
@@ -324,7 +382,7 @@ MANGLED_CLIENT = textwrap.dedent("""
     fields = json.loads(config_json)
     fields["devices"] = tuple(fields["devices"])
     handle = client.configure(protocol.FleetConfig(**fields))
-    out = client.run(handle, protocol.JobSpec("noop", {"steps": 1}))
+    out = client.run(handle, protocol.JobSpec("noop", protocol.NoopRequest(steps=1)))
     print(json.dumps({"started_pid": client.started_pid, "pid": client.ping()["pid"],
                       "generation": handle.generation, "handle_class": type(handle).__module__,
                       "tensor": out["tensor"].tolist(), "plain_import": "mgpu_backend" in sys.modules}))
@@ -354,13 +412,10 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
         assert result.returncode == 0, result.stderr[-3000:]
         info = json.loads(result.stdout.strip().splitlines()[-1])
         assert info["started_pid"] == info["pid"]
-        # objects come back under the caller's (mangled) module name — or under the plain one when the pack is
-        # also pip-installed (CI installs it editable), which the unpickler prefers when it can import it
-        if _editable_install():
-            assert info["handle_class"] in ("custom_nodes_ltx2_multigpu_0x5f3a.mgpu_backend.protocol",
-                                            "mgpu_backend.protocol")
-        else:
-            assert info["handle_class"].startswith("custom_nodes_ltx2_multigpu_0x5f3a.")
+        # objects come back under the caller's (mangled) module name, even where the plain package is importable
+        # too (CI installs it editable): two copies of one class would break the caller's isinstance checks
+        assert info["handle_class"] == "custom_nodes_ltx2_multigpu_0x5f3a.mgpu_backend.protocol"
+        if not _editable_install():
             assert info["plain_import"] is False
         assert info["tensor"] == [0.0, 1.0, 2.0, 3.0]
         pid = info["pid"]
@@ -384,14 +439,14 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
 def test_frame_hand_back_round_trip(monkeypatch, shm_dir, shape):
     """`send_frames` -> `receive_frames` gives the same values in ordinary (writable) memory and frees the block —
     through a /dev/shm file (Linux) and through `SharedMemory` where that directory does not exist."""
-    from mgpu_backend import client, protocol, worker
+    from mgpu_backend import frames as F
 
-    monkeypatch.setattr(protocol, "SHM_DIR", shm_dir)
-    monkeypatch.setattr(worker, "SHM_DIR", shm_dir)
+    monkeypatch.setattr(F, "SHM_DIR", shm_dir)
     before = set(os.listdir("/dev/shm"))
     frames = torch.rand(shape)
-    ref = worker.send_frames(frames)
-    out = client.receive_frames({"frames": ref, "audio": None})
+    ref = F.send_frames(frames)
+    assert ref.shape == shape and ref.dtype == "float32"
+    out = F.receive_frames({"frames": ref, "audio": None})
     assert torch.equal(out["frames"], frames) and out["audio"] is None
     out["frames"].add_(1.0)  # a private copy: writable, not a view of the freed block
     assert set(os.listdir("/dev/shm")) - before == set(), "the shared-memory block was not freed"

@@ -32,7 +32,7 @@ import torch
 
 from mgpu_backend import protocol as P
 from mgpu_backend.client import ControllerClient
-from mgpu_backend.protocol import ControllerError, FleetBusy, JobSpec
+from mgpu_backend.protocol import ControllerError, EncodeTextRequest, FleetBusy, JobSpec, NoopRequest
 from _procs import deadline, wait_gone
 from test_controller import _cli, short_runtime_dir, stop_controller, tiny_config
 
@@ -77,7 +77,7 @@ def handle(ctl, tiny_dir):
 
 
 def noop() -> JobSpec:
-    return JobSpec("noop", {"steps": 0})
+    return JobSpec("noop", NoopRequest(steps=0))
 
 
 def sample_payload(mode: str, seed: int = 11) -> dict:
@@ -317,7 +317,7 @@ def test_a_prompt_over_1024_tokens_is_refused_naming_its_length(ctl, handle, tin
     assert gemma.tokenize([fits])[0].shape[1] <= MAX_PROMPT_TOKENS  # the longest that fits is taken whole
     pids = ctl.status()["fleet"]["worker_pids"]
     with pytest.raises(ControllerError) as info:
-        ctl.run(handle, JobSpec("encode_text", {"prompts": ["short", word * 2000]}))
+        ctl.run(handle, JobSpec("encode_text", EncodeTextRequest(prompts=["short", word * 2000])))
     assert info.value.kind == "validation", str(info.value)
     assert f"the prompt is {n} Gemma tokens" in str(info.value)  # the service encodes prompts one by one
     assert ctl.status()["fleet"]["worker_pids"] == pids
@@ -360,9 +360,9 @@ def test_a_torn_down_fleet_unlinks_the_frames_no_client_was_handed(tmp_path, mon
     from types import SimpleNamespace
 
     from mgpu_backend import fleet as fleet_module
+    from mgpu_backend import frames as frames_module
 
-    monkeypatch.setattr(fleet_module, "SHM_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(frames_module, "SHM_DIR", str(tmp_path))
     for name in ("ltx2mgpu-101-1", "ltx2mgpu-101-2", "ltx2mgpu-102-3", "ltx2mgpu-1011-4", "other"):
         (tmp_path / name).write_bytes(b"x")
     fake = SimpleNamespace(pids=(101, 102), handed_out=collections.deque(["ltx2mgpu-101-2"]))
@@ -385,7 +385,7 @@ def test_stop_and_a_replacing_configure_say_what_they_stop(tiny_dir):
         assert replaced["generation"] == old.generation and replaced["devices"] == ["cpu"]
         assert replaced["checkpoint"] == old.config.checkpoint
         assert replaced["clients"] == [f"pid {os.getpid()} (python)"] or len(replaced["clients"]) == 1, replaced
-        job, started, outcome = JobSpec("noop", {"steps": 400, "sleep_s": 0.05}), threading.Event(), {}
+        job, started, outcome = JobSpec("noop", NoopRequest(steps=400, sleep_s=0.05)), threading.Event(), {}
 
         def run():
             try:

@@ -37,7 +37,7 @@ from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
 from mgpu_backend.parallel.tiling import default_tiling
 from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
-from mgpu_backend.protocol import ControllerError, FleetConfig, JobCancelled, JobSpec
+from mgpu_backend.protocol import ControllerError, FleetConfig, FleetPlan, JobCancelled, JobSpec, NoopRequest
 from _procs import deadline, process_alive as _alive, wait_gone
 
 torch.set_num_threads(1)
@@ -272,6 +272,9 @@ def test_fleet_equals_one_process(ctl, files, one_process, world, sp, capsys):
     req = request(files, **(tiled_fields(world) if parallel else {}))
     reference = one_process(req)
     handle = ctl.configure(config(files, world, sp=sp))
+    # the plan the fleet computed from the heads its workers loaded (the tiny transformer has 8)
+    assert handle.plan == (FleetPlan(world, 8, world, tuple(d for d in (1, 2, 4) if d <= world)) if sp
+                           else FleetPlan(world, 8, 1, (1,), sequence_parallel=False))
     events: list[tuple] = []
     out = generate(ctl, handle, req, events)
     assert events == reference["events"], "progress events out of order or with wrong totals"
@@ -341,7 +344,7 @@ def test_open_counts_are_reported_after_jobs(ctl, files):
     handle = ctl.configure(config(files, 2))
     before = fleet_status(ctl)["open_counts"]
     assert len(before) == 2 and all(n >= 2 for n in before)  # checkpoint + upscaler at least
-    run(ctl, handle, JobSpec("noop", {"steps": 2}, fault={"rank": 1, "stage": "noop", "step": 0,
+    run(ctl, handle, JobSpec("noop", NoopRequest(steps=2), fault={"rank": 1, "stage": "noop", "step": 0,
                                                           "kind": "reread"}))
     after = fleet_status(ctl)["open_counts"]
     assert after == [before[0], before[1] + 1]
@@ -368,7 +371,7 @@ def test_error_on_every_rank_keeps_fleet(ctl, files, case):
     for needle in needles:
         assert needle in str(info.value)
     # the same processes take the next job
-    out = run(ctl, handle, JobSpec("noop", {"steps": 1}))
+    out = run(ctl, handle, JobSpec("noop", NoopRequest(steps=1)))
     assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
     after = fleet_status(ctl)
     assert after["worker_pids"] == before["worker_pids"] and after["generation"] == before["generation"]
@@ -387,7 +390,7 @@ def _next_job_on_new_fleet(ctl, files, handle, lost: dict) -> None:
     assert not set(now["worker_pids"]) & set(lost["worker_pids"])
     assert wait_gone(lost["worker_pids"]), "workers of the lost fleet still run"
     assert_same(out, w2_fresh(ctl, files), "next job on the new fleet")
-    run(ctl, handle, JobSpec("noop", {"steps": 1}))  # the handle is not "stale": same config, same model
+    run(ctl, handle, JobSpec("noop", NoopRequest(steps=1)))  # not "stale": same config, same model
 
 
 def test_error_on_one_rank_tears_fleet_down(ctl, files):
@@ -443,7 +446,7 @@ def test_stalled_rank_is_detected_and_named(ctl, files):
     progress for stall_timeout_s, names the rank, tears the fleet down (the hang guard fails a test that hangs)."""
     handle = ctl.configure(config(files, 2, stall=STALL_S))
     lost = fleet_status(ctl)
-    job = JobSpec("noop", {"steps": 4, "sleep_s": 0.05}, fault={"rank": 1, "stage": "noop", "step": 2,
+    job = JobSpec("noop", NoopRequest(steps=4, sleep_s=0.05), fault={"rank": 1, "stage": "noop", "step": 2,
                                                                  "kind": "stall"})
     with deadline(STALL_S + 60, "stall detection"):
         with pytest.raises(ControllerError) as info:

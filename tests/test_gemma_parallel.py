@@ -439,7 +439,7 @@ def test_ranks_every_mode_equals_the_one_process_encode(files, reference, world)
 def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
     from mgpu_backend.fleet import Fleet
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.protocol import ControllerError, FleetConfig, JobSpec
+    from mgpu_backend.protocol import ControllerError, EncodeTextRequest, FleetConfig, JobSpec
 
     paths = tiny_dir["2.0"]
     projection = load_components(paths["checkpoint"], dtype=torch.float32).text_projection
@@ -455,7 +455,7 @@ def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
     fleet = Fleet(config, generation=1)
     try:
         events: list = []
-        r = fleet.run(JobSpec("encode_text", {"prompts": prompts, "mode": "sharded", "frame_rate": 25.0}),
+        r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=prompts, mode="sharded", frame_rate=25.0)),
                       events.append)
         assert _equal(r["embeds"], [ref(p) for p in prompts])
         assert r["forwards_per_rank"] == [3, 0] and r["report"]["mode"] == "sharded"
@@ -463,19 +463,21 @@ def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
         assert torch.equal(tensor, r["embeds"][1]) and extra["unprocessed_ltxav_embeds"] is True
         assert extra["frame_rate"] == 25.0 and extra["pooled_output"] is None
         assert [e["stage"] for e in events] == ["text"]
-        r = fleet.run(JobSpec("encode_text", {"prompts": prompts[::-1]}), events.append)  # fleet default mode
+        # the fleet's default mode
+        r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=prompts[::-1])), events.append)
         assert r["report"]["cache_hits"] == 3 and r["forwards_per_rank"] == [3, 0]
         assert _equal(r["embeds"], [ref(p) for p in prompts[::-1]])
         new = ["A drone flies over a forest.", "Snow.", "The orchestra begins to play."]
-        r = fleet.run(JobSpec("encode_text", {"prompts": new, "unload": True}), events.append)
+        r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=new, unload=True)), events.append)
         assert _equal(r["embeds"], [ref(p) for p in new])
         assert r["report"]["mode"] == "batch_parallel" and r["report"]["unloaded"]
         assert sum(r["forwards_per_rank"]) == 6 and r["forwards_per_rank"][1] >= 1
         with pytest.raises(ControllerError) as info:  # asked for explicitly: refused, the fleet stays
-            fleet.run(JobSpec("encode_text", {"prompts": ["one"], "mode": "batch_parallel"}), events.append)
+            fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=["one"], mode="batch_parallel")), events.append)
         assert info.value.kind == "validation" and "nothing to split" in str(info.value)
         # the fleet's default mode with one prompt: encoded on the replicas (reloaded after the unload)
-        r = fleet.run(JobSpec("encode_text", {"prompts": ["Reloaded after the unload."]}), events.append)
+        r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=["Reloaded after the unload."])),
+                      events.append)
         assert _equal(r["embeds"], [ref("Reloaded after the unload.")])
         assert r["stats"]["loads"] == 4 and r["report"]["mode"] == "replicated"
         assert fleet.alive()

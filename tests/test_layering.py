@@ -6,10 +6,12 @@ relative and absolute — are read with `ast` (nothing is imported or executed) 
   schedules, tile counts) — never `sampling`, `parallel`, `lora`, `models` or any other engine module;
 - `mgpu_backend` never imports `nodes`, `comfy*`, `folder_paths`, `server` or `comfy_api`;
 - `mgpu_backend/models` and `mgpu_backend/parallel` never import `controller`, `client`, `worker` or `fleet`;
+- a job (`mgpu_backend/jobs`) never imports the worker that runs it (nor `fleet`, `controller`, `client`): what a job
+  hands back goes through `frames` (shared-memory frames) and `protocol`;
 - the pack's `kernels/` folder is imported only through `mgpu_backend/parallel/exchange.py` (today by nothing), and
   `kernels/` never imports `mgpu_backend`, `nodes` or ComfyUI;
-- those contract modules import from `mgpu_backend` only each other and `validation` (so a node never pulls in the
-  engine through them).
+- those contract modules import from `mgpu_backend` only each other, `validation` and `frames` (the client's half of
+  the frame hand-back), so a node never pulls in the engine through them.
 
 `ALLOWED` lists the exceptions still in the code, each with its reason. It can only shrink: the test fails on any
 import that breaks a rule and is not listed, and on a listed import that no longer exists (remove it from the list).
@@ -28,7 +30,8 @@ NODES_MAY_IMPORT = {"mgpu_backend.client", "mgpu_backend.protocol", "mgpu_backen
 COMFYUI_MODULES = ("comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "server", "nodes")
 BELOW_THE_FLEET = ("mgpu_backend.models", "mgpu_backend.parallel")
 FLEET_MODULES = ("mgpu_backend.controller", "mgpu_backend.client", "mgpu_backend.worker", "mgpu_backend.fleet")
-CONTRACT_MAY_IMPORT = NODES_MAY_IMPORT | {"mgpu_backend.validation"}
+CONTRACT_MAY_IMPORT = NODES_MAY_IMPORT | {"mgpu_backend.validation", "mgpu_backend.frames"}
+JOBS = ("mgpu_backend.jobs",)
 
 # (importing module, imported module) pairs that break a rule today. Only ever remove entries.
 ALLOWED = {
@@ -95,6 +98,8 @@ def _rule_broken(importer: str, imported: str) -> str | None:
         return f"a contract module imports from mgpu_backend only {', '.join(sorted(CONTRACT_MAY_IMPORT))}"
     if within(importer, BELOW_THE_FLEET) and within(imported, FLEET_MODULES):
         return "models/ and parallel/ never import the controller, client, worker or fleet"
+    if within(importer, JOBS) and within(imported, FLEET_MODULES):
+        return "a job never imports the worker, fleet, controller or client (frames go through mgpu_backend.frames)"
     return None
 
 
@@ -148,3 +153,23 @@ def test_the_reader_sees_every_kind_of_import(tmp_path, monkeypatch):
     assert _rule_broken("kernels.all2all", "mgpu_backend.protocol")
     assert _rule_broken("mgpu_backend.forward", "mgpu_backend.sampling")
     assert _rule_broken("mgpu_backend.forward", "mgpu_backend.validation") is None
+    assert _rule_broken("mgpu_backend.jobs.stages", "mgpu_backend.worker")
+    assert _rule_broken("mgpu_backend.jobs.generate", "mgpu_backend.frames") is None
+
+
+def test_a_job_importing_the_worker_fails(tmp_path, monkeypatch):
+    """The frame hand-back's old shape — a job reaching back into the worker for `send_frames` — is found, whether
+    the import is relative or absolute, at the top or inside the job function."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    for name in ("mgpu_backend/__init__.py", "mgpu_backend/worker.py", "mgpu_backend/frames.py",
+                 "mgpu_backend/jobs/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "mgpu_backend" / "jobs" / "bad.py").write_text(
+        "from ..frames import send_frames\n"
+        "def run(state, request, ctx):\n"
+        "    from ..worker import send_frames\n")
+    (tmp_path / "mgpu_backend" / "jobs" / "bad2.py").write_text("import mgpu_backend.worker\n")
+    found = _violations()
+    assert set(found) == {("mgpu_backend.jobs.bad", "mgpu_backend.worker"),
+                          ("mgpu_backend.jobs.bad2", "mgpu_backend.worker")}, found

@@ -7,7 +7,7 @@ from . import register
 @register("generate")
 def run_generate(state, request, ctx) -> dict:
     """`pipelines.TwoStagePipeline.generate` on this rank, split by the fleet's parallel plan."""
-    from ..worker import send_frames
+    from ..frames import send_frames
 
     result = state.pipeline.generate(request, progress=ctx.progress, cancel_check=ctx.step_boundary)
     if ctx.rank != 0:

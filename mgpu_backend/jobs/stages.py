@@ -233,7 +233,7 @@ def run_decode(state, p: dict, ctx) -> dict:
     audio latent), `report`. Either video decoder: the conv VAE, or LTX-2.5's diffusion decoder (same tiles; its
     noise is ComfyUI's fixed seed 0, `p["seed"]` only drives the conv decoder's decode noise).
     """
-    from ..worker import send_frames
+    from ..frames import send_frames
 
     pipe = state.pipeline
     video = p["video"].float()

@@ -1,92 +1,42 @@
 """A cost model of one transformer forward split W ways, and the SP degree it recommends (issue #9 items 5 and 6).
 
-Predicted time of one sequence-parallel forward (batch 1: the denoiser runs one forward per guidance pass) on each
-rank of a W-way split of T video tokens (padded to Tp = W·⌈T/W⌉):
+Predicted time in seconds of one sequence-parallel forward (batch 1: the denoiser runs one forward per guidance pass)
+on each rank of a W-way split of T video tokens (padded to Tp = W·⌈T/W⌉):
 
     t(T, W) = max(host(W), compute(T, W) + comm(T, W))
 
-- compute(T, W) = c0 + c_lin·Tp/W + c_attn·Tp²/W — GPU time of one rank: c0 the replicated work (audio stream,
-  text cross-attention keys, the many small kernels whose time does not shrink with tokens), c_lin the per-token
-  projections / feed-forward / elementwise work on the rank's Tp/W tokens, c_attn the video self-attention over all
-  Tp tokens with H/W heads. Fitted (least squares on relative error) to the per-rank times of a W-way split simulated
-  on one H200 in `bench/results/sp_forward_h200.txt` (eager forward, bf16, 121 frames, 8 blocks timed and scaled ×6
-  to 48; W = 1, 2, 4, 8 at 3,520 / 14,080 / 32,640 tokens): the 8 points above 1.15× the host floor (all of 32,640,
-  W = 1, 2, 4 of 14,080, W = 1 of 3,520). No outlier in this run (`SP_FORWARD_OUTLIERS` is empty; the previous run's
-  3,520-token W = 4 point was one). Result: c0 = 61.2 ms, c_lin = 53.5 µs per token (≈ 480 TFLOP/s on the
-  25.8 GFLOP per token of the 48 blocks' matmuls, elementwise work included), c_attn = 1.312 ns per token² (≈ 600
-  TFLOP/s on 4·4096·48 FLOP per token²). It reproduces every point within 2.7 % (3,520 tokens W = 1: +2.3 %, 14,080
-  W = 4: −2.7 %, 14,080 W = 8, left out as near the floor: −0.5 %).
-- host(W) = h0 + n_coll(W)·h_coll — CPU time to issue one forward. A GPU forward cannot run faster than its kernels
-  are launched: with few tokens the GPU waits for the host (launch-bound). h0 = 182.9 ms (48 blocks) is the floor the
-  simulated split reached at 3,520 tokens: the mean of W = 2, 4, 8 (183.3, 184.2, 181.3 ms — 4× fewer tokens per rank
-  and no faster). It was 206.6 ms before the eager forward got faster (RoPE in bf16 with the tables cast once per
-  forward, fused RMSNorms, no per-call `inspect.signature`). Every collective of the split costs the host
-  h_coll = 0.805 ms (issue through torch.distributed, the exchange's reshapes and copies, and waiting for the slower
-  rank at each rendezvous): fitted to the real 2×H200 run of 627 tokens (`bench/results/scaling_2xh200.txt`, 8 blocks
-  ×6: 238.3 ms on one GPU, 475.1 ms on two = 6·(8·6 + 1) collectives × 0.805 ms more). That run used the earlier,
-  slower forward; the difference of its two times is the collectives' host cost whatever the forward's own, so h_coll
-  is kept (not re-measured: the collectives have since become custom ops, which may have changed it). This is ~30×
-  NCCL's own small-message latency; it is hidden under the GPU work when the forward is compute-bound, so it is a term
-  of the host side only (the max), not added to the GPU time. With the lower h0 the collectives' 145 × 0.805 = 117 ms
-  (3 per block since q, k, v and K, V are stacked; 289 = 233 ms before) are a large part of the host time: the
-  launch-bound predictions and so the policy's thresholds rest much on h_coll.
+- compute(T, W) = c0 + c_lin·Tp/W + c_attn·Tp²/W — GPU time of one rank: c0 (s) the replicated work (audio stream,
+  text cross-attention keys, the many small kernels whose time does not shrink with tokens), c_lin (s per token) the
+  per-token projections / feed-forward / elementwise work on the rank's Tp/W tokens, c_attn (s per token²) the video
+  self-attention over all Tp tokens with H/W heads. Fitted by least squares on relative error (`fit_compute`,
+  `fit_graphed_compute`) to per-rank times of a W-way split simulated on one GPU (the tables below).
+- host(W) = h0 + n_coll(W)·h_coll — CPU time to issue one forward: a forward cannot run faster than its kernels are
+  launched (launch-bound at few tokens). h0 (s) is the floor the simulated split reached; h_coll (s per collective)
+  is fitted to a real two-GPU run (`fit_host_per_collective`). It bounds the host side only (the max), it is not
+  added to the GPU time.
 - comm(T, W) = Σ over the collectives of bytes / (link · η) + count · λ, with the bytes per rank computed exactly from
   the shapes in `sequence.py` / `exchange.py` (e = 2 bytes, bf16 activations):
     Ulysses (2 all_to_all per block: q, k, v stacked to head slices, the output back): each sends (W−1)/W of its
       [Tp/W, video_dim] buffer;
     video→audio (1 all_gather per block: the video K and V of `video_to_audio_attn`, stacked, width = the audio
-      attention's inner dim, 32 heads × 64 = 2048): each rank receives (W−1)·Tp/W·audio_dim elements per tensor —
-      this grows with W (Ulysses shrinks as 1/W): W/4 times the Ulysses bytes — half at W = 2, equal at W = 4,
-      twice at W = 8;
+      attention's inner dim): each rank receives (W−1)·Tp/W·audio_dim elements per tensor;
     output (1 all_gather per forward): (W−1)·Tp/W·128 elements;
     TDP (stage 2, 1 all_reduce per forward of the float32 [T, 128] blend buffer): ring, 2(W−1)/W of it.
-  link = 450 GB/s: H200 NVLink 4, 18 links, 900 GB/s bidirectional per GPU = 450 GB/s per direction (through
-  NVSwitch on 4- and 8-GPU boards). λ = 25 µs per collective (assumed, NCCL on NVLink). η = 0.30 (effective
-  135 GB/s) is fitted to the two real 2×H200 SP forwards (1280×704: 1.73×, 1920×1088: 1.80×), measured with the
-  earlier, slower eager forward: their time over the predicted compute, scaled by that run's own W = 1 time against
-  the model (`CostModel.matched`: ×1.109 and ×1.084 — 1,191.9 and 3,472.9 ms against 1,074.6 and 3,205.2; the
-  previous model, fitted to the old forward, had ×0.976 and ×0.978), leaves 60 and 156 ms for 8.3 and 19.3 GB per
-  rank. The model so scaled reproduces those runs' speedups (1.71× and 1.81×: −1.3 %, +0.3 %); for today's forward
-  it predicts 1.69× and 1.80× (the same exchange around less compute). η is well below what NCCL reaches on large
-  messages (~0.8): the copies around each collective (permute/contiguous before, the reordering and the gathered
-  parts' cat after) and rank skew are in it. The collective counts are those of `sequence.py` today: 3 per block
-  (q, k, v stacked into one all_to_all, the output back, K and V stacked into one all_gather) + 1; the 2×H200 runs
-  had 6 per block + 1 (`MEASURED_COLLECTIVES_PER_BLOCK`; `CostModel.matched(..., stacked=False)` models them).
-  Update `CostModel.sp_collectives` when the exchange changes.
+  link (bytes/s per direction) from the interconnect's data sheet; λ (s per collective) assumed; η (the effective
+  share of the link) fitted to real multi-GPU SP forwards (`fit_efficiency`). The collective counts are those of
+  `sequence.py` today (3 per block + 1); update `CostModel.sp_collectives` when the exchange changes.
 
-The model is H200-specific (used for every CUDA device: on slower GPUs compute is larger against the host and the
-link, so splitting pays earlier than predicted; without NVLink it pays later) and fitted to the eager forward, the
-default. The compiled forward (`mgpu_backend/compile.py`, optional) is faster: compiled / eager reference 0.82, 0.89,
-0.93 at 3,520 / 14,080 / 32,640 tokens (ours eager is the reference's speed: 0.995, 1.007, 1.002), and a compiled
-W = 2 rank at 14,080 tokens took 503.9 ms against 577.0 eager — the model over-predicts a compiled forward; refit
-from a compiled simulated split (the tables below feed `fit_*`). The times are of 8 blocks scaled ×6 (the previous
-table timed all 48): the per-forward work outside the blocks is counted 6×, so h0 and c0 are if anything high — a
-48-block forward of the end-to-end pipeline (`bench/results/e2e_h200.txt`, its own text and audio lengths) took
-238 ms at 3,520 tokens and 1,041 ms at 14,080, against 259.7 and 1,075.0 here. Other widths and block counts scale
-the terms: per-block terms ∝ blocks/48, c_lin ∝ (video_dim/4096)², c_attn ∝ video_dim/4096.
-
-The CUDA-graphed forward (`mgpu_backend/cuda_graphs.py`, the default on CUDA; issue 16) has its own constants,
-`H200_GRAPHED`, fitted the same way to the graphed per-rank times of the same simulated split
-(`bench/results/speed_h200.txt` (a): 48 blocks timed, no scaling; W = 1, 2, 4, 8 at 1,536 / 3,520 / 6,144 / 14,080
-tokens; W > 1 replayed piecewise, 145 segments around the collectives): all 16 points, no host floor among them —
-c0 = 35.0 ms, c_lin = 48.8 µs per token, c_attn = 1.868 ns per token², every point within 7.7 % (3,520 W = 1:
-−7.7 %, 1,536 W = 1: +5.2 %, 14,080 W = 1: +4.1 %, the 13 others within 3.6 %). The host no longer bounds the
-forward: the replay issues one graph launch per segment and the collectives between them, so its host terms are
-small and ASSUMED, not measured: 5 ms per forward (copying the inputs into the captured ones, launches) and 0.1 ms
-per collective (one eager NCCL call and one graph launch, ~50 µs, doubled for rank skew; the eager model's 0.805 ms
-was mostly the Python, reshapes and copies around each collective, now inside the graphs). The communication terms (link, η, λ) are the eager model's: the same
-bytes through the same collectives. What it changes: the rank of a split is no longer held at ~183 ms, so sequence
-parallelism pays at the stage-1 sizes of the distilled recipes — 3,520 tokens: 2 / 4 / 8 ranks predicted 0.66 / 0.45
-/ 0.33× of one GPU's time (eager model: no split at all below ~6,000 tokens); what needs checking on several GPUs is the real collectives' host cost and rank skew
-between replayed segments (`host_per_collective`), which no one-GPU run can measure. `default_model()` returns the
-graphed model while CUDA graphs are on (`cuda_graphs.mode()`), else the eager one; the job report's reason names it.
-The compiled + graphed forward is faster again (640×352: 0.71–0.79× of graphed at W = 4 / 8; 1280×704 W = 8:
-0.86×) and is not modelled separately.
+Two models: `H200_NVLINK` (the eager forward) and `H200_GRAPHED` (the CUDA-graphed forward, `cuda_graphs.py`; its
+host terms are assumed, not fitted). `default_model()` returns the graphed one while CUDA graphs are on. Both are
+H200 figures used for every CUDA device. Other widths and block counts scale the terms: per-block terms ∝ blocks/48,
+c_lin ∝ (video_dim/4096)², c_attn ∝ video_dim/4096.
 
 `best_sp_degree` picks the degree with the lowest predicted time (ties go to fewer ranks), and 1 when no split is
-predicted faster than one GPU: never slower than one GPU by design, within the model. `choice_reason` is the job
-report's sentence. `python bench/scaling_model.py` prints the predicted table
-(`bench/results/scaling_model_h200.txt`).
+predicted faster than one GPU. `choice_reason` is the job report's sentence. `python bench/scaling_model.py` prints
+the predicted table (`bench/results/scaling_model_h200.txt`).
+
+Sources: the tables below (ms per forward, from the `bench/results/` files named beside them); how each constant was
+fitted, its residuals, and the limits of the fits are recorded in `bench/results/cost_model_fits.md`.
 """
 from __future__ import annotations
 

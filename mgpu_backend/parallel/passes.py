@@ -3,10 +3,10 @@
 A guided LTX-2 step runs P independent transformer forwards of the same latent and combines their x0 predictions
 (`sampling.plan_passes`, reference `_guided_denoise`): "cond" (positive prompt), "uncond" (negative prompt, CFG),
 "perturbed" (STG: self-attention skipped in the chosen blocks) and "isolated" (modality guidance: no audio<->video
-cross-attention) — P = 4 for the two-stage recipe's stage 1, P = 2 with CFG only, P = 1 without guidance. At
-640×352×121 (3,520 video tokens) one forward is launch-bound (~260 ms on an H200) and sequence parallelism does not
-pay, so without this the other GPUs idle through 80 % of the two-stage job. The passes of a step need no
-communication while they run: give each its own rank and exchange only their outputs.
+cross-attention) — P = 4 for the two-stage recipe's stage 1, P = 2 with CFG only, P = 1 without guidance. Where one
+forward is launch-bound (small sizes, `cost.py`) sequence parallelism does not pay, and without this the other GPUs
+would idle through the guided stages. The passes of a step need no communication while they run: give each its own
+rank and exchange only their outputs.
 
 Source: xDiT's "CFG parallel" (J. Fang et al., "xDiT: an Inference Engine for Diffusion Transformers (DiTs) with
 Massive Parallelism", arXiv:2411.01738): the conditional and unconditional forwards of classifier-free guidance on

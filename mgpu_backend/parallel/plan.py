@@ -25,9 +25,10 @@ import torch.distributed as dist
 from ..validation import ValidationError
 from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
+from .degrees import check_requested_degree, top_sp_degree, valid_sp_degrees
 from .exchange import Exchange
 from .passes import MAX_PASSES, StageSplit, check_mode, choose_split
-from .sequence import SequenceParallelTransformer, check_token_cap, largest_sp_degree
+from .sequence import SequenceParallelTransformer, check_token_cap
 from .tiled import TiledTransformer
 from .tiling import TileCountConfig
 
@@ -99,13 +100,11 @@ class ParallelPlan:
         if self.all_stages is None:
             raise RuntimeError("set_policy needs a plan from build_plan (its groups are built there)")
         heads = self.heads or 1
-        if sp_degree is not None:
-            check_requested_degree(heads, sp_degree, self.world_size)
+        degree = top_sp_degree(heads, self.world_size, sp_degree)  # raises for a degree the heads do not allow
         cost_model = None
         if min_tokens_per_rank is None:
             cost_model = default_model() if self.device.type == "cuda" else None  # the graphed forward's
             min_tokens_per_rank = 0
-        degree = sp_degree or largest_sp_degree(heads, self.world_size)
         self.stages = {d: s for d, s in self.all_stages.items()
                        if d <= degree and (d == degree or min_tokens_per_rank > 0 or cost_model is not None)}
         use_passes = guidance_parallel == "on" or (guidance_parallel == "auto" and self.device.type == "cuda")
@@ -239,16 +238,6 @@ class ParallelPlan:
                 f"the attention heads; {self.world_size} does not); the other ranks wait for its result{reason}")
 
 
-def check_requested_degree(heads: int, degree: int, world_size: int) -> None:
-    """An explicitly requested SP degree must divide the heads and fit the fleet (raises ValidationError naming the
-    valid degrees)."""
-    valid = [d for d in range(1, min(heads, world_size) + 1) if heads % d == 0]
-    if degree not in valid:
-        raise ValidationError(f"sequence parallel degree {degree} is not possible with {heads} attention heads on "
-                              f"{world_size} rank(s): the degree must divide the heads and be at most the rank "
-                              f"count; valid degrees: {', '.join(map(str, valid))}")
-
-
 def build_plan(transformer, rank: int, world_size: int, device: torch.device,
                token_cap: int | None = DEFAULT_TOKEN_CAP, min_tokens_per_rank: int | None = 0,
                sp_degree: int | None = None, guidance_parallel: str = "auto") -> ParallelPlan:
@@ -274,7 +263,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
         check_requested_degree(heads, sp_degree, world_size)
     all_stages: dict[int, SPStage] = {}
     # every rank creates every group, in the same order; degree 1 gets a group of rank 0 alone (cancel checks)
-    for d in [d for d in range(1, min(heads, world_size) + 1) if heads % d == 0]:
+    for d in valid_sp_degrees(heads, world_size):
         group = None if d == world_size else dist.new_group(list(range(d)))
         forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank), token_cap)
                    if rank < d and d > 1 else None)
@@ -283,7 +272,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
         all_pass_groups[g] = (None if g == world_size else all_stages[g].group if g in all_stages
                               else dist.new_group(list(range(g))))
-    top = all_stages[largest_sp_degree(heads, world_size)]
+    top = all_stages[top_sp_degree(heads, world_size)]
     plan = ParallelPlan(rank, world_size, device, top.degree, top.group, top.forward, token_cap,
                         all_stages=all_stages, all_pass_groups=all_pass_groups, heads=heads,
                         model_shape=ModelShape.of(transformer.config))

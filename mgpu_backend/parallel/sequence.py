@@ -16,7 +16,8 @@ Every rank runs the same denoising loop on the same full latent (DESIGN.md §4).
 5. the per-rank velocities are all_gathered and the padding cut.
 The result equals the single-process forward up to floating-point reduction order.
 
-Valid degrees: W must divide the video heads (32 for LTX-2/2.3 → 1, 2, 4, 8, 16, 32; 8 for the tiny models).
+Valid degrees: W must divide the video heads (32 for LTX-2/2.3 → 1, 2, 4, 8, 16, 32; 8 for the tiny models): the
+rule is `degrees.py`.
 """
 from __future__ import annotations
 
@@ -26,26 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import LTX2AttnProcessor, use_processor
+from .degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees  # noqa: F401 (re-exported)
 from .exchange import Exchange
 
 NEG_INF = float("-inf")
-
-
-def valid_sp_degrees(heads: int, max_degree: int | None = None) -> list[int]:
-    """Degrees W that divide `heads` (powers of two and others), up to `max_degree`."""
-    return [w for w in range(1, heads + 1) if heads % w == 0 and (max_degree is None or w <= max_degree)]
-
-
-def largest_sp_degree(heads: int, devices: int) -> int:
-    """The largest W ≤ `devices` that divides `heads` (e.g. 32 heads on 6 GPUs -> 4)."""
-    return max(valid_sp_degrees(heads, devices))
-
-
-def check_sp_degree(heads: int, world_size: int) -> None:
-    """Raises ValueError naming the valid counts when `world_size` does not divide the heads."""
-    if heads % world_size:
-        raise ValueError(f"sequence parallel degree {world_size} does not divide the {heads} attention heads; "
-                         f"valid degrees: {', '.join(map(str, valid_sp_degrees(heads)))}")
 
 
 def check_token_cap(tokens: int, world_size: int, cap: int | None) -> None:
