@@ -54,6 +54,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 
 import torch
@@ -141,6 +142,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, group: int | None = No
 # ---- int8 compute (W8A8, as ComfyUI with comfy-kitchen) ----------------------------------------------------------
 
 log = logging.getLogger("ltx2_mgpu.quant")
+INT8_COMPUTE_MODES = ("w8a8", "w8a16")
+"""`LTX2_MGPU_INT8_COMPUTE` (read at import, in every worker): "w8a8" (default: ComfyUI's computation) or "w8a16"
+(weights dequantized per call, activations kept in the compute dtype: closer to the bf16 file, not ComfyUI's result)."""
+INT8_COMPUTE = os.environ.get("LTX2_MGPU_INT8_COMPUTE", "w8a8")
+if INT8_COMPUTE not in INT8_COMPUTE_MODES:
+    raise ValueError(f"LTX2_MGPU_INT8_COMPUTE={INT8_COMPUTE!r}: choose one of {', '.join(INT8_COMPUTE_MODES)}")
 INPUT_ACTS = (None, "gelu_tanh")  # what `int8_linear` takes as `input_act` (the LTX FeedForward's GELU)
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
 _KITCHEN: list = []  # [the op, or None] once looked up
@@ -276,12 +283,15 @@ class Int8Linear(FP8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.fused_weight is not None:  # a LoRA fused in full precision: W8A16 (module docstring: ComfyUI's way)
+        if self.fused_weight is not None or INT8_COMPUTE == "w8a16":  # W8A16 (a LoRA fused in full precision)
             if not torch.compiler.is_compiling():
-                self.last_path, self.last_reason = "dequantize", "a LoRA is fused into this layer (W8A16)"
+                self.last_path, self.last_reason = "dequantize", (
+                    "a LoRA is fused into this layer (W8A16)" if self.fused_weight is not None
+                    else "LTX2_MGPU_INT8_COMPUTE=w8a16 (weights dequantized per call)")
             if self.input_act == "gelu_tanh":
                 x = F.gelu(x, approximate="tanh")
-            return F.linear(x, self.fused_weight.to(x.dtype), bias)
+            w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
+            return F.linear(x, w.to(x.dtype), bias)
         if not torch.compiler.is_compiling():
             self.last_path = "int8"
             self.last_reason = ("W8A8, comfy-kitchen int8_linear" if kitchen_op() is not None
