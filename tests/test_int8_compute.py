@@ -132,3 +132,13 @@ def test_bad_arguments_are_refused_by_name():
         Q.int8_linear_torch(torch.randn(2, 250), q[:, :250], s, None, 16)
     with pytest.raises(ValueError, match="input_act 'relu'"):
         Q.int8_linear_torch(torch.randn(2, K), q, s, None, 16, "relu")
+
+
+def test_w8a16_on_request(monkeypatch):
+    """`LTX2_MGPU_INT8_COMPUTE=w8a16`: x · deq(W)ᵀ in the compute dtype (not ComfyUI's result; closer to bf16)."""
+    q, s, b = _layer(16)
+    layer = Q.Int8Linear(K, N, True, torch.float32, convrot_group=16, per_row_scale=True)
+    layer.load_state_dict({"weight": q, "weight_scale": s, "bias": b})
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(Q, "INT8_COMPUTE", "w8a16")
+    assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), b)) and "w8a16" in layer.last_reason
