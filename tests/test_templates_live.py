@@ -361,16 +361,30 @@ def _unet_swap_vs_native(live, images, stem: str, tiny: dict, devices: str, tmp_
     return dv, da
 
 
+#: int8-convrot template runs: bound on the relative L2 error ‖swapped - native‖ / ‖native‖ of the final video and
+#: audio latents, and on max |Δ|. W8A8 rounds every activation to int8 at run time, so a float-level difference
+#: anywhere upstream (1e-6, the bf16 file's swapped-vs-native spread) flips some roundings by one step (row max / 127)
+#: and the 8 + 3 sampling steps carry that on: ComfyUI against ITSELF, with only its attention changed (default
+#: sub-quadratic vs --use-pytorch-cross-attention), differs by rel L2 1.74e-3 / 1.27e-3, max 9.5e-3 / 9.7e-3 (video /
+#: audio; on the bf16 file the same two ComfyUI runs differ by 1.2e-6), the swapped run by 1.74e-3 / 1.27e-3, max
+#: 1.03e-2 / 1.10e-2 (2 and 4 ranks alike; W8A16, `LTX2_MGPU_INT8_COMPUTE=w8a16`, lands at the same distance: at the
+#: template level both are inside ComfyUI's own spread). Bound: twice ComfyUI's own spread. The forward itself equals
+#: ComfyUI's to 1.7e-6, and W8A16 is 1.45e-2 away there (tests/test_ltx25.py, golden).
+INT8_REL_L2, INT8_MAX = 3.5e-3, 2.5e-2
+
+
 @pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
 def test_ltx25_t2v_on_int8_convrot_weights_matches_native(live, images, tiny_25, devices, tmp_path):
     """The LTX-2.5 templates' own weight format: the int8-convrot twin of the tiny transformer, loaded by ComfyUI's
     UNETLoader in the native run and by Load Diffusion Model (MGPU) in the swapped one. Both compute each int8
-    layer W8A8 with comfy-kitchen's int8_linear (activations quantized per row at run time; `models/quant.py`),
-    so the latents are equal to float tolerance, as with the bf16 file."""
+    layer W8A8 with comfy-kitchen's int8_linear (activations quantized per row at run time; `models/quant.py`).
+    Equal latents are impossible for any computation that is not ComfyUI's bit for bit (see `INT8_REL_L2`): the
+    swapped run is as close to the native one as ComfyUI with another attention backend is."""
     dv, da = _unet_swap_vs_native(live, images, "video_ltx2_5_t2v",
                                   {**tiny_25, "checkpoint": tiny_25["checkpoint_int8"]}, devices, tmp_path,
                                   " int8-convrot")
-    assert dv["max"] <= TOL and da["max"] <= TOL
+    assert dv["rel_l2"] <= INT8_REL_L2 and da["rel_l2"] <= INT8_REL_L2
+    assert dv["max"] <= INT8_MAX and da["max"] <= INT8_MAX
 
 
 # ---- the shipped API twins (workflows/api/comfyui-*.json) ------------------------------------------------------------
