@@ -142,3 +142,15 @@ def test_w8a16_on_request(monkeypatch):
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(Q, "INT8_COMPUTE", "w8a16")
     assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), b)) and "w8a16" in layer.last_reason
+
+
+def test_token_shards_compute_the_same_bits():
+    """Activations are quantized per row (per token), so a rank's shard of the tokens (sequence parallelism) or one
+    row of a batch gives the same bits as the whole: the fleet at W = 2 / 4 equals W = 1."""
+    q, s, b = _layer(16)
+    x = torch.randn(2, 27, K, generator=torch.Generator().manual_seed(5))
+    whole = Q.int8_linear(x, q, s, b, 16, "gelu_tanh")
+    for world in (2, 4):
+        shards = [Q.int8_linear(part, q, s, b, 16, "gelu_tanh") for part in x.tensor_split(world, dim=1)]
+        assert torch.equal(torch.cat(shards, dim=1), whole)
+    assert torch.equal(Q.int8_linear(x[1:], q, s, b, 16, "gelu_tanh"), whole[1:])
