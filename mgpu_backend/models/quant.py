@@ -39,7 +39,10 @@ its fused kernels compute the same rule (int8 GEMM with int32 accumulation, per-
 order. A LoRA on an int8 layer: ComfyUI patches the dequantized weight and *re-quantizes* it (`set_weight` ->
 `requantize_from_float(scale="recalculate", stochastic_rounding=<seed of the key>)`), then computes W8A8 again; the
 fleet fuses the LoRA in full precision and computes that layer W8A16 (`fused_weight`: x · Wᵀ in D) — the one place
-where it still differs from ComfyUI (by the int8 rounding of the patched weight).
+where it still differs from ComfyUI (by the int8 rounding of the patched weight). ComfyUI dequantizes and runs a
+float matmul (W8A16) only where a layer carries `weight_function`s (LoRA patches applied per call in low-VRAM mode;
+`_use_quantized` is False then) and in its text encoders, which load with `full_precision_mm=True`
+(`comfy/sd1_clip.py`) — as the pack's Gemma loader does (`models/gemma.py`: dequantized once at load).
 
 The fleet calls comfy-kitchen's own op (`torch.ops.comfy_kitchen.int8_linear`, the `kitchen` extra), with its backends
 chosen as comfy/quant_ops.py chooses them. Without comfy-kitchen, `int8_linear_torch` computes the same steps 1-6 in
