@@ -40,9 +40,11 @@ order. A LoRA on an int8 layer: ComfyUI patches the dequantized weight and *re-q
 `requantize_from_float(scale="recalculate", stochastic_rounding=<seed of the key>)`), then computes W8A8 again; the
 fleet fuses the LoRA in full precision and computes that layer W8A16 (`fused_weight`: x · Wᵀ in D) — the one place
 where it still differs from ComfyUI (by the int8 rounding of the patched weight). ComfyUI dequantizes and runs a
-float matmul (W8A16) only where a layer carries `weight_function`s (LoRA patches applied per call in low-VRAM mode;
-`_use_quantized` is False then) and in its text encoders, which load with `full_precision_mm=True`
-(`comfy/sd1_clip.py`) — as the pack's Gemma loader does (`models/gemma.py`: dequantized once at load).
+float matmul (W8A16) only where the cast hands back a plain tensor: a layer carrying `weight_function`s (LoRA patches
+applied per call in low-VRAM mode) or an input whose dtype differs from the layer's compute dtype
+(`comfy/ops.py::cast_bias_weight`). `full_precision_mm=True` (its text encoders, `comfy/sd1_clip.py`) does NOT make
+int8 layers dequantize: the weight stays a `QuantizedTensor` and `F.linear` still dispatches to comfy-kitchen's
+int8_linear (checked on ComfyUI 0.33 + comfy-kitchen 0.2.31, CPU, float32 and bf16).
 
 The fleet calls comfy-kitchen's own op (`torch.ops.comfy_kitchen.int8_linear`, the `kitchen` extra), with its backends
 chosen as comfy/quant_ops.py chooses them. Without comfy-kitchen, `int8_linear_torch` computes the same steps 1-6 in
