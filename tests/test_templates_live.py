@@ -329,7 +329,7 @@ NOT_TINY: dict[str, str] = {}  # templates that need more than the tiny models (
 def _native(live, stem, tiny, images, devices, tmp_path):
     if stem in NOT_TINY:
         pytest.skip(NOT_TINY[stem])
-    key = (stem, devices)
+    key = (stem, devices, tiny["checkpoint"])
     if key not in _native_cache:
         api = template_graph(stem, tiny, images, devices=devices, swap=False, tag=f"{stem}-native")
         _native_cache[key] = run_graph(live, api, tmp_path)
@@ -396,11 +396,23 @@ def test_ltx25_template_with_load_diffusion_model_matches_native(live, images, s
     so the text nodes are run first in a prompt of their own and ComfyUI's cache serves their conditioning to the
     template's prompt (unchanged inputs are not re-executed) — with real files the text stays ComfyUI's CLIPLoader /
     CLIPTextEncode and only the model's fleet exists. Same latents as the native run."""
+    dv, da = _unet_swap_vs_native(live, images, stem, _tiny_for(stem, request), devices, tmp_path, "")
+    assert dv["max"] <= TOL and da["max"] <= TOL
+
+
+def _stats(a, b) -> dict[str, float]:
+    """|a - b|: max, mean, and the relative L2 error ‖a - b‖ / ‖b‖."""
+    d = (a.float() - b.float())
+    return {"max": float(d.abs().max()), "mean": float(d.abs().mean()), "rel_l2": float(d.norm() / b.float().norm())}
+
+
+def _unet_swap_vs_native(live, images, stem: str, tiny: dict, devices: str, tmp_path, what: str):
+    """The template run natively and with UNETLoader swapped for Load Diffusion Model (MGPU) on `devices` (text
+    first, see the test above) -> (`_stats` of the video latents, of the audio latents), swapped vs native."""
     if not _has_node(live, "LTX2MGPU_LoadDiffusionModel"):
         pytest.skip("no Load Diffusion Model (MGPU) in this build")
-    tiny = _tiny_for(stem, request)
     native = _native(live, stem, tiny, images, devices, tmp_path)
-    api = template_graph(stem, tiny, images, devices=devices, swap=False, tag=f"{stem}-{devices}-unet")
+    api = template_graph(stem, tiny, images, devices=devices, swap=False, tag=f"{stem}-{devices}-unet{what}")
     api = C.swap_model_loader(api, via="diffusion_model", unet_name=tiny["checkpoint"], devices=devices)
     (loader,) = C.nodes_of(api, "LTX2MGPU_LoadCheckpoint")
     (text,) = C.nodes_of(api, "LTX2MGPU_TextEncode")
@@ -412,33 +424,37 @@ def test_ltx25_template_with_load_diffusion_model_matches_native(live, images, s
     cached = {k for m in live.messages_of(got["entry"], "execution_cached") for k in m.get("nodes", [])}
     assert {loader, text} <= cached, "the text nodes were re-executed (ComfyUI's cache missed)"
     assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] == native["mp4"]["video_frames"]
-    dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
-    print(f"{stem} {devices} Load Diffusion Model (MGPU): max |swapped - native| video {dv:.2e} audio {da:.2e}")
-    assert dv <= TOL and da <= TOL
+    dv, da = _stats(got["video"], native["video"]), _stats(got["audio"], native["audio"])
+    print(f"{stem} {devices} Load Diffusion Model (MGPU){what}: |swapped - native| video max {dv['max']:.2e} "
+          f"mean {dv['mean']:.2e} rel L2 {dv['rel_l2']:.2e}; audio max {da['max']:.2e} mean {da['mean']:.2e} "
+          f"rel L2 {da['rel_l2']:.2e}")
+    return dv, da
 
 
-INT8_W8A8 = (
-    "int8-convrot weights are computed differently: ComfyUI 0.33 with comfy-kitchen 0.2.31 runs each int8 layer W8A8 "
-    "(comfy_kitchen int8_linear: the activations quantized per row at run time, ConvRot-rotated, int8 matmul), the "
-    "fleet's Int8Linear W8A16 (weights dequantized, float matmul); measured on the tiny LTX-2.5 t2v at 2 CPU ranks: "
-    "max |swapped - native| video 1.16e-2, audio 8.7e-3 (bf16 weights: 1.2e-6). Needs the fleet to quantize "
-    "activations as comfy-kitchen does")
+#: int8-convrot template runs: bound on the relative L2 error ‖swapped - native‖ / ‖native‖ of the final video and
+#: audio latents, and on max |Δ|. W8A8 rounds every activation to int8 at run time, so a float-level difference
+#: anywhere upstream (1e-6, the bf16 file's swapped-vs-native spread) flips some roundings by one step (row max / 127)
+#: and the 8 + 3 sampling steps carry that on: ComfyUI against ITSELF, with only its attention changed (default
+#: sub-quadratic vs --use-pytorch-cross-attention), differs by rel L2 1.74e-3 / 1.27e-3, max 9.5e-3 / 9.7e-3 (video /
+#: audio; on the bf16 file the same two ComfyUI runs differ by 1.2e-6), the swapped run by 1.74e-3 / 1.27e-3, max
+#: 1.03e-2 / 1.10e-2 (2 and 4 ranks alike; W8A16, `LTX2_MGPU_INT8_COMPUTE=w8a16`, lands at the same distance: at the
+#: template level both are inside ComfyUI's own spread). Bound: twice ComfyUI's own spread. The forward itself equals
+#: ComfyUI's to 1.7e-6, and W8A16 is 1.45e-2 away there (tests/test_ltx25.py, golden).
+INT8_REL_L2, INT8_MAX = 3.5e-3, 2.5e-2
 
 
-def test_ltx25_t2v_on_int8_convrot_weights_matches_native(live, images, tiny_25, tmp_path):
+@pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
+def test_ltx25_t2v_on_int8_convrot_weights_matches_native(live, images, tiny_25, devices, tmp_path):
     """The LTX-2.5 templates' own weight format: the int8-convrot twin of the tiny transformer, loaded by ComfyUI's
-    UNETLoader in the native run and by the fleet (dequantized per call) in the swapped one, on 2 ranks."""
-    pytest.skip(INT8_W8A8)
-    stem, devices = "video_ltx2_5_t2v", "cpu:2"
-    tiny = {**tiny_25, "checkpoint": tiny_25["checkpoint_int8"]}
-    native = run_graph(live, template_graph(stem, tiny, images, devices=devices, swap=False,
-                                            tag=f"{stem}-int8-native"), tmp_path)
-    got = run_graph(live, template_graph(stem, tiny, images, devices=devices, swap=True, tag=f"{stem}-int8"),
-                    tmp_path)
-    assert got["mp4"]["audio_channels"] >= 1 and got["mp4"]["video_frames"] == native["mp4"]["video_frames"]
-    dv, da = max_diff(got["video"], native["video"]), max_diff(got["audio"], native["audio"])
-    print(f"{stem} int8-convrot {devices}: max |swapped - native| video {dv:.2e} audio {da:.2e}")
-    assert dv <= TOL and da <= TOL
+    UNETLoader in the native run and by Load Diffusion Model (MGPU) in the swapped one. Both compute each int8
+    layer W8A8 with comfy-kitchen's int8_linear (activations quantized per row at run time; `models/quant.py`).
+    Equal latents are impossible for any computation that is not ComfyUI's bit for bit (see `INT8_REL_L2`): the
+    swapped run is as close to the native one as ComfyUI with another attention backend is."""
+    dv, da = _unet_swap_vs_native(live, images, "video_ltx2_5_t2v",
+                                  {**tiny_25, "checkpoint": tiny_25["checkpoint_int8"]}, devices, tmp_path,
+                                  " int8-convrot")
+    assert dv["rel_l2"] <= INT8_REL_L2 and da["rel_l2"] <= INT8_REL_L2
+    assert dv["max"] <= INT8_MAX and da["max"] <= INT8_MAX
 
 
 # ---- the prompt enhancer beside the pack --------------------------------------------------------------------------

@@ -24,9 +24,10 @@ Two ways to compute `FP8Linear` (`compute_path` chooses per call and says why):
 
 Errors against the bf16 forward (random 19B-shaped weights, 16 blocks; bench/results/speed_h200.txt): relative L2
 4.0–4.4e-2 from the weights' e4m3 rounding alone (the dequantizing path), 4.7–5.6e-2 with the activations in e4m3 too
-(the fp8 matmul path); a single GEMM 2.6e-2 against its fp32 product. int8 (`int8_tensorwise` files) gets no matmul
-path: through cuBLAS (`torch._int_mm`) it is slower than bf16 on the H200, comfy-kitchen's int8 kernel 0.79–1.12× of
-bf16 — behind fp8 — so it did not pay.
+(the fp8 matmul path); a single GEMM 2.6e-2 against its fp32 product. int8 (`int8_tensorwise` files) is computed
+W8A8 the way ComfyUI computes it, through comfy-kitchen's `int8_linear` (`models.quant`, a subclass of `FP8Linear`
+with its own path): for equality with ComfyUI, not for speed (measured on the H200 for issue 16: through cuBLAS
+`torch._int_mm` slower than bf16, comfy-kitchen's int8 kernel 0.79–1.12× of bf16).
 """
 from __future__ import annotations
 
@@ -278,6 +279,17 @@ def compute_report(module: nn.Module) -> str | None:
     """One line for a job report: how many `FP8Linear`s of `module` ran on the fp8 tensor cores in their last
     eager call and why the others did not (None when the module has no FP8Linear that ran eagerly yet)."""
     layers = [m for m in module.modules() if isinstance(m, FP8Linear) and m.last_path is not None]
+    int8 = [m for m in layers if m.last_path == "int8"]  # models.quant.Int8Linear computed W8A8
+    if int8:
+        layers = [m for m in layers if m.last_path != "int8"]
+        line = f"int8 compute: {len(int8)} int8 layers {int8[0].last_reason}"
+        rest = compute_report_of(layers)
+        return line if rest is None else f"{line}; {rest}"
+    return compute_report_of(layers)
+
+
+def compute_report_of(layers: list["FP8Linear"]) -> str | None:
+    """`compute_report`'s line for these layers (each has run eagerly), None for none."""
     if not layers:
         return None
     fast = sum(m.last_path == "scaled_mm" for m in layers)
@@ -298,7 +310,7 @@ def check_compute(module: nn.Module, device: torch.device, dtype: torch.dtype) -
         return
     probe = torch.empty(0, device=device, dtype=dtype) if device.type != "cuda" else None
     for name, m in module.named_modules():
-        if isinstance(m, FP8Linear):
+        if isinstance(m, FP8Linear) and m.weight.dtype != torch.int8:  # int8 layers: models.quant's own path
             x = probe if probe is not None else torch.empty(0, device=device, dtype=dtype)
             path, why = compute_path(m, x)
             if path != "scaled_mm":

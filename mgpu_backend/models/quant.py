@@ -15,15 +15,52 @@ the group size may also sit under `"params"`). Per format (`comfy/quant_ops.py::
   `backends/eager/quantization.py::quantize_int8_convrot_weight` / `dequantize_int8_convrot_weight`,
   `tensor/int8_utils.py::_build_hadamard` (H₄ = [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]],
   H_{4^k} = H₄^{⊗k}, divided by √g).
-  Loaded as `Int8Linear`: the int8 tensor stays resident, the weight is dequantized per call (exact; the fast int8
-  matmul is a separate speed path).
+  Loaded as `Int8Linear`: the int8 tensor stays resident and is computed W8A8, as ComfyUI does (below).
+
+How ComfyUI 0.33 computes an `int8_tensorwise` layer (`QUANT_ALGOS["int8_tensorwise"]` has `quantize_input: False`;
+`comfy/ops.py::mixed_precision_ops.Linear.forward` takes the weight-only branch, `forward_comfy_cast_weights(...,
+weight_only_quant=True)`, and `F.linear(x, weight, bias)` on the `QuantizedTensor` weight dispatches to comfy-kitchen
+`tensor/int8.py::_handle_int8_linear_tensorwise` -> `torch.ops.comfy_kitchen.int8_linear(x.contiguous(), q, scale,
+bias, <x's dtype>, convrot, convrot_groupsize)`; the LTX FeedForward's down projection goes through
+`comfy/ops.py::linear_input_act(..., "gelu_tanh")` -> `comfy_kitchen.int8_linear(..., input_act="gelu_tanh")`, the
+GELU folded into the activation quantizer). comfy-kitchen 0.2.31's eager backend (`backends/eager/quantization.py::
+int8_linear`, what runs on CPU and on CUDA unless its CUDA backend is enabled) computes, for x `[..., K]` in the
+compute dtype D (bf16 / fp16 / fp32):
+  1. `input_act` applied in D (`backends/_activations.py::apply_input_act`: `F.gelu(x, approximate="tanh")`);
+  2. ConvRot: x grouped by g and multiplied by H (built in D; H = Hᵀ), in D — the rotation the weight got offline;
+  3. per-row dynamic quantization (`quantize_int8_rowwise`): `s_x = max(amax(|x_row|).float() / 127, 1e-30)`
+     (float32), `q_x = clamp(round_half_even(x / s_x.to(D)), -128, 127)` in D (a scale that is 0 in D -> D's tiny);
+  4. `q_x @ qᵀ` as int8 × int8 with int32 accumulation (`torch._int_mm`; exact);
+  5. `acc.float() * (s_x * s_w)` in float32 (`s_w` the 0-d or per-row weight scale, float32), cast to D;
+  6. `+ bias.to(D)` in D; output `[..., N]` in D.
+comfy/quant_ops.py (ComfyUI's import) turns comfy-kitchen's "cuda" backend off when torch's CUDA is < 13 (or CPU
+torch) and its "triton" backend off unless `--enable-triton-backend`; where the "cuda" backend runs (torch cu130+),
+its fused kernels compute the same rule (int8 GEMM with int32 accumulation, per-row activation scales) in their own
+order. A LoRA on an int8 layer: ComfyUI patches the dequantized weight and *re-quantizes* it (`set_weight` ->
+`requantize_from_float(scale="recalculate", stochastic_rounding=<seed of the key>)`), then computes W8A8 again; the
+fleet fuses the LoRA in full precision and computes that layer W8A16 (`fused_weight`: x · Wᵀ in D) — the one place
+where it still differs from ComfyUI (by the int8 rounding of the patched weight). ComfyUI dequantizes and runs a
+float matmul (W8A16) only where the cast hands back a plain tensor: a layer carrying `weight_function`s (LoRA patches
+applied per call in low-VRAM mode) or an input whose dtype differs from the layer's compute dtype
+(`comfy/ops.py::cast_bias_weight`). `full_precision_mm=True` (its text encoders, `comfy/sd1_clip.py`) does NOT make
+int8 layers dequantize: the weight stays a `QuantizedTensor` and `F.linear` still dispatches to comfy-kitchen's
+int8_linear (checked on ComfyUI 0.33 + comfy-kitchen 0.2.31, CPU, float32 and bf16).
+
+The fleet calls comfy-kitchen's own op (`torch.ops.comfy_kitchen.int8_linear`, the `kitchen` extra), with its backends
+chosen as comfy/quant_ops.py chooses them. Without comfy-kitchen, `int8_linear_torch` computes the same steps 1-6 in
+plain torch (tested equal, bit for bit on CPU, to comfy-kitchen's eager backend); a one-time log line says so. It is a
+faithful fallback rather than W8A16 because ComfyUI cannot load an int8 file at all without comfy-kitchen, so the
+only result to be equal to is comfy-kitchen's.
 
 Other formats (`nvfp4`, `mxfp8`, `convrot_w4a4`, `asym_w4a8_int8`) are refused by name.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -107,8 +144,112 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, group: int | None = No
     return rotate_groups(w, group) if group is not None else w
 
 
+# ---- int8 compute (W8A8, as ComfyUI with comfy-kitchen) ----------------------------------------------------------
+
+log = logging.getLogger("ltx2_mgpu.quant")
+INT8_COMPUTE_MODES = ("w8a8", "w8a16")
+"""`LTX2_MGPU_INT8_COMPUTE` (read at import, in every worker): "w8a8" (default: ComfyUI's computation) or "w8a16"
+(weights dequantized per call, activations kept in the compute dtype: closer to the bf16 file, not ComfyUI's result)."""
+INT8_COMPUTE = os.environ.get("LTX2_MGPU_INT8_COMPUTE", "w8a8")
+if INT8_COMPUTE not in INT8_COMPUTE_MODES:
+    raise ValueError(f"LTX2_MGPU_INT8_COMPUTE={INT8_COMPUTE!r}: choose one of {', '.join(INT8_COMPUTE_MODES)}")
+INPUT_ACTS = (None, "gelu_tanh")  # what `int8_linear` takes as `input_act` (the LTX FeedForward's GELU)
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
+_KITCHEN: list = []  # [the op, or None] once looked up
+
+
+def kitchen_op():
+    """`torch.ops.comfy_kitchen.int8_linear`, or None when comfy-kitchen is not installed (one log line then).
+
+    On first use in a process that is not ComfyUI's own (where comfy/quant_ops.py has already chosen from ComfyUI's
+    flags), comfy-kitchen's backends are set as comfy/quant_ops.py sets them by default: "cuda" off for CPU torch
+    or torch CUDA < 13, "triton" off.
+    """
+    if not _KITCHEN:
+        try:
+            import comfy_kitchen as ck
+        except ImportError:
+            log.warning("comfy-kitchen is not installed: int8 layers are computed W8A8 by the pack's torch copy of "
+                        "comfy-kitchen's eager int8_linear (same result as ComfyUI's on CPU; no fused kernels on "
+                        "GPU). Install the 'kitchen' extra (comfy-kitchen>=0.2.31) for ComfyUI's own kernels.")
+            _KITCHEN.append(None)
+            return None
+        if "comfy.quant_ops" not in sys.modules:
+            cuda = torch.version.cuda
+            if cuda is None or tuple(int(v) for v in cuda.split(".")[:2]) < (13,):
+                ck.registry.disable("cuda")
+            ck.registry.disable("triton")
+        _KITCHEN.append(torch.ops.comfy_kitchen.int8_linear)
+    return _KITCHEN[0]
+
+
+def _hadamard_like(size: int, x: torch.Tensor) -> torch.Tensor:
+    """comfy-kitchen's `_build_hadamard(size, dtype=x.dtype)`: H₄ Kronecker powers built in x's dtype, / √size.
+    (Entries ±1/√size with √size a power of 2: exact in every float dtype.)"""
+    hadamard(size)  # validates the size
+    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=x.dtype, device=x.device)
+    h = h4
+    while h.shape[0] < size:
+        h = torch.kron(h, h4)
+    return h / (size ** 0.5)
+
+
+def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a [M, K] int8 @ b [K, N] int8` with int32 accumulation (exact): `torch._int_mm` where it takes the shape,
+    else float64 (exact: |sum| ≤ 128² · K < 2⁵³)."""
+    try:
+        return torch._int_mm(a, b)
+    except RuntimeError:
+        return (a.double() @ b.double()).to(torch.int32)
+
+
+def int8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                      convrot_group: int | None = None, input_act: str | None = None) -> torch.Tensor:
+    """ComfyUI's int8 linear (comfy-kitchen 0.2.31 eager `int8_linear`, steps 1-6 of the module docstring) in torch.
+
+    Args:
+        x: `[..., K]` float32 / bf16 / fp16 (the compute dtype D; the output has it).
+        weight: `[N, K]` int8 (ConvRot-rotated when `convrot_group` is given).
+        weight_scale: float32, 0-d / `[1]` or per row `[N, 1]` / `[N]`.
+        bias: `[N]` or None.
+        input_act: None or "gelu_tanh" (applied to x first).
+    Returns `[..., N]` in D. Raises ValueError for a group size that does not divide K or is not a power of 4.
+    """
+    if input_act == "gelu_tanh":
+        x = F.gelu(x, approximate="tanh")
+    elif input_act is not None:
+        raise ValueError(f"input_act {input_act!r}: choose one of {INPUT_ACTS}")
+    k = x.shape[-1]
+    if convrot_group is not None:
+        if k % convrot_group:
+            raise ValueError(f"ConvRot group size {convrot_group} does not divide input features {k}")
+        x = (x.reshape(-1, k // convrot_group, convrot_group) @ _hadamard_like(convrot_group, x)).reshape(x.shape)
+    x2 = x.reshape(-1, k)
+    s_x = (x2.abs().amax(dim=-1, keepdim=True).float() / 127.0).clamp(min=1e-30)
+    s_d = s_x.to(x.dtype)
+    s_d = torch.where(s_d == 0, torch.full_like(s_d, torch.finfo(x.dtype).tiny), s_d)
+    q_x = (x2 / s_d).round_().clamp_(-128.0, 127.0).to(torch.int8)
+    acc = _int8_mm(q_x, weight.t().contiguous())
+    out = (acc.float() * (s_x * weight_scale.float().reshape(1, -1))).to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype).reshape(1, -1)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                convrot_group: int | None = None, input_act: str | None = None) -> torch.Tensor:
+    """`x · (deq(weight))ᵀ + bias` computed W8A8 as ComfyUI does: comfy-kitchen's op when installed (what ComfyUI
+    calls), else `int8_linear_torch`. Arguments as `int8_linear_torch`'s."""
+    op = kitchen_op()
+    if op is None or x.dtype not in _DTYPE_CODE:
+        return int8_linear_torch(x, weight, weight_scale, bias, convrot_group, input_act)
+    return op(x.contiguous(), weight, weight_scale, bias, _DTYPE_CODE[x.dtype], convrot_group is not None,
+              convrot_group or DEFAULT_CONVROT_GROUP, input_act)
+
+
 class Int8Linear(FP8Linear):
-    """`y = x · deq(weight)ᵀ + bias` with `weight` resident as int8 (ComfyUI `int8_tensorwise`, optional ConvRot).
+    """`y = x · deq(weight)ᵀ + bias` with `weight` resident as int8 (ComfyUI `int8_tensorwise`, optional ConvRot),
+    computed W8A8 by `int8_linear` (activations quantized per row at run time), or W8A16 with a fused LoRA.
 
     A subclass of `FP8Linear` so that everything that handles resident-quantized layers (LoRA fusing through
     `fused_weight`, memory reports) treats it alike.
@@ -118,6 +259,8 @@ class Int8Linear(FP8Linear):
         weight_scale: float32 buffer, 0-d (per tensor) or `[out_features, 1]` (per row).
         convrot_group: Hadamard group size, or None (no rotation).
         bias: `[out_features]` in the compute dtype, or None.
+        input_act: None, or "gelu_tanh": the GELU applied to the input first (`fold_gelu`).
+        last_path: "int8" (W8A8) or "dequantize" (fused LoRA) in the last eager call; None before the first.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
@@ -137,23 +280,65 @@ class Int8Linear(FP8Linear):
         self.fused_weight: torch.Tensor | None = None
         self.last_path: str | None = None  # for `fp8.compute_report`, like FP8Linear's
         self.last_reason: str | None = None
+        self.input_act: str | None = None  # "gelu_tanh" once `fold_gelu` moved a FeedForward's GELU in here
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight in `compute_dtype` (float32 math, rotated back for ConvRot)."""
         return dequantize_int8(self.weight, self.weight_scale, self.convrot_group).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            # no int8 matmul beats bf16 on Hopper (measured: models/fp8.py's docstring), so int8 always dequantizes
-            self.last_path, self.last_reason = "dequantize", "int8 weights, dequantized per call"
-        w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, w.to(x.dtype), bias)
+        if self.fused_weight is not None or INT8_COMPUTE == "w8a16":  # W8A16 (a LoRA fused in full precision)
+            if not torch.compiler.is_compiling():
+                self.last_path, self.last_reason = "dequantize", (
+                    "a LoRA is fused into this layer (W8A16)" if self.fused_weight is not None
+                    else "LTX2_MGPU_INT8_COMPUTE=w8a16 (weights dequantized per call)")
+            if self.input_act == "gelu_tanh":
+                x = F.gelu(x, approximate="tanh")
+            w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
+            return F.linear(x, w.to(x.dtype), bias)
+        if not torch.compiler.is_compiling():
+            self.last_path = "int8"
+            self.last_reason = ("W8A8, comfy-kitchen int8_linear" if kitchen_op() is not None
+                                else "W8A8, torch copy of comfy-kitchen's int8_linear (comfy-kitchen not installed)")
+        return int8_linear(x, self.weight, self.weight_scale, bias, self.convrot_group, self.input_act)
 
     def extra_repr(self) -> str:
         rot = f", convrot={self.convrot_group}" if self.convrot_group else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, weight=int8{rot}, "
+        act = f", input_act={self.input_act}" if self.input_act else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weight=int8{rot}{act}, "
                 f"compute={self.compute_dtype}")
+
+
+class GeluProjection(nn.Module):
+    """A diffusers `GELU` (`proj` then tanh-GELU) whose GELU moved into the next `Int8Linear` (`fold_gelu`): returns
+    `proj(x)`. Keeps the child `proj` (same state-dict keys, same LoRA targets)."""
+
+    def __init__(self, proj: nn.Module):
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def fold_gelu(module: nn.Module) -> int:
+    """ComfyUI's `linear_input_act(net[2], net[0].proj(x), "gelu_tanh")` for every diffusers `FeedForward` of
+    `module` whose down projection `net[2]` is an `Int8Linear` and whose `net[0]` is a tanh-GELU: the GELU moves
+    into `net[2]` (`input_act`), where comfy-kitchen's fused quantizer applies it as ComfyUI's does (on CPU and
+    comfy-kitchen's eager backend the result is the same as before). Returns the number folded."""
+    from diffusers.models.activations import GELU
+
+    folded = 0
+    for m in module.modules():
+        net = getattr(m, "net", None)
+        if (type(m).__name__ == "FeedForward" and isinstance(net, nn.ModuleList) and len(net) == 3
+                and isinstance(net[0], GELU) and net[0].approximate == "tanh" and isinstance(net[2], Int8Linear)
+                and net[2].input_act is None):
+            net[0] = GeluProjection(net[0].proj)
+            net[2].input_act = "gelu_tanh"
+            folded += 1
+    return folded
 
 
 def swap_in_int8_linears(module: nn.Module, layers: dict[str, dict], compute_dtype: torch.dtype,
@@ -161,6 +346,7 @@ def swap_in_int8_linears(module: nn.Module, layers: dict[str, dict], compute_dty
     """Replace each listed `nn.Linear` (module path -> its `comfy_quant` dict) by an `Int8Linear`.
 
     `scale_shapes`: module path -> stored `weight_scale` shape (0-d or `[out, 1]`).
+    Then moves each FeedForward GELU in front of an int8 down projection into it (`fold_gelu`, as ComfyUI).
     Returns the number replaced. Raises ValueError naming the layer when it is not a Linear or the scale does not fit.
     """
     for path, conf in layers.items():
@@ -176,4 +362,5 @@ def swap_in_int8_linears(module: nn.Module, layers: dict[str, dict], compute_dty
                              f"({old.out_features}, 1)")
         setattr(parent, child, Int8Linear(old.in_features, old.out_features, old.bias is not None, compute_dtype,
                                           convrot_group(conf), per_row_scale=shape == (old.out_features, 1)))
+    fold_gelu(module)
     return len(layers)

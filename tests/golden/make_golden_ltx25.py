@@ -19,7 +19,8 @@ What it does:
    audio->video residual; ltx-core / diffusers use the norm from before it — the driver swaps that one line of
    `BasicAVTransformerBlock.forward`, as the 0.20 goldens patched the cross-attention AdaLN timestep), the "ref"
    forward with the keyframe embedding zeroed (to show it acts on frame-0 tokens), the dequantized weights of the
-   int8-convrot layers (`QuantizedTensor.dequantize()`, comfy-kitchen's `TensorWiseINT8Layout`), a video decode, an
+   int8-convrot layers (`QuantizedTensor.dequantize()`, comfy-kitchen's `TensorWiseINT8Layout`) and the "ref"
+   forward of the int8-convrot twin (int8 layers W8A8 through comfy-kitchen's `int8_linear`), a video decode, an
    audio decode and an upscale; and the loaders' key coverage (missing / unexpected keys) as metadata;
 4. writes them with the inputs, the spec and provenance (ComfyUI / torch versions, a fingerprint of the files).
 
@@ -151,6 +152,18 @@ for name in int8_layers:
         "convrot_groupsize": int(getattr(getattr(w, "_params", None), "convrot_groupsize", 0)),
         "quant_format": getattr(layer, "quant_format", None)}
     out["int8_dequantized." + name] = w.dequantize().float()
+# its forward as ComfyUI computes it (each int8 layer W8A8 through comfy-kitchen's int8_linear), in the reference
+# order with the reference's q/k eps, like the "ref" forward above
+for n, m in dm8.named_modules():
+    if n.endswith(("q_norm", "k_norm")):
+        m.eps = 1e-6
+if info["v2a_norm_after_a2v"]:
+    av.BasicAVTransformerBlock.forward = namespace["forward"]
+out["int8_velocity_video_ref"], out["int8_velocity_audio_ref"] = forward(patcher8.model, dm8)
+if info["v2a_norm_after_a2v"]:
+    av.BasicAVTransformerBlock.forward = shipped_forward
+import importlib.metadata
+info["comfy_kitchen"] = importlib.metadata.version("comfy-kitchen")
 
 # ---- VAELoader: audio VAE, conv video VAE ----------------------------------------------------------------------------
 for key in ("audio_vae", "video_vae"):
