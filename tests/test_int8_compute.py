@@ -154,3 +154,25 @@ def test_token_shards_compute_the_same_bits():
         shards = [Q.int8_linear(part, q, s, b, 16, "gelu_tanh") for part in x.tensor_split(world, dim=1)]
         assert torch.equal(torch.cat(shards, dim=1), whole)
     assert torch.equal(Q.int8_linear(x[1:], q, s, b, 16, "gelu_tanh"), whole[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("group", [16, 256])
+def test_int8_linear_on_cuda_equals_comfyui_bit_for_bit(group):
+    """On CUDA, with comfy-kitchen's backends set as ComfyUI sets them (its "cuda" backend with torch cu130+): ours
+    equals ComfyUI's int8 layer bit for bit; the pack's torch copy (no comfy-kitchen) stays within a few rounding
+    steps of it (a different int8 kernel may round the rescale differently)."""
+    q, s, b = (t.cuda() for t in _layer(group))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in ((7,), (2, 33)):
+            x = (torch.randn(*shape, K, generator=g, device="cuda") * 3).to(dtype)
+            ours = Q.int8_linear(x, q, s, b.to(dtype), group)  # first: sets comfy-kitchen's backends as ComfyUI does
+            want = _comfy_linear(x, q, s, b.to(dtype), group)
+            assert ours.device.type == "cuda" and ours.dtype == dtype
+            assert torch.equal(ours, want), (dtype, shape, float((ours - want).abs().max()))
+            fallback = Q.int8_linear_torch(x, q, s, b.to(dtype), group)
+            rel = float((fallback.float() - want.float()).norm() / want.float().norm())
+            print(f"int8 cuda group {group} {dtype} {shape}: torch copy rel L2 {rel:.2e}")
+            assert rel < 1e-2
