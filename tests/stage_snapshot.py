@@ -63,7 +63,8 @@ def _payloads() -> dict:
             "sigmas": torch.tensor([1.0, 0.8, 0.5, 0.0]), "fps": 25.0,
             "video_guidance": GuidanceParams(3.0, 1.0, (0,), 0.7, 3.0),
             "audio_guidance": GuidanceParams(7.0, 1.0, (0,), 0.7, 3.0), "stg_blocks": "auto",
-            "mode": "sequence_parallel", "sampler": "euler_ancestral", "seed": 11, "loras": []}
+            "mode": "sequence_parallel", "sampler": "euler_ancestral", "seed": 11, "loras": [],
+            "semantics": "reference"}  # the old code ignores the key (it only had these semantics)
     tiled = dict(base, video=torch.randn(1, 128, f, 4, 4, generator=g), video_mask=None, mode="tiled",
                  noise_video=torch.randn(1, 128, f, 4, 4, generator=g), sigmas=torch.tensor([0.6, 0.3, 0.0]),
                  sampler="euler", video_guidance=GuidanceParams(), audio_guidance=GuidanceParams(), negative=None,
