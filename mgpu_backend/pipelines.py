@@ -196,9 +196,18 @@ class TwoStagePipeline:
         mask = L.image_conditioning_mask(1, frames_lat, strength)
         return L.pack_video(clean), L.video_token_mask(mask, 1, frames_lat, height // 32, width // 32)
 
+    def native_engine(self):
+        """This rank's `native.NativeEngine` (ComfyUI's forward: stages with semantics "comfyui" and the native
+        MODEL's forward job), made on first use and kept; it shares this pipeline's LoRA fuser."""
+        if getattr(self, "_native", None) is None:
+            from .native import NativeEngine
+
+            self._native = NativeEngine(self.components, self.plan, self.dtype, self.device, lora=self.lora)
+        return self._native
+
     def stage_env(self) -> StageEnv:
         """What this pipeline's stages run on (`stage.StageEnv`)."""
-        return StageEnv(self.components, self.dtype, self.device, self.plan)
+        return StageEnv(self.components, self.dtype, self.device, self.plan, native=self.native_engine)
 
     def run_stage(self, spec: StageSpec, progress: ProgressFn | None = None,
                   cancel_check: CancelFn | None = None) -> StageResult:

@@ -91,6 +91,9 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 raise NodeError(f"{NAME}: audio={audio!r}: choose {AUDIO_FROZEN!r} or {AUDIO_DENOISE!r}")
             frozen = audio == AUDIO_FROZEN
             parts = split_latent(latent)
+            if parts.audio_mask is not None:
+                raise NodeError(f"{NAME}: an audio noise_mask (audio inpainting / audio conditioning) is not "
+                                f"supported by the tiled stage (it runs the reference recipe); use SP Sampler (MGPU)")
             pos = split_conditioning(positive, "positive")
             fps = frame_rate_of(pos)
             video, video_mask = parts.video, parts.video_mask

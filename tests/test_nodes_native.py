@@ -103,14 +103,19 @@ def test_full_shape_video_mask_is_reduced_to_one_channel_and_all_ones_is_no_mask
         NT.split_latent({**video, "noise_mask": full})
 
 
-def test_audio_noise_mask_refused_but_concat_filler_accepted():
+def test_audio_noise_mask_per_token_and_concat_filler():
     audio = empty_audio()
     mask = torch.ones_like(audio["samples"])
     mask[:, :, :3] = 0.0
-    with pytest.raises(NT.UnsupportedInput, match="audio noise_mask"):
+    parts = NT.split_latent(concat(empty_video(), {**audio, "noise_mask": mask}))
+    assert parts.audio_mask.shape == (1, 1, mask.shape[2], 1) and torch.equal(parts.audio_mask[0, 0, :, 0],
+                                                                              mask[0, 0, :, 0])
+    mask[:, 1, 5] = 0.5  # differs between channels within one token
+    with pytest.raises(NT.UnsupportedInput, match="audio noise_mask.*within an audio token"):
         NT.split_latent(concat(empty_video(), {**audio, "noise_mask": mask}))
     # ComfyUI's concat fills the audio half with ones when only the video has a mask: that is no audio mask
-    assert NT.split_latent(concat(i2v(empty_video()), audio)).video_mask is not None
+    parts = NT.split_latent(concat(i2v(empty_video()), audio))
+    assert parts.video_mask is not None and parts.audio_mask is None
 
 
 def test_bad_latents_refused():

@@ -10,7 +10,7 @@ import torch
 from .. import latents as L
 from .. import sampling as S
 from ..lora import read_loras
-from ..stage import SAMPLERS, SamplerSpec, StageSpec, TiledRunner, stage_contexts
+from ..stage import SAMPLERS, SEMANTICS, ComfyGuides, SamplerSpec, StageSpec, TiledRunner, stage_contexts
 from ..validation import ValidationError
 from . import register
 
@@ -52,7 +52,20 @@ def _sampler(p: dict, semantics: str) -> SamplerSpec:
     if name not in SAMPLERS:
         raise ValidationError(f"sampler={name!r}: choose one of {', '.join(SAMPLERS)}")
     return SamplerSpec(name, int(p.get("seed", 0)), float(p.get("eta", 1.0)), float(p.get("s_noise", 1.0)),
-                       noise_layout="comfyui")
+                       noise_layout="comfyui")  # the nodes' noise is ComfyUI's, whatever the forward's semantics
+
+
+def _guides(g: dict | None) -> ComfyGuides | None:
+    """The payload's `guides` (`keyframe_idxs`, `guide_attention_entries`, `denoise_mask`, `ref_audio_tokens`: what
+    LTXVAddGuide / LTXVReferenceAudio put in the conditioning, `forward.ForwardRequest`'s fields) or None."""
+    if not g:
+        return None
+    unknown = set(g) - {"keyframe_idxs", "guide_attention_entries", "denoise_mask", "ref_audio_tokens"}
+    if unknown:
+        raise ValidationError(f"guides: unknown keys {sorted(unknown)}")
+    return ComfyGuides(keyframe_idxs=g.get("keyframe_idxs"),
+                       guide_attention_entries=tuple(g.get("guide_attention_entries") or ()),
+                       denoise_mask=g.get("denoise_mask"), ref_audio_tokens=g.get("ref_audio_tokens"))
 
 
 def _stage_name(p: dict, mode: str, sigmas: torch.Tensor) -> str:
@@ -87,7 +100,8 @@ def _check_batch(name: str, x: torch.Tensor | None) -> None:
 def run_sample(state, p: dict, ctx) -> dict:
     """One denoising stage.
 
-    Payload: `stage` (optional name for progress and errors: "stage 1", "stage 2"; default from the mode and the
+    Payload: `semantics` ("comfyui": ComfyUI 0.33's forward and samplers, what the nodes send; "reference", the
+    default: Lightricks' recipe — `stage.py`), `stage` (optional name for progress and errors: "stage 1", "stage 2"; default from the mode and the
     first sigma, `_stage_name`), `positive` / `negative` (CONDITIONING embeddings `[1, T, C]`; negative may be
     None), `video` `[1, 128, F, H, W]`,
     `audio` `[1, 8, T, 16]`, optional `video_mask` (ComfyUI `noise_mask`, broadcastable to
@@ -100,7 +114,8 @@ def run_sample(state, p: dict, ctx) -> dict:
     "euler_ancestral", with `seed`, `eta`, `s_noise`), `stg_blocks` ("auto" or block indices; replaces both
     guidances' blocks), `loras` (`[(path, strength), …]`: fused into every rank's transformer for this job — each
     rank computes its share and the fused layers are broadcast — and restored after it, exactly, without reading
-    the checkpoint).
+    the checkpoint), `audio_mask` (the audio half of ComfyUI's noise_mask, broadcastable to `[1, 1, T, 1]`),
+    `guides` (semantics "comfyui": `_guides`).
     Returns on rank 0: `{"video": [1, 128, F, H, W], "audio": [1, 8, T, 16], "report": str, "lora_reports":
     [str, …] (matched / total layers per LoRA)}`; a tiled stage adds `tile_drift` (one relative difference of
     overlapping tiles per forward, `TiledTransformer.drift`), `weights_normalized` and `audio_frozen`.
@@ -133,6 +148,8 @@ def run_sample(state, p: dict, ctx) -> dict:
     _, _, f, h, w = video.shape
     grid = (f, h, w)
     semantics = p.get("semantics", "reference")
+    if semantics not in SEMANTICS:
+        raise ValidationError(f"semantics={semantics!r}: choose one of {', '.join(SEMANTICS)}")
     tiling = None
     if mode == "tiled":
         ranks = pipe.plan.world_size if pipe.plan is not None else 1
@@ -154,6 +171,11 @@ def run_sample(state, p: dict, ctx) -> dict:
         token_mask = None if video_mask is None else L.video_token_mask(video_mask.float(), 1, f, h, w)
     except ValueError as exc:
         raise ValidationError(f"noise_mask: {exc}") from None
+    audio_mask = p.get("audio_mask")
+    try:
+        audio_token_mask = None if audio_mask is None else L.audio_token_mask(audio_mask.float(), 1, audio.shape[2])
+    except ValueError as exc:
+        raise ValidationError(f"audio noise_mask: {exc}") from None
     # tiled: frozen stage-1 audio unless asked (the reference's final audio); else re-denoised, tiles averaged
     audio_frozen = bool(p.get("audio_frozen", mode == "tiled"))
     for name, n, x in (("noise_video", p["noise_video"], video), ("noise_audio", p["noise_audio"], audio)):
@@ -163,7 +185,7 @@ def run_sample(state, p: dict, ctx) -> dict:
                      negative=contexts[1] if negative is not None else None, grid=grid, fps=float(p["fps"]),
                      audio_frames=audio.shape[2], video_clean=L.pack_video(video), audio_clean=L.pack_audio(audio),
                      sigmas=sigmas, video_guidance=video_guidance, audio_guidance=audio_guidance,
-                     video_mask=token_mask,
+                     video_mask=token_mask, audio_mask=audio_token_mask, guides=_guides(p.get("guides")),
                      noise=(L.pack_video(p["noise_video"].float()), L.pack_audio(p["noise_audio"].float())),
                      audio_frozen=audio_frozen, sampler=_sampler(p, semantics), tiling=tiling)
     loras = read_loras(p.get("loras"))
