@@ -258,7 +258,7 @@ GUIDE_CONDITIONING_KEYS = ("keyframe_idxs", "guide_attention_entries", "ref_audi
 def split_conditioning(cond: Any, what: str = "conditioning", allow: tuple[str, ...] = ()) -> Conditioning:
     """ComfyUI CONDITIONING (LTX-2, unprocessed form) -> Conditioning. Refuses (UnsupportedInput, naming the key)
     several entries, processed (connector-output) embeddings, and the keys in UNSUPPORTED_CONDITIONING_KEYS that are
-    not in `allow` (e.g. GUIDE_CONDITIONING_KEYS, for a caller that passes them on: `Conditioning.options`)."""
+    not in `allow` (e.g. GUIDE_CONDITIONING_KEYS, for a caller that passes them on: `Conditioning.extras`)."""
     if not isinstance(cond, (list, tuple)) or not cond:
         raise UnsupportedInput(f"{what}: expected a CONDITIONING list [[tensor, dict]]")
     if len(cond) != 1:

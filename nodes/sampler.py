@@ -51,7 +51,7 @@ def guides_payload(pos, neg) -> dict | None:
     from ..mgpu_backend import forward as F
 
     def of(c):
-        return {k: c.options.get(k) for k in GUIDE_CONDITIONING_KEYS if c.options.get(k) is not None}
+        return {k: c.extras.get(k) for k in GUIDE_CONDITIONING_KEYS if c.extras.get(k) is not None}
 
     found = of(pos)
     if neg is not None:
