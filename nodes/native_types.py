@@ -295,6 +295,59 @@ def split_conditioning(cond: Any, what: str = "conditioning", allow: tuple[str, 
     return Conditioning(x.contiguous(), None if fr is None else float(fr), options)
 
 
+def guides_payload(pos: Conditioning, neg: Conditioning | None,
+                   video_mask: torch.Tensor | None = None) -> dict | None:
+    """LTXVAddGuide's keyframe_idxs / guide_attention_entries and LTXVReferenceAudio's ref_audio from the
+    conditioning -> the sample job's `guides` (None without them). ComfyUI passes each conditioning's own values to
+    its forward; the fleet runs one set for every pass, so positive and negative must carry the same (as those nodes
+    make them). `video_mask` (`LatentParts.video_mask`): sent as the forward's `denoise_mask` when it has IC-LoRA's
+    −1 cells (their tokens are dropped). Raises UnsupportedInput naming what does not fit."""
+    try:  # inside ComfyUI the pack is one package (mangled name); tests import `nodes` and `mgpu_backend` top-level
+        from ..mgpu_backend import forward as F
+    except ImportError:
+        from mgpu_backend import forward as F
+
+    def of(c):
+        return {k: c.extras.get(k) for k in GUIDE_CONDITIONING_KEYS if c.extras.get(k) is not None}
+
+    found = of(pos)
+    if neg is not None:
+        other = of(neg)
+        if set(other) != set(found) or any(not _same(found[k], other[k]) for k in found):
+            raise UnsupportedInput("positive and negative carry different guides / reference audio "
+                                   f"({sorted(found)} vs {sorted(other)}); apply LTXVAddGuide / LTXVReferenceAudio "
+                                   "to both, as those nodes do")
+    if not found:
+        return None
+    if "guide_attention_entries" in found and "keyframe_idxs" not in found:
+        raise UnsupportedInput("guide_attention_entries without keyframe_idxs")
+    entries = []
+    for e in found.get("guide_attention_entries") or ():
+        shape, mask = e.get("latent_shape"), e.get("pixel_mask")
+        entries.append(F.GuideAttentionEntry(
+            pre_filter_count=int(e["pre_filter_count"]), strength=float(e.get("strength", 1.0)),
+            pixel_mask=None if mask is None else mask.detach().float().cpu(),
+            latent_shape=None if shape is None else tuple(int(s) for s in list(shape)[-3:])))
+    ref = found.get("ref_audio")
+    if isinstance(ref, dict):
+        ref = ref["tokens"]
+    kf = found.get("keyframe_idxs")
+    dropped = video_mask is not None and kf is not None and bool((video_mask < 0).any())
+    return {"keyframe_idxs": None if kf is None else kf.detach().cpu(), "guide_attention_entries": tuple(entries),
+            "ref_audio_tokens": None if ref is None else ref.detach().float().cpu(),
+            "denoise_mask": video_mask if dropped else None}
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def make_conditioning(embeds: torch.Tensor, frame_rate: float | None = None) -> list:
     """Embeddings `[1, T, C]` -> ComfyUI CONDITIONING in the unprocessed LTX-2 form (what ComfyUI's own LTX-2 text
     encoder returns, plus `frame_rate` as LTXVConditioning sets it)."""

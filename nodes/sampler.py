@@ -6,7 +6,7 @@ from comfy_api.latest import io, ui
 
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
 from .lora import loras_input, loras_payload
-from .native_types import (GUIDE_CONDITIONING_KEYS, UnsupportedInput, audio_frames_for, comfy_nested, frame_rate_of,
+from .native_types import (GUIDE_CONDITIONING_KEYS, audio_frames_for, comfy_nested, frame_rate_of, guides_payload,
                            join_latent, sigmas_tensor, split_conditioning, split_latent, split_noise)
 
 SAMPLERS = ("euler", "euler_ancestral")
@@ -41,52 +41,6 @@ def make_noise(noise, latent: dict, video: torch.Tensor, audio: torch.Tensor, ne
         seed = int(getattr(noise, "seed", 0) or 0)
         na = torch.randn(audio.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
     return nv, na
-
-
-def guides_payload(pos, neg) -> dict | None:
-    """LTXVAddGuide's keyframe_idxs / guide_attention_entries and LTXVReferenceAudio's ref_audio from the
-    conditioning -> the sample job's `guides` (None without them). ComfyUI passes each conditioning's own values to
-    its forward; the fleet runs one set for every pass, so positive and negative must carry the same (as those nodes
-    make them)."""
-    from ..mgpu_backend import forward as F
-
-    def of(c):
-        return {k: c.extras.get(k) for k in GUIDE_CONDITIONING_KEYS if c.extras.get(k) is not None}
-
-    found = of(pos)
-    if neg is not None:
-        other = of(neg)
-        if set(other) != set(found) or any(not _same(found[k], other[k]) for k in found):
-            raise UnsupportedInput("positive and negative carry different guides / reference audio "
-                                   f"({sorted(found)} vs {sorted(other)}); apply LTXVAddGuide / LTXVReferenceAudio "
-                                   "to both, as those nodes do")
-    if not found:
-        return None
-    if "guide_attention_entries" in found and "keyframe_idxs" not in found:
-        raise UnsupportedInput("guide_attention_entries without keyframe_idxs")
-    entries = []
-    for e in found.get("guide_attention_entries") or ():
-        shape, mask = e.get("latent_shape"), e.get("pixel_mask")
-        entries.append(F.GuideAttentionEntry(
-            pre_filter_count=int(e["pre_filter_count"]), strength=float(e.get("strength", 1.0)),
-            pixel_mask=None if mask is None else mask.detach().float().cpu(),
-            latent_shape=None if shape is None else tuple(int(s) for s in list(shape)[-3:])))
-    ref = found.get("ref_audio")
-    if isinstance(ref, dict):
-        ref = ref["tokens"]
-    kf = found.get("keyframe_idxs")
-    return {"keyframe_idxs": None if kf is None else kf.detach().cpu(), "guide_attention_entries": tuple(entries),
-            "ref_audio_tokens": None if ref is None else ref.detach().float().cpu()}
-
-
-def _same(a, b) -> bool:
-    if torch.is_tensor(a) and torch.is_tensor(b):
-        return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def guidance(cfg: float, stg: float, rescale: float, modality: float):
@@ -167,9 +121,7 @@ class SPSamplerMGPU(io.ComfyNode):
             audio = parts.audio
             if audio is None:  # any audio length goes with any video length, as in ComfyUI (e.g. 126 frames)
                 audio = torch.zeros(video.shape[0], 8, audio_frames_for(video.shape[2], fps), 16)
-            guides = guides_payload(pos, neg)
-            if guides is not None and parts.video_mask is not None and bool((parts.video_mask < 0).any()):
-                guides["denoise_mask"] = parts.video_mask  # IC-LoRA's −1 cells: their tokens are dropped
+            guides = guides_payload(pos, neg, parts.video_mask)
             noise_video, noise_audio = make_noise(noise, latent, video, audio, parts.nested)
             if sigmas is None:
                 schedule = S.ltx2_sigmas(int(steps), S.schedule_tokens(video.shape))
