@@ -1,6 +1,9 @@
 """SP Sampler (MGPU)'s stage (the "sample" job with semantics "comfyui", issue 19 Build 6) equals the MGPU MODEL
 path on the same native inputs, on real gloo ranks (W = 1, 2 and 3; 27 video tokens, not divisible by 2).
 
+Cases: image-to-video at strength 0.7 with CFG + STG + modality guidance (euler), text-to-video with euler_ancestral,
+and an LTXVAddGuide guide at strength 0.7 (dense guide-attention bias) with LTXVReferenceAudio tokens.
+
 The MGPU MODEL path is rebuilt here the way ComfyUI drives the proxy model, written out from ComfyUI 0.33's source
 (not from `mgpu_backend/stage.py`): `comfy/samplers.py::KSAMPLER.sample` (start x = CONST.noise_scaling = σ0·noise +
 (1 − σ0)·latent), `KSamplerX0Inpaint` (x·m + latent·(1 − m) in, out·m + latent·(1 − m) out: `LTXAV.scale_latent_inpaint`
@@ -37,6 +40,9 @@ CASES = {
     "i2v07_stg_modality": dict(strength=0.7, cfg=3.0, stg=1.0, modality=3.0, sampler="euler"),
     # text-to-video, CFG 3, euler_ancestral
     "t2v_euler_a": dict(strength=None, cfg=3.0, stg=0.0, modality=1.0, sampler="euler_ancestral"),
+    # LTXVAddGuide: one guide latent frame appended at pixel frame 16, strength 0.7 (noise mask 0.3 on it and the
+    # dense guide-attention bias), + LTXVReferenceAudio's 4 reference tokens; CFG 3, euler
+    "guide07_ref_audio": dict(strength=None, guide=0.7, cfg=3.0, stg=0.0, modality=1.0, sampler="euler"),
 }
 
 
@@ -45,15 +51,30 @@ def _inputs(case: dict) -> dict:
     f, h, w = GRID
     video = torch.zeros(1, 128, f, h, w)
     video_mask = audio_mask = None
+    guides = None
     if case["strength"] is not None:
         video[:, :, :1] = torch.randn(1, 128, 1, h, w, generator=g)
         video_mask = torch.ones(1, 1, f, 1, 1)
         video_mask[:, :, 0] = 1.0 - case["strength"]
         audio_mask = torch.ones(1, 1, T_AUDIO, 1)
+    if case.get("guide") is not None:
+        from mgpu_backend.forward import GuideAttentionEntry
+        from mgpu_backend.native import video_pixel_coords
+
+        video = torch.cat([video, torch.randn(1, 128, 1, h, w, generator=g)], dim=2)  # the guide frame
+        f += 1
+        video_mask = torch.ones(1, 1, f, 1, 1)
+        video_mask[:, :, -1] = 1.0 - case["guide"]
+        audio_mask = torch.ones(1, 1, T_AUDIO, 1)
+        keyframe_idxs = video_pixel_coords(1, 1, h, w).float()
+        keyframe_idxs[:, 0] += 16  # pixel frame 16
+        guides = {"keyframe_idxs": keyframe_idxs,
+                  "guide_attention_entries": (GuideAttentionEntry(pre_filter_count=h * w, strength=case["guide"]),),
+                  "ref_audio_tokens": torch.randn(1, 4, 128, generator=g)}
     return {"video": video, "audio": torch.zeros(1, 8, T_AUDIO, 16), "video_mask": video_mask,
             "audio_mask": audio_mask, "positive": torch.randn(1, 9, 64, generator=g),
             "negative": torch.randn(1, 6, 64, generator=g), "noise_video": torch.randn(1, 128, f, h, w, generator=g),
-            "noise_audio": torch.randn(1, 8, T_AUDIO, 16, generator=g), "seed": 5}
+            "noise_audio": torch.randn(1, 8, T_AUDIO, 16, generator=g), "seed": 5, "guides": guides}
 
 
 def _payload(case: dict, x: dict) -> dict:
@@ -64,7 +85,7 @@ def _payload(case: dict, x: dict) -> dict:
             "audio": x["audio"], "video_mask": x["video_mask"], "audio_mask": x["audio_mask"],
             "noise_video": x["noise_video"], "noise_audio": x["noise_audio"], "sigmas": torch.tensor(SIGMAS),
             "fps": FPS, "video_guidance": g, "audio_guidance": g, "stg_blocks": [1], "mode": "sequence_parallel",
-            "sampler": case["sampler"], "seed": x["seed"], "loras": []}
+            "sampler": case["sampler"], "seed": x["seed"], "loras": [], "guides": x["guides"]}
 
 
 def _mgpu_model_path(state, ctx, case: dict, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +104,8 @@ def _mgpu_model_path(state, ctx, case: dict, x: dict) -> tuple[torch.Tensor, tor
         return engine(state).preprocess_text(PreprocessTextRequest(context=e, unprocessed=True))
 
     pos, neg = text(x["positive"]), text(x["negative"])
-    vm = x["video_mask"].expand(1, 1, *GRID) if x["video_mask"] is not None else None
+    vm = x["video_mask"].expand(1, 1, *x["video"].shape[2:]) if x["video_mask"] is not None else None
+    guides = x["guides"] or {}
     am = x["audio_mask"].expand(1, 1, T_AUDIO, 1) if x["audio_mask"] is not None else None
     clean_v, clean_a = x["video"], x["audio"]
     s0 = SIGMAS[0]
@@ -101,7 +123,10 @@ def _mgpu_model_path(state, ctx, case: dict, x: dict) -> tuple[torch.Tensor, tor
             v_ts = a_ts = torch.full((b,), sigma)
         request = ForwardRequest(video=in_v.expand(b, -1, -1, -1, -1), audio=in_a.expand(b, -1, -1, -1),
                                  video_timestep=v_ts.contiguous(), audio_timestep=a_ts.contiguous(),
-                                 context=torch.cat(contexts), frame_rate=FPS, options=options)
+                                 context=torch.cat(contexts), frame_rate=FPS, options=options,
+                                 keyframe_idxs=guides.get("keyframe_idxs"),
+                                 guide_attention_entries=guides.get("guide_attention_entries", ()),
+                                 ref_audio_tokens=guides.get("ref_audio_tokens"))
         reply = run_forward(state, request, ctx)
         v = bcast(reply.video if ctx.rank == 0 else None, request.video)
         a = bcast(reply.audio if ctx.rank == 0 else None, request.audio)
