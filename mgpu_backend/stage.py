@@ -84,7 +84,7 @@ class SamplerSpec:
                 n = torch.randn(nv + na, generator=generator, dtype=torch.float32)
                 return n[:nv].reshape(video_shape), (n[nv:].reshape(audio_shape) if audio_shape else None)
 
-            return S.AncestralSampler(noise_fn)
+            return S.AncestralSampler(noise_fn, eta=float(self.eta), s_noise=float(self.s_noise))
         video_shape, audio_shape = (1, 128, f, h, w), (1, 8, audio_frames, 16)
         nv, na = 128 * f * h * w, 8 * audio_frames * 16
 

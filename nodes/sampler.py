@@ -78,11 +78,13 @@ class SPSamplerMGPU(io.ComfyNode):
                              tooltip="Steps of the built-in LTX-2 scheduler (token-count shift, stretched to 0.1), "
                                      "used when no sigmas are connected."),
                 io.Combo.Input("sampler", options=list(SAMPLERS), default="euler",
-                               tooltip="euler: the reference Euler step. euler_ancestral: ComfyUI's euler_ancestral "
+                               tooltip="euler: ComfyUI's euler. euler_ancestral: ComfyUI's euler_ancestral "
                                        "for flow models (eta 1, noise from the NOISE seed)."),
                 scale("video_cfg", 3.0, "Video classifier-free guidance scale (1 = off)."),
                 scale("video_stg", 1.0, "Video spatio-temporal guidance scale (0 = off)."),
-                scale("video_rescale", 0.7, "Video guidance rescale (0 = off).", 0.0, 1.0),
+                scale("video_rescale", 0.7, "Video guidance rescale (0 = off; the reference's formula — ComfyUI's LTX "
+                                            "guiders have none, so 0 equals LTXVDualCFGGuider + STG + modality "
+                                            "nodes).", 0.0, 1.0),
                 scale("video_modality", 3.0, "Video modality guidance scale: audio<->video attention off in the "
                                              "extra pass (1 = off)."),
                 scale("audio_cfg", 7.0, "Audio classifier-free guidance scale (1 = off)."),
