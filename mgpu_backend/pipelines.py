@@ -281,7 +281,8 @@ class TwoStagePipeline:
 
     def generate(self, request: GenerateRequest, progress: ProgressFn | None = None,
                  cancel_check: CancelFn | None = None) -> GenerateResult:
-        """Run the recipe. `progress(stage, done, total)` after every step; `cancel_check(stage, step)` before.
+        """Run the recipe. `progress(stage, done, total)` after every step; `cancel_check(stage, step, group)` before
+        every step (group: the process group of the ranks running the stage, None: all).
 
         Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
         request.validate()
