@@ -13,7 +13,7 @@ is the latent), `CFGGuider` batching cond and uncond into ONE forward request of
 `sample_euler_ancestral_RF` (`default_noise_sampler`: CPU generator seeded with seed + 1, one randn over the packed
 latent). Every forward is the fleet's "forward" job (`jobs/forward.py`), the context from its "preprocess_text" job.
 
-Tolerance: 2e-5 absolute on latents of max |x| ~5 (measured ≤ 6.2e-6 at W = 1, 2, 3): the two paths differ only in
+Tolerance: 2e-5 absolute on latents of max |x| ~5 (measured ≤ 6.2e-6, every split): the two paths differ only in
 float summation order (a 2-row batch vs single rows, the guidance sums in another order, sequence parallel). The
 negative control: the same stage with semantics "reference" (the CLI's recipe: diffusers' block order, x0 blend) is
 far outside it.
@@ -168,14 +168,18 @@ def _mgpu_model_path(state, ctx, case: dict, x: dict) -> tuple[torch.Tensor, tor
     return xv, xa
 
 
-def _rank(rank: int, world: int, paths: dict) -> dict:
+def _rank(rank: int, world: int, paths: dict, batch_mode: str = "auto", guidance_parallel: str = "auto") -> dict:
+    from mgpu_backend.comfy_stage import ComfyDenoiser
     from mgpu_backend.jobs.stages import run_sample
+
+    ComfyDenoiser.batch_mode = batch_mode  # "on": cond and uncond as one 2-row request, as ComfyUI batches them
     from mgpu_backend.models.loader import load_components
     from mgpu_backend.parallel.plan import build_plan
     from mgpu_backend.pipelines import TwoStagePipeline
 
     components = load_components(paths["checkpoint"], dtype=torch.float32)
-    plan = build_plan(components.transformer, rank, world, torch.device("cpu")) if world > 1 else None
+    plan = (build_plan(components.transformer, rank, world, torch.device("cpu"), guidance_parallel=guidance_parallel)
+            if world > 1 else None)
     pipe = TwoStagePipeline(components, None, plan=plan)
     state = SimpleNamespace(pipeline=pipe, components=components, plan=plan, dtype=torch.float32,
                             device=torch.device("cpu"))
@@ -187,8 +191,9 @@ def _rank(rank: int, world: int, paths: dict) -> dict:
         sp = run_sample(state, _payload(case, x), ctx)
         model_v, model_a = _mgpu_model_path(state, ctx, case, x)
         if rank == 0:
-            out[name] = {"sp": (sp["video"], sp["audio"]), "model": (model_v, model_a), "report": sp["report"]}
-    if world == 1:
+            out[name] = {"sp": (sp["video"], sp["audio"]), "model": (model_v, model_a), "report": sp["report"],
+                         "batch": pipe.batch_notes.get("stage 1")}
+    if world == 1 and batch_mode == "auto":
         x = _inputs(CASES["i2v07_stg_modality"])
         ref = run_sample(state, {**_payload(CASES["i2v07_stg_modality"], x), "semantics": "reference"}, ctx)
         out["reference"] = (ref["video"], ref["audio"])
@@ -200,9 +205,20 @@ def paths(tmp_path_factory) -> dict:
     return {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("sp_comfy"), "2.0", seed=0).items()}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_sp_sampler_equals_the_mgpu_model_path(paths, world):
-    out = run_ranks(_rank, world, paths, timeout_s=600)[0]
+@pytest.mark.parametrize("world,batch_mode,guidance_parallel", [
+    (1, "auto", "auto"), (2, "auto", "auto"), (3, "auto", "auto"), (2, "on", "auto"), (3, "auto", "on")])
+def test_sp_sampler_equals_the_mgpu_model_path(paths, world, batch_mode, guidance_parallel):
+    """Sequence parallel at W = 2 and 3 (SP on ranks 0-1); `batch_mode` "on": the plain passes of a step (cond,
+    uncond) as one request of 2 rows (what "auto" does on CUDA for small latents); `guidance_parallel` "on": the
+    guidance passes of each step spread over the ranks (the plan's other split)."""
+    out = run_ranks(_rank, world, paths, batch_mode, guidance_parallel, timeout_s=600)[0]
+    if guidance_parallel == "on":
+        assert "guidance passes" in out["i2v07_stg_modality"]["report"], out["i2v07_stg_modality"]["report"]
+    if batch_mode == "on":
+        assert out["t2v_euler_a"]["batch"] == "guidance passes: 4 steps: 2 passes as one request"
+        assert "STG / modality passes carry their own options" in out["i2v07_stg_modality"]["batch"]
+    else:
+        assert out["t2v_euler_a"]["batch"] is None  # CPU, "auto": one request per pass
     for name in CASES:
         for i, modality in enumerate(("video", "audio")):
             sp, model = out[name]["sp"][i], out[name]["model"][i]
@@ -210,7 +226,7 @@ def test_sp_sampler_equals_the_mgpu_model_path(paths, world):
             print(f"W={world} {name} {modality}: max |SP Sampler - MGPU MODEL path| = {diff:.2e} "
                   f"(max |x| {float(model.abs().max()):.2f}); {out[name]['report']}")
             assert torch.isfinite(sp).all() and diff <= ATOL, f"W={world} {name} {modality}: {diff:.3e}"
-    if world == 1:  # the reference recipe on the same inputs: not ComfyUI's result
+    if "reference" in out:  # the reference recipe on the same inputs: not ComfyUI's result
         diff = max(float((r - m).abs().max()) for r, m in zip(out["reference"], out["i2v07_stg_modality"]["model"]))
         print(f"semantics 'reference' vs MGPU MODEL path: {diff:.2e}")
         assert diff > 100 * ATOL
