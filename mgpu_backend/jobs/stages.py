@@ -44,7 +44,7 @@ def _fit_guidance(p: dict, variant: str, n_blocks: int) -> tuple[S.GuidanceParam
     return video, audio
 
 
-def _sampler(p: dict, semantics: str) -> SamplerSpec:
+def _sampler(p: dict) -> SamplerSpec:
     """`sampler` "euler" or "euler_ancestral" (`seed`, `eta`, `s_noise`): per-step noise as ComfyUI draws it on the CPU
     for an audio+video latent (one `randn` over the concatenated flat (video, audio) latent per step, from a CPU
     generator seeded with `seed + 1`: `k_diffusion.sampling.default_noise_sampler`)."""
@@ -187,7 +187,7 @@ def run_sample(state, p: dict, ctx) -> dict:
                      sigmas=sigmas, video_guidance=video_guidance, audio_guidance=audio_guidance,
                      video_mask=token_mask, audio_mask=audio_token_mask, guides=_guides(p.get("guides")),
                      noise=(L.pack_video(p["noise_video"].float()), L.pack_audio(p["noise_audio"].float())),
-                     audio_frozen=audio_frozen, sampler=_sampler(p, semantics), tiling=tiling)
+                     audio_frozen=audio_frozen, sampler=_sampler(p), tiling=tiling)
     loras = read_loras(p.get("loras"))
     pipe.lora.check(loras)  # coverage and widths, on every rank alike, before any weight is touched
     try:
