@@ -123,7 +123,8 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 "positive": pos.embeds, "negative": None, "video": video, "audio": audio, "video_mask": video_mask,
                 "noise_video": noise_video,
                 "noise_audio": torch.zeros_like(audio) if frozen else noise_audio.float(), "sigmas": schedule,
-                "fps": fps, "mode": "tiled", "tiles": tile_config(tiles_height, tiles_width, overlap),
+                "fps": fps, "mode": "tiled", "semantics": "reference",  # tile diffusion: the reference recipe
+                "tiles": tile_config(tiles_height, tiles_width, overlap),
                 "tile_overlap": int(overlap), "audio_frozen": frozen, "max_first_sigma": float(max_first_sigma),
                 "loras": loras_payload(loras),
             }
