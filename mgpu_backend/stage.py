@@ -192,7 +192,7 @@ class StageSpec:
                                         f"'reference'); ComfyUI's samplers denoise every modality of the latent")
             if self.tiling is not None:
                 raise V.ValidationError(f"{stage}: a tiled stage runs the reference forward (semantics 'reference')")
-            if self.sampler.noise_layout != "comfyui":
+            if self.sampler.name == "euler_ancestral" and self.sampler.noise_layout != "comfyui":
                 raise V.ValidationError(f"{stage}: semantics 'comfyui' draws ancestral noise in ComfyUI's layout "
                                         f"(SamplerSpec.noise_layout='comfyui')")
         elif self.guides is not None and not self.guides.empty:

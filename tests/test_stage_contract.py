@@ -59,6 +59,8 @@ def test_a_valid_spec_is_frozen_and_counts_its_passes():
      ["frozen audio", "reference"]),
     ({"semantics": "comfyui", "tiling": TileCountConfig.spatial(1, 2, overlap=1),
       "sampler": SamplerSpec(noise_layout="comfyui")}, ["tiled", "reference"]),
+    ({"semantics": "comfyui", "sampler": SamplerSpec("euler_ancestral")}, ["ComfyUI's layout"]),
+    ({"semantics": "comfyui"}, None),  # euler: no noise to lay out
     ({"sampler": SamplerSpec("euler_ancestral")}, None),
 ])
 def test_bad_specs_are_refused_by_name(overrides, words):
