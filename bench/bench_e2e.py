@@ -30,6 +30,7 @@ fuse + restore is bench_lora.py's figure).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -181,12 +182,12 @@ class TimedPipeline(TwoStagePipeline):
         super().__init__(*args, **kwargs)
         self.timer = TimedForward(self.components.transformer, self.device)
 
-    def _model_fn(self, *args, forward=None):
-        return super()._model_fn(*args, forward=forward or self.timer)
+    def stage_env(self):
+        return dataclasses.replace(super().stage_env(), forward=self.timer)
 
-    def run_stage(self, stage, *args, **kwargs):
-        self.timer.stage = stage
-        return super().run_stage(stage, *args, **kwargs)
+    def run_stage(self, spec, *args, **kwargs):
+        self.timer.stage = spec.name
+        return super().run_stage(spec, *args, **kwargs)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------

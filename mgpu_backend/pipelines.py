@@ -7,16 +7,15 @@ audio frozen (the clean stage-1 audio latent is context at audio timestep 0) -> 
 from the stage-1 audio latent. Image-to-video conditions the first latent frame through the denoise mask (strength
 0..1) in both stages.
 
-The stage functions take their model function from the caller so that the parallel wrappers (sequence parallel
-stage 1, tiled stage 2) replace the one-process transformer without changing the recipe.
+Each stage is a `stage.StageSpec` (semantics "reference": this is Lightricks' recipe, not ComfyUI's sampler — the
+nodes run theirs) run by the runner the fleet's plan chooses (`stage.run_stage`: one device, sequence parallel,
+guidance passes in parallel, tiled), so the recipe does not change with the split.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,20 +23,20 @@ import torch
 from . import latents as L
 from . import sampling as S
 from . import validation as V
-from .denoiser import LTX2Denoiser, TextContext, speed_report, text_contexts
+from .denoiser import speed_report, text_contexts
 from .lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from .models.diffusion_decoder import denormalize
 from .models.loader import LTX2Components
 from .parallel.decode import decode_tiles, decode_untiled, is_diffusion_decoder
-from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
+from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
 from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
 from .protocol import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
+from .stage import (CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageResult, StageSpec, TiledRunner,
+                    run_stage)
 
 
 PIPELINES = ("two-stage", "distilled")
 SAMPLERS = ("euler", "euler_ancestral")
-ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
-CancelFn = Callable[[str, int], bool]  # (stage, step about to run) -> stop now
 
 
 @dataclass(frozen=True)
@@ -128,25 +127,6 @@ def _parallel_summary(report: dict, distilled: bool) -> str:
     return f"{named('stage 1')}; {named('stage 2')}"
 
 
-def ancestral_sampler(name: str, seed: int, video_shape, audio_shape) -> S.AncestralSampler | None:
-    """`"euler"` -> None (the reference's Euler step); `"euler_ancestral"` -> ComfyUI's sampler (eta 1, s_noise 1)
-    with per-step noise from a CPU generator seeded with `seed + 1` (as `k_diffusion.sampling.default_noise_sampler`),
-    one draw over the packed (video, audio) tokens per step — the same on every rank. `audio_shape` None: a frozen
-    audio stream (no audio noise)."""
-    if name == "euler":
-        return None
-    generator = torch.Generator(device="cpu").manual_seed(int(seed) + 1)
-    nv = int(torch.Size(video_shape).numel())
-    na = int(torch.Size(audio_shape).numel()) if audio_shape is not None else 0
-
-    def noise_fn():
-        n = torch.randn(nv + na, generator=generator, dtype=torch.float32)
-        audio = n[nv:].reshape(audio_shape) if audio_shape is not None else None
-        return n[:nv].reshape(video_shape), audio
-
-    return S.AncestralSampler(noise_fn)
-
-
 def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidanceParams:
     """The reference's default STG blocks (29 for LTX-2.0, 28 for 2.3) index the 48-block models; a shallower model
     (the tiny test models) uses its last block instead."""
@@ -206,45 +186,27 @@ class TwoStagePipeline:
         mask = L.image_conditioning_mask(1, frames_lat, strength)
         return L.pack_video(clean), L.video_token_mask(mask, 1, frames_lat, height // 32, width // 32)
 
-    def run_stage(self, stage: str, model_fn, video_clean: torch.Tensor, audio_clean: torch.Tensor,
-                  sigmas: torch.Tensor, seed: int, video_mask: torch.Tensor | None, audio_frozen: bool,
-                  video_guidance: S.GuidanceParams, audio_guidance: S.GuidanceParams,
-                  progress: ProgressFn | None, cancel_check: CancelFn | None = None,
-                  noise: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  run_passes: S.RunPassesFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Noise to `sigmas[0]` and denoise. Latents are packed `[1, T, 128]` float32 (model space).
+    def native_engine(self):
+        """This rank's `native.NativeEngine` (ComfyUI's forward: stages with semantics "comfyui" and the native
+        MODEL's forward job), made on first use and kept; it shares this pipeline's LoRA fuser."""
+        if getattr(self, "_native", None) is None:
+            from .native import NativeEngine
 
-        `noise`: explicit packed (video, audio) noise (ComfyUI's NOISE); default drawn from `seed`.
-        `run_passes`: how each step's guidance passes are computed (`sampling.denoise_loop`; e.g.
-        `parallel.passes.PassParallel`); default one after the other here.
-        `cancel_check(stage, step)` runs before every step (the fleet makes it a synchronized decision); True
-        raises `sampling.SamplingCancelled`."""
-        steps = itertools.count()
-        noise_v, noise_a = noise if noise is not None else S.make_av_noise(video_clean.shape, audio_clean.shape, seed)
-        start_v = S.noise_latent(video_clean, noise_v, float(sigmas[0]), video_mask)
-        start_a = audio_clean if audio_frozen else S.noise_latent(audio_clean, noise_a, float(sigmas[0]))
-        try:
-            video, audio = S.denoise_loop(
-                model_fn, start_v, start_a, sigmas, video_mask=video_mask, video_clean=video_clean,
-                audio_frozen=audio_frozen, video_guidance=video_guidance, audio_guidance=audio_guidance,
-                progress_callback=(lambda i, n: progress(stage, i, n)) if progress else None,
-                cancel_check=(lambda: cancel_check(stage, next(steps))) if cancel_check else None,
-                run_passes=run_passes)
-        except S.NonFiniteLatentError as exc:
-            raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
-        batch_report = getattr(model_fn, "batch_report", None)  # how the guidance passes ran (issue 16)
-        if batch_report is not None and batch_report() is not None:
-            self.batch_notes[stage] = batch_report()
-        V.check_finite(video, stage, "video")
-        V.check_finite(audio, stage, "audio")
-        return video, audio
+            self._native = NativeEngine(self.components, self.plan, self.dtype, self.device, lora=self.lora)
+        return self._native
 
-    def _model_fn(self, positive: TextContext, negative: TextContext | None, frames_lat: int, h: int, w: int,
-                  audio_frames: int, fps: float, forward=None) -> LTX2Denoiser:
-        transformer = self.components.transformer
-        video_coords = L.video_coords(transformer, 1, frames_lat, h, w, fps, device=self.device)
-        audio_coords = L.audio_coords(transformer, 1, audio_frames, device=self.device)
-        return LTX2Denoiser(transformer, positive, negative, video_coords, audio_coords, self.dtype, forward=forward)
+    def stage_env(self) -> StageEnv:
+        """What this pipeline's stages run on (`stage.StageEnv`)."""
+        return StageEnv(self.components, self.dtype, self.device, self.plan, native=self.native_engine)
+
+    def run_stage(self, spec: StageSpec, progress: ProgressFn | None = None,
+                  cancel_check: CancelFn | None = None) -> StageResult:
+        """Run one stage (`stage.run_stage`: the plan's runner) and keep how its guidance passes ran for the job
+        report. `cancel_check(stage, step, group)` runs before every step on the ranks that run it."""
+        result = run_stage(spec, self.stage_env(), StageHooks(progress, cancel_check))
+        if result.batch_note is not None:
+            self.batch_notes[spec.name] = result.batch_note
+        return result
 
     def upscale(self, video_latent: torch.Tensor) -> torch.Tensor:
         """2× spatial latent upscale `[1, 128, F, H, W] -> [1, 128, F, 2H, 2W]` (model space in and out): the
@@ -309,7 +271,8 @@ class TwoStagePipeline:
 
     def generate(self, request: GenerateRequest, progress: ProgressFn | None = None,
                  cancel_check: CancelFn | None = None) -> GenerateResult:
-        """Run the recipe. `progress(stage, done, total)` after every step; `cancel_check(stage, step)` before.
+        """Run the recipe. `progress(stage, done, total)` after every step; `cancel_check(stage, step, group)` before
+        every step (group: the process group of the ranks running the stage, None: all).
 
         Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
         request.validate()
@@ -384,13 +347,15 @@ class TwoStagePipeline:
             video_clean, video_mask = self._conditioning_latent(request.image, request.image_strength, frames_lat,
                                                                 request.height // 2, request.width // 2)
         audio_clean = torch.zeros(1, audio_frames, 128)
+        stage1 = StageSpec(name="stage 1", semantics="reference", positive=positive, negative=negative,
+                           grid=(frames_lat, h1, w1), fps=request.fps, audio_frames=audio_frames,
+                           video_clean=video_clean, audio_clean=audio_clean, sigmas=sigmas1,
+                           video_guidance=video_guidance, audio_guidance=audio_guidance, video_mask=video_mask,
+                           seed=request.seed, sampler=SamplerSpec(sampler_name, request.seed))
         try:
             reports = self.lora.apply(stage1_loras, "stage 1")
-            with S.use_sampler(ancestral_sampler(sampler_name, request.seed, video_clean.shape, audio_clean.shape)):
-                video1, audio1 = self.sequence_parallel_stage(
-                    "stage 1", positive, negative, (frames_lat, h1, w1), audio_frames, request.fps, video_clean,
-                    audio_clean, sigmas1, request.seed, video_mask, False, video_guidance, audio_guidance, progress,
-                    cancel_check)
+            result1 = self.run_stage(stage1, progress, cancel_check)
+            video1, audio1 = result1.video, result1.audio
         except BaseException:
             self.lora.after_error()
             raise
@@ -411,26 +376,24 @@ class TwoStagePipeline:
             first = video_mask2[0] < 1.0
             video_clean2[:, first] = image_tokens[:, first]
         report = {"rank": plan.rank if plan is not None else 0, "stage 1": plan.describe() if plan else "local"}
+        # the distilled preset runs stage 2 split like stage 1 (the plan's choice); the two-stage recipe tiles it
+        # over the fleet (one rank: the whole stage here)
+        stage2 = StageSpec(name="stage 2", semantics="reference", positive=positive, negative=None,
+                           grid=(frames_lat, h2, w2), fps=request.fps, audio_frames=audio_frames,
+                           video_clean=video_clean2, audio_clean=audio1, sigmas=sigmas2, video_mask=video_mask2,
+                           seed=request.seed + 1, audio_frozen=True, sampler=SamplerSpec(sampler_name,
+                                                                                         request.seed + 1),
+                           tiling=None if distilled else stage2_tiling)
         try:
             reports += self.lora.apply(stage2_loras, "stage 2")
-            stage2 = ("stage 2", positive, None, (frames_lat, h2, w2), audio_frames, request.fps, video_clean2, audio1,
-                      sigmas2, request.seed + 1, video_mask2, True, S.NO_GUIDANCE, S.NO_GUIDANCE, progress,
-                      cancel_check)
-            stage2_sampler = S.use_sampler(ancestral_sampler(sampler_name, request.seed + 1, video_clean2.shape,
-                                                             None))
-            if distilled:
-                with stage2_sampler:
-                    video2, _ = self.sequence_parallel_stage(*stage2)
-                report["stage 2"] = plan.describe() if plan else "local"  # its own split: the cost model may differ
-            elif stage2_tiling is not None:
-                tiled = (plan.tiled(self.components.transformer, (frames_lat, h2, w2), stage2_tiling) if plan
-                         else TiledTransformer(self.components.transformer, (frames_lat, h2, w2), stage2_tiling))
-                with stage2_sampler:
-                    video2, _ = self.local_stage(*stage2, forward=tiled)
+            result2 = self.run_stage(stage2, progress, cancel_check)
+            video2 = result2.video
+            if isinstance(result2.runner, TiledRunner):
+                tiled = result2.runner.tiled
                 report["stage 2"] = f"{tiled.describe()}; {tiled.compute_seconds:.3f} s in tile forwards"
+            elif distilled:
+                report["stage 2"] = plan.describe() if plan else "local"  # its own split: the cost model may differ
             else:
-                with stage2_sampler:
-                    video2, _ = self.local_stage(*stage2)
                 report["stage 2"] = "local"
         except BaseException:
             self.lora.after_error()
@@ -469,45 +432,3 @@ class TwoStagePipeline:
             return default_tiling(ranks, grid, overlap) if ranks > 1 else None
         except ValueError as exc:
             raise V.ValidationError(f"{what}: {exc}") from None
-
-    def local_stage(self, stage, positive, negative, grid, audio_frames, fps, *run_args, forward=None, noise=None):
-        """A stage every rank runs whole (optionally through a tiled wrapper that splits the work itself).
-
-        `grid` = latent (F, H, W); `run_args` are `run_stage`'s arguments after `model_fn`."""
-        model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps, forward=forward)
-        return self.run_stage(stage, model_fn, *run_args, noise=noise)
-
-    def sequence_parallel_stage(self, stage, positive, negative, grid, audio_frames, fps, *run_args, noise=None):
-        """A stage over the plan's ranks: either every transformer forward sequence parallel over the plan's SP group
-        for this size, or — for a guided stage, when the plan picks it (`ParallelPlan.split`) — the guidance passes
-        of each step spread over ranks 0..g-1 (`parallel.passes.PassParallel`), g ≤ min(W, P) for P passes per
-        step. Ranks outside the group that ran skip the stage and receive the result from rank 0. One process: a
-        local stage. `run_args` are `run_stage`'s arguments after `model_fn`."""
-        from .parallel.passes import PassParallel, pass_bytes
-
-        plan = self.plan
-        if plan is None:
-            return self.local_stage(stage, positive, negative, grid, audio_frames, fps, *run_args, noise=noise)
-        video_clean, audio_clean = run_args[0], run_args[1]
-        audio_frozen, video_guidance, audio_guidance = run_args[5], run_args[6], run_args[7]
-        # the passes denoise_loop runs per step (a frozen audio stream is never guided)
-        passes = len(S.plan_passes(video_guidance, S.NO_GUIDANCE if audio_frozen else audio_guidance))
-        run = plan.split(stage, video_clean.shape[1], passes, pass_bytes(video_clean.shape, audio_clean.shape))
-        video, audio, failure = None, None, None
-        if plan.rank < run.degree:
-            runner = None
-            if run.kind == "passes":
-                model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps)
-                runner = PassParallel(run.group, run.degree, plan.rank, plan._comm_device())
-            else:
-                model_fn = self._model_fn(positive, negative, *grid, audio_frames, fps, forward=run.forward)
-            plan.active_group = run.group  # the per-step cancel decision is taken within the group that runs
-            try:
-                video, audio = self.run_stage(stage, model_fn, *run_args, noise=noise, run_passes=runner)
-            except Exception as exc:  # the ranks outside the group must hear of it, or they wait in the broadcast
-                failure = exc
-            finally:
-                plan.active_group = None
-        who = "guidance-parallel ranks" if run.kind == "passes" else "sequence-parallel ranks"
-        plan.announce(stage, failure, run.degree, who)  # raises on every rank when the group stopped
-        return plan.share(video, audio, video_clean.shape, audio_clean.shape, run.degree)

@@ -25,7 +25,6 @@ timesteps in *sigma units* and the adapter multiplies.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
@@ -247,26 +246,12 @@ class AncestralSampler:
             absent modality); called once per step whose ``sigma_next`` is not 0 (as ComfyUI draws it), in step order.
             It must give the same values on every rank (e.g. a seeded CPU generator).
         eta, s_noise: ComfyUI's ``euler_ancestral`` parameters (defaults 1.0, 1.0).
+    A stage's sampler is described by ``stage.SamplerSpec`` and built per run (no process-wide default).
     """
 
     noise_fn: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]]
     eta: float = 1.0
     s_noise: float = 1.0
-
-
-_ACTIVE_SAMPLER: AncestralSampler | None = None
-
-
-@contextlib.contextmanager
-def use_sampler(sampler: AncestralSampler | None):
-    """Make ``sampler`` the step rule of every :func:`denoise_loop` call inside the block that does not pass one
-    (a job sets it around a pipeline stage whose loop it does not call itself). ``None``: Euler."""
-    global _ACTIVE_SAMPLER
-    previous, _ACTIVE_SAMPLER = _ACTIVE_SAMPLER, sampler
-    try:
-        yield
-    finally:
-        _ACTIVE_SAMPLER = previous
 
 
 def _masked_ancestral_step(x, x0, sigma, sigma_next, noise, mask, clean, sampler: AncestralSampler):
@@ -518,6 +503,26 @@ class NonFiniteInputError(ValidationError):
     """A latent was already NaN/Inf before the first step (bad input: e.g. encoded from a NaN image)."""
 
 
+MaskRule = Literal["reference", "comfyui"]
+MASK_RULES: tuple[MaskRule, ...] = ("reference", "comfyui")
+
+
+def _comfy_blend(x: torch.Tensor | None, clean: torch.Tensor | None, mask: torch.Tensor | None):
+    """ComfyUI's inpainting blend ``x·m + clean·(1 − m)`` (float32; ``x`` itself without a mask)."""
+    if x is None or mask is None:
+        return x
+    m = _token_mask(mask, x)
+    return x.float() * m + clean.float() * (1.0 - m)
+
+
+def _comfy_step(x, x0, sigma, sigma_next, noise, sampler: AncestralSampler | None):
+    """ComfyUI ``sample_euler`` (``x + (x − x0)/sigma · (sigma_next − sigma)``) or ``sample_euler_ancestral_RF`` on
+    the unblended state."""
+    if sampler is None:
+        return euler_step(x, to_velocity(x, x0, sigma), sigma, sigma_next)
+    return ancestral_step(x, x0, sigma, sigma_next, noise, sampler.eta, sampler.s_noise)
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     """What :func:`denoise_loop` hands the model function for one forward.
@@ -570,6 +575,7 @@ def denoise_loop(
     check_finite: bool = True,
     sampler: AncestralSampler | None = None,
     run_passes: RunPassesFn | None = None,
+    mask_rule: MaskRule = "reference",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Joint audio+video Euler sampling with guidance (reference ``euler_denoising_loop`` + ``GuidedDenoiser``).
 
@@ -599,10 +605,13 @@ def denoise_loop(
         cancel_check: called before every step; returning True raises :class:`SamplingCancelled` (it may also
             raise its own exception, e.g. ComfyUI's interrupt).
         check_finite: raise :class:`NonFiniteLatentError` naming the modality and step when a latent goes NaN/Inf.
-        sampler: :class:`AncestralSampler` for Euler-ancestral steps (default: the one :func:`use_sampler` set, else
-            the reference Euler step).
+        sampler: :class:`AncestralSampler` for Euler-ancestral steps (default ``None``: the reference Euler step).
         run_passes: how a step's guidance passes are computed (:data:`RunPassesFn`; default ``None``: one after the
             other in this process). ``parallel.passes.PassParallel`` spreads them over ranks.
+        mask_rule: how the denoise masks act (:data:`MaskRule`): "reference" (steps 2 and 4 above) or "comfyui"
+            (ComfyUI's ``KSamplerX0Inpaint`` for LTX-AV: the model sees ``x·m + clean·(1 − m)``, x0 is
+            ``x_in − v·sigma`` with the step's sigma, the guided x0 is blended ``x0·m + clean·(1 − m)``, and the
+            step moves the unblended state ``x`` of every token). Not with ``audio_frozen``.
 
     Returns:
         ``(video, audio)`` final packed latents (audio is the input object itself when frozen).
@@ -613,8 +622,11 @@ def denoise_loop(
     """
     s = as_sigmas(sigmas)
     total = s.numel() - 1
-    if sampler is None:
-        sampler = _ACTIVE_SAMPLER
+    if mask_rule not in MASK_RULES:
+        raise ValueError(f"mask_rule={mask_rule!r}: choose one of {', '.join(MASK_RULES)}")
+    comfy = mask_rule == "comfyui"
+    if comfy and audio_frozen:
+        raise ValueError("mask_rule 'comfyui' has no frozen audio stream (the reference recipe's)")
     if video is None and audio is None:
         raise ValueError("denoise_loop needs at least one of video / audio")
     for name, x in (("video", video), ("audio", audio)):
@@ -665,40 +677,54 @@ def denoise_loop(
         v_sig = torch.full((batch,), sigma, dtype=torch.float32, device=dev) if x_v is not None else None
         a_sig = torch.full((batch,), a_sig_val, dtype=torch.float32, device=dev) if x_a is not None else None
 
-        def denoise(p: GuidancePass, _i=i, _xv=x_v, _xa=x_a, _vts=v_ts, _ats=a_ts, _vs=v_sig, _as=a_sig):
+        if comfy:  # KSamplerX0Inpaint: the model sees the masked tokens clean; x0 uses the step's sigma
+            in_v, in_a = _comfy_blend(x_v, vclean, video_mask), _comfy_blend(x_a, aclean, audio_mask)
+            x0_scale_v = x0_scale_a = sigma
+        else:
+            in_v, in_a, x0_scale_v, x0_scale_a = x_v, x_a, v_ts, a_ts
+
+        def denoise(p: GuidancePass, _i=i, _xv=in_v, _xa=in_a, _vts=v_ts, _ats=a_ts, _vs=v_sig, _as=a_sig,
+                    _sv=x0_scale_v, _sa=x0_scale_a):
             vel_v, vel_a = model_fn(ModelInputs(_xv, _xa, _vts, _ats, _vs, _as, p, _i))
-            x0_v = to_x0(_xv, vel_v, _vts) if (_xv is not None and vel_v is not None) else None
-            x0_a = to_x0(_xa, vel_a, _ats) if (_xa is not None and vel_a is not None) else None
+            x0_v = to_x0(_xv, vel_v, _sv) if (_xv is not None and vel_v is not None) else None
+            x0_a = to_x0(_xa, vel_a, _sa) if (_xa is not None and vel_a is not None) else None
             return x0_v, x0_a
 
         if hasattr(model_fn, "batch") and hasattr(model_fn, "batch_choice"):
-            def many(ps: list[GuidancePass], _i=i, _xv=x_v, _xa=x_a, _vts=v_ts, _ats=a_ts, _vs=v_sig, _as=a_sig):
+            def many(ps: list[GuidancePass], _i=i, _xv=in_v, _xa=in_a, _vts=v_ts, _ats=a_ts, _vs=v_sig, _as=a_sig,
+                     _sv=x0_scale_v, _sa=x0_scale_a):
                 """The passes as one batched forward (model_fn.batch), or None where model_fn declines."""
                 if not model_fn.batch_choice(ps, _xv):
                     return None
                 outs = model_fn.batch(ModelInputs(_xv, _xa, _vts, _ats, _vs, _as, ps[0], _i), ps)
-                return [(to_x0(_xv, v, _vts) if (_xv is not None and v is not None) else None,
-                         to_x0(_xa, a, _ats) if (_xa is not None and a is not None) else None) for v, a in outs]
+                return [(to_x0(_xv, v, _sv) if (_xv is not None and v is not None) else None,
+                         to_x0(_xa, a, _sa) if (_xa is not None and a is not None) else None) for v, a in outs]
 
             denoise.many = many  # type: ignore[attr-defined]
 
         a_params = NO_GUIDANCE if audio_frozen else audio_guidance
         g_v, g_a = guided_prediction(denoise, video_guidance, a_params, step=i, last=last, run_passes=run_passes)
         last = (g_v, g_a)
+        if comfy:  # KSamplerX0Inpaint: out·m + clean·(1 − m), then the sampler steps the state of every token
+            g_v, g_a = _comfy_blend(g_v, vclean, video_mask), _comfy_blend(g_a, aclean, audio_mask)
         n_v = n_a = None
         if sampler is not None and sigma_next != 0.0 and sampler.eta > 0:
             n_v, n_a = sampler.noise_fn()
         if x_v is not None:
             if g_v is None:
                 raise ValueError("model_fn returned no video prediction")
-            if sampler is None:
+            if comfy:
+                x_v = _comfy_step(x_v, g_v, sigma, sigma_next, n_v, sampler)
+            elif sampler is None:
                 x_v = masked_euler_step(x_v, g_v, sigma, sigma_next, vmask, vclean)
             else:
                 x_v = _masked_ancestral_step(x_v, g_v, sigma, sigma_next, n_v, vmask, vclean, sampler)
         if x_a is not None and not audio_frozen:
             if g_a is None:
                 raise ValueError("model_fn returned no audio prediction")
-            if sampler is None:
+            if comfy:
+                x_a = _comfy_step(x_a, g_a, sigma, sigma_next, n_a, sampler)
+            elif sampler is None:
                 x_a = masked_euler_step(x_a, g_a, sigma, sigma_next, amask, aclean)
             else:
                 x_a = _masked_ancestral_step(x_a, g_a, sigma, sigma_next, n_a, amask, aclean, sampler)
@@ -742,11 +768,11 @@ __all__ = [
     "ltx2_sigmas",
     "make_av_noise",
     "make_noise",
+    "MASK_RULES",
     "masked_euler_step",
     "noise_latent",
     "plan_passes",
     "schedule_tokens",
     "to_velocity",
     "to_x0",
-    "use_sampler",
 ]

@@ -51,7 +51,7 @@ class JobContext:
     cancel_flag: Any  # multiprocessing.Value('i'): set by the controller, read by rank 0 only
     heartbeat: Any  # multiprocessing.Array('d', 2 * world_size): per rank (steps done, wall time)
     fault: dict | None = None
-    plan: Any = None  # parallel.plan.ParallelPlan: its active_group is the group of the running stage
+    plan: Any = None  # parallel.plan.ParallelPlan
     stage: str = "setup"
     step: int = 0
     steps_done: int = 0
@@ -61,8 +61,9 @@ class JobContext:
         if self.rank == 0:
             self.conn.send(JobProgress(self.job_id, stage, done, total))
 
-    def step_boundary(self, stage: str, step: int) -> bool:
-        """Called by every rank before each step; returns True (on every rank) when the job is cancelled."""
+    def step_boundary(self, stage: str, step: int, group=None) -> bool:
+        """Called before each step by every rank of `group` (the process group of ranks 0..d-1 running the stage,
+        as its runner passes it; None: the whole fleet); returns True (on those ranks) when the job is cancelled."""
         self.stage, self.step = stage, step
         # a test fault fires before the heartbeat: a rank that hangs (or dies) on its way to the boundary has begun
         # fewer steps than the ranks waiting for it in the broadcast, which is how the fleet names it
@@ -72,7 +73,6 @@ class JobContext:
         self.heartbeat[2 * self.rank + 1] = time.time()
         flag = torch.tensor([int(self.cancel_flag.value) if self.rank == 0 else 0], dtype=torch.int32,
                             device=self.device if self.device.type == "cuda" else "cpu")
-        group = self.plan.active_group if self.plan is not None else None
         if self.world_size > 1:
             dist.broadcast(flag, src=0, group=group)
         return bool(flag.item())

@@ -73,13 +73,16 @@ class LatentParts:
     """A native LATENT taken apart.
 
     video `[1, 128, F, H, W]` float32; audio `[1, 8, T, 16]` float32 or None (video-only latent); video_mask
-    `[1, 1, F|1, H|1, W|1]` float32 or None (1 = generate); nested: whether `samples` was a NestedTensor.
+    `[1, 1, F|1, H|1, W|1]` float32 or None (1 = generate); nested: whether `samples` was a NestedTensor;
+    audio_mask `[1, 1, T, 1]` float32 or None (the audio half of a nested noise_mask; None when all ones, as the
+    ones LTXVConcatAVLatent fills in).
     """
 
     video: torch.Tensor
     audio: torch.Tensor | None
     video_mask: torch.Tensor | None
     nested: bool
+    audio_mask: torch.Tensor | None = None
 
 
 def _video_mask(mask: torch.Tensor, video: torch.Tensor) -> torch.Tensor | None:
@@ -105,9 +108,30 @@ def _video_mask(mask: torch.Tensor, video: torch.Tensor) -> torch.Tensor | None:
     return m.contiguous()
 
 
+def _audio_mask(mask: torch.Tensor, audio: torch.Tensor) -> torch.Tensor | None:
+    """The audio half of a nested noise_mask as `[B, 1, T, 1]` (one value per audio token: ComfyUI's per-token
+    timestep reads channel 0, bin 0, `LTXAV.process_timestep`); None when it is all ones. A mask that differs within
+    a token is refused by name."""
+    m = mask.detach().to("cpu", torch.float32)
+    if m.ndim != 4:
+        raise UnsupportedInput(f"audio noise_mask of shape {tuple(mask.shape)}: expected [B, C, T, F]")
+    if not bool((m == m[:, :1, :, :1]).all()):
+        raise UnsupportedInput(f"audio noise_mask of shape {tuple(mask.shape)} differs within an audio token "
+                               f"(between channels or frequency bins); the fleet takes one value per token")
+    m = m[:, :1, :, :1]
+    try:
+        torch.broadcast_shapes(tuple(m.shape), (audio.shape[0], 1, audio.shape[2], 1))
+    except RuntimeError:
+        raise UnsupportedInput(f"audio noise_mask of shape {tuple(mask.shape)} does not fit the audio latent "
+                               f"{tuple(audio.shape)}") from None
+    if bool((m == 1).all()):
+        return None
+    return m.contiguous()
+
+
 def split_latent(latent: dict) -> LatentParts:
     """Native LATENT -> LatentParts. Refuses (UnsupportedInput) audio-only latents, more than two nested parts,
-    a non-trivial audio noise_mask, and latents that are not LTX-2 shaped."""
+    a noise_mask that is not one value per token, and latents that are not LTX-2 shaped."""
     if not isinstance(latent, dict) or "samples" not in latent:
         raise UnsupportedInput("LATENT must be a dict with 'samples'")
     samples = latent["samples"]
@@ -132,7 +156,7 @@ def split_latent(latent: dict) -> LatentParts:
     if audio is not None and (audio.ndim != 4 or audio.shape[1] != 8):
         raise UnsupportedInput(f"audio latent of shape {tuple(audio.shape)}: expected [B, 8, T, 16] "
                                f"(LTXVEmptyLatentAudio)")
-    video_mask = None
+    video_mask = audio_mask = None
     mask = latent.get("noise_mask")
     if mask is not None:
         if is_nested(mask):
@@ -140,16 +164,15 @@ def split_latent(latent: dict) -> LatentParts:
             if len(masks) != 2:
                 raise UnsupportedInput(f"a nested noise_mask with {len(masks)} parts: expected (video, audio)")
             vmask, amask = masks
-            if amask is not None and not bool((amask == 1).all()):
-                raise UnsupportedInput("an audio noise_mask (audio inpainting / audio conditioning) is not "
-                                       "supported by the multi-GPU sampler yet")
+            if amask is not None and audio is not None:
+                audio_mask = _audio_mask(amask, audio)
         else:
             vmask = mask
         if vmask is not None:
             video_mask = _video_mask(vmask, video)
     return LatentParts(video.detach().to("cpu", torch.float32).contiguous(),
                        None if audio is None else audio.detach().to("cpu", torch.float32).contiguous(),
-                       video_mask, nested)
+                       video_mask, nested, audio_mask)
 
 
 def join_latent(template: dict, video: torch.Tensor, audio: torch.Tensor | None, *, keep_mask: bool = True,
@@ -228,9 +251,14 @@ class Conditioning:
     extras: dict
 
 
-def split_conditioning(cond: Any, what: str = "conditioning") -> Conditioning:
+GUIDE_CONDITIONING_KEYS = ("keyframe_idxs", "guide_attention_entries", "ref_audio")
+"""What LTXVAddGuide / LTXVReferenceAudio put in a CONDITIONING: forward inputs the SP Sampler carries (`allow`)."""
+
+
+def split_conditioning(cond: Any, what: str = "conditioning", allow: tuple[str, ...] = ()) -> Conditioning:
     """ComfyUI CONDITIONING (LTX-2, unprocessed form) -> Conditioning. Refuses (UnsupportedInput, naming the key)
-    several entries, processed (connector-output) embeddings, and the keys in UNSUPPORTED_CONDITIONING_KEYS."""
+    several entries, processed (connector-output) embeddings, and the keys in UNSUPPORTED_CONDITIONING_KEYS that are
+    not in `allow` (e.g. GUIDE_CONDITIONING_KEYS, for a caller that passes them on: `Conditioning.extras`)."""
     if not isinstance(cond, (list, tuple)) or not cond:
         raise UnsupportedInput(f"{what}: expected a CONDITIONING list [[tensor, dict]]")
     if len(cond) != 1:
@@ -250,7 +278,7 @@ def split_conditioning(cond: Any, what: str = "conditioning") -> Conditioning:
                                f"('unprocessed_ltxav_embeds' missing): use Text Encode (MGPU) or ComfyUI's LTX-2 "
                                f"text encoder (LTXAVTextEncoderLoader + CLIPTextEncode)")
     for key, label in UNSUPPORTED_CONDITIONING_KEYS.items():
-        if options.get(key) is not None:
+        if options.get(key) is not None and key not in allow:
             raise UnsupportedInput(f"{what}: '{key}' ({label}) is not supported by the multi-GPU nodes yet")
     start, end = options.get("start_percent", 0.0), options.get("end_percent", 1.0)
     if float(start) != 0.0 or float(end) != 1.0:
@@ -265,6 +293,59 @@ def split_conditioning(cond: Any, what: str = "conditioning") -> Conditioning:
         x = x[:, m]  # the engine takes valid tokens only
     fr = options.get("frame_rate")
     return Conditioning(x.contiguous(), None if fr is None else float(fr), options)
+
+
+def guides_payload(pos: Conditioning, neg: Conditioning | None,
+                   video_mask: torch.Tensor | None = None) -> dict | None:
+    """LTXVAddGuide's keyframe_idxs / guide_attention_entries and LTXVReferenceAudio's ref_audio from the
+    conditioning -> the sample job's `guides` (None without them). ComfyUI passes each conditioning's own values to
+    its forward; the fleet runs one set for every pass, so positive and negative must carry the same (as those nodes
+    make them). `video_mask` (`LatentParts.video_mask`): sent as the forward's `denoise_mask` when it has IC-LoRA's
+    −1 cells (their tokens are dropped). Raises UnsupportedInput naming what does not fit."""
+    try:  # inside ComfyUI the pack is one package (mangled name); tests import `nodes` and `mgpu_backend` top-level
+        from ..mgpu_backend import forward as F
+    except ImportError:
+        from mgpu_backend import forward as F
+
+    def of(c):
+        return {k: c.extras.get(k) for k in GUIDE_CONDITIONING_KEYS if c.extras.get(k) is not None}
+
+    found = of(pos)
+    if neg is not None:
+        other = of(neg)
+        if set(other) != set(found) or any(not _same(found[k], other[k]) for k in found):
+            raise UnsupportedInput("positive and negative carry different guides / reference audio "
+                                   f"({sorted(found)} vs {sorted(other)}); apply LTXVAddGuide / LTXVReferenceAudio "
+                                   "to both, as those nodes do")
+    if not found:
+        return None
+    if "guide_attention_entries" in found and "keyframe_idxs" not in found:
+        raise UnsupportedInput("guide_attention_entries without keyframe_idxs")
+    entries = []
+    for e in found.get("guide_attention_entries") or ():
+        shape, mask = e.get("latent_shape"), e.get("pixel_mask")
+        entries.append(F.GuideAttentionEntry(
+            pre_filter_count=int(e["pre_filter_count"]), strength=float(e.get("strength", 1.0)),
+            pixel_mask=None if mask is None else mask.detach().float().cpu(),
+            latent_shape=None if shape is None else tuple(int(s) for s in list(shape)[-3:])))
+    ref = found.get("ref_audio")
+    if isinstance(ref, dict):
+        ref = ref["tokens"]
+    kf = found.get("keyframe_idxs")
+    dropped = video_mask is not None and kf is not None and bool((video_mask < 0).any())
+    return {"keyframe_idxs": None if kf is None else kf.detach().cpu(), "guide_attention_entries": tuple(entries),
+            "ref_audio_tokens": None if ref is None else ref.detach().float().cpu(),
+            "denoise_mask": video_mask if dropped else None}
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def make_conditioning(embeds: torch.Tensor, frame_rate: float | None = None) -> list:

@@ -6,8 +6,8 @@ from comfy_api.latest import io, ui
 
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
 from .lora import loras_input, loras_payload
-from .native_types import (audio_frames_for, check_av_lengths, comfy_nested, frame_rate_of, join_latent,
-                           sigmas_tensor, split_conditioning, split_latent, split_noise)
+from .native_types import (GUIDE_CONDITIONING_KEYS, audio_frames_for, comfy_nested, frame_rate_of, guides_payload,
+                           join_latent, sigmas_tensor, split_conditioning, split_latent, split_noise)
 
 SAMPLERS = ("euler", "euler_ancestral")
 NAME = "SP Sampler (MGPU)"
@@ -62,8 +62,9 @@ class SPSamplerMGPU(io.ComfyNode):
             display_name="SP Sampler (MGPU)",
             category=CATEGORY,
             description="Denoises an LTX-2 audio+video latent on the fleet, each transformer forward split over the "
-                        "devices (sequence parallel; equal to one device up to rounding). Guidance: CFG, STG and "
-                        "modality guidance per modality, as the reference pipeline.",
+                        "devices (sequence parallel; equal to one device up to rounding), with ComfyUI's LTX-AV "
+                        "model and sampler semantics (noise masks, guides, reference audio as ComfyUI's own "
+                        "sampler treats them). Guidance: CFG, STG and modality guidance per modality.",
             inputs=[
                 fleet_input(),
                 io.Conditioning.Input("positive", tooltip="Prompt conditioning (Text Encode (MGPU) or ComfyUI's "
@@ -77,11 +78,13 @@ class SPSamplerMGPU(io.ComfyNode):
                              tooltip="Steps of the built-in LTX-2 scheduler (token-count shift, stretched to 0.1), "
                                      "used when no sigmas are connected."),
                 io.Combo.Input("sampler", options=list(SAMPLERS), default="euler",
-                               tooltip="euler: the reference Euler step. euler_ancestral: ComfyUI's euler_ancestral "
+                               tooltip="euler: ComfyUI's euler. euler_ancestral: ComfyUI's euler_ancestral "
                                        "for flow models (eta 1, noise from the NOISE seed)."),
                 scale("video_cfg", 3.0, "Video classifier-free guidance scale (1 = off)."),
                 scale("video_stg", 1.0, "Video spatio-temporal guidance scale (0 = off)."),
-                scale("video_rescale", 0.7, "Video guidance rescale (0 = off).", 0.0, 1.0),
+                scale("video_rescale", 0.7, "Video guidance rescale (0 = off; the reference's formula — ComfyUI's LTX "
+                                            "guiders have none, so 0 equals LTXVDualCFGGuider + STG + modality "
+                                            "nodes).", 0.0, 1.0),
                 scale("video_modality", 3.0, "Video modality guidance scale: audio<->video attention off in the "
                                              "extra pass (1 = off)."),
                 scale("audio_cfg", 7.0, "Audio classifier-free guidance scale (1 = off)."),
@@ -112,15 +115,15 @@ class SPSamplerMGPU(io.ComfyNode):
 
         with guard(NAME):
             parts = split_latent(latent)
-            pos = split_conditioning(positive, "positive")
-            neg = split_conditioning(negative, "negative") if negative is not None else None
+            pos = split_conditioning(positive, "positive", allow=GUIDE_CONDITIONING_KEYS)
+            neg = (split_conditioning(negative, "negative", allow=GUIDE_CONDITIONING_KEYS) if negative is not None
+                   else None)
             fps = frame_rate_of(pos, neg)
             video = parts.video
             audio = parts.audio
-            if audio is None:
+            if audio is None:  # any audio length goes with any video length, as in ComfyUI (e.g. 126 frames)
                 audio = torch.zeros(video.shape[0], 8, audio_frames_for(video.shape[2], fps), 16)
-            else:
-                check_av_lengths(video, audio, fps)
+            guides = guides_payload(pos, neg, parts.video_mask)
             noise_video, noise_audio = make_noise(noise, latent, video, audio, parts.nested)
             if sigmas is None:
                 schedule = S.ltx2_sigmas(int(steps), S.schedule_tokens(video.shape))
@@ -133,7 +136,8 @@ class SPSamplerMGPU(io.ComfyNode):
                                 f"one, or set video_cfg and audio_cfg to 1)")
             payload = {
                 "positive": pos.embeds, "negative": None if neg is None else neg.embeds,
-                "video": video, "audio": audio, "video_mask": parts.video_mask,
+                "video": video, "audio": audio, "video_mask": parts.video_mask, "audio_mask": parts.audio_mask,
+                "semantics": "comfyui", "guides": guides,
                 "noise_video": noise_video, "noise_audio": noise_audio, "sigmas": schedule, "fps": fps,
                 "video_guidance": video_g, "audio_guidance": audio_g, "stg_blocks": parse_stg_blocks(stg_blocks),
                 "mode": "sequence_parallel", "sampler": sampler, "seed": int(getattr(noise, "seed", 0) or 0),

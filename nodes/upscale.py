@@ -91,6 +91,9 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 raise NodeError(f"{NAME}: audio={audio!r}: choose {AUDIO_FROZEN!r} or {AUDIO_DENOISE!r}")
             frozen = audio == AUDIO_FROZEN
             parts = split_latent(latent)
+            if parts.audio_mask is not None:
+                raise NodeError(f"{NAME}: an audio noise_mask (audio inpainting / audio conditioning) is not "
+                                f"supported by the tiled stage (it runs the reference recipe); use SP Sampler (MGPU)")
             pos = split_conditioning(positive, "positive")
             fps = frame_rate_of(pos)
             video, video_mask = parts.video, parts.video_mask
@@ -120,7 +123,8 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 "positive": pos.embeds, "negative": None, "video": video, "audio": audio, "video_mask": video_mask,
                 "noise_video": noise_video,
                 "noise_audio": torch.zeros_like(audio) if frozen else noise_audio.float(), "sigmas": schedule,
-                "fps": fps, "mode": "tiled", "tiles": tile_config(tiles_height, tiles_width, overlap),
+                "fps": fps, "mode": "tiled", "semantics": "reference",  # tile diffusion: the reference recipe
+                "tiles": tile_config(tiles_height, tiles_width, overlap),
                 "tile_overlap": int(overlap), "audio_frozen": frozen, "max_first_sigma": float(max_first_sigma),
                 "loras": loras_payload(loras),
             }

@@ -7,7 +7,7 @@ j % g) and broadcasts their x0 predictions; nothing else changes, so its result 
 including groups smaller than the fleet (W = 3: g = 2; W = 4 with P = 2 or 3: g = 2 or 3), whose other ranks receive
 the result through `ParallelPlan.share`. Each rank of the group must have run only its own passes (forward counts).
 The per-step cancel check is the fleet's (`worker.JobContext.step_boundary`): rank 0 decides, broadcast within
-`plan.active_group` — a wrong group would hang the test (collective timeout) instead of passing.
+the group the runner passes — a wrong group would hang the test (collective timeout) instead of passing.
 
 The whole two-stage pipeline at W = 2 with "on" is compared with the W = 1 pipeline given the same stage-2 and decode
 tilings (a 2-rank fleet's default, stated explicitly for both): the stage-1 result (the audio latent is the stage-1
@@ -33,6 +33,7 @@ from mgpu_backend.parallel import cost as C
 from mgpu_backend.parallel import passes as GP
 from mgpu_backend.parallel.plan import ParallelPlan, SPStage
 from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
+from mgpu_backend.stage import StageSpec
 
 torch.set_num_threads(1)
 
@@ -58,9 +59,9 @@ def _load(paths: dict):
     return load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
 
 
-def _stage_args(components, case: str, cancel_check=None) -> tuple:
-    """`sequence_parallel_stage` / `local_stage` arguments of one case: two random prompts through the real
-    connectors, image-to-video mask, noise from the seed."""
+def _stage_spec(components, case: str) -> StageSpec:
+    """The `StageSpec` of one case: two random prompts through the real connectors, image-to-video mask, noise from
+    the seed."""
     video_guidance, audio_guidance, frozen, _ = CASES[case]
     width = components.video_connector.inner_dim
     g = torch.Generator().manual_seed(11)
@@ -72,16 +73,18 @@ def _stage_args(components, case: str, cancel_check=None) -> tuple:
     video_mask = torch.ones(1, f * h * w)
     video_mask[:, : h * w] = 0.0
     audio_clean = torch.randn(1, AUDIO_TOKENS, 128, generator=g) if frozen else torch.zeros(1, AUDIO_TOKENS, 128)
-    return ("stage 1", contexts.select(0), contexts.select(1), GRID, AUDIO_TOKENS, FPS, video_clean, audio_clean,
-            S.ltx2_sigmas(STEPS), 7, video_mask, frozen, video_guidance, audio_guidance, None, cancel_check)
+    return StageSpec(name="stage 1", semantics="reference", positive=contexts.select(0), negative=contexts.select(1),
+                     grid=GRID, fps=FPS, audio_frames=AUDIO_TOKENS, video_clean=video_clean, audio_clean=audio_clean,
+                     sigmas=S.ltx2_sigmas(STEPS), seed=7, video_mask=video_mask, audio_frozen=frozen,
+                     video_guidance=video_guidance, audio_guidance=audio_guidance)
 
 
 def _boundary(plan, cancel_at: int | None, log: list):
     """The fleet's per-step cancel decision (`JobContext.step_boundary`): rank 0 decides, broadcast within the group
-    of the stage that runs (`plan.active_group`)."""
-    def check(stage: str, step: int) -> bool:
+    of the stage that runs (the group its runner passes)."""
+    def check(stage: str, step: int, group=None) -> bool:
         flag = torch.tensor([int(plan.rank == 0 and step == cancel_at)], dtype=torch.int32)
-        dist.broadcast(flag, src=0, group=plan.active_group)
+        dist.broadcast(flag, src=0, group=group)
         log.append(step)
         return bool(flag.item())
     return check
@@ -105,13 +108,14 @@ def _rank(rank: int, world: int, paths: dict) -> dict:
     out: dict = {"stages": {}, "pass_groups": sorted(plan.pass_groups)}
     for case in CASES:
         count.n, log = 0, []
-        video, audio = pipeline.sequence_parallel_stage(*_stage_args(components, case, _boundary(plan, None, log)))
+        result = pipeline.run_stage(_stage_spec(components, case), None, _boundary(plan, None, log))
+        video, audio = result.video, result.audio
         out["stages"][case] = dict(video=video, audio=audio, forwards=count.n, boundaries=len(log),
                                    degree=plan.last_split.degree if plan.last_split else None,
                                    describe=plan.describe())
     log = []
     try:
-        pipeline.sequence_parallel_stage(*_stage_args(components, "cfg_stg_modality", _boundary(plan, CANCEL_AT, log)))
+        pipeline.run_stage(_stage_spec(components, "cfg_stg_modality"), None, _boundary(plan, CANCEL_AT, log))
         out["cancel"] = None
     except S.SamplingCancelled as exc:
         out["cancel"] = str(exc)
@@ -149,7 +153,8 @@ def reference(paths) -> dict:
     out: dict = {"stages": {}}
     for case in CASES:
         count.n = 0
-        video, audio = pipeline.local_stage(*_stage_args(components, case))
+        result = pipeline.run_stage(_stage_spec(components, case))
+        video, audio = result.video, result.audio
         out["stages"][case] = dict(video=video, audio=audio, forwards=count.n)
     out["pipeline"] = pipeline.generate(_pipeline_request(paths, (2, 4, 4)))
     return out

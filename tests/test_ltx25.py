@@ -478,7 +478,7 @@ def test_ltx25_files_run_the_template_recipe_by_default(files25, tmp_path, monke
     loop = S.denoise_loop
 
     def spy(model_fn, video, audio, sigmas, **kwargs):
-        seen.append((tuple(round(float(s), 6) for s in sigmas), S._ACTIVE_SAMPLER, kwargs.get("video_guidance")))
+        seen.append((tuple(round(float(s), 6) for s in sigmas), kwargs.get("sampler"), kwargs.get("video_guidance")))
         return loop(model_fn, video, audio, sigmas, **kwargs)
 
     monkeypatch.setattr(S, "denoise_loop", spy)

@@ -103,14 +103,19 @@ def test_full_shape_video_mask_is_reduced_to_one_channel_and_all_ones_is_no_mask
         NT.split_latent({**video, "noise_mask": full})
 
 
-def test_audio_noise_mask_refused_but_concat_filler_accepted():
+def test_audio_noise_mask_per_token_and_concat_filler():
     audio = empty_audio()
     mask = torch.ones_like(audio["samples"])
     mask[:, :, :3] = 0.0
-    with pytest.raises(NT.UnsupportedInput, match="audio noise_mask"):
+    parts = NT.split_latent(concat(empty_video(), {**audio, "noise_mask": mask}))
+    assert parts.audio_mask.shape == (1, 1, mask.shape[2], 1) and torch.equal(parts.audio_mask[0, 0, :, 0],
+                                                                              mask[0, 0, :, 0])
+    mask[:, 1, 5] = 0.5  # differs between channels within one token
+    with pytest.raises(NT.UnsupportedInput, match="audio noise_mask.*within an audio token"):
         NT.split_latent(concat(empty_video(), {**audio, "noise_mask": mask}))
     # ComfyUI's concat fills the audio half with ones when only the video has a mask: that is no audio mask
-    assert NT.split_latent(concat(i2v(empty_video()), audio)).video_mask is not None
+    parts = NT.split_latent(concat(i2v(empty_video()), audio))
+    assert parts.video_mask is not None and parts.audio_mask is None
 
 
 def test_bad_latents_refused():
@@ -275,8 +280,36 @@ def test_denoise_loop_ancestral_draws_noise_per_step_and_keeps_masked_tokens():
     v, a = S.denoise_loop(model, start, audio, sigmas, video_mask=mask, video_clean=clean, sampler=sampler)
     assert len(calls) == 2  # no noise for the last step (sigma_next = 0), as ComfyUI
     assert torch.equal(v[:, 0], clean[:, 0])  # a mask-0 token stays clean
-    with S.use_sampler(sampler):  # the job-level default (how the "sample" job selects it)
-        v2, _ = S.denoise_loop(model, start, audio, sigmas, video_mask=mask, video_clean=clean)
-    assert torch.equal(v, v2) and len(calls) == 4
-    v3, _ = S.denoise_loop(model, start, audio, sigmas, video_mask=mask, video_clean=clean)  # Euler again
-    assert len(calls) == 4 and not torch.equal(v3[:, 1:], v[:, 1:])
+    v3, _ = S.denoise_loop(model, start, audio, sigmas, video_mask=mask, video_clean=clean)  # no sampler: Euler
+    assert len(calls) == 2 and not torch.equal(v3[:, 1:], v[:, 1:])
+
+
+def _guided(kf, strength=0.7, ref=None):
+    """CONDITIONING as LTXVAddGuide (+ LTXVReferenceAudio) leave it."""
+    extras = {"unprocessed_ltxav_embeds": True, "frame_rate": 25.0, "keyframe_idxs": kf,
+              "guide_attention_entries": [{"pre_filter_count": kf.shape[2], "strength": strength,
+                                           "pixel_mask": None, "latent_shape": [1, 2, 2]}]}
+    if ref is not None:
+        extras["ref_audio"] = {"tokens": ref}
+    return [[torch.zeros(1, 4, 64), extras]]
+
+
+def test_guides_travel_from_the_conditioning_to_the_sample_job():
+    kf = torch.zeros(1, 3, 4, 2)
+    ref = torch.ones(1, 3, 128)
+    pos = NT.split_conditioning(_guided(kf, ref=ref), "positive", allow=NT.GUIDE_CONDITIONING_KEYS)
+    neg = NT.split_conditioning(_guided(kf, ref=ref), "negative", allow=NT.GUIDE_CONDITIONING_KEYS)
+    g = NT.guides_payload(pos, neg)
+    assert torch.equal(g["keyframe_idxs"], kf) and torch.equal(g["ref_audio_tokens"], ref)
+    (entry,) = g["guide_attention_entries"]
+    assert entry.pre_filter_count == 4 and entry.strength == 0.7 and entry.needs_bias
+    assert g["denoise_mask"] is None
+    mask = torch.ones(1, 1, 3, 2, 2)
+    mask[:, :, 2, 0, 0] = -1.0  # IC-LoRA's dropped cell: the forward needs the mask
+    assert NT.guides_payload(pos, neg, mask)["denoise_mask"] is mask
+    plain = NT.split_conditioning([[torch.zeros(1, 4, 64), {"unprocessed_ltxav_embeds": True}]])
+    assert NT.guides_payload(plain, plain) is None
+    with pytest.raises(NT.UnsupportedInput, match="different guides"):
+        NT.guides_payload(pos, plain)
+    with pytest.raises(NT.UnsupportedInput, match="keyframe_idxs"):  # other nodes still refuse them by name
+        NT.split_conditioning(_guided(kf), "positive")

@@ -65,10 +65,10 @@ def test_audio_is_frozen_through_stage2(tiny_pipeline, monkeypatch):
     seen = {}
     original = pipeline.run_stage
 
-    def spy(stage, model_fn, video_clean, audio_clean, *args, **kwargs):
-        video, audio = original(stage, model_fn, video_clean, audio_clean, *args, **kwargs)
-        seen[stage] = (audio_clean.clone(), audio.clone())
-        return video, audio
+    def spy(spec, *args, **kwargs):
+        result = original(spec, *args, **kwargs)
+        seen[spec.name] = (spec.audio_clean.clone(), result.audio.clone())
+        return result
 
     monkeypatch.setattr(pipeline, "run_stage", spy)
     result = _run(pipeline, paths)

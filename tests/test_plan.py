@@ -158,7 +158,7 @@ def _cancel_on_three(rank, world, paths):
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"))
     pipeline = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
     try:
-        pipeline.generate(GenerateRequest(**REQUEST), cancel_check=lambda stage, step: step == 1)
+        pipeline.generate(GenerateRequest(**REQUEST), cancel_check=lambda stage, step, group: step == 1)
     except SamplingCancelled as exc:
         return {"degree": plan.sp_degree, "cancelled": str(exc)}
     return {"degree": plan.sp_degree, "cancelled": None}

@@ -428,12 +428,12 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
     current = {"stage": None}
     original = pipeline.run_stage
 
-    def spy(stage, model_fn, video_clean, audio_clean, *args, **kwargs):
-        current["stage"] = stage
-        seen[stage + " forward"] = type(model_fn.forward).__name__
-        video, audio = original(stage, model_fn, video_clean, audio_clean, *args, **kwargs)
-        seen[stage] = (audio_clean.clone(), audio.clone())
-        return video, audio
+    def spy(spec, *args, **kwargs):
+        current["stage"] = spec.name
+        result = original(spec, *args, **kwargs)
+        seen[spec.name + " forward"] = type(result.runner).__name__
+        seen[spec.name] = (spec.audio_clean.clone(), result.audio.clone())
+        return result
 
     transformer = pipeline.components.transformer
     real_forward = transformer.forward
@@ -450,7 +450,7 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
                                                **SMALL))
     stage1_out = seen["stage 1"][1]
     stage2_in, stage2_out = seen["stage 2"]
-    assert seen["stage 2 forward"] == "TiledTransformer"
+    assert seen["stage 2 forward"] == "TiledRunner"
     assert torch.equal(stage2_in, stage1_out) and torch.equal(stage2_out, stage1_out)
     assert torch.equal(result.audio_latent, L.unpack_audio(stage1_out))
     # 2 steps (sigmas 0.625, 0.4, 0) × 2 tiles (width 4 -> columns (0, 3), (2, 4): 2×4×3 and 2×4×2 tokens), each

@@ -15,11 +15,13 @@ def engine(state):
     """This rank's `NativeEngine` (created once per fleet)."""
     eng = getattr(state, "native", None)
     if eng is None:
-        from ..native import NativeEngine
-
         pipeline = getattr(state, "pipeline", None)
-        eng = NativeEngine(state.components, state.plan, state.dtype, state.device,
-                           lora=pipeline.lora if pipeline is not None else None)
+        if pipeline is not None:  # the one the SP Sampler's stages use too (semantics "comfyui")
+            eng = pipeline.native_engine()
+        else:
+            from ..native import NativeEngine
+
+            eng = NativeEngine(state.components, state.plan, state.dtype, state.device)
         state.native = eng
     return eng
 

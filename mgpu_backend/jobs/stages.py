@@ -9,13 +9,12 @@ import torch
 
 from .. import latents as L
 from .. import sampling as S
-from ..denoiser import text_contexts
 from ..lora import read_loras
+from ..stage import SAMPLERS, SEMANTICS, ComfyGuides, SamplerSpec, StageSpec, TiledRunner, stage_contexts
 from ..validation import ValidationError
 from . import register
 
 MODES = ("sequence_parallel", "tiled")
-SAMPLERS = ("euler", "euler_ancestral")
 
 
 def _fit_guidance(p: dict, variant: str, n_blocks: int) -> tuple[S.GuidanceParams, S.GuidanceParams]:
@@ -45,27 +44,28 @@ def _fit_guidance(p: dict, variant: str, n_blocks: int) -> tuple[S.GuidanceParam
     return video, audio
 
 
-def _ancestral(p: dict, video_shape, audio_shape) -> S.AncestralSampler | None:
-    """`sampler` "euler" (None) or "euler_ancestral": per-step noise as ComfyUI draws it on the CPU for an
-    audio+video latent: one `randn` over the concatenated flat (video, audio) latent per step, from a CPU generator
-    seeded with `seed + 1` (`k_diffusion.sampling.default_noise_sampler`)."""
+def _sampler(p: dict) -> SamplerSpec:
+    """`sampler` "euler" or "euler_ancestral" (`seed`, `eta`, `s_noise`): per-step noise as ComfyUI draws it on the CPU
+    for an audio+video latent (one `randn` over the concatenated flat (video, audio) latent per step, from a CPU
+    generator seeded with `seed + 1`: `k_diffusion.sampling.default_noise_sampler`)."""
     name = p.get("sampler", "euler")
     if name not in SAMPLERS:
         raise ValidationError(f"sampler={name!r}: choose one of {', '.join(SAMPLERS)}")
-    if name == "euler":
+    return SamplerSpec(name, int(p.get("seed", 0)), float(p.get("eta", 1.0)), float(p.get("s_noise", 1.0)),
+                       noise_layout="comfyui")  # the nodes' noise is ComfyUI's, whatever the forward's semantics
+
+
+def _guides(g: dict | None) -> ComfyGuides | None:
+    """The payload's `guides` (`keyframe_idxs`, `guide_attention_entries`, `denoise_mask`, `ref_audio_tokens`: what
+    LTXVAddGuide / LTXVReferenceAudio put in the conditioning, `forward.ForwardRequest`'s fields) or None."""
+    if not g:
         return None
-    eta = float(p.get("eta", 1.0))
-    if not 0.0 <= eta <= 1.0:
-        raise ValidationError(f"eta={eta}: must be in [0, 1]")
-    generator = torch.Generator(device="cpu").manual_seed(int(p.get("seed", 0)) + 1)
-    nv = int(torch.Size(video_shape).numel())
-    na = int(torch.Size(audio_shape).numel())
-
-    def noise_fn():
-        n = torch.randn((1, 1, nv + na), generator=generator, dtype=torch.float32)
-        return (L.pack_video(n[..., :nv].reshape(video_shape)), L.pack_audio(n[..., nv:].reshape(audio_shape)))
-
-    return S.AncestralSampler(noise_fn, eta=eta, s_noise=float(p.get("s_noise", 1.0)))
+    unknown = set(g) - {"keyframe_idxs", "guide_attention_entries", "denoise_mask", "ref_audio_tokens"}
+    if unknown:
+        raise ValidationError(f"guides: unknown keys {sorted(unknown)}")
+    return ComfyGuides(keyframe_idxs=g.get("keyframe_idxs"),
+                       guide_attention_entries=tuple(g.get("guide_attention_entries") or ()),
+                       denoise_mask=g.get("denoise_mask"), ref_audio_tokens=g.get("ref_audio_tokens"))
 
 
 def _stage_name(p: dict, mode: str, sigmas: torch.Tensor) -> str:
@@ -100,7 +100,8 @@ def _check_batch(name: str, x: torch.Tensor | None) -> None:
 def run_sample(state, p: dict, ctx) -> dict:
     """One denoising stage.
 
-    Payload: `stage` (optional name for progress and errors: "stage 1", "stage 2"; default from the mode and the
+    Payload: `semantics` ("comfyui": ComfyUI 0.33's forward and samplers, what the nodes send; "reference", the
+    default: Lightricks' recipe — `stage.py`), `stage` (optional name for progress and errors: "stage 1", "stage 2"; default from the mode and the
     first sigma, `_stage_name`), `positive` / `negative` (CONDITIONING embeddings `[1, T, C]`; negative may be
     None), `video` `[1, 128, F, H, W]`,
     `audio` `[1, 8, T, 16]`, optional `video_mask` (ComfyUI `noise_mask`, broadcastable to
@@ -113,14 +114,15 @@ def run_sample(state, p: dict, ctx) -> dict:
     "euler_ancestral", with `seed`, `eta`, `s_noise`), `stg_blocks` ("auto" or block indices; replaces both
     guidances' blocks), `loras` (`[(path, strength), …]`: fused into every rank's transformer for this job — each
     rank computes its share and the fused layers are broadcast — and restored after it, exactly, without reading
-    the checkpoint).
+    the checkpoint), `audio_mask` (the audio half of ComfyUI's noise_mask, broadcastable to `[1, 1, T, 1]`),
+    `guides` (semantics "comfyui": `_guides`).
     Returns on rank 0: `{"video": [1, 128, F, H, W], "audio": [1, 8, T, 16], "report": str, "lora_reports":
     [str, …] (matched / total layers per LoRA)}`; a tiled stage adds `tile_drift` (one relative difference of
     overlapping tiles per forward, `TiledTransformer.drift`), `weights_normalized` and `audio_frozen`.
     Raises ValidationError before any work for bad shapes, modes, tile / sigma requests and LoRAs that do not fit the
     model (none of their layers found, another model width).
     """
-    from ..parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
+    from ..parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
 
     pipe = state.pipeline
     mode = p.get("mode", "sequence_parallel")
@@ -145,70 +147,62 @@ def run_sample(state, p: dict, ctx) -> dict:
                                  "negative conditioning": p.get("negative")})
     _, _, f, h, w = video.shape
     grid = (f, h, w)
-    tiled = None
+    semantics = p.get("semantics", "reference")
+    if semantics not in SEMANTICS:
+        raise ValidationError(f"semantics={semantics!r}: choose one of {', '.join(SEMANTICS)}")
+    tiling = None
     if mode == "tiled":
         ranks = pipe.plan.world_size if pipe.plan is not None else 1
         tiling = pipe.resolve_tiling(p.get("tiles"), max(ranks, 2) if p.get("tiles") is None else ranks, grid,
-                              int(p.get("tile_overlap", 5)), "tiles")
+                                     int(p.get("tile_overlap", 5)), "tiles")
         try:
             check_tdp_sigmas(sigmas, float(p.get("max_first_sigma", DEFAULT_MAX_FIRST_SIGMA)))
         except ValueError as exc:
             raise ValidationError(str(exc)) from None
-        tiled = (pipe.plan.tiled(pipe.components.transformer, grid, tiling) if pipe.plan is not None
-                 else TiledTransformer(pipe.components.transformer, grid, tiling))
     elif pipe.plan is not None:
         pipe.plan.check(f * h * w)
     video_guidance, audio_guidance = _fit_guidance(p, pipe.components.variant,
                                                    len(pipe.components.transformer.transformer_blocks))
-    sampler = _ancestral(p, video.shape, audio.shape)
     negative = p.get("negative")
     embeds = [p["positive"]] + ([negative] if negative is not None else [])
-    try:
-        contexts = text_contexts(pipe.components, [e.float() for e in embeds], dtype=pipe.dtype)
-    except ValueError as exc:  # a conditioning from another model (width) is an input error, raised on every rank
-        raise ValidationError(str(exc)) from None
-    positive_ctx = contexts.select(0)
-    negative_ctx = contexts.select(1) if negative is not None else None
-    if (video_guidance.uses_uncond or audio_guidance.uses_uncond) and negative_ctx is None:
-        raise ValidationError("CFG scale ≠ 1 needs a negative conditioning")
+    contexts = stage_contexts(pipe.components, [e.float() for e in embeds], semantics, pipe.dtype)
     video_mask = p.get("video_mask")
     try:
         token_mask = None if video_mask is None else L.video_token_mask(video_mask.float(), 1, f, h, w)
     except ValueError as exc:
         raise ValidationError(f"noise_mask: {exc}") from None
-    if float(p["fps"]) <= 0:
-        raise ValidationError(f"fps={p['fps']}: must be positive")
+    audio_mask = p.get("audio_mask")
+    try:
+        audio_token_mask = None if audio_mask is None else L.audio_token_mask(audio_mask.float(), 1, audio.shape[2])
+    except ValueError as exc:
+        raise ValidationError(f"audio noise_mask: {exc}") from None
     # tiled: frozen stage-1 audio unless asked (the reference's final audio); else re-denoised, tiles averaged
     audio_frozen = bool(p.get("audio_frozen", mode == "tiled"))
-    if tiled is not None:
-        tiled.denoise_audio = not audio_frozen
     for name, n, x in (("noise_video", p["noise_video"], video), ("noise_audio", p["noise_audio"], audio)):
         if tuple(n.shape) != tuple(x.shape):
             raise ValidationError(f"{name} of shape {tuple(n.shape)} does not match the latent {tuple(x.shape)}")
-    noise = (L.pack_video(p["noise_video"].float()), L.pack_audio(p["noise_audio"].float()))
+    spec = StageSpec(name=stage, semantics=semantics, positive=contexts[0],
+                     negative=contexts[1] if negative is not None else None, grid=grid, fps=float(p["fps"]),
+                     audio_frames=audio.shape[2], video_clean=L.pack_video(video), audio_clean=L.pack_audio(audio),
+                     sigmas=sigmas, video_guidance=video_guidance, audio_guidance=audio_guidance,
+                     video_mask=token_mask, audio_mask=audio_token_mask, guides=_guides(p.get("guides")),
+                     noise=(L.pack_video(p["noise_video"].float()), L.pack_audio(p["noise_audio"].float())),
+                     audio_frozen=audio_frozen, sampler=_sampler(p), tiling=tiling)
     loras = read_loras(p.get("loras"))
     pipe.lora.check(loras)  # coverage and widths, on every rank alike, before any weight is touched
-    args = (stage, positive_ctx, negative_ctx, grid, audio.shape[2], float(p["fps"]), L.pack_video(video),
-            L.pack_audio(audio), sigmas, 0, token_mask, audio_frozen, video_guidance, audio_guidance, ctx.progress,
-            ctx.step_boundary)
     try:
         lora_reports = pipe.lora.apply(loras)
-        with S.use_sampler(sampler):
-            if mode == "tiled":
-                out_video, out_audio = pipe.local_stage(*args, forward=tiled, noise=noise)
-                report = tiled.describe()
-            else:
-                out_video, out_audio = pipe.sequence_parallel_stage(*args, noise=noise)
-                report = pipe.plan.describe() if pipe.plan is not None else "one rank"
+        result = pipe.run_stage(spec, ctx.progress, ctx.step_boundary)
     except BaseException:
         pipe.lora.after_error()  # one process: restored now; a fleet: at its next job's apply (every rank)
         raise
     pipe.lora.restore()
     if ctx.rank != 0:
         return {}
-    out = {"video": L.unpack_video(out_video, f, h, w), "audio": L.unpack_audio(out_audio), "report": report,
-           "lora_reports": [r.detail() for r in lora_reports]}
-    if tiled is not None:
+    out = {"video": L.unpack_video(result.video, f, h, w), "audio": L.unpack_audio(result.audio),
+           "report": result.report, "lora_reports": [r.detail() for r in lora_reports]}
+    if isinstance(result.runner, TiledRunner):
+        tiled = result.runner.tiled
         out.update(tile_drift=list(tiled.drift), weights_normalized=bool(tiled.normalized),
                    audio_frozen=audio_frozen)
     return out

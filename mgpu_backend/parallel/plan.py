@@ -74,7 +74,6 @@ class ParallelPlan:
     sp_group: dist.ProcessGroup | None  # None = the default (world) group
     sp_forward: SequenceParallelTransformer | None  # None on ranks outside the SP group
     token_cap: int | None = DEFAULT_TOKEN_CAP
-    active_group: dist.ProcessGroup | None = None  # the group of the stage now running (for the cancel check)
     stages: dict[int, SPStage] | None = None  # every usable SP degree -> its group (built collectively)
     min_tokens_per_rank: int = 0
     last_degree: int | None = None  # the degree the last SP stage ran at (job report)

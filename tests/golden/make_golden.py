@@ -54,9 +54,12 @@ CASES = {
     "t2v_euler": {"sampler": "euler", "i2v": False},
     "t2v_euler_ancestral": {"sampler": "euler_ancestral", "i2v": False},
     "i2v_euler": {"sampler": "euler", "i2v": True},
+    # strength < 1: ComfyUI blends the sampler state (KSamplerX0Inpaint), the reference recipe the x0 prediction
+    "i2v07_euler": {"sampler": "euler", "i2v": True, "i2v_strength": 0.7},
 }
 MODES = {"aligned": {"fix": True, "eps": 1e-6}, "fixed": {"fix": True, "eps": 0.0}, "as_is": None}
-RUNS = [(case, "aligned") for case in CASES] + [("t2v_euler", "fixed"), ("t2v_euler", "as_is")]
+RUNS = [(case, "aligned") for case in CASES if case != "i2v07_euler"] + [
+    ("t2v_euler", "fixed"), ("i2v07_euler", "fixed"), ("t2v_euler", "as_is")]  # i2v07: as shipped only (file size)
 IMAGE_NAME = "ltx2-mgpu-golden-first-frame.png"
 
 
@@ -113,7 +116,8 @@ def graph(case: str, mode: str, prefix: str) -> dict:
         g["30"] = {"class_type": "LoadImage", "inputs": {"image": IMAGE_NAME}}
         g["31"] = {"class_type": "LTXVImgToVideo", "inputs": {
             "positive": positive, "negative": negative, "vae": ["1", 2], "image": ["30", 0], "width": s["width"],
-            "height": s["height"], "length": s["length"], "batch_size": 1, "strength": s["i2v_strength"]}}
+            "height": s["height"], "length": s["length"], "batch_size": 1,
+            "strength": c.get("i2v_strength", s["i2v_strength"])}}
         positive, negative, video = ["31", 0], ["31", 1], ["31", 2]
         g["32"] = {"class_type": "SaveLatent", "inputs": {"samples": video, "filename_prefix": f"{prefix}/input"}}
     else:

@@ -1,0 +1,433 @@
+"""One stage contract: `StageSpec` says what a denoising stage is, a `StageRunner` how it is split over the fleet.
+
+Every denoising stage — stage 1 and stage 2 of the CLI `generate` recipe (`pipelines.TwoStagePipeline.generate`) and
+the node jobs (`jobs/stages.py::run_sample`: SP Sampler (MGPU), TDP Upscale (MGPU)) — is one frozen `StageSpec`,
+validated once when it is built, and runs through `run_stage(spec, env, hooks)`: `choose_runner` asks the fleet's
+plan which split runs it (one device; sequence parallel over the plan's SP group; the guidance passes spread over
+ranks; tiled), the runner builds the model function and runs the denoising loop (`denoise`).
+
+Two semantics (`StageSpec.semantics`), for the same inputs:
+- "reference": Lightricks' recipe (ltx-core / ltx-pipelines; the CLI): diffusers' block order, the reference's
+  positions, q/k RMS-norm eps 1e-6, the denoise mask blended into x0 (`sampling.masked_euler_step`: x0 ← x0·m +
+  clean·(1 − m) with x0 = x − v·(m·σ)), start latent lerp(clean, lerp(clean, noise, σ0), m).
+- "comfyui": ComfyUI 0.33's LTX-AV model and samplers (the nodes): the forward of `native.NativeEngine` (ComfyUI's
+  block order, positions and eps, the same code that serves the native MGPU MODEL), the text connectors per prompt
+  as `LTXAVModel.preprocess_text_embeds`, and ComfyUI's inpainting blend (`comfy/samplers.py::KSamplerX0Inpaint` with
+  `LTXAV.scale_latent_inpaint` = the clean latent): start x = σ0·noise + (1 − σ0)·clean for every token; before each
+  model call x_in = x·m + clean·(1 − m), per-token timestep m·σ (`LTXAV.process_timestep`); x0 = x_in − v·σ with the
+  step's σ; after guidance out = x0·m + clean·(1 − m); the sampler steps the unblended state x.
+"""
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import latents as L
+from . import sampling as S
+from . import validation as V
+from .denoiser import LTX2Denoiser, TextContext, text_contexts
+from .parallel.tiling import TileCountConfig
+
+SEMANTICS = ("reference", "comfyui")
+SAMPLERS = ("euler", "euler_ancestral")
+NOISE_LAYOUTS = ("packed", "comfyui")
+
+ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
+CancelFn = Callable[[str, int, object], bool]  # (stage, step about to run, process group deciding) -> stop now
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """The step rule of a stage.
+
+    name: "euler" (the reference's Euler step / ComfyUI `sample_euler`) or "euler_ancestral" (ComfyUI
+        `sample_euler_ancestral_RF`, `eta` and `s_noise`).
+    seed: euler_ancestral's per-step noise comes from a CPU generator seeded with `seed + 1`
+        (`k_diffusion.sampling.default_noise_sampler`), the same on every rank.
+    noise_layout: how one step's draw is laid out: "packed" (the CLI: one `randn` over the packed video tokens
+        `[1, T, 128]` then the audio tokens, no audio draw for a frozen audio stream) or "comfyui" (ComfyUI's: one
+        `randn` over the flattened `[1, 128, F, H, W]` video then `[1, 8, T, 16]` audio latent, always both).
+    Raises ValidationError naming the field.
+    """
+
+    name: str = "euler"
+    seed: int = 0
+    eta: float = 1.0
+    s_noise: float = 1.0
+    noise_layout: str = "packed"
+
+    def __post_init__(self):
+        if self.name not in SAMPLERS:
+            raise V.ValidationError(f"sampler={self.name!r}: choose one of {', '.join(SAMPLERS)}")
+        if not 0.0 <= float(self.eta) <= 1.0:
+            raise V.ValidationError(f"eta={self.eta}: must be in [0, 1]")
+        if self.noise_layout not in NOISE_LAYOUTS:
+            raise V.ValidationError(f"noise_layout={self.noise_layout!r}: choose one of {', '.join(NOISE_LAYOUTS)}")
+
+    def build(self, grid: tuple[int, int, int], audio_frames: int, audio_frozen: bool) -> S.AncestralSampler | None:
+        """The loop's step rule: None for euler, else an `AncestralSampler` with its noise stream (a fresh generator
+        per call: each stage run draws the same sequence)."""
+        if self.name == "euler":
+            return None
+        f, h, w = grid
+        generator = torch.Generator(device="cpu").manual_seed(int(self.seed) + 1)
+        if self.noise_layout == "packed":
+            nv, video_shape = f * h * w * 128, (1, f * h * w, 128)
+            audio_shape = None if audio_frozen else (1, audio_frames, 128)
+            na = 0 if audio_shape is None else audio_frames * 128
+
+            def noise_fn():
+                n = torch.randn(nv + na, generator=generator, dtype=torch.float32)
+                return n[:nv].reshape(video_shape), (n[nv:].reshape(audio_shape) if audio_shape else None)
+
+            return S.AncestralSampler(noise_fn, eta=float(self.eta), s_noise=float(self.s_noise))
+        video_shape, audio_shape = (1, 128, f, h, w), (1, 8, audio_frames, 16)
+        nv, na = 128 * f * h * w, 8 * audio_frames * 16
+
+        def comfy_noise_fn():
+            n = torch.randn((1, 1, nv + na), generator=generator, dtype=torch.float32)
+            return (L.pack_video(n[..., :nv].reshape(video_shape)), L.pack_audio(n[..., nv:].reshape(audio_shape)))
+
+        return S.AncestralSampler(comfy_noise_fn, eta=float(self.eta), s_noise=float(self.s_noise))
+
+
+@dataclass(frozen=True)
+class ComfyGuides:
+    """What ComfyUI's LTX-AV forward receives besides the latents for guides and reference audio (semantics
+    "comfyui" only), carried into every forward's `forward.ForwardRequest` unchanged: `keyframe_idxs`
+    `[1, 3, N, 2]` (LTXVAddGuide), `guide_attention_entries`, the raw video `denoise_mask` `[1, 1, F, H|1, W|1]`
+    (its −1 cells drop tokens), `ref_audio_tokens` `[1, R, 128]` (LTXVReferenceAudio). See `forward.py`."""
+
+    keyframe_idxs: torch.Tensor | None = None
+    guide_attention_entries: tuple = ()
+    denoise_mask: torch.Tensor | None = None
+    ref_audio_tokens: torch.Tensor | None = None
+
+    @property
+    def empty(self) -> bool:
+        return (self.keyframe_idxs is None and not self.guide_attention_entries and self.denoise_mask is None
+                and self.ref_audio_tokens is None)
+
+
+@dataclass(frozen=True, eq=False)
+class StageSpec:
+    """One denoising stage (frozen; validated when built, before any work).
+
+    Latents are packed float32 `[1, T, 128]` in model space (`latents.pack_video` / `pack_audio`), CPU.
+    name: what progress, errors and reports call the stage ("stage 1", "stage 2").
+    semantics: "reference" (the CLI recipe) or "comfyui" (the nodes; see the module docstring).
+    positive / negative: processed text contexts (`stage_contexts`); negative None when no pass needs it.
+    grid: latent (F, H, W) of the video; fps: frames per second (positions); audio_frames: audio latent steps T.
+    video_clean / audio_clean: the clean latents (what masked tokens keep; zeros for text-to-video).
+    sigmas: the schedule, 1-D, non-increasing, ending in 0.
+    video_mask / audio_mask: per-token denoise masks `[1, T]` (1 = generate, 0 = keep clean) or None.
+    noise: explicit packed (video, audio) start noise (ComfyUI's NOISE), or None: drawn from `seed`
+        (`sampling.make_av_noise`).
+    audio_frozen: the audio is context at timestep 0 and comes back unchanged (reference stage 2; "reference" only).
+    video_guidance / audio_guidance: `GuidanceParams` per modality (STG blocks already resolved).
+    sampler: `SamplerSpec`. tiling: tiles for a tiled stage (TDP; "reference" only), None otherwise.
+    guides: `ComfyGuides` (semantics "comfyui"), None otherwise.
+    Raises ValidationError naming the field and the rule.
+    """
+
+    name: str
+    semantics: str
+    positive: TextContext
+    negative: TextContext | None
+    grid: tuple[int, int, int]
+    fps: float
+    audio_frames: int
+    video_clean: torch.Tensor
+    audio_clean: torch.Tensor
+    sigmas: torch.Tensor
+    video_guidance: S.GuidanceParams = S.NO_GUIDANCE
+    audio_guidance: S.GuidanceParams = S.NO_GUIDANCE
+    video_mask: torch.Tensor | None = None
+    audio_mask: torch.Tensor | None = None
+    noise: tuple[torch.Tensor, torch.Tensor] | None = None
+    seed: int = 0
+    audio_frozen: bool = False
+    sampler: SamplerSpec = field(default_factory=SamplerSpec)
+    tiling: TileCountConfig | None = None
+    guides: ComfyGuides | None = None
+
+    def __post_init__(self):
+        stage = self.name
+        if not isinstance(stage, str) or not stage.strip():
+            raise V.ValidationError(f"stage={stage!r}: a name such as 'stage 1' or 'stage 2'")
+        if self.semantics not in SEMANTICS:
+            raise V.ValidationError(f"{stage}: semantics={self.semantics!r}: choose one of {', '.join(SEMANTICS)}")
+        grid = tuple(int(n) for n in self.grid)
+        if len(grid) != 3 or min(grid) < 1:
+            raise V.ValidationError(f"{stage}: latent grid {self.grid!r}: expected (F, H, W) ≥ 1")
+        object.__setattr__(self, "grid", grid)
+        if not float(self.fps) > 0:
+            raise V.ValidationError(f"fps={self.fps}: must be positive")
+        try:
+            object.__setattr__(self, "sigmas", S.as_sigmas(self.sigmas))
+        except ValueError as exc:
+            raise V.ValidationError(f"sigmas: {exc}") from None
+        tokens = grid[0] * grid[1] * grid[2]
+        for what, x, n in (("video", self.video_clean, tokens), ("audio", self.audio_clean, self.audio_frames)):
+            if x.ndim != 3 or tuple(x.shape) != (1, n, 128):
+                raise V.ValidationError(f"{stage}: {what} latent of packed shape {tuple(x.shape)}: expected "
+                                        f"(1, {n}, 128)")
+        for what, m, n in (("video", self.video_mask, tokens), ("audio", self.audio_mask, self.audio_frames)):
+            if m is not None and tuple(m.shape) != (1, n):
+                raise V.ValidationError(f"{stage}: {what} denoise mask of shape {tuple(m.shape)}: expected (1, {n})")
+        if self.noise is not None:
+            for what, x, clean in zip(("video", "audio"), self.noise, (self.video_clean, self.audio_clean)):
+                if tuple(x.shape) != tuple(clean.shape):
+                    raise V.ValidationError(f"{stage}: {what} noise of packed shape {tuple(x.shape)} does not match "
+                                            f"the latent {tuple(clean.shape)}")
+        if (self.video_guidance.uses_uncond or self.audio_guidance.uses_uncond) and self.negative is None:
+            raise V.ValidationError("CFG scale ≠ 1 needs a negative conditioning")
+        if self.semantics == "comfyui":
+            if self.audio_frozen:
+                raise V.ValidationError(f"{stage}: a frozen audio stream is the reference recipe's (semantics "
+                                        f"'reference'); ComfyUI's samplers denoise every modality of the latent")
+            if self.tiling is not None:
+                raise V.ValidationError(f"{stage}: a tiled stage runs the reference forward (semantics 'reference')")
+            if self.sampler.name == "euler_ancestral" and self.sampler.noise_layout != "comfyui":
+                raise V.ValidationError(f"{stage}: semantics 'comfyui' draws ancestral noise in ComfyUI's layout "
+                                        f"(SamplerSpec.noise_layout='comfyui')")
+        elif self.guides is not None and not self.guides.empty:
+            raise V.ValidationError(f"{stage}: guides / reference audio need semantics 'comfyui'")
+
+    @property
+    def video_tokens(self) -> int:
+        f, h, w = self.grid
+        return f * h * w
+
+    @property
+    def passes(self) -> int:
+        """Guidance passes per step (a frozen audio stream is never guided)."""
+        audio = S.NO_GUIDANCE if self.audio_frozen else self.audio_guidance
+        return len(S.plan_passes(self.video_guidance, audio))
+
+
+def stage_contexts(components, embeds: list[torch.Tensor], semantics: str, dtype: torch.dtype
+                   ) -> list[TextContext]:
+    """CONDITIONING embeddings (`[1, T_i, C]` each) -> one `TextContext` per prompt, as the semantics computes them:
+    "reference" runs the prompts as one padded batch (`denoiser.text_contexts`); "comfyui" runs each prompt alone
+    with ComfyUI's q/k eps (`LTXAVModel.preprocess_text_embeds`, called per conditioning by `extra_conds`).
+    Raises ValidationError for embeddings of another model's width."""
+    try:
+        if semantics == "comfyui":
+            from .native import COMFY_QK_EPS, comfy_qk_eps, qk_norms
+
+            with comfy_qk_eps(qk_norms(components.video_connector, components.audio_connector), COMFY_QK_EPS):
+                return [text_contexts(components, [e], dtype=dtype) for e in embeds]
+        batch = text_contexts(components, embeds, dtype=dtype)
+    except ValueError as exc:  # a conditioning from another model (width) is an input error, raised on every rank
+        raise V.ValidationError(str(exc)) from None
+    return [batch.select(i) for i in range(len(embeds))]
+
+
+@dataclass
+class StageEnv:
+    """What a stage runs on (one rank): the loaded components, compute dtype and device, the fleet's plan (None: one
+    process), `native`, a callable returning this rank's `native.NativeEngine` (semantics "comfyui"), and
+    `forward`, what runs an unsplit reference forward (None: the transformer; e.g. a timing wrapper in bench/)."""
+
+    components: object
+    dtype: torch.dtype
+    device: torch.device
+    plan: object = None
+    native: Callable[[], object] | None = None
+    forward: object = None
+
+
+@dataclass(frozen=True)
+class StageHooks:
+    """progress(stage, done, total) after every step; cancel(stage, step, group) before every step (every rank of
+    `group` calls it; True stops the stage with `SamplingCancelled`)."""
+
+    progress: ProgressFn | None = None
+    cancel: CancelFn | None = None
+
+
+@dataclass
+class StageResult:
+    """video / audio: packed final latents (every rank); report: how the stage was split; batch_note: how the
+    guidance passes ran (None: nothing to say); runner: the runner that ran it."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    report: str
+    batch_note: str | None
+    runner: "StageRunner"
+
+
+# ---- the denoising loop of one spec --------------------------------------------------------------------------------
+
+def model_fn(spec: StageSpec, env: StageEnv, forward=None):
+    """The loop's model function for `spec` on `forward` (None: the plain transformer; a
+    `SequenceParallelTransformer` or a `TiledTransformer`)."""
+    transformer = env.components.transformer
+    if spec.semantics == "comfyui":
+        from .comfy_stage import ComfyDenoiser
+
+        return ComfyDenoiser(env.native(), spec, forward)
+    f, h, w = spec.grid
+    video_coords = L.video_coords(transformer, 1, f, h, w, spec.fps, device=env.device)
+    audio_coords = L.audio_coords(transformer, 1, spec.audio_frames, device=env.device)
+    return LTX2Denoiser(transformer, spec.positive, spec.negative, video_coords, audio_coords, env.dtype,
+                        forward=forward or env.forward)
+
+
+def denoise(spec: StageSpec, fn, hooks: StageHooks, group=None, run_passes=None
+            ) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+    """Noise `spec`'s clean latents to `sigmas[0]` and denoise them with `fn` (`model_fn`), by the spec's semantics.
+    `group`: the process group whose ranks take the per-step cancel decision together. Returns (video, audio,
+    how the guidance passes ran). Raises SamplingCancelled, NonFiniteLatentError (naming the stage)."""
+    steps = itertools.count()
+    stage, sigma0 = spec.name, float(spec.sigmas[0])
+    if spec.noise is not None:
+        noise_v, noise_a = spec.noise
+    else:
+        noise_v, noise_a = S.make_av_noise(spec.video_clean.shape, spec.audio_clean.shape, spec.seed)
+    comfy = spec.semantics == "comfyui"
+    if comfy:  # CONST.noise_scaling over every token (the mask acts inside the loop)
+        start_v = S.noise_latent(spec.video_clean, noise_v, sigma0)
+        start_a = S.noise_latent(spec.audio_clean, noise_a, sigma0)
+    else:
+        start_v = S.noise_latent(spec.video_clean, noise_v, sigma0, spec.video_mask)
+        start_a = (spec.audio_clean if spec.audio_frozen else
+                   S.noise_latent(spec.audio_clean, noise_a, sigma0, spec.audio_mask))
+    hooks = hooks or StageHooks()
+    cancel = (lambda: hooks.cancel(stage, next(steps), group)) if hooks.cancel else None
+    try:
+        video, audio = S.denoise_loop(
+            fn, start_v, start_a, spec.sigmas, video_mask=spec.video_mask, video_clean=spec.video_clean,
+            audio_mask=spec.audio_mask, audio_clean=None if spec.audio_mask is None else spec.audio_clean,
+            audio_frozen=spec.audio_frozen, video_guidance=spec.video_guidance, audio_guidance=spec.audio_guidance,
+            progress_callback=(lambda i, n: hooks.progress(stage, i, n)) if hooks.progress else None,
+            cancel_check=cancel, run_passes=run_passes,
+            sampler=spec.sampler.build(spec.grid, spec.audio_frames, spec.audio_frozen),
+            mask_rule="comfyui" if comfy else "reference")
+    except S.NonFiniteLatentError as exc:
+        raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
+    report = getattr(fn, "batch_report", None)
+    note = report() if report is not None else None
+    V.check_finite(video, stage, "video")
+    V.check_finite(audio, stage, "audio")
+    return video, audio, note
+
+
+# ---- runners ---------------------------------------------------------------------------------------------------------
+
+class StageRunner(ABC):
+    """How one stage is split over the ranks. `run` is called on every rank of the fleet, in lockstep, and returns
+    the same final latents on every rank."""
+
+    kind: str = ""
+
+    @abstractmethod
+    def run(self, spec: StageSpec, env: StageEnv, hooks: StageHooks) -> StageResult:
+        ...
+
+
+class OneDeviceRunner(StageRunner):
+    """The whole stage on this rank's device (one process, no plan)."""
+
+    kind = "one device"
+
+    def run(self, spec, env, hooks):
+        video, audio, note = denoise(spec, model_fn(spec, env), hooks)
+        return StageResult(video, audio, "one rank", note, self)
+
+
+class TiledRunner(StageRunner):
+    """Every rank runs the whole loop; each forward is split into tiles over the ranks (`parallel/tiled.py`)."""
+
+    kind = "tiled"
+
+    def __init__(self, tiled):
+        self.tiled = tiled
+
+    def run(self, spec, env, hooks):
+        self.tiled.denoise_audio = not spec.audio_frozen
+        video, audio, note = denoise(spec, model_fn(spec, env, forward=self.tiled), hooks)
+        return StageResult(video, audio, self.tiled.describe(), note, self)
+
+
+class _GroupRunner(StageRunner):
+    """A stage on ranks 0..degree-1 of the plan's `run.group`; the others skip it and receive rank 0's result."""
+
+    def __init__(self, run):
+        self.run_split = run
+
+    def _inputs(self, spec: StageSpec, env: StageEnv):
+        raise NotImplementedError
+
+    def run(self, spec, env, hooks):
+        plan, run = env.plan, self.run_split
+        video = audio = note = failure = None
+        if plan.rank < run.degree:
+            fn, passes = self._inputs(spec, env)
+            try:
+                video, audio, note = denoise(spec, fn, hooks, group=run.group, run_passes=passes)
+            except Exception as exc:  # the ranks outside the group must hear of it, or they wait in the broadcast
+                failure = exc
+        plan.announce(spec.name, failure, run.degree, self.who)  # raises on every rank when the group stopped
+        video, audio = plan.share(video, audio, spec.video_clean.shape, spec.audio_clean.shape, run.degree)
+        return StageResult(video, audio, plan.describe(), note, self)
+
+
+class SequenceParallelRunner(_GroupRunner):
+    """Every transformer forward sequence parallel over the plan's SP group for this size (`parallel/sequence.py`)."""
+
+    kind = "sequence parallel"
+    who = "sequence-parallel ranks"
+
+    def _inputs(self, spec, env):
+        return model_fn(spec, env, forward=self.run_split.forward), None
+
+
+class GuidancePassRunner(_GroupRunner):
+    """The guidance passes of each step spread over ranks 0..g-1 (`parallel/passes.py::PassParallel`), each pass a
+    plain forward on its rank."""
+
+    kind = "guidance passes"
+    who = "guidance-parallel ranks"
+
+    def _inputs(self, spec, env):
+        from .parallel.passes import PassParallel
+
+        plan = env.plan
+        return model_fn(spec, env), PassParallel(self.run_split.group, self.run_split.degree, plan.rank,
+                                                 plan._comm_device())  # noqa: SLF001
+
+
+def choose_runner(spec: StageSpec, env: StageEnv) -> StageRunner:
+    """The plan's choice for `spec` (the same on every rank): tiled when the spec has tiles; one device without a
+    plan; else `ParallelPlan.split` — sequence parallel, or the guidance passes in parallel."""
+    from .parallel.passes import pass_bytes
+
+    plan, transformer = env.plan, env.components.transformer
+    if spec.tiling is not None:
+        from .parallel.tiled import TiledTransformer
+
+        tiled = (plan.tiled(transformer, spec.grid, spec.tiling) if plan is not None
+                 else TiledTransformer(transformer, spec.grid, spec.tiling))
+        return TiledRunner(tiled)
+    if plan is None:
+        return OneDeviceRunner()
+    run = plan.split(spec.name, spec.video_tokens, spec.passes,
+                     pass_bytes(spec.video_clean.shape, spec.audio_clean.shape))
+    return GuidancePassRunner(run) if run.kind == "passes" else SequenceParallelRunner(run)
+
+
+def run_stage(spec: StageSpec, env: StageEnv, hooks: StageHooks | None = None) -> StageResult:
+    """Run `spec` on every rank with the runner the plan chooses."""
+    return choose_runner(spec, env).run(spec, env, hooks or StageHooks())
+
+
+__all__ = ["ComfyGuides", "GuidancePassRunner", "NOISE_LAYOUTS", "OneDeviceRunner", "SAMPLERS", "SEMANTICS",
+           "SamplerSpec", "SequenceParallelRunner", "StageEnv", "StageHooks", "StageResult", "StageRunner",
+           "StageSpec", "TiledRunner", "choose_runner", "denoise", "model_fn", "run_stage", "stage_contexts"]
