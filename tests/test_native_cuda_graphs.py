@@ -20,8 +20,8 @@ import torch
 from mgpu_backend import cuda_graphs as G
 from mgpu_backend import native as N
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.parallel.exchange import Exchange
 from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+from test_cuda_graphs import _CopyExchange  # one simulated W-way exchange on one GPU
 from test_native_forward import golden_requests, load_golden
 
 CUDA = torch.cuda.is_available()
@@ -45,37 +45,6 @@ def _eager(eng, req):
         return _forward(eng, req)
     finally:
         G.set_mode("auto")
-
-
-@torch.library.custom_op("ltx2_mgpu_test::native_copy", mutates_args=())
-def _copy(x: torch.Tensor) -> torch.Tensor:
-    return G.collective(lambda out, inp: out.copy_(inp), x.contiguous(), torch.empty_like(x))
-
-
-@_copy.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-class _CopyExchange(Exchange):
-    """A W-way exchange on one GPU: the collectives' shapes, local copies as the data, graph-segment boundaries."""
-
-    def __init__(self, world_size: int):
-        super().__init__(None, world_size, 0)
-        self.calls = 0
-
-    def _copy(self, x):
-        self.calls += 1
-        return _copy(x)
-
-    def seq_to_heads(self, x):
-        return self._copy(x[:, :, : x.shape[2] // self.world_size].repeat(1, self.world_size, 1, 1))
-
-    def heads_to_seq(self, x):
-        return self._copy(x[:, : x.shape[1] // self.world_size].repeat(1, 1, self.world_size, 1))
-
-    def all_gather_seq(self, x, dim=1):
-        return self._copy(torch.cat([x] * self.world_size, dim=dim))
 
 
 def test_cpu_native_forward_never_touches_graphs(tiny_dir):
