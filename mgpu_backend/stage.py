@@ -35,6 +35,7 @@ from .parallel.tiling import TileCountConfig
 SEMANTICS = ("reference", "comfyui")
 SAMPLERS = ("euler", "euler_ancestral")
 NOISE_LAYOUTS = ("packed", "comfyui")
+NOISE_DEVICES = ("cpu", "cuda")
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
 CancelFn = Callable[[str, int, object], bool]  # (stage, step about to run, process group deciding) -> stop now
@@ -46,8 +47,12 @@ class SamplerSpec:
 
     name: "euler" (the reference's Euler step / ComfyUI `sample_euler`) or "euler_ancestral" (ComfyUI
         `sample_euler_ancestral_RF`, `eta` and `s_noise`).
-    seed: euler_ancestral's per-step noise comes from a CPU generator seeded with `seed + 1`
-        (`k_diffusion.sampling.default_noise_sampler`), the same on every rank.
+    seed: euler_ancestral's per-step noise comes from a generator on `noise_device` seeded as ComfyUI's
+        `k_diffusion.sampling.default_noise_sampler` seeds it: `seed + 1` on the CPU, `seed` on a CUDA device (the
+        same on every rank).
+    noise_device: where ComfyUI's sampler state lives ("cpu", or "cuda" when ComfyUI samples on a GPU — what it does
+        with the MGPU MODEL on a GPU host): CUDA draws another stream than the CPU, so the "comfyui" layout draws on
+        this rank's CUDA device then. The "packed" layout (the CLI) always draws on the CPU.
     noise_layout: how one step's draw is laid out: "packed" (the CLI: one `randn` over the packed video tokens
         `[1, T, 128]` then the audio tokens, no audio draw for a frozen audio stream) or "comfyui" (ComfyUI's: one
         `randn` over the flattened `[1, 128, F, H, W]` video then `[1, 8, T, 16]` audio latent, always both).
@@ -59,6 +64,7 @@ class SamplerSpec:
     eta: float = 1.0
     s_noise: float = 1.0
     noise_layout: str = "packed"
+    noise_device: str = "cpu"
 
     def __post_init__(self):
         if self.name not in SAMPLERS:
@@ -67,6 +73,13 @@ class SamplerSpec:
             raise V.ValidationError(f"eta={self.eta}: must be in [0, 1]")
         if self.noise_layout not in NOISE_LAYOUTS:
             raise V.ValidationError(f"noise_layout={self.noise_layout!r}: choose one of {', '.join(NOISE_LAYOUTS)}")
+        if self.name == "euler_ancestral" and self.noise_layout == "comfyui":
+            if self.noise_device not in NOISE_DEVICES:
+                raise V.ValidationError(f"noise_device={self.noise_device!r}: ComfyUI's euler_ancestral noise can be "
+                                        f"drawn as on {' or '.join(NOISE_DEVICES)} only")
+            if self.noise_device == "cuda" and not torch.cuda.is_available():
+                raise V.ValidationError("noise_device='cuda': ComfyUI samples on a GPU, whose euler_ancestral noise "
+                                        "stream only a CUDA device can draw, and this fleet's rank has none")
 
     def build(self, grid: tuple[int, int, int], audio_frames: int, audio_frozen: bool) -> S.AncestralSampler | None:
         """The loop's step rule: None for euler, else an `AncestralSampler` with its noise stream (a fresh generator
@@ -87,9 +100,14 @@ class SamplerSpec:
             return S.AncestralSampler(noise_fn, eta=float(self.eta), s_noise=float(self.s_noise))
         video_shape, audio_shape = (1, 128, f, h, w), (1, 8, audio_frames, 16)
         nv, na = 128 * f * h * w, 8 * audio_frames * 16
+        if self.noise_device == "cuda":  # default_noise_sampler: a generator on x's device, `seed` unchanged
+            draw_on = torch.device("cuda", torch.cuda.current_device())
+            generator = torch.Generator(device=draw_on).manual_seed(int(self.seed))
+        else:
+            draw_on = torch.device("cpu")
 
         def comfy_noise_fn():
-            n = torch.randn((1, 1, nv + na), generator=generator, dtype=torch.float32)
+            n = torch.randn((1, 1, nv + na), generator=generator, dtype=torch.float32, device=draw_on).cpu()
             return (L.pack_video(n[..., :nv].reshape(video_shape)), L.pack_audio(n[..., nv:].reshape(audio_shape)))
 
         return S.AncestralSampler(comfy_noise_fn, eta=float(self.eta), s_noise=float(self.s_noise))

@@ -27,6 +27,14 @@ def parse_stg_blocks(text: str):
     return blocks
 
 
+def comfy_sampling_device() -> str:
+    """The device type ComfyUI's own sampler would hold the latent on for the MGPU MODEL (its `load_device`:
+    `model_management.get_torch_device()`): euler_ancestral's noise stream depends on it (`SamplerSpec`)."""
+    import comfy.model_management as mm
+
+    return mm.get_torch_device().type
+
+
 def make_noise(noise, latent: dict, video: torch.Tensor, audio: torch.Tensor, nested: bool):
     """Video and audio noise from a native NOISE. For a video-only latent, the noise is asked for an audio+video
     latent (the fleet always generates audio with the video; the audio is dropped from the output)."""
@@ -141,7 +149,7 @@ class SPSamplerMGPU(io.ComfyNode):
                 "noise_video": noise_video, "noise_audio": noise_audio, "sigmas": schedule, "fps": fps,
                 "video_guidance": video_g, "audio_guidance": audio_g, "stg_blocks": parse_stg_blocks(stg_blocks),
                 "mode": "sequence_parallel", "sampler": sampler, "seed": int(getattr(noise, "seed", 0) or 0),
-                "loras": loras_payload(loras),
+                "noise_device": comfy_sampling_device(), "loras": loras_payload(loras),
             }
             result = run_job(fleet, "sample", payload, node_id=cls.hidden.unique_id, what=NAME)
             # the job report: the SP degree this stage ran at and why (the cost model's choice), then the LoRAs

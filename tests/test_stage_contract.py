@@ -74,7 +74,9 @@ def test_bad_specs_are_refused_by_name(overrides, words):
 
 
 @pytest.mark.parametrize("fields,words", [({"name": "dpmpp"}, ["sampler='dpmpp'"]), ({"eta": 1.5}, ["eta=1.5"]),
-                                          ({"noise_layout": "flat"}, ["noise_layout='flat'"])])
+                                          ({"noise_layout": "flat"}, ["noise_layout='flat'"]),
+                                          ({"name": "euler_ancestral", "noise_layout": "comfyui",
+                                            "noise_device": "mps"}, ["noise_device='mps'", "cpu or cuda"])])
 def test_bad_samplers_are_refused_by_name(fields, words):
     with pytest.raises(ValidationError) as info:
         SamplerSpec(**fields)
@@ -94,6 +96,29 @@ def test_ancestral_noise_layouts():
     assert torch.equal(comfy[0], L.pack_video(flat[:768].reshape(1, 128, 2, 1, 3)))
     assert torch.equal(comfy[1], L.pack_audio(flat[768:].reshape(1, 8, t, 16)))
     assert SamplerSpec("euler").build(grid, t, False) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_comfyui_noise_on_cuda_without_a_gpu_is_refused_by_name():
+    """ComfyUI sampling on a GPU draws euler_ancestral's noise from a CUDA generator (seed unchanged), a stream a
+    CPU-only rank cannot reproduce: refused when the spec is built, before any work."""
+    with pytest.raises(ValidationError, match="noise_device='cuda'"):
+        SamplerSpec("euler_ancestral", seed=5, noise_layout="comfyui", noise_device="cuda")
+    SamplerSpec("euler", noise_layout="comfyui", noise_device="cuda")  # euler draws no noise: nothing to refuse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_comfyui_noise_on_cuda_is_comfyuis_cuda_stream():
+    """k_diffusion.sampling.default_noise_sampler on a CUDA latent: `torch.Generator(x.device).manual_seed(seed)`
+    (no + 1) and `randn(x.size(), device=x.device)` over the flat (video, audio) latent."""
+    grid, t = (2, 1, 3), 4
+    got = SamplerSpec("euler_ancestral", seed=5, noise_layout="comfyui", noise_device="cuda").build(grid, t, False)
+    video, audio = got.noise_fn()
+    flat = torch.randn((1, 1, 6 * 128 + t * 128), generator=torch.Generator("cuda").manual_seed(5),
+                       device="cuda").cpu().flatten()
+    assert torch.equal(video, L.pack_video(flat[:768].reshape(1, 128, 2, 1, 3)))
+    assert torch.equal(audio, L.pack_audio(flat[768:].reshape(1, 8, t, 16)))
 
 
 def test_runner_choice_without_a_plan(monkeypatch):

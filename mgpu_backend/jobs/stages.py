@@ -45,14 +45,14 @@ def _fit_guidance(p: dict, variant: str, n_blocks: int) -> tuple[S.GuidanceParam
 
 
 def _sampler(p: dict) -> SamplerSpec:
-    """`sampler` "euler" or "euler_ancestral" (`seed`, `eta`, `s_noise`): per-step noise as ComfyUI draws it on the CPU
-    for an audio+video latent (one `randn` over the concatenated flat (video, audio) latent per step, from a CPU
-    generator seeded with `seed + 1`: `k_diffusion.sampling.default_noise_sampler`)."""
+    """`sampler` "euler" or "euler_ancestral" (`seed`, `eta`, `s_noise`, `noise_device`: where ComfyUI samples, "cpu"
+    or "cuda"): per-step noise as ComfyUI draws it for an audio+video latent (one `randn` over the concatenated flat
+    (video, audio) latent per step, seeded as `k_diffusion.sampling.default_noise_sampler` does: `SamplerSpec`)."""
     name = p.get("sampler", "euler")
     if name not in SAMPLERS:
         raise ValidationError(f"sampler={name!r}: choose one of {', '.join(SAMPLERS)}")
     return SamplerSpec(name, int(p.get("seed", 0)), float(p.get("eta", 1.0)), float(p.get("s_noise", 1.0)),
-                       noise_layout="comfyui")  # the nodes' noise is ComfyUI's, whatever the forward's semantics
+                       noise_layout="comfyui", noise_device=p.get("noise_device", "cpu"))  # the nodes' noise is ComfyUI's, whatever the forward's semantics
 
 
 def _guides(g: dict | None) -> ComfyGuides | None:
