@@ -18,6 +18,7 @@ from mgpu_backend.models.gemma import load_gemma, read_gemma_header
 from mgpu_backend.models.text_projection import TextProjection, load_bundled_projection
 from mgpu_backend.models.tiny_gemma4 import write_tiny_gemma4
 from mgpu_backend.parallel import gemma as G
+from mgpu_backend.protocol import EncodeTextRequest
 from mgpu_backend.validation import ValidationError
 
 torch.set_num_threads(1)
@@ -155,7 +156,7 @@ def _job_on_ranks(rank: int, world: int, path: str, prompts: list[str]) -> dict:
     service = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
                                    plan_tokens=PLAN_TOKENS, mode="batch_parallel")
     ctx = SimpleNamespace(rank=rank, step_boundary=lambda stage, step: False, progress=lambda *a: None)
-    return run_encode_text(SimpleNamespace(text=service), {"prompts": prompts, "frame_rate": 24.0}, ctx)
+    return run_encode_text(SimpleNamespace(text=service), EncodeTextRequest(prompts=prompts, frame_rate=24.0), ctx)
 
 
 def test_encode_text_job_gives_comfyui_s_conditioning_for_2_5(tmp_path):
