@@ -6,8 +6,6 @@ it), in a new session so that it survives the caller. A later client (e.g. after
 """
 from __future__ import annotations
 
-import dataclasses
-
 import os
 import subprocess
 import sys
@@ -204,8 +202,7 @@ class ControllerClient:
         Returns the job's result with shared-memory frames already copied into a tensor (and the block freed).
         Raises FleetBusy at once when another job runs; JobCancelled; ControllerError.
         """
-        if job.kind in P.INLINE_JOBS and not isinstance(job.payload, P.Pickled):
-            job = dataclasses.replace(job, payload=P.Pickled.of(job.payload))  # the controller passes the bytes on
+        job = P.wire_job(job)
         P.send(self._conn, {"op": "submit", "handle": handle, "job": job})
         cancel_sent = False
 

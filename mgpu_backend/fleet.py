@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 
 from .frames import frames_ref, free_frames, remove_orphans
 from .parallel.degrees import top_sp_degree, valid_sp_degrees
-from .protocol import (INLINE_JOBS, JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPlan, FleetPolicy,
-                       JobCancelled, JobDone, JobFailed, JobProgress, JobSpec, JobStopped, RunJob, StopWorker,
+from .protocol import (JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPlan, FleetPolicy, JobCancelled,
+                       JobDone, JobFailed, JobProgress, JobSpec, JobStopped, Pickled, RunJob, StopWorker,
                        WorkerInitError, WorkerMessage, WorkerReady, send_inline)
 from .worker import clean_allocator_env, worker_main
 
@@ -253,7 +253,7 @@ class Fleet:
         self._stage = None
         self._job_stage = JOB_STAGES.get(spec.kind, f"a {spec.kind} job")
         positions: dict[int, tuple[str, int]] = {}
-        if spec.kind in INLINE_JOBS:
+        if isinstance(spec.payload, Pickled):  # a client's small INLINE_JOBS payload: by value to every rank
             send_inline(self.conns, RunJob(spec, policy))
         else:
             for conn in self.conns:

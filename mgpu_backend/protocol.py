@@ -40,7 +40,7 @@ import secrets
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,10 @@ MAX_MESSAGE_BYTES = int(os.environ.get("LTX2_MGPU_MAX_MESSAGE_BYTES", 8 * 1024 *
 # (a few MB at the templates' sizes, its context cached on the fleet) and the diagnostics noop; the stage jobs'
 # payloads (up to GBs) keep the shared-memory path, which copies them once for all ranks.
 INLINE_JOBS = ("forward", "noop")
+# a payload of an INLINE_JOBS job pickled larger than this takes the shared-memory path after all: by value, its bytes
+# go down every rank's pipe in turn (a 25.8 MiB forward request, its context shipped: 138-141 ms by value, 101 ms
+# through shared memory on the H200 machine, bench/results/native_forward_h200.txt)
+INLINE_MAX_BYTES = int(os.environ.get("LTX2_MGPU_INLINE_MAX_BYTES", 8 << 20))
 
 
 def send(conn, obj: Any) -> None:
@@ -637,15 +641,30 @@ class ErrorKind(str, Enum):
         return format(self.value, spec)
 
 
+def wire_job(job: JobSpec) -> JobSpec:
+    """The job as a client sends it: an `INLINE_JOBS` payload pickled once (`Pickled`: the controller passes the bytes
+    on, by value to every rank) when it pickles to at most `INLINE_MAX_BYTES`; anything else unchanged (the
+    controller hands its tensors to the ranks through shared memory)."""
+    if job.kind not in INLINE_JOBS or isinstance(job.payload, Pickled):
+        return job
+    pickled = Pickled.of(job.payload)
+    return replace(job, payload=pickled) if len(pickled.data) <= INLINE_MAX_BYTES else job
+
+
 class ControllerError(RuntimeError):
     """An error reported by the controller or the fleet (message says rank, stage, step where known).
 
-    `kind`: an `ErrorKind` or its string value (converted; ValueError for an unknown one)."""
+    `kind`: an `ErrorKind` or its string value (converted; an unknown one, e.g. from another controller version,
+    becomes `ErrorKind.ERROR` with the original in `details["kind"]`)."""
 
     def __init__(self, message: str, kind: ErrorKind | str = ErrorKind.ERROR, fleet_lost: bool = False,
                  details: dict | None = None):
         super().__init__(message)
-        self.kind = ErrorKind(kind)
+        try:
+            self.kind = ErrorKind(kind)
+        except ValueError:  # a kind from another version of the controller: keep its message, name the kind
+            self.kind = ErrorKind.ERROR
+            details = {**(details or {}), "kind": str(kind)}
         self.fleet_lost = fleet_lost
         self.details = details or {}
 

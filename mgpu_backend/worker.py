@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import (INLINE_JOBS, JOB_STAGES, FleetIdentity, FleetPolicy, JobDone, JobFailed, JobProgress, JobSpec,
+from .protocol import (JOB_STAGES, FleetIdentity, FleetPolicy, JobDone, JobFailed, JobProgress, JobSpec,
                        JobStopped, Pickled, RunJob, StopWorker, WorkerInitError, WorkerReady, send_inline)
 
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -207,7 +207,7 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
             if pickled and rank == 0:
                 result = Pickled.of(result)
             message = JobDone(spec.job_id, rank, result, loader.OPEN_COUNT)
-            if spec.kind in INLINE_JOBS:  # by value (protocol.INLINE_JOBS); rank 0's reply is the only large one
+            if pickled:  # by value, like the payload (protocol.INLINE_JOBS); rank 0's reply is the only large one
                 send_inline((conn,), message)
             else:
                 conn.send(message)

@@ -36,3 +36,17 @@ def test_raw_bytes_path_and_fallbacks():
     grad = torch.randn(3, requires_grad=True)  # not a plain tensor for the raw path: torch's pickling
     assert torch.equal(P.Pickled.of(grad).load(), grad)
     assert P.Pickled.of({"x": [1, "a"]}).load() == {"x": [1, "a"]}
+
+
+def test_only_small_inline_payloads_travel_pickled(monkeypatch):
+    """`wire_job`: a forward / noop payload is pickled once when small; above `INLINE_MAX_BYTES` (and for any other
+    job) it stays as it is, for the controller's shared-memory path."""
+    small = P.JobSpec("noop", P.NoopRequest(carry=torch.zeros(16)))
+    wired = P.wire_job(small)
+    assert isinstance(wired.payload, P.Pickled) and torch.equal(wired.payload.load().carry, torch.zeros(16))
+    assert P.wire_job(wired) is wired
+    monkeypatch.setattr(P, "INLINE_MAX_BYTES", 1024)
+    big = P.JobSpec("noop", P.NoopRequest(carry=torch.zeros(4096)))
+    assert P.wire_job(big) is big
+    stage = P.JobSpec("frames", P.FramesRequest((1, 2, 2, 3)))
+    assert P.wire_job(stage) is stage
