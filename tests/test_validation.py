@@ -269,3 +269,28 @@ def test_in_process_run_refuses_a_size_over_the_token_cap_before_any_work(tiny_d
     with pytest.raises(V.ValidationError, match=r"^1048576 video tokens over 1 ranks is 1048576 tokens per rank, "
                                                 r"above the cap of 65536: use at least 16 GPUs"):
         TwoStagePipeline(components, gemma=None).generate(request)
+
+
+def test_a_transformer_only_file_without_its_vae_says_which_file_to_give(tiny_dir, tmp_path):
+    """`generate --checkpoint <a diffusion_models/ transformer>` without --video-vae said only "no video VAE weights
+    (looked for vae.per_channel_statistics.mean-of-means)"; it now says the file holds a transformer only and names
+    the option."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mgpu_backend.models.loader import CheckpointError, load_audio_vae_and_vocoder, load_video_vae
+
+    prefix = "model.diffusion_model."
+    with safe_open(str(tiny_dir["2.0"]["checkpoint"]), "pt") as f:
+        state = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    path = tmp_path / "transformer-only.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError, match=r"no video VAE weights \(looked for .*\); it holds a transformer only: "
+                                              r"give the video VAE file of its own \(generate's --video-vae"):
+        load_video_vae(SafetensorsFile(path), torch.float32)
+    with pytest.raises(CheckpointError, match=r"give the audio VAE file of its own \(generate's --audio-vae"):
+        load_audio_vae_and_vocoder(SafetensorsFile(path), torch.float32)
+    # a file that is no transformer gets no such hint
+    with pytest.raises(CheckpointError) as err:
+        load_video_vae(SafetensorsFile(tiny_dir["2.0"]["gemma"]), torch.float32)
+    assert "transformer only" not in str(err.value)
