@@ -29,8 +29,6 @@ from .lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from .models.diffusion_decoder import denormalize
 from .models.loader import LTX2Components
 from .parallel.decode import decode_tiles, decode_untiled, is_diffusion_decoder
-from .parallel.plan import DEFAULT_TOKEN_CAP
-from .parallel.sequence import check_token_cap
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
 from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
 from .protocol import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
@@ -338,6 +336,9 @@ class TwoStagePipeline:
         if plan is not None:
             plan.check(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
         else:  # in process: the cap a one-rank fleet applies, so a huge size is refused here too, not by the allocator
+            from .parallel.plan import DEFAULT_TOKEN_CAP
+            from .parallel.sequence import check_token_cap
+
             try:
                 check_token_cap(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1, 1, DEFAULT_TOKEN_CAP)
             except ValueError as exc:
