@@ -57,7 +57,7 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--height", type=int, default=128 if demo else 512, help="pixels, multiple of 64")
     p.add_argument("--frames", type=int, default=25 if demo else 121, help="8k+1")
     p.add_argument("--fps", type=float, default=24.0, help="frames per second")
-    p.add_argument("--steps", type=int, default=8 if demo else None, help="stage-1 steps (default: model's)")
+    p.add_argument("--steps", type=int, default=8 if demo else None, help="stage-1 steps" + ("" if demo else " (default: the model family's)"))
     p.add_argument("--seed", type=int, default=0, help="noise seed (≥ 0, as ComfyUI's)")
     p.add_argument("--pipeline", choices=("two-stage", "distilled"), default=None,
                    help="two-stage: guided stage 1 + distilled-LoRA stage 2; distilled: a distilled checkpoint, "
@@ -76,7 +76,7 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--image", help="first-frame image for image-to-video: scaled to cover --width × --height "
                                    "and center-cropped (the reference's resize_and_center_crop)")
     p.add_argument("--image-strength", type=float, default=1.0, help="0..1")
-    p.add_argument("--device", default="cpu" if demo else None, help="cpu, cuda, cuda:1 … (default: cuda if any)")
+    p.add_argument("--device", default="cpu" if demo else None, help="in-process device: cpu, cuda, cuda:1 …" + ("" if demo else " (default: cuda if any)"))
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--output", default="ltx2-demo.mp4" if demo else "clip.mp4", help="mp4 to write")

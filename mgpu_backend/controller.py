@@ -370,8 +370,18 @@ class Controller:
             spec.fault = None
         _send_quiet(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
                            "worker_pids": list(fleet.pids)})
+        gone: list[bool] = []
+
+        def forward_event(event: dict) -> None:
+            # a client that went away (killed, its terminal closed) reads nothing more: its job is cancelled at the
+            # next step instead of holding the fleet, every other client told "busy", until it ends for nobody
+            if not _send_quiet(conn, event) and not gone:
+                gone.append(True)
+                log.info("job %s: its client %s went away: cancelling the job", spec.job_id, client)
+                fleet.cancel()
+
         try:
-            result = fleet.run(spec, on_event=lambda event: _send_quiet(conn, event), policy=handle.config.policy)
+            result = fleet.run(spec, on_event=forward_event, policy=handle.config.policy)
             return {"event": "result", "job_id": spec.job_id, "result": result}
         except P.ControllerError as exc:
             message = str(exc)
@@ -473,7 +483,7 @@ def _error(spec: P.JobSpec, message: str, kind: P.ErrorKind, fleet_lost: bool = 
 
 
 def _send_quiet(conn, event: dict) -> bool:
-    """Send; a client that went away is not an error here (progress is dropped, the job goes on). False if gone."""
+    """Send; a client that went away is not an error here (False: gone; a running job's caller cancels it)."""
     try:
         P.send(conn, event)
         return True

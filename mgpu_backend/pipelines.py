@@ -298,6 +298,14 @@ class TwoStagePipeline:
         plan = self.plan
         if plan is not None:
             plan.check(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
+        else:  # in process: the cap a one-rank fleet applies, so a huge size is refused here too, not by the allocator
+            from .parallel.plan import DEFAULT_TOKEN_CAP
+            from .parallel.sequence import check_token_cap
+
+            try:
+                check_token_cap(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1, 1, DEFAULT_TOKEN_CAP)
+            except ValueError as exc:
+                raise V.ValidationError(str(exc)) from None
         ranks = plan.world_size if plan is not None else 1
         grid2 = (frames_lat, h2, w2)
         stage2_tiling = None if distilled else self.resolve_tiling(request.tiles, ranks, grid2, request.tile_overlap,

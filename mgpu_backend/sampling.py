@@ -59,9 +59,10 @@ def as_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(s).all():
         raise ValueError("sigma schedule contains non-finite values")
     if float(s[-1]) != 0.0:
-        raise ValueError(f"sigma schedule must end in 0; ends in {float(s[-1])}")
+        raise ValueError(f"sigma schedule must end in 0; ends in {float(s[-1]):.6g}")
     if (s[1:] > s[:-1]).any() or float(s[0]) > 1.0 or float(s.min()) < 0.0:
-        raise ValueError(f"sigma schedule must be non-increasing within [0, 1]; got {s.tolist()}")
+        raise ValueError(f"sigma schedule must be non-increasing within [0, 1]; got "
+                         f"[{', '.join(f'{v:.6g}' for v in s.tolist())}]")
     return s
 
 

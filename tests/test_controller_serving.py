@@ -481,3 +481,28 @@ def test_a_failed_write_is_not_hidden_by_its_clean_up(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "unlink", refuse_unlink)
     with pytest.raises(OSError, match="No space left on device"):
         media.write_mp4(tmp_path / "clip.mp4", torch.zeros(9, 64, 64, 3), 24.0)
+
+
+def test_a_job_whose_client_went_away_is_cancelled_not_run_for_nobody(ctl, handle, runtime):
+    """A client killed mid-job (SIGKILL, a closed terminal) used to leave its job running to the end — every other
+    client told "busy" meanwhile (a fresh-user run: `demo --world-size 2 --steps 3000`, client killed at step 16,
+    the fleet busy for the remaining 7 minutes). The first progress event that cannot be delivered cancels it."""
+    conn = _raw(runtime)
+    job = JobSpec("noop", NoopRequest(steps=600, sleep_s=0.1))  # 60 s if run to the end
+    P.send(conn, {"op": "submit", "handle": handle, "job": job})
+    assert P.loads(conn.recv_bytes())["event"] == "accepted"
+    assert P.loads(conn.recv_bytes())["event"] == "progress"
+    conn.close()  # the client is gone
+    other = ControllerClient(runtime, start=False)
+    try:
+        while True:  # the guard's deadline bounds this wait
+            try:
+                assert torch.equal(other.run(handle, noop())["tensor"], torch.arange(4, dtype=torch.float32))
+                break
+            except FleetBusy:
+                time.sleep(0.2)
+    finally:
+        other.close()
+    log = (runtime / "controller.log").read_text()
+    assert f"job {job.job_id}: its client" in log and "went away: cancelling the job" in log
+    assert re.search(rf"job {job.job_id} noop from .*: [0-9.]+ s, cancelled", log), log

@@ -229,3 +229,68 @@ def test_ctrl_c_says_what_was_interrupted(monkeypatch, capsys, fleet_args, messa
     argv = ["generate", "--checkpoint", "c", "--gemma", "g", "--upscaler", "u", "--prompt", "p", *fleet_args]
     assert cli.main(argv) == 130
     assert capsys.readouterr().err == message
+
+
+# ------------------------------------------------------------------------------------- fresh-user findings (h27)
+
+def test_sigma_messages_print_the_values_given_not_float32_noise():
+    """`--stage2-sigmas 0.5,0.3` said "ends in 0.30000001192092896" (the float32 value's repr)."""
+    from mgpu_backend import sampling as S
+
+    with pytest.raises(ValueError, match=r"must end in 0; ends in 0\.3$"):
+        S.as_sigmas([0.5, 0.3])
+    with pytest.raises(ValueError, match=r"non-increasing within \[0, 1\]; got \[0\.3, 0\.7, 0\]$"):
+        S.as_sigmas([0.3, 0.7, 0.0])
+
+
+def test_plan_report_gives_the_real_reason_for_a_sub_group():
+    """An SP group smaller than the fleet because the user asked for it (`--sp-degree 1` on 2 ranks of 8 heads) was
+    reported as "the SP degree must divide the attention heads; 2 does not" — 2 divides 8."""
+    from mgpu_backend.parallel.plan import ParallelPlan
+
+    cpu = torch.device("cpu")
+    asked = ParallelPlan(0, 2, cpu, 1, None, None, heads=8, requested_sp_degree=1)
+    assert asked.describe() == ("sequence parallel on ranks 0-0 of 2 (sp_degree 1 requested); the other ranks wait "
+                                "for its result")
+    heads = ParallelPlan(0, 3, cpu, 2, None, None, heads=8)
+    assert heads.describe() == ("sequence parallel on ranks 0-1 of 3 (the SP degree must divide the 8 attention "
+                                "heads; 3 does not); the other ranks wait for its result")
+
+
+def test_in_process_run_refuses_a_size_over_the_token_cap_before_any_work(tiny_dir):
+    """In process, a huge size ran into the allocator (an OOM traceback mid-stage); a one-rank fleet refused it by
+    its token cap. Now both refuse it the same way, before text encoding (no Gemma needed to reach the check)."""
+    from mgpu_backend.models.loader import load_components
+    from mgpu_backend.pipelines import TwoStagePipeline
+
+    components = load_components(tiny_dir["2.0"]["checkpoint"], upsampler=tiny_dir["2.0"]["upsampler"],
+                                 dtype=torch.float32)
+    request = GenerateRequest(prompt="p", width=16384, height=16384, frames=121)
+    with pytest.raises(V.ValidationError, match=r"^1048576 video tokens over 1 ranks is 1048576 tokens per rank, "
+                                                r"above the cap of 65536: use at least 16 GPUs"):
+        TwoStagePipeline(components, gemma=None).generate(request)
+
+
+def test_a_transformer_only_file_without_its_vae_says_which_file_to_give(tiny_dir, tmp_path):
+    """`generate --checkpoint <a diffusion_models/ transformer>` without --video-vae said only "no video VAE weights
+    (looked for vae.per_channel_statistics.mean-of-means)"; it now says the file holds a transformer only and names
+    the option."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mgpu_backend.models.loader import CheckpointError, load_audio_vae_and_vocoder, load_video_vae
+
+    prefix = "model.diffusion_model."
+    with safe_open(str(tiny_dir["2.0"]["checkpoint"]), "pt") as f:
+        state = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    path = tmp_path / "transformer-only.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError, match=r"no video VAE weights \(looked for .*\); it holds a transformer only: "
+                                              r"give the video VAE file of its own \(generate's --video-vae"):
+        load_video_vae(SafetensorsFile(path), torch.float32)
+    with pytest.raises(CheckpointError, match=r"give the audio VAE file of its own \(generate's --audio-vae"):
+        load_audio_vae_and_vocoder(SafetensorsFile(path), torch.float32)
+    # a file that is no transformer gets no such hint
+    with pytest.raises(CheckpointError) as err:
+        load_video_vae(SafetensorsFile(tiny_dir["2.0"]["gemma"]), torch.float32)
+    assert "transformer only" not in str(err.value)

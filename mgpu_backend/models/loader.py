@@ -265,7 +265,12 @@ def _component_prefix(file: SafetensorsFile, prefix: str, marker_keys: tuple[str
     for candidate in (prefix, ""):
         if any(candidate + m in file.keys for m in marker_keys):
             return candidate
-    raise CheckpointError(f"{file.path}: no {what} weights (looked for {prefix}{marker_keys[0]})")
+    hint = ""
+    if any(p + _LTX_MARKER in file.keys for p in (keymaps.TRANSFORMER_PREFIX, "")):  # a transformer-only file
+        flag = {"video VAE": "--video-vae", "audio VAE": "--audio-vae"}.get(what, "--text-projection")
+        hint = (f"; it holds a transformer only: give the {what} file of its own (generate's {flag}, or --models "
+                f"FOLDER)")
+    raise CheckpointError(f"{file.path}: no {what} weights (looked for {prefix}{marker_keys[0]}){hint}")
 
 
 def _section(file: SafetensorsFile, name: str) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class ParallelPlan:
     all_pass_groups: dict[int, dist.ProcessGroup | None] | None = None
     heads: int | None = None  # the transformer's attention heads (the SP degree must divide them)
     model_shape: ModelShape | None = None  # the transformer's shape (`shape` is set from it when a policy needs it)
+    requested_sp_degree: int | None = None  # the policy's explicit `sp_degree` (None: the largest the heads allow)
 
     def set_policy(self, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
                    guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> None:
@@ -115,7 +116,7 @@ class ParallelPlan:
             if stage.forward is not None:
                 stage.forward.token_cap = token_cap
         self.shape = self.model_shape if cost_model is not None or self.pass_groups else None
-        self.guidance_parallel = guidance_parallel
+        self.guidance_parallel, self.requested_sp_degree = guidance_parallel, sp_degree
         self.last_degree = self.last_reason = self.last_split = None
 
     def stage(self, tokens: int) -> SPStage:
@@ -233,8 +234,10 @@ class ParallelPlan:
             return f"sequence parallel on {self.last_degree} of {self.world_size} ranks{reason}"
         if self.sp_degree == self.world_size:
             return f"sequence parallel over all {self.world_size} ranks{reason}"
-        return (f"sequence parallel on ranks 0-{self.sp_degree - 1} of {self.world_size} (the SP degree must divide "
-                f"the attention heads; {self.world_size} does not); the other ranks wait for its result{reason}")
+        why = (f"sp_degree {self.sp_degree} requested" if self.requested_sp_degree is not None else
+               f"the SP degree must divide the {self.heads or '?'} attention heads; {self.world_size} does not")
+        return (f"sequence parallel on ranks 0-{self.sp_degree - 1} of {self.world_size} ({why}); the other ranks "
+                f"wait for its result{reason}")
 
 
 def build_plan(transformer, rank: int, world_size: int, device: torch.device,
