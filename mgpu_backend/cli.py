@@ -324,8 +324,6 @@ def _request_and_files(args, paths):
 
 def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     """Run the job on the background controller's fleet (started on demand, reused by later calls)."""
-    import torch
-
     from .client import ControllerClient, parse_devices
     from .controller import check_config
     from .protocol import FleetConfig, JobSpec

@@ -26,7 +26,7 @@ timesteps in *sigma units* and the adapter multiplies.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 import torch

@@ -36,9 +36,9 @@ from mgpu_backend.models.loader import load_components
 from mgpu_backend.models.tiny import make_tiny
 from mgpu_backend.parallel.exchange import Exchange
 from mgpu_backend.parallel.plan import ParallelPlan, build_plan
+from mgpu_backend.parallel.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
 from mgpu_backend.parallel.sequence import (
-    GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention, _ForwardState, check_sp_degree,
-    check_token_cap, largest_sp_degree, valid_sp_degrees,
+    GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention, _ForwardState, check_token_cap,
 )
 from mgpu_backend.parallel.tiling import default_tiling
 from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from . import configs, keymaps, quant
-from .families import ModelFamily, detect_family, get_family
+from .families import ModelFamily, detect_family
 from .fp8 import FP8_DTYPES, INPUT_SCALE_SUFFIX, SCALE_SUFFIX, swap_in_fp8_linears
 
 # a key every LTX-2 audio+video transformer has (ComfyUI's detection uses the same two)

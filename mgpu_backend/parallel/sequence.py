@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import LTX2AttnProcessor, use_processor
-from .degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees  # noqa: F401 (re-exported)
+from .degrees import check_sp_degree
 from .exchange import Exchange
 
 NEG_INF = float("-inf")

@@ -10,7 +10,7 @@ to one (three tiles overlapping when 2·o exceeds a tile) they are normalized by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
