@@ -90,6 +90,24 @@ def ltx2_sigmas(
     return sigmas.to(torch.float32)
 
 
+def as_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Validate a custom schedule (e.g. ComfyUI SIGMAS): 1-D float32, finite, non-increasing, ends in 0.
+
+    Raises:
+        ValueError: naming the problem.
+    """
+    s = torch.as_tensor(values, dtype=torch.float32).flatten().cpu()
+    if s.numel() < 2:
+        raise ValueError(f"a sigma schedule needs at least 2 values (one step); got {s.numel()}")
+    if not torch.isfinite(s).all():
+        raise ValueError("sigma schedule contains non-finite values")
+    if float(s[-1]) != 0.0:
+        raise ValueError(f"sigma schedule must end in 0; ends in {float(s[-1])}")
+    if (s[1:] > s[:-1]).any() or float(s[0]) > 1.0 or float(s.min()) < 0.0:
+        raise ValueError(f"sigma schedule must be non-increasing within [0, 1]; got {s.tolist()}")
+    return s
+
+
 def schedule_tokens(latent_shape: Sequence[int]) -> int:
     """Token count the scheduler uses for a latent shape ``[B, C, F, H, W]``: ``F * H * W`` (``prod(shape[2:])``)."""
     return int(math.prod(latent_shape[2:]))
