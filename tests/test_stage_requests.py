@@ -18,7 +18,7 @@ import torch
 
 from mgpu_backend import protocol as P
 from mgpu_backend.forward import GuideAttentionEntry
-from mgpu_backend.stage_params import GuidanceParams, TileCountConfig
+from mgpu_backend.stage_params import TileCountConfig
 from mgpu_backend.validation import ValidationError
 
 REPO = Path(__file__).resolve().parent.parent
