@@ -50,7 +50,7 @@ from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.frames import SHM_DIR  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
 from mgpu_backend.protocol import (ControllerError, FleetBusy, FleetConfig, FramesRequest, JobCancelled, JobSpec,  # noqa: E402
-                                   NoopRequest)
+                                   NoopRequest, SampleRequest)
 
 SP_VIDEO, AUDIO = (1, 128, 2, 2, 3), (1, 8, 5, 16)
 
@@ -98,12 +98,12 @@ def alive(pid: int) -> bool:
         return False
 
 
-def sample_payload(rng: random.Random) -> dict:
+def sample_payload(rng: random.Random) -> SampleRequest:
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    return {"positive": torch.randn(1, 7, 64, generator=g), "negative": None,
-            "video": torch.randn(SP_VIDEO, generator=g), "audio": torch.randn(AUDIO, generator=g),
-            "noise_video": torch.randn(SP_VIDEO, generator=g), "noise_audio": torch.randn(AUDIO, generator=g),
-            "fps": 24.0, "mode": "sequence_parallel", "sigmas": torch.tensor([1.0, 0.7, 0.4, 0.0])}
+    return SampleRequest(positive=torch.randn(1, 7, 64, generator=g), negative=None,
+                         video=torch.randn(SP_VIDEO, generator=g), audio=torch.randn(AUDIO, generator=g),
+                         noise_video=torch.randn(SP_VIDEO, generator=g), noise_audio=torch.randn(AUDIO, generator=g),
+                         fps=24.0, mode="sequence_parallel", sigmas=torch.tensor([1.0, 0.7, 0.4, 0.0]))
 
 
 class Soak:

@@ -1,9 +1,9 @@
 """The transformer forward replayed from CUDA graphs: a forward without host overhead (issue 16).
 
-Why: a small forward is bound by the host, not the GPU. Eager, one 48-block LTX-2 forward launches ~5,000 kernels
-from Python, and a rank's forward never drops below ~175 ms on an H200 however few tokens it holds (DESIGN.md §9):
-at the stage-1 sizes of the distilled CFG-1 recipes (3,520 video tokens) that is the whole forward. Captured once
-into CUDA graphs and replayed, the launches cost microseconds.
+Why: a small forward is bound by the host, not the GPU. Eager, one 48-block LTX-2 forward launches thousands of
+kernels from Python, which sets a floor under a rank's forward however few tokens it holds (DESIGN.md §9; the
+figures: bench/results/docstring_figures.md, bench/results/native_graphs_h200.txt). Captured once into CUDA graphs
+and replayed, the launches cost microseconds.
 
 How (`call`): the first forward at a key runs eagerly (warm-up: compilation, autotuning, cuBLAS handles, Triton
 kernels); the second captures it and replays the capture; later ones only copy their tensor arguments into the
@@ -21,8 +21,7 @@ Collectives (sequence parallel): the exchanges (`parallel/exchange.py`) call `co
 ends the current graph segment, runs the collective eagerly between segments (its input and output buffers are
 recorded, stable addresses) and starts the next segment; a replay then is segment, collective, segment, … (the
 piecewise scheme of serving engines). Every rank captures and replays the same sequence, so the collectives stay
-matched. NCCL collectives captured inside one graph would remove the remaining launches, a further step once it is
-measured on several GPUs.
+matched. NCCL collectives captured inside one graph would remove the remaining launches (not done).
 
 Falls back to eager, with the reason kept for the job report (`report`), wherever a capture fails (a host
 synchronisation or a CPU tensor inside the forward, an unsupported kernel); CPU forwards never touch this module's

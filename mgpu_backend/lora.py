@@ -42,12 +42,12 @@ from torch import nn
 
 from .models import keymaps
 from .models.fp8 import FP8Linear
+from .stage_params import LORA_PAIR_SUFFIXES, lora_pair_keys, open_lora
 from .validation import ValidationError
 
 _PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.")
 # (A suffix, B suffix): PEFT / LTX / ComfyUI spelling, kohya spelling
-_PAIR_SUFFIXES = ((".lora_A.weight", ".lora_B.weight"), (".lora_down.weight", ".lora_up.weight"))
-_OTHER_SUFFIXES = tuple(s for pair in _PAIR_SUFFIXES for s in pair) + (".alpha",)
+_OTHER_SUFFIXES = tuple(s for pair in LORA_PAIR_SUFFIXES for s in pair) + (".alpha",)
 
 
 class LoRAError(ValidationError):
@@ -173,38 +173,26 @@ def read_lora(path: str | Path, strength: float = 1.0) -> LoRAFile:
     pairs, a pair lacks its B half, or the strength is not a finite number.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"LoRA file not found: {path}")
-    if not math.isfinite(float(strength)):
-        raise LoRAError(f"{path}: strength {strength!r} must be a finite number")
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as exc:  # noqa: BLE001 - safetensors' own error types
-        raise LoRAError(f"{path}: not a readable safetensors file ({exc})") from None
+        handle = open_lora(path, strength)
+    except ValueError as exc:
+        raise LoRAError(str(exc)) from None
     with handle as f:
         keys = list(f.keys())
+        try:
+            pairs = lora_pair_keys(path, keys)
+        except ValueError as exc:
+            raise LoRAError(str(exc)) from None
         key_set = set(keys)
-        index, unmatched = {}, []
-        for key in keys:
-            for a_suffix, b_suffix in _PAIR_SUFFIXES:
-                if key.endswith(a_suffix):
-                    base = key[: -len(a_suffix)]
-                    b_key = base + b_suffix
-                    if b_key not in key_set:
-                        raise LoRAError(f"{path}: {key} has no matching {b_key}")
-                    a_shape = tuple(f.get_slice(key).get_shape())
-                    b_shape = tuple(f.get_slice(b_key).get_shape())
-                    if len(a_shape) != 2 or len(b_shape) != 2:
-                        raise LoRAError(f"{path}: {key} / {b_key} are not matrices ({a_shape}, {b_shape})")
-                    alpha = float(f.get_tensor(base + ".alpha")) if base + ".alpha" in key_set else float(a_shape[0])
-                    index[_module_name(base)] = LoRAPair(key, b_key, a_shape, b_shape, alpha)
-                    break
-            else:
-                if not key.endswith(_OTHER_SUFFIXES):
-                    unmatched.append(key)
-    if not index:
-        raise LoRAError(f"{path}: no LoRA pairs found (expected keys like "
-                        f"'diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight')")
+        index = {}
+        for base, key, b_key in pairs:
+            a_shape = tuple(f.get_slice(key).get_shape())
+            b_shape = tuple(f.get_slice(b_key).get_shape())
+            if len(a_shape) != 2 or len(b_shape) != 2:
+                raise LoRAError(f"{path}: {key} / {b_key} are not matrices ({a_shape}, {b_shape})")
+            alpha = float(f.get_tensor(base + ".alpha")) if base + ".alpha" in key_set else float(a_shape[0])
+            index[_module_name(base)] = LoRAPair(key, b_key, a_shape, b_shape, alpha)
+    unmatched = [key for key in keys if not key.endswith(_OTHER_SUFFIXES)]
     st = path.stat()
     return LoRAFile(path, float(strength), index, unmatched, (str(path.resolve()), st.st_size, st.st_mtime_ns))
 

@@ -32,7 +32,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from .stage_params import (BASE_SHIFT_ANCHOR, DISTILLED_SIGMAS, DISTILLED_STAGE2_SIGMAS, MAX_SHIFT_ANCHOR,
-                           TDP_STAGE2_SIGMAS, GuidanceParams, ltx2_sigmas, schedule_tokens)
+                           TDP_STAGE2_SIGMAS, GuidanceParams, as_sigmas, ltx2_sigmas, schedule_tokens)
 from .validation import ValidationError
 
 TIMESTEP_SCALE = 1000.0
@@ -40,30 +40,6 @@ TIMESTEP_SCALE = 1000.0
 
 PassKind = Literal["cond", "uncond", "perturbed", "isolated"]
 PASS_KINDS: tuple[PassKind, ...] = ("cond", "uncond", "perturbed", "isolated")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Schedules
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def as_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
-    """Validate a custom schedule (e.g. ComfyUI SIGMAS): 1-D float32, finite, non-increasing, ends in 0.
-
-    Raises:
-        ValueError: naming the problem.
-    """
-    s = torch.as_tensor(values, dtype=torch.float32).flatten().cpu()
-    if s.numel() < 2:
-        raise ValueError(f"a sigma schedule needs at least 2 values (one step); got {s.numel()}")
-    if not torch.isfinite(s).all():
-        raise ValueError("sigma schedule contains non-finite values")
-    if float(s[-1]) != 0.0:
-        raise ValueError(f"sigma schedule must end in 0; ends in {float(s[-1]):.6g}")
-    if (s[1:] > s[:-1]).any() or float(s[0]) > 1.0 or float(s.min()) < 0.0:
-        raise ValueError(f"sigma schedule must be non-increasing within [0, 1]; got "
-                         f"[{', '.join(f'{v:.6g}' for v in s.tolist())}]")
-    return s
 
 
 # ---------------------------------------------------------------------------------------------------------------------

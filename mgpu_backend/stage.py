@@ -31,11 +31,11 @@ from . import sampling as S
 from . import validation as V
 from .denoiser import LTX2Denoiser, TextContext, text_contexts
 from .parallel.tiling import TileCountConfig
+from .protocol import STAGE_SAMPLERS, STAGE_SEMANTICS, ComfyGuides  # noqa: F401 - ComfyGuides: the request's
 
-SEMANTICS = ("reference", "comfyui")
-SAMPLERS = ("euler", "euler_ancestral")
+SEMANTICS = STAGE_SEMANTICS  # ("reference", "comfyui"): the sample request's semantics (protocol.py)
+SAMPLERS = STAGE_SAMPLERS  # ("euler", "euler_ancestral")
 NOISE_LAYOUTS = ("packed", "comfyui")
-NOISE_DEVICES = ("cpu", "cuda")
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
 CancelFn = Callable[[str, int, object], bool]  # (stage, step about to run, process group deciding) -> stop now
@@ -111,24 +111,6 @@ class SamplerSpec:
             return (L.pack_video(n[..., :nv].reshape(video_shape)), L.pack_audio(n[..., nv:].reshape(audio_shape)))
 
         return S.AncestralSampler(comfy_noise_fn, eta=float(self.eta), s_noise=float(self.s_noise))
-
-
-@dataclass(frozen=True)
-class ComfyGuides:
-    """What ComfyUI's LTX-AV forward receives besides the latents for guides and reference audio (semantics
-    "comfyui" only), carried into every forward's `forward.ForwardRequest` unchanged: `keyframe_idxs`
-    `[1, 3, N, 2]` (LTXVAddGuide), `guide_attention_entries`, the raw video `denoise_mask` `[1, 1, F, H|1, W|1]`
-    (its −1 cells drop tokens), `ref_audio_tokens` `[1, R, 128]` (LTXVReferenceAudio). See `forward.py`."""
-
-    keyframe_idxs: torch.Tensor | None = None
-    guide_attention_entries: tuple = ()
-    denoise_mask: torch.Tensor | None = None
-    ref_audio_tokens: torch.Tensor | None = None
-
-    @property
-    def empty(self) -> bool:
-        return (self.keyframe_idxs is None and not self.guide_attention_entries and self.denoise_mask is None
-                and self.ref_audio_tokens is None)
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -88,6 +89,25 @@ def ltx2_sigmas(
         if float(scale) != 0.0:  # the reference divides by 0 here (NaN schedule) when steps=1 and sigma[0] == 1
             sigmas[nz] = 1.0 - one_minus_z / scale
     return sigmas.to(torch.float32)
+
+
+def as_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Validate a custom schedule (e.g. ComfyUI SIGMAS): 1-D float32, finite, non-increasing, ends in 0.
+
+    Raises:
+        ValueError: naming the problem.
+    """
+    s = torch.as_tensor(values, dtype=torch.float32).flatten().cpu()
+    if s.numel() < 2:
+        raise ValueError(f"a sigma schedule needs at least 2 values (one step); got {s.numel()}")
+    if not torch.isfinite(s).all():
+        raise ValueError("sigma schedule contains non-finite values")
+    if float(s[-1]) != 0.0:
+        raise ValueError(f"sigma schedule must end in 0; ends in {float(s[-1]):.6g}")
+    if (s[1:] > s[:-1]).any() or float(s[0]) > 1.0 or float(s.min()) < 0.0:
+        raise ValueError(f"sigma schedule must be non-increasing within [0, 1]; got "
+                         f"[{', '.join(f'{v:.6g}' for v in s.tolist())}]")
+    return s
 
 
 def schedule_tokens(latent_shape: Sequence[int]) -> int:
@@ -184,3 +204,56 @@ class TileCountConfig:
     def spatial(cls, h_tiles: int, w_tiles: int, overlap: int = 5) -> "TileCountConfig":
         return cls(height=DimensionTilingConfig(h_tiles, overlap if h_tiles > 1 else 0),
                    width=DimensionTilingConfig(w_tiles, overlap if w_tiles > 1 else 0))
+
+
+# ---- LoRA files (a stage request's `loras`): the form of a file, checked from its header -----------------------------
+
+LORA_PAIR_SUFFIXES = ((".lora_A.weight", ".lora_B.weight"), (".lora_down.weight", ".lora_up.weight"))
+"""(A, B) key suffixes of one low-rank pair: the LTX / ComfyUI (PEFT) spelling and kohya's (`lora.py`)."""
+
+
+def open_lora(path: str | Path, strength: float = 1.0):
+    """Open a LoRA file for reading: a `safetensors.safe_open` handle (the header is read; tensors only when asked
+    for). Raises FileNotFoundError for a missing file, ValueError naming the file for a strength that is not a finite
+    number or a file that is not readable safetensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"LoRA file not found: {path}")
+    if not math.isfinite(float(strength)):
+        raise ValueError(f"{path}: strength {strength!r} must be a finite number")
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error types
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def lora_pair_keys(path: str | Path, keys: Sequence[str]) -> list[tuple[str, str, str]]:
+    """`(base, A key, B key)` of every low-rank pair among a LoRA file's tensor names, in the file's order (`base`:
+    the key without the pair suffix, e.g. `diffusion_model.transformer_blocks.0.attn1.to_q`). Raises ValueError
+    naming the file when an A key has no B key, or when there is no pair at all."""
+    key_set = set(keys)
+    pairs = []
+    for key in keys:
+        for a_suffix, b_suffix in LORA_PAIR_SUFFIXES:
+            if key.endswith(a_suffix):
+                base = key[: -len(a_suffix)]
+                b_key = base + b_suffix
+                if b_key not in key_set:
+                    raise ValueError(f"{path}: {key} has no matching {b_key}")
+                pairs.append((base, key, b_key))
+                break
+    if not pairs:
+        raise ValueError(f"{path}: no LoRA pairs found (expected keys like "
+                         f"'diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight')")
+    return pairs
+
+
+def check_lora_file(path: str | Path, strength: float = 1.0) -> int:
+    """The number of low-rank pairs in a LoRA file, from its header alone (what LoRA (MGPU) checks in ComfyUI's
+    process; whether they fit the model is checked on the fleet, `lora.LoRAFuser.check`). Raises FileNotFoundError
+    and ValueError as `open_lora` and `lora_pair_keys` do."""
+    with open_lora(path, strength) as f:
+        return len(lora_pair_keys(path, list(f.keys())))
+

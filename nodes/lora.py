@@ -55,14 +55,14 @@ class LoRAMGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, lora_name, strength, loras=None) -> io.NodeOutput:
-        from ..mgpu_backend.lora import read_lora
+        from ..mgpu_backend.stage_params import check_lora_file
 
         with guard(NAME):
             chain = list(loras_payload(loras))
             if float(strength) != 0.0:
                 try:
                     path = folder_paths.get_full_path_or_raise("loras", lora_name)
-                    read_lora(path, float(strength))  # it holds LoRA pairs (header only; the fleet checks the fit)
+                    check_lora_file(path, float(strength))  # holds LoRA pairs (header only; the fleet checks fit)
                 except FileNotFoundError as exc:
                     raise NodeError(f"{NAME}: {exc}") from None
                 chain.append((path, float(strength)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io, ui
 
+from ..mgpu_backend import protocol as P
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
 from .lora import loras_input, loras_payload
 from .native_types import (GUIDE_CONDITIONING_KEYS, audio_frames_for, comfy_nested, frame_rate_of, guides_payload,
@@ -142,16 +143,16 @@ class SPSamplerMGPU(io.ComfyNode):
             if (video_g.uses_uncond or audio_g.uses_uncond) and neg is None:
                 raise NodeError(f"{NAME}: a CFG scale is not 1 but no negative conditioning is connected (connect "
                                 f"one, or set video_cfg and audio_cfg to 1)")
-            payload = {
-                "positive": pos.embeds, "negative": None if neg is None else neg.embeds,
-                "video": video, "audio": audio, "video_mask": parts.video_mask, "audio_mask": parts.audio_mask,
-                "semantics": "comfyui", "guides": guides,
-                "noise_video": noise_video, "noise_audio": noise_audio, "sigmas": schedule, "fps": fps,
-                "video_guidance": video_g, "audio_guidance": audio_g, "stg_blocks": parse_stg_blocks(stg_blocks),
-                "mode": "sequence_parallel", "sampler": sampler, "seed": int(getattr(noise, "seed", 0) or 0),
-                "noise_device": comfy_sampling_device(), "loras": loras_payload(loras),
-            }
-            result = run_job(fleet, "sample", payload, node_id=cls.hidden.unique_id, what=NAME)
+            request = P.SampleRequest(
+                positive=pos.embeds, negative=None if neg is None else neg.embeds,
+                video=video, audio=audio, video_mask=parts.video_mask, audio_mask=parts.audio_mask,
+                semantics="comfyui", guides=guides,
+                noise_video=noise_video, noise_audio=noise_audio, sigmas=schedule, fps=fps,
+                video_guidance=video_g, audio_guidance=audio_g, stg_blocks=parse_stg_blocks(stg_blocks),
+                mode="sequence_parallel", sampler=sampler, seed=int(getattr(noise, "seed", 0) or 0),
+                noise_device=comfy_sampling_device(), loras=loras_payload(loras),
+            )
+            result = run_job(fleet, "sample", request, node_id=cls.hidden.unique_id, what=NAME)
             # the job report: the SP degree this stage ran at and why (the cost model's choice), then the LoRAs
             lines = [str(result["report"])] if result.get("report") else []
             lines += [f"LoRA {r}" for r in result.get("lora_reports") or ()]

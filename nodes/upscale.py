@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io, ui
 
+from ..mgpu_backend import protocol as P
 from .common import CATEGORY, NodeError, check_handle, fleet_input, guard, run_job
 from .lora import loras_input, loras_payload
 from .native_types import (audio_frames_for, comfy_nested, frame_rate_of, join_latent, sigmas_tensor,
@@ -102,7 +103,7 @@ class TDPUpscaleMGPU(io.ComfyNode):
                     raise NodeError(f"{NAME}: upscale is on but the fleet has no latent upscaler: choose one in "
                                     f"Load Checkpoint (MGPU) (models/latent_upscale_models/), or pass an already "
                                     f"upscaled latent with upscale off")
-                video = run_job(fleet, "upscale", {"video": video}, node_id=cls.hidden.unique_id,
+                video = run_job(fleet, "upscale", P.UpscaleRequest(video), node_id=cls.hidden.unique_id,
                                 what=f"{NAME} (latent upscale)")["video"]
                 video_mask = None  # as ComfyUI's LTXVLatentUpsampler: the mask does not survive a resize
             # the stage-1 audio object itself goes back out (frozen: never re-noised, denoised or averaged)
@@ -119,16 +120,16 @@ class TDPUpscaleMGPU(io.ComfyNode):
             else:
                 noise_video, _ = split_noise(noise.generate_noise({"samples": video}), video.shape)
             schedule = sigmas_tensor(sigmas) if sigmas is not None else torch.tensor(S.TDP_STAGE2_SIGMAS)
-            payload = {
-                "positive": pos.embeds, "negative": None, "video": video, "audio": audio, "video_mask": video_mask,
-                "noise_video": noise_video,
-                "noise_audio": torch.zeros_like(audio) if frozen else noise_audio.float(), "sigmas": schedule,
-                "fps": fps, "mode": "tiled", "semantics": "reference",  # tile diffusion: the reference recipe
-                "tiles": tile_config(tiles_height, tiles_width, overlap),
-                "tile_overlap": int(overlap), "audio_frozen": frozen, "max_first_sigma": float(max_first_sigma),
-                "loras": loras_payload(loras),
-            }
-            result = run_job(fleet, "sample", payload, node_id=cls.hidden.unique_id, what=NAME)
+            request = P.SampleRequest(
+                positive=pos.embeds, negative=None, video=video, audio=audio, video_mask=video_mask,
+                noise_video=noise_video,
+                noise_audio=torch.zeros_like(audio) if frozen else noise_audio.float(), sigmas=schedule,
+                fps=fps, mode="tiled", semantics="reference",  # tile diffusion: the reference recipe
+                tiles=tile_config(tiles_height, tiles_width, overlap),
+                tile_overlap=int(overlap), audio_frozen=frozen, max_first_sigma=float(max_first_sigma),
+                loras=loras_payload(loras),
+            )
+            result = run_job(fleet, "sample", request, node_id=cls.hidden.unique_id, what=NAME)
             text = "\n".join([str(result.get("report") or "")] +
                               [f"LoRA {r}" for r in result.get("lora_reports") or ()]).strip()
             out = join_latent(latent, result["video"], audio_in if frozen else result["audio"],

@@ -72,6 +72,16 @@ def _payloads() -> dict:
     return {"sample_sp": base, "sample_euler": dict(base, sampler="euler"), "sample_tiled": tiled}
 
 
+def _as_request(payload: dict):
+    """The tree's form of a "sample" payload: a `protocol.SampleRequest` where the tree has one, else the dict the
+    older jobs read (`semantics` given to the old code too: it only had "reference")."""
+    try:
+        from mgpu_backend.protocol import SampleRequest
+    except ImportError:
+        return dict(payload)
+    return SampleRequest(**payload)
+
+
 def _ctx(rank: int, world: int):
     from types import SimpleNamespace
 
@@ -107,7 +117,7 @@ def _run(rank: int, world: int, paths: dict, image: str, guidance_parallel: str)
     for name, payload in _payloads().items():
         if world == 1 and name == "sample_tiled":
             continue
-        result = run_sample(state, dict(payload), _ctx(rank, world))
+        result = run_sample(state, _as_request(payload), _ctx(rank, world))
         if rank == 0:
             out[name] = {"video": result["video"], "audio": result["audio"]}
     return out

@@ -16,6 +16,7 @@ the stop test and the CLI test use controllers of their own. The soak (thousands
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -80,7 +81,7 @@ def noop() -> JobSpec:
     return JobSpec("noop", NoopRequest(steps=0))
 
 
-def sample_payload(mode: str, seed: int = 11) -> dict:
+def sample_payload(mode: str, seed: int = 11) -> P.SampleRequest:
     """A tiny stage job for the tiny 2.0 model (text width 64): stage-1-like (sequence parallel, from sigma 1) or
     stage-2-like (tiled, from sigma 0.6)."""
     g = torch.Generator().manual_seed(seed)
@@ -93,7 +94,7 @@ def sample_payload(mode: str, seed: int = 11) -> dict:
         payload.update(sigmas=torch.tensor([0.6, 0.3, 0.0]), audio_frozen=True)
     else:
         payload.update(sigmas=torch.tensor([1.0, 0.7, 0.4, 0.0]))
-    return payload
+    return P.SampleRequest(**payload)
 
 
 class BusyLedger:
@@ -258,9 +259,9 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     assert {e["stage"] for e in events} == {"stage 2"}
     pids = ctl.status()["fleet"]["worker_pids"]
     for mode, name, stage in (("sequence_parallel", "video", "stage 1"), ("tiled", "noise_video", "stage 2")):
-        payload = sample_payload(mode)
-        payload[name] = payload[name].clone()
-        payload[name][0, 0, 0, 0, 0] = float("nan")
+        bad = getattr(sample_payload(mode), name).clone()
+        bad[0, 0, 0, 0, 0] = float("nan")
+        payload = dataclasses.replace(sample_payload(mode), **{name: bad})
         events.clear()
         with pytest.raises(ControllerError) as info:
             ctl.run(handle, JobSpec("sample", payload), on_event=events.append)
@@ -269,8 +270,7 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
         noun = "latent" if name == "video" else ""
         assert message.startswith(f"{stage}: the input {name} {noun}".rstrip() + " has 1 non-finite values"), message
         assert events == [], "a step ran before the bad input was refused"
-    named = sample_payload("sequence_parallel")
-    named["stage"] = "refine"
+    named = dataclasses.replace(sample_payload("sequence_parallel"), stage="refine")
     events.clear()
     ctl.run(handle, JobSpec("sample", named), on_event=events.append)
     assert {e["stage"] for e in events} == {"refine"}

@@ -56,6 +56,7 @@ one against `aligned` (measured ≤ 1.7e-5); below, the figures of the 0.20.1 go
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -131,8 +132,10 @@ def native_inputs(spec: dict, case: dict, first_frame: torch.Tensor | None):
     return latent, positive, negative, noise, sigmas
 
 
-def sp_sampler_payload(latent, positive, negative, noise, sigmas, cfg: float, sampler: str, seed: int) -> dict:
-    """What SP Sampler (MGPU).execute sends the fleet (nodes/sampler.py), for CFG only (stg 0, rescale 0, modality 1)."""
+def sp_sampler_payload(latent, positive, negative, noise, sigmas, cfg: float, sampler: str, seed: int):
+    """What SP Sampler (MGPU).execute sends the fleet (nodes/sampler.py), for CFG only (stg 0, rescale 0, modality 1):
+    a `protocol.SampleRequest`."""
+    from mgpu_backend.protocol import SampleRequest
     from mgpu_backend.sampling import GuidanceParams
 
     parts = NT.split_latent(latent)
@@ -141,11 +144,11 @@ def sp_sampler_payload(latent, positive, negative, noise, sigmas, cfg: float, sa
     fps = NT.frame_rate_of(pos, neg)
     noise_video, noise_audio = NT.split_noise(noise, parts.video.shape, parts.audio.shape)
     guidance = GuidanceParams(cfg_scale=float(cfg))
-    return {"semantics": "comfyui", "positive": pos.embeds, "negative": neg.embeds, "video": parts.video,
-            "audio": parts.audio, "video_mask": parts.video_mask, "audio_mask": parts.audio_mask,
-            "noise_video": noise_video, "noise_audio": noise_audio,
-            "sigmas": NT.sigmas_tensor(sigmas), "fps": fps, "video_guidance": guidance, "audio_guidance": guidance,
-            "stg_blocks": "auto", "mode": "sequence_parallel", "sampler": sampler, "seed": int(seed), "loras": []}
+    return SampleRequest(semantics="comfyui", positive=pos.embeds, negative=neg.embeds, video=parts.video,
+                         audio=parts.audio, video_mask=parts.video_mask, audio_mask=parts.audio_mask,
+                         noise_video=noise_video, noise_audio=noise_audio,
+                         sigmas=NT.sigmas_tensor(sigmas), fps=fps, video_guidance=guidance, audio_guidance=guidance,
+                         stg_blocks="auto", mode="sequence_parallel", sampler=sampler, seed=int(seed), loras=())
 
 
 def _sample_job(rank: int, world: int, checkpoint: str, payloads: dict) -> dict:
@@ -214,8 +217,8 @@ def ours(golden, checkpoint) -> dict[int, dict]:
     if "i2v07_euler" in cases:
         name = "i2v07_euler"
         args = native_inputs(spec, cases[name], tensors.get(f"{name}.input.first_frame"))
-        payloads["control_reference_i2v07"] = {**sp_sampler_payload(*args, spec["cfg"], "euler", spec["noise_seed"]),
-                                               "semantics": "reference"}
+        payloads["control_reference_i2v07"] = dataclasses.replace(
+            sp_sampler_payload(*args, spec["cfg"], "euler", spec["noise_seed"]), semantics="reference")
     return {world: run_ranks(_sample_job, world, checkpoint, payloads, timeout_s=600)[0] for world in WORLDS}
 
 

@@ -35,10 +35,6 @@ JOBS = ("mgpu_backend.jobs",)
 
 # (importing module, imported module) pairs that break a rule today. Only ever remove entries.
 ALLOWED = {
-    # LoRA (MGPU) checks in ComfyUI's process that the picked file holds LoRA pairs (a header read) so a wrong file
-    # is refused on that node rather than on the sampler; moving `read_lora`'s indexing into a contract module is
-    # left for later.
-    ("nodes.lora", "mgpu_backend.lora"),
     # Test Conditioning (MGPU), a testing node, runs Gemma and the text projection in ComfyUI's process by design
     # (it makes reference conditionings without a fleet).
     ("nodes.testing", "mgpu_backend.models.gemma"),

@@ -28,6 +28,7 @@ from torch import nn
 from mgpu_backend.lora import LoRAFuser, LoRAReport, parse_lora_arg, read_lora
 from mgpu_backend.models.fp8 import FP8Linear
 from mgpu_backend.models.loader import SafetensorsFile, load_transformer
+from mgpu_backend.stage_params import check_lora_file
 from _forward import av_forward
 
 VARIANTS = ("2.0", "2.3")
@@ -140,19 +141,32 @@ def test_read_lora_prefixes_alpha_default_and_unmatched(tmp_path):
     assert lora.unmatched_keys == ["diffusion_model.transformer_blocks.0.norm1.diff_b"]
 
 
-def test_read_lora_errors(tmp_path):
+@pytest.mark.parametrize("read", [read_lora, check_lora_file], ids=["read_lora", "node_check"])
+def test_read_lora_errors(tmp_path, read):
+    """The engine's `read_lora` and LoRA (MGPU)'s header check (`stage_params.check_lora_file`, in ComfyUI's process)
+    refuse the same files with the same messages."""
     with pytest.raises(FileNotFoundError, match="absent.safetensors"):
-        read_lora(tmp_path / "absent.safetensors")
+        read(tmp_path / "absent.safetensors")
     empty = tmp_path / "not-a-lora.safetensors"
     save_file({"some.weight": torch.zeros(3)}, str(empty))
     with pytest.raises(ValueError, match="no LoRA pairs") as err:
-        read_lora(empty)
+        read(empty)
     assert str(empty) in str(err.value)
     half = tmp_path / "half.safetensors"
     save_file({"diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 8)}, str(half))
     with pytest.raises(ValueError, match="lora_B") as err:
-        read_lora(half)
+        read(half)
     assert str(half) in str(err.value)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        read(garbage)
+    good = tmp_path / "good.safetensors"
+    save_file({"diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 8),
+               "diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight": torch.zeros(8, 2)}, str(good))
+    with pytest.raises(ValueError, match="strength nan must be a finite number"):
+        read(good, float("nan"))
+    assert check_lora_file(good) == len(read_lora(good).index) == 1
 
 
 # ---------------------------------------------------------------------------------------------------- fuse/restore

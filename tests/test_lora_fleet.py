@@ -46,6 +46,7 @@ from mgpu_backend.lora import LoRAError, LoRAFuser, LoRAReport, assign_owners, r
 from mgpu_backend.models import loader
 from mgpu_backend.models.fp8 import FP8Linear
 from mgpu_backend.models.tiny import write_tiny_lora
+from mgpu_backend.protocol import SampleRequest
 
 torch.set_num_threads(1)
 
@@ -96,7 +97,7 @@ def files(tiny_dir, tmp_path_factory) -> dict[str, str]:
 
 # ---- the job sequence (the same on every rank and in one process) --------------------------------------------------
 
-def _payload(mode: str, loras, seed: int = 11) -> dict:
+def _payload(mode: str, loras, seed: int = 11) -> SampleRequest:
     g = torch.Generator().manual_seed(seed)
     video_shape = SP_VIDEO if mode == "sequence_parallel" else TILED_VIDEO
     video = torch.randn(video_shape, generator=g)
@@ -108,7 +109,7 @@ def _payload(mode: str, loras, seed: int = 11) -> dict:
         payload.update(sigmas=torch.tensor([0.6, 0.3, 0.0]), audio_frozen=True)
     else:
         payload.update(sigmas=torch.tensor([1.0, 0.7, 0.4, 0.0]))
-    return payload
+    return SampleRequest(**payload)
 
 
 def _jobs(f: dict) -> list[tuple[str, str, list]]:

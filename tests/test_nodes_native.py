@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from mgpu_backend import protocol as P
 from nodes import native_types as NT
 
 
@@ -300,13 +301,14 @@ def test_guides_travel_from_the_conditioning_to_the_sample_job():
     pos = NT.split_conditioning(_guided(kf, ref=ref), "positive", allow=NT.GUIDE_CONDITIONING_KEYS)
     neg = NT.split_conditioning(_guided(kf, ref=ref), "negative", allow=NT.GUIDE_CONDITIONING_KEYS)
     g = NT.guides_payload(pos, neg)
-    assert torch.equal(g["keyframe_idxs"], kf) and torch.equal(g["ref_audio_tokens"], ref)
-    (entry,) = g["guide_attention_entries"]
+    assert isinstance(g, P.ComfyGuides)
+    assert torch.equal(g.keyframe_idxs, kf) and torch.equal(g.ref_audio_tokens, ref)
+    (entry,) = g.guide_attention_entries
     assert entry.pre_filter_count == 4 and entry.strength == 0.7 and entry.needs_bias
-    assert g["denoise_mask"] is None
+    assert g.denoise_mask is None
     mask = torch.ones(1, 1, 3, 2, 2)
     mask[:, :, 2, 0, 0] = -1.0  # IC-LoRA's dropped cell: the forward needs the mask
-    assert NT.guides_payload(pos, neg, mask)["denoise_mask"] is mask
+    assert NT.guides_payload(pos, neg, mask).denoise_mask is mask
     plain = NT.split_conditioning([[torch.zeros(1, 4, 64), {"unprocessed_ltxav_embeds": True}]])
     assert NT.guides_payload(plain, plain) is None
     with pytest.raises(NT.UnsupportedInput, match="different guides"):

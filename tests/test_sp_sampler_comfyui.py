@@ -77,15 +77,17 @@ def _inputs(case: dict) -> dict:
             "noise_audio": torch.randn(1, 8, T_AUDIO, 16, generator=g), "seed": 5, "guides": guides}
 
 
-def _payload(case: dict, x: dict) -> dict:
+def _payload(case: dict, x: dict, semantics: str = "comfyui"):
+    from mgpu_backend.protocol import ComfyGuides, SampleRequest
     from mgpu_backend.sampling import GuidanceParams
 
     g = GuidanceParams(cfg_scale=case["cfg"], stg_scale=case["stg"], stg_blocks=(1,), modality_scale=case["modality"])
-    return {"semantics": "comfyui", "positive": x["positive"], "negative": x["negative"], "video": x["video"],
-            "audio": x["audio"], "video_mask": x["video_mask"], "audio_mask": x["audio_mask"],
-            "noise_video": x["noise_video"], "noise_audio": x["noise_audio"], "sigmas": torch.tensor(SIGMAS),
-            "fps": FPS, "video_guidance": g, "audio_guidance": g, "stg_blocks": [1], "mode": "sequence_parallel",
-            "sampler": case["sampler"], "seed": x["seed"], "loras": [], "guides": x["guides"]}
+    return SampleRequest(semantics=semantics, positive=x["positive"], negative=x["negative"], video=x["video"],
+                         audio=x["audio"], video_mask=x["video_mask"], audio_mask=x["audio_mask"],
+                         noise_video=x["noise_video"], noise_audio=x["noise_audio"], sigmas=torch.tensor(SIGMAS),
+                         fps=FPS, video_guidance=g, audio_guidance=g, stg_blocks=[1], mode="sequence_parallel",
+                         sampler=case["sampler"], seed=x["seed"], loras=[],
+                         guides=None if x["guides"] is None else ComfyGuides(**x["guides"]))
 
 
 def _mgpu_model_path(state, ctx, case: dict, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +197,7 @@ def _rank(rank: int, world: int, paths: dict, batch_mode: str = "auto", guidance
                          "batch": pipe.batch_notes.get("stage 1")}
     if world == 1 and batch_mode == "auto":
         x = _inputs(CASES["i2v07_stg_modality"])
-        ref = run_sample(state, {**_payload(CASES["i2v07_stg_modality"], x), "semantics": "reference"}, ctx)
+        ref = run_sample(state, _payload(CASES["i2v07_stg_modality"], x, "reference"), ctx)
         out["reference"] = (ref["video"], ref["audio"])
     return out
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
+from mgpu_backend.protocol import SampleRequest
 from mgpu_backend.parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
 from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig, make_tiles
 
@@ -162,7 +163,7 @@ def pipe(tiny_dir):
     return TwoStagePipeline(load_components(tiny_dir["2.0"]["checkpoint"], dtype=torch.float32), None)
 
 
-def _payload(pipe, **extra) -> dict:
+def _payload(pipe, **extra):
     g = torch.Generator().manual_seed(5)
     width = pipe.components.text_projection.out_features if hasattr(pipe.components.text_projection,
                                                                     "out_features") else None
@@ -171,7 +172,7 @@ def _payload(pipe, **extra) -> dict:
          "noise_video": torch.randn(video.shape, generator=g), "noise_audio": torch.randn(audio.shape, generator=g),
          "fps": 24.0, "mode": "tiled", "tiles": TileCountConfig.spatial(1, 2, overlap=2), "sigmas": TEMPLATE_STAGE2}
     p.update(extra)
-    return p
+    return SampleRequest(**p)
 
 
 def _run(pipe, payload):
@@ -189,7 +190,7 @@ def test_stage_job_refuses_the_template_sigmas_by_default_and_runs_them_with_a_r
     assert frozen["audio_frozen"] is True and frozen["weights_normalized"] is False
     assert len(frozen["tile_drift"]) == 3 and all(d > 0 for d in frozen["tile_drift"])  # 3 steps, no guidance
     assert "tile drift per forward" in frozen["report"]
-    assert torch.equal(frozen["audio"], _payload(pipe)["audio"])  # the stage-1 audio, bit for bit
+    assert torch.equal(frozen["audio"], _payload(pipe).audio)  # the stage-1 audio, bit for bit
     denoised = _run(pipe, _payload(pipe, max_first_sigma=0.9, audio_frozen=False))
     assert denoised["audio_frozen"] is False and "re-denoised" in denoised["report"]
     assert torch.isfinite(denoised["audio"]).all()

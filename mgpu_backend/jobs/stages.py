@@ -1,38 +1,41 @@
 """Stage-level jobs for the ComfyUI nodes: sample one stage, upscale the latent, decode.
 
-Payloads are plain dicts of tensors (no ComfyUI types: `nodes/` converts). Latents are in model space (what
-ComfyUI's LATENT holds for LTX-2): video `[1, 128, F, H, W]`, audio `[1, 8, T, 16]`.
+Each job takes its kind's frozen request (`protocol.SampleRequest`, `UpscaleRequest`, `DecodeRequest`: built and
+validated by `nodes/`, no ComfyUI types) and refuses any other payload by name. Latents are in model space (what
+ComfyUI's LATENT holds for LTX-2): video `[1, 128, F, H, W]`, audio `[1, 8, T, 16]`. What a request cannot check
+alone — against the loaded model and the fleet, and NaN / Inf values — is checked here, on every rank, before any
+step.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from .. import latents as L
 from .. import sampling as S
 from ..lora import read_loras
-from ..stage import SAMPLERS, SEMANTICS, ComfyGuides, SamplerSpec, StageSpec, TiledRunner, stage_contexts
+from ..protocol import DecodeRequest, SampleRequest, UpscaleRequest
+from ..stage import SamplerSpec, StageSpec, TiledRunner, stage_contexts
 from ..validation import ValidationError
 from . import register
 
-MODES = ("sequence_parallel", "tiled")
+
+def _request(payload, cls, kind: str):
+    if not isinstance(payload, cls):
+        raise ValidationError(f"{kind} payload: expected a {cls.__name__}, got {type(payload).__name__}")
+    return payload
 
 
-def _fit_guidance(p: dict, variant: str, n_blocks: int) -> tuple[S.GuidanceParams, S.GuidanceParams]:
-    """The payload's guidance with `stg_blocks` resolved: "auto" = the reference's STG block for the model version
+def _fit_guidance(r: SampleRequest, variant: str, n_blocks: int) -> tuple[S.GuidanceParams, S.GuidanceParams]:
+    """The request's guidance with `stg_blocks` resolved: "auto" = the reference's STG block for the model version
     (29 for LTX-2.0, 28 for 2.3), the last block on shallower models (as the CLI does); explicit blocks must exist."""
-    import dataclasses
-
-    video = p.get("video_guidance") or S.NO_GUIDANCE
-    audio = p.get("audio_guidance") or S.NO_GUIDANCE
-    blocks = p.get("stg_blocks")
+    video = r.video_guidance or S.NO_GUIDANCE
+    audio = r.audio_guidance or S.NO_GUIDANCE
+    blocks = r.stg_blocks
     if blocks == "auto":
         default = S.default_guidance(variant)[0].stg_blocks
         blocks = tuple(min(b, n_blocks - 1) for b in default)
-    elif blocks is not None:
-        try:
-            blocks = tuple(int(b) for b in blocks)
-        except (TypeError, ValueError):
-            raise ValidationError(f"stg_blocks={blocks!r}: 'auto' or a list of block indices") from None
     if blocks is not None:
         video = dataclasses.replace(video, stg_blocks=blocks)
         audio = dataclasses.replace(audio, stg_blocks=blocks)
@@ -44,40 +47,21 @@ def _fit_guidance(p: dict, variant: str, n_blocks: int) -> tuple[S.GuidanceParam
     return video, audio
 
 
-def _sampler(p: dict) -> SamplerSpec:
+def _sampler(r: SampleRequest) -> SamplerSpec:
     """`sampler` "euler" or "euler_ancestral" (`seed`, `eta`, `s_noise`, `noise_device`: where ComfyUI samples, "cpu"
     or "cuda"): per-step noise as ComfyUI draws it for an audio+video latent (one `randn` over the concatenated flat
     (video, audio) latent per step, seeded as `k_diffusion.sampling.default_noise_sampler` does: `SamplerSpec`)."""
-    name = p.get("sampler", "euler")
-    if name not in SAMPLERS:
-        raise ValidationError(f"sampler={name!r}: choose one of {', '.join(SAMPLERS)}")
-    return SamplerSpec(name, int(p.get("seed", 0)), float(p.get("eta", 1.0)), float(p.get("s_noise", 1.0)),
-                       noise_layout="comfyui", noise_device=p.get("noise_device", "cpu"))  # the nodes' noise is ComfyUI's, whatever the forward's semantics
+    return SamplerSpec(r.sampler, int(r.seed), float(r.eta), float(r.s_noise), noise_layout="comfyui",
+                       noise_device=r.noise_device)  # the nodes' noise is ComfyUI's, whatever the forward's semantics
 
 
-def _guides(g: dict | None) -> ComfyGuides | None:
-    """The payload's `guides` (`keyframe_idxs`, `guide_attention_entries`, `denoise_mask`, `ref_audio_tokens`: what
-    LTXVAddGuide / LTXVReferenceAudio put in the conditioning, `forward.ForwardRequest`'s fields) or None."""
-    if not g:
-        return None
-    unknown = set(g) - {"keyframe_idxs", "guide_attention_entries", "denoise_mask", "ref_audio_tokens"}
-    if unknown:
-        raise ValidationError(f"guides: unknown keys {sorted(unknown)}")
-    return ComfyGuides(keyframe_idxs=g.get("keyframe_idxs"),
-                       guide_attention_entries=tuple(g.get("guide_attention_entries") or ()),
-                       denoise_mask=g.get("denoise_mask"), ref_audio_tokens=g.get("ref_audio_tokens"))
-
-
-def _stage_name(p: dict, mode: str, sigmas: torch.Tensor) -> str:
-    """What errors and progress call this stage: the payload's `stage` ("stage 1", "stage 2", …), else "stage 2"
+def _stage_name(r: SampleRequest, sigmas: torch.Tensor) -> str:
+    """What errors and progress call this stage: the request's `stage` ("stage 1", "stage 2", …), else "stage 2"
     for a tiled stage or one that starts below sigma 1 (a refinement of an earlier stage's latent), else
     "stage 1"."""
-    stage = p.get("stage")
-    if stage is not None:
-        if not isinstance(stage, str) or not stage.strip():
-            raise ValidationError(f"stage={stage!r}: a name such as 'stage 1' or 'stage 2'")
-        return stage
-    return "stage 2" if mode == "tiled" or float(sigmas[0]) < 1.0 else "stage 1"
+    if r.stage is not None:
+        return r.stage
+    return "stage 2" if r.mode == "tiled" or float(sigmas[0]) < 1.0 else "stage 1"
 
 
 def _check_finite_inputs(stage: str, tensors: dict) -> None:
@@ -90,105 +74,67 @@ def _check_finite_inputs(stage: str, tensors: dict) -> None:
                                   f"image with NaN pixels, or the output of a failed earlier stage)")
 
 
-def _check_batch(name: str, x: torch.Tensor | None) -> None:
-    if x is not None and x.shape[0] != 1:
-        raise ValidationError(f"{name}: batch size {x.shape[0]} — the multi-GPU samplers take one clip per job; "
-                              f"queue the batch items separately")
-
-
 @register("sample")
-def run_sample(state, p: dict, ctx) -> dict:
-    """One denoising stage.
+def run_sample(state, request: SampleRequest, ctx) -> dict:
+    """One denoising stage: `request` is a `protocol.SampleRequest` (its fields and rules are documented there).
 
-    Payload: `semantics` ("comfyui": ComfyUI 0.33's forward and samplers, what the nodes send; "reference", the
-    default: Lightricks' recipe — `stage.py`), `stage` (optional name for progress and errors: "stage 1", "stage 2"; default from the mode and the
-    first sigma, `_stage_name`), `positive` / `negative` (CONDITIONING embeddings `[1, T, C]`; negative may be
-    None), `video` `[1, 128, F, H, W]`,
-    `audio` `[1, 8, T, 16]`, optional `video_mask` (ComfyUI `noise_mask`, broadcastable to
-    `[1, 1, F, H, W]`; 1 = generate), `noise_video` / `noise_audio` (same shapes as the latents), `sigmas` (1-D,
-    ending in 0), `fps`, `video_guidance` / `audio_guidance` (`sampling.GuidanceParams`), `mode`
-    ("sequence_parallel" | "tiled"), `tiles` (TileCountConfig for tiled; None = balanced), `tile_overlap`,
-    `audio_frozen` (default False, True for tiled: the clean stage-1 audio as context at timestep 0; a tiled stage
-    with False re-noises and denoises the audio, every tile's audio output averaged), `max_first_sigma` (tiled
-    bound, default `parallel.tiled.DEFAULT_MAX_FIRST_SIGMA`), `sampler` ("euler" |
-    "euler_ancestral", with `seed`, `eta`, `s_noise`), `stg_blocks` ("auto" or block indices; replaces both
-    guidances' blocks), `loras` (`[(path, strength), …]`: fused into every rank's transformer for this job — each
-    rank computes its share and the fused layers are broadcast — and restored after it, exactly, without reading
-    the checkpoint), `audio_mask` (the audio half of ComfyUI's noise_mask, broadcastable to `[1, 1, T, 1]`),
-    `guides` (semantics "comfyui": `_guides`).
+    LoRAs are fused into every rank's transformer for this job — each rank computes its share and the fused layers
+    are broadcast — and restored after it, exactly, without reading the checkpoint.
     Returns on rank 0: `{"video": [1, 128, F, H, W], "audio": [1, 8, T, 16], "report": str, "lora_reports":
     [str, …] (matched / total layers per LoRA)}`; a tiled stage adds `tile_drift` (one relative difference of
     overlapping tiles per forward, `TiledTransformer.drift`), `weights_normalized` and `audio_frozen`.
-    Raises ValidationError before any work for bad shapes, modes, tile / sigma requests and LoRAs that do not fit the
-    model (none of their layers found, another model width).
+    Raises ValidationError on every rank before any work for another payload type, NaN / Inf inputs, STG blocks,
+    tile counts, masks, sigmas of a tiled stage or token counts that do not fit the model and the fleet, and LoRAs
+    that do not fit the model (none of their layers found, another model width).
     """
     from ..parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
 
+    r = _request(request, SampleRequest, "sample")
     pipe = state.pipeline
-    mode = p.get("mode", "sequence_parallel")
-    if mode not in MODES:
-        raise ValidationError(f"mode={mode!r}: choose one of {', '.join(MODES)}")
-    video, audio = p["video"].float(), p["audio"].float()
-    _check_batch("video latent", video)
-    _check_batch("audio latent", audio)
-    if video.ndim != 5 or video.shape[1] != 128:
-        raise ValidationError(f"video latent of shape {tuple(video.shape)}: expected [1, 128, F, H, W]")
-    if audio.ndim != 4 or audio.shape[1] != 8:
-        raise ValidationError(f"audio latent of shape {tuple(audio.shape)}: expected [1, 8, T, 16]")
-    try:
-        sigmas = S.as_sigmas(p["sigmas"])
-    except ValueError as exc:
-        raise ValidationError(f"sigmas: {exc}") from None
-    stage = _stage_name(p, mode, sigmas)
+    mode, semantics, sigmas = r.mode, r.semantics, r.sigmas
+    video, audio = r.video.float(), r.audio.float()
+    stage = _stage_name(r, sigmas)
     ctx.stage = stage
-    _check_finite_inputs(stage, {"video latent": video, "audio latent": audio, "noise_video": p.get("noise_video"),
-                                 "noise_audio": p.get("noise_audio"), "video_mask": p.get("video_mask"),
-                                 "positive conditioning": p.get("positive"),
-                                 "negative conditioning": p.get("negative")})
+    _check_finite_inputs(stage, {"video latent": video, "audio latent": audio, "noise_video": r.noise_video,
+                                 "noise_audio": r.noise_audio, "video_mask": r.video_mask,
+                                 "positive conditioning": r.positive, "negative conditioning": r.negative})
     _, _, f, h, w = video.shape
     grid = (f, h, w)
-    semantics = p.get("semantics", "reference")
-    if semantics not in SEMANTICS:
-        raise ValidationError(f"semantics={semantics!r}: choose one of {', '.join(SEMANTICS)}")
     tiling = None
     if mode == "tiled":
         ranks = pipe.plan.world_size if pipe.plan is not None else 1
-        tiling = pipe.resolve_tiling(p.get("tiles"), max(ranks, 2) if p.get("tiles") is None else ranks, grid,
-                                     int(p.get("tile_overlap", 5)), "tiles")
+        tiling = pipe.resolve_tiling(r.tiles, max(ranks, 2) if r.tiles is None else ranks, grid,
+                                     int(r.tile_overlap), "tiles")
         try:
-            check_tdp_sigmas(sigmas, float(p.get("max_first_sigma", DEFAULT_MAX_FIRST_SIGMA)))
+            check_tdp_sigmas(sigmas, float(DEFAULT_MAX_FIRST_SIGMA if r.max_first_sigma is None
+                                           else r.max_first_sigma))
         except ValueError as exc:
             raise ValidationError(str(exc)) from None
     elif pipe.plan is not None:
         pipe.plan.check(f * h * w)
-    video_guidance, audio_guidance = _fit_guidance(p, pipe.components.variant,
+    video_guidance, audio_guidance = _fit_guidance(r, pipe.components.variant,
                                                    len(pipe.components.transformer.transformer_blocks))
-    negative = p.get("negative")
-    embeds = [p["positive"]] + ([negative] if negative is not None else [])
+    embeds = [r.positive] + ([r.negative] if r.negative is not None else [])
     contexts = stage_contexts(pipe.components, [e.float() for e in embeds], semantics, pipe.dtype)
-    video_mask = p.get("video_mask")
     try:
-        token_mask = None if video_mask is None else L.video_token_mask(video_mask.float(), 1, f, h, w)
+        token_mask = None if r.video_mask is None else L.video_token_mask(r.video_mask.float(), 1, f, h, w)
     except ValueError as exc:
         raise ValidationError(f"noise_mask: {exc}") from None
-    audio_mask = p.get("audio_mask")
     try:
-        audio_token_mask = None if audio_mask is None else L.audio_token_mask(audio_mask.float(), 1, audio.shape[2])
+        audio_token_mask = (None if r.audio_mask is None
+                            else L.audio_token_mask(r.audio_mask.float(), 1, audio.shape[2]))
     except ValueError as exc:
         raise ValidationError(f"audio noise_mask: {exc}") from None
     # tiled: frozen stage-1 audio unless asked (the reference's final audio); else re-denoised, tiles averaged
-    audio_frozen = bool(p.get("audio_frozen", mode == "tiled"))
-    for name, n, x in (("noise_video", p["noise_video"], video), ("noise_audio", p["noise_audio"], audio)):
-        if tuple(n.shape) != tuple(x.shape):
-            raise ValidationError(f"{name} of shape {tuple(n.shape)} does not match the latent {tuple(x.shape)}")
+    audio_frozen = mode == "tiled" if r.audio_frozen is None else r.audio_frozen
     spec = StageSpec(name=stage, semantics=semantics, positive=contexts[0],
-                     negative=contexts[1] if negative is not None else None, grid=grid, fps=float(p["fps"]),
+                     negative=contexts[1] if r.negative is not None else None, grid=grid, fps=float(r.fps),
                      audio_frames=audio.shape[2], video_clean=L.pack_video(video), audio_clean=L.pack_audio(audio),
                      sigmas=sigmas, video_guidance=video_guidance, audio_guidance=audio_guidance,
-                     video_mask=token_mask, audio_mask=audio_token_mask, guides=_guides(p.get("guides")),
-                     noise=(L.pack_video(p["noise_video"].float()), L.pack_audio(p["noise_audio"].float())),
-                     audio_frozen=audio_frozen, sampler=_sampler(p), tiling=tiling)
-    loras = read_loras(p.get("loras"))
+                     video_mask=token_mask, audio_mask=audio_token_mask, guides=r.guides,
+                     noise=(L.pack_video(r.noise_video.float()), L.pack_audio(r.noise_audio.float())),
+                     audio_frozen=audio_frozen, sampler=_sampler(r), tiling=tiling)
+    loras = read_loras(r.loras)
     pipe.lora.check(loras)  # coverage and widths, on every rank alike, before any weight is touched
     try:
         lora_reports = pipe.lora.apply(loras)
@@ -209,37 +155,37 @@ def run_sample(state, p: dict, ctx) -> dict:
 
 
 @register("upscale")
-def run_upscale(state, p: dict, ctx) -> dict:
-    """2× spatial latent upscale of `p["video"]` `[1, 128, F, H, W]` with the fleet's upscaler (same on every rank)."""
-    video = p["video"].float()
-    _check_batch("video latent", video)
+def run_upscale(state, request: UpscaleRequest, ctx) -> dict:
+    """2× spatial latent upscale of the `protocol.UpscaleRequest`'s `video` `[1, 128, F, H, W]` with the fleet's
+    upscaler (same on every rank). Returns on rank 0 `{"video": [1, 128, F, 2H, 2W]}`."""
+    r = _request(request, UpscaleRequest, "upscale")
+    video = r.video.float()
     _check_finite_inputs("upscale", {"video latent": video})
     out = state.pipeline.upscale(video)
     return {"video": out} if ctx.rank == 0 else {}
 
 
 @register("decode")
-def run_decode(state, p: dict, ctx) -> dict:
-    """Decode `p["video"]` (model space) in tiles over the fleet (`p["tiles"]`: TileCountConfig or None for the
-    balanced default; one rank: untiled) and `p["audio"]` once on rank 0.
+def run_decode(state, request: DecodeRequest, ctx) -> dict:
+    """Decode a `protocol.DecodeRequest`: `video` (model space) in tiles over the fleet (`tiles`: TileCountConfig or
+    None for the balanced default; one rank: untiled) and `audio` once on rank 0.
 
     Returns on rank 0: frames through shared memory, `audio` waveform `[C, S]` and `sample_rate` (None without an
     audio latent), `report`. Either video decoder: the conv VAE, or LTX-2.5's diffusion decoder (same tiles; its
-    noise is ComfyUI's fixed seed 0, `p["seed"]` only drives the conv decoder's decode noise).
+    noise is ComfyUI's fixed seed 0, `seed` only drives the conv decoder's decode noise).
     """
     from ..frames import send_frames
 
+    r = _request(request, DecodeRequest, "decode")
     pipe = state.pipeline
-    video = p["video"].float()
-    _check_batch("video latent", video)
-    _check_finite_inputs("decode", {"video latent": video, "audio latent": p.get("audio")})
+    video = r.video.float()
+    _check_finite_inputs("decode", {"video latent": video, "audio latent": r.audio})
     ranks = pipe.plan.world_size if pipe.plan is not None else 1
-    tiling = pipe.resolve_tiling(p.get("tiles"), ranks, tuple(video.shape[2:]), int(p.get("overlap", 2)),
-                                 "decode tiles")
-    frames, report = pipe.decode_video(video, int(p.get("seed", 0)), tiling)
+    tiling = pipe.resolve_tiling(r.tiles, ranks, tuple(video.shape[2:]), int(r.overlap), "decode tiles")
+    frames, report = pipe.decode_video(video, int(r.seed), tiling)
     if ctx.rank != 0:
         return {}
     waveform, sample_rate = None, None
-    if p.get("audio") is not None:
-        waveform, sample_rate = pipe.decode_audio(p["audio"].float())
+    if r.audio is not None:
+        waveform, sample_rate = pipe.decode_audio(r.audio.float())
     return {"frames": send_frames(frames), "audio": waveform, "sample_rate": sample_rate, "report": report}

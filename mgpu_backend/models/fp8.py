@@ -12,22 +12,19 @@ Two ways to compute `FP8Linear` (`compute_path` chooses per call and says why):
   `weight_scale`, output in the compute dtype. Activations: by the file's `input_scale` where present (per tensor,
   clamped to ±448, as Lightricks' fp8-scaled-mm path and ComfyUI's `TensorCoreFP8Layout` do), else dynamically
   per row (`scale = amax(|x_row|) / 448`; one Triton kernel in eager, fused by the compiler under `torch.compile`).
-  This is what pays on an H200 (bench/results/speed_h200.txt): the block GEMMs at 0.54–0.69× of bf16's time with
-  the activation quantization included; the whole forward at 0.80–0.87× of bf16 eager / compiled at 1280×704 and
-  1920×1088 (at 640×352 eager is host-bound and slower, 0.82× once replayed from CUDA graphs).
+  The fast path on those GPUs; its time against bf16, GEMM and whole forward, is in bench/results/speed_h200.txt.
   ComfyUI's kernel library `comfy-kitchen` computes its fp8 linear with the same `torch._scaled_mm` call (per-tensor
-  activation scale); its only extra is a CUDA quantize kernel, 0.51–0.70× of bf16 — the same within noise — so it is
-  not a dependency here (measured side by side: `bench/bench_speed.py --what gemm`).
+  activation scale) plus a CUDA quantize kernel of its own; it is no faster side by side (`bench/bench_speed.py
+  --what gemm`), so it is not a dependency here.
 - **dequantize** (CPU, GPUs before Ada, e5m2 weights, LoRA-fused layers, float32 compute, shapes the fp8 kernels
   refuse, or `set_compute("off")`): `x · (weight·weight_scale)ᵀ` in the compute dtype, exact to the file; the bf16
   copy exists only for the duration of one matmul.
 
-Errors against the bf16 forward (random 19B-shaped weights, 16 blocks; bench/results/speed_h200.txt): relative L2
-4.0–4.4e-2 from the weights' e4m3 rounding alone (the dequantizing path), 4.7–5.6e-2 with the activations in e4m3 too
-(the fp8 matmul path); a single GEMM 2.6e-2 against its fp32 product. int8 (`int8_tensorwise` files) is computed
-W8A8 the way ComfyUI computes it, through comfy-kitchen's `int8_linear` (`models.quant`, a subclass of `FP8Linear`
-with its own path): for equality with ComfyUI, not for speed (measured on the H200 for issue 16: through cuBLAS
-`torch._int_mm` slower than bf16, comfy-kitchen's int8 kernel 0.79–1.12× of bf16).
+Error against the bf16 forward: the dequantizing path carries the weights' e4m3 rounding alone, the fp8 matmul path
+the activations' e4m3 rounding too (relative L2 errors measured in bench/results/speed_h200.txt). int8
+(`int8_tensorwise` files) is computed W8A8 the way ComfyUI computes it, through comfy-kitchen's `int8_linear`
+(`models.quant`, a subclass of `FP8Linear` with its own path): for equality with ComfyUI, not for speed
+(bench/results/int8_h200.txt). Figures these paragraphs once held: bench/results/docstring_figures.md.
 """
 from __future__ import annotations
 
