@@ -31,10 +31,12 @@ from . import sampling as S
 from . import validation as V
 from .denoiser import LTX2Denoiser, TextContext, text_contexts
 from .parallel.tiling import TileCountConfig
-from .protocol import STAGE_SAMPLERS, STAGE_SEMANTICS, ComfyGuides  # noqa: F401 - ComfyGuides: the request's
+# ComfyGuides is re-exported: the request's guides, defined with the requests in protocol.py
+from .protocol import STAGE_NOISE_DEVICES, STAGE_SAMPLERS, STAGE_SEMANTICS, ComfyGuides  # noqa: F401
 
 SEMANTICS = STAGE_SEMANTICS  # ("reference", "comfyui"): the sample request's semantics (protocol.py)
 SAMPLERS = STAGE_SAMPLERS  # ("euler", "euler_ancestral")
+NOISE_DEVICES = STAGE_NOISE_DEVICES  # ("cpu", "cuda"): where ComfyUI samples
 NOISE_LAYOUTS = ("packed", "comfyui")
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, steps done, steps total)
