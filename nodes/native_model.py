@@ -131,9 +131,22 @@ class FleetTransformer(torch.nn.Module):
                                "loading weights into it (model merges, checkpoint tools) is not supported")
 
     def preprocess_text_embeds(self, context: torch.Tensor, unprocessed: bool = False) -> torch.Tensor:
-        """`LTXAVModel.preprocess_text_embeds` on the fleet (caption projection + connectors)."""
-        reply = self._call(F.PREPROCESS_TEXT_JOB, F.PreprocessTextRequest(context.detach().cpu(), bool(unprocessed)))
-        self.stats["preprocess"] += 1
+        """`LTXAVModel.preprocess_text_embeds` on the fleet (caption projection + connectors), with the sampling
+        patcher's LoRA patches of the connectors fused for the call, as ComfyUI runs them on its patched weights."""
+        patcher = getattr(self._owner(), "current_patcher", None)
+        with self._lock:
+            request = F.PreprocessTextRequest(context.detach().cpu(), bool(unprocessed), lora=self._lora(patcher))
+            for _ in range(3):
+                reply = self._call(F.PREPROCESS_TEXT_JOB, request)
+                if type(reply).__name__ != "ForwardMiss":  # by name: see _run_forward
+                    break
+                self.known_loras.discard(reply.lora_key)  # the fleet lost the set: ship its patches
+                request = _replace(request, lora=self._lora(patcher))
+            else:
+                raise RuntimeError("the fleet kept answering ForwardMiss for the same preprocess_text request")
+            if request.lora is not None and request.lora.patches is not None:
+                self.known_loras.add(request.lora.key)
+            self.stats["preprocess"] += 1
         return reply.context.to(device=context.device, dtype=context.dtype)
 
     # ---- forward ---------------------------------------------------------------------------------------------------

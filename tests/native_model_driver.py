@@ -245,7 +245,7 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
         import comfy.sd
 
         comfy.sd.save_checkpoint("/nonexistent/never-written.safetensors", model=model)
-    if case == "refuse_partial_lora":  # a LoRA pair on the text connectors: ComfyUI patches it, the fleet cannot
+    if case == "connector_lora":  # a LoRA pair on the text connectors too: ComfyUI patches them, and so does the fleet
         import comfy.utils
 
         sd = comfy.utils.load_torch_file(lora_path)
@@ -285,11 +285,11 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
 REFERENCE = {}  # "native": the native MODEL (the second model of a merge)
 TRANSPORT = {}  # "t": the MGPU model's transport (the local one can play a fleet restart)
 REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
-            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint",
-            "refuse_partial_lora": "could not apply every layer"}
+            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint"}
 
 CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora", "lora_stack",
-         "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling", "ksampler") + tuple(REFUSALS)
+         "connector_lora", "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling",
+         "ksampler") + tuple(REFUSALS)
 
 
 def main():
