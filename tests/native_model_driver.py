@@ -82,7 +82,11 @@ class LocalComfyTransport:
         from ltx2_multigpu.mgpu_backend import forward as F
 
         with torch.no_grad():
-            if kind == F.PREPROCESS_TEXT_JOB:
+            if kind == F.PREPROCESS_TEXT_JOB:  # the connectors on the patched weights, as the fleet fuses them
+                lora = payload.lora
+                if lora is not None and lora.patches is None and lora.key not in self.loras:
+                    return F.ForwardMiss(lora_key=lora.key)
+                self.apply_lora(lora)
                 return F.PreprocessTextReply(self.dm.preprocess_text_embeds(payload.context,
                                                                             unprocessed=payload.unprocessed))
             assert kind == F.FORWARD_JOB, kind
