@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -31,17 +30,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_sp import LTX2_19B, SimulatedExchange, build_transformer, rel_l2  # noqa: E402
+from bench_speed import interleaved  # noqa: E402
 
 from mgpu_backend import cuda_graphs as G  # noqa: E402
 from mgpu_backend.forward import ForwardRequest  # noqa: E402
 from mgpu_backend.models.families import get_family  # noqa: E402
 from mgpu_backend.native import NativeEngine  # noqa: E402
 from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def request(engine: NativeEngine, batch: int, frames: int, height: int, width: int, dtype, audio_steps: int = 126,
@@ -74,19 +69,6 @@ def fp8_blocks(model):
             f.bias = layer.bias
             setattr(model.get_submodule(parent_name), child, f)
     return model
-
-
-def timed(fns: dict, iters: int) -> dict:
-    """Median seconds of each function, called in turn (a, b, a, b, …) after one warm-up round each."""
-    times = {k: [] for k in fns}
-    for _ in range(iters):
-        for k, fn in fns.items():
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main():
@@ -150,7 +132,7 @@ def main():
                         with torch.no_grad():
                             ref = eager()
                             got = [graphed() for _ in range(3)]  # warm-up, capture, replay
-                            t = timed({"eager": eager, "graphed": graphed}, args.iters)
+                            t = interleaved({"eager": eager, "graphed": graphed}, args.iters, warmup=0)  # warmed above
                         cache = G.graphs_of(model)
                         entry = next(reversed(cache.entries.values()), None) if cache.entries else None
                         err = max(rel_l2(got[2][0], ref[0]), rel_l2(got[2][1], ref[1]))
