@@ -42,7 +42,7 @@ from torch import nn
 
 from .models import keymaps
 from .models.fp8 import FP8Linear
-from .parallel.sharding import is_sharded, local_rows
+from .parallel.sharding import full_weight, is_sharded, local_rows
 from .stage_params import LORA_PAIR_SUFFIXES, lora_pair_keys, open_lora
 from .validation import ValidationError
 
@@ -222,7 +222,7 @@ def _fused_weight(layer: nn.Module, terms: list[tuple[torch.Tensor, torch.Tensor
     ranks (`parallel/sharding.py`) is gathered whole first (a collective: every rank calls it for the layer)."""
     fp8 = isinstance(layer, FP8Linear)
     sharded = _is_dtensor(layer.weight)
-    weight = layer.weight.full_tensor() if sharded else layer.weight
+    weight = full_weight(layer.weight) if sharded else layer.weight
     device = weight.device
     delta = None
     for a, b, scale in terms:

@@ -122,3 +122,91 @@ def tiny_components_23(tmp_path_factory):
     from mgpu_backend.models.tiny import write_tiny_component_files
 
     return write_tiny_component_files(tmp_path_factory.mktemp("sharded_files"), "2.3", seed=0)
+
+
+# ---- the stage jobs (CLI, SP Sampler, TDP Upscale) -----------------------------------------------------------------
+
+def _stage_rank(rank: int, world: int, checkpoint: str, distilled: str) -> dict:
+    """Stage 1 (sequence parallel), stage 2 (tiled, distilled LoRA), stage 1 again, replicated then sharded."""
+    from test_lora_fleet import _Ctx, _payload
+
+    from mgpu_backend.jobs import stages
+    from mgpu_backend.lora import read_loras
+    from mgpu_backend.pipelines import TwoStagePipeline
+
+    jobs = [("stage1", "sequence_parallel", []), ("stage2", "tiled", [(distilled, 1.0)]),
+            ("stage1 again", "sequence_parallel", [])]
+    out = {}
+    for sharded in (False, True):
+        components = _components(checkpoint, torch.bfloat16, False)
+        state, _ = _state(components, rank, world, sharded, torch.bfloat16)
+        pipe = TwoStagePipeline(components, None, dtype=torch.bfloat16, plan=state.plan)
+        results = {}
+        for name, mode, loras in jobs:
+            r = stages.run_sample(SimpleNamespace(pipeline=pipe), _payload(mode, loras), _Ctx(rank))
+            results[name] = (r.get("video"), r.get("audio"), r.get("lora_reports"))
+        read_loras  # noqa: B018 - the LoRA files are read by the job itself
+        if sharded:
+            from mgpu_backend.parallel.sharding import units_of
+
+            results["dtypes"] = sorted({str(p.to_local().dtype) for u in units_of(components.transformer)
+                                        for p in u.parameters()})
+        out["sharded" if sharded else "replicated"] = results
+    return out
+
+
+@pytest.mark.parametrize("file,expect", [("checkpoint", "torch.bfloat16"), ("checkpoint_fp8", "torch.float8_e4m3fn")])
+def test_stage_jobs_sharded_equal_replicated(tiny_dir, file, expect):
+    files = tiny_dir["2.0"]
+    ranks = run_ranks(_stage_rank, 2, str(files[file]), str(files["distilled_lora"]), timeout_s=300.0)
+    replicated, sharded = ranks[0]["replicated"], ranks[0]["sharded"]
+    for name in ("stage1", "stage2", "stage1 again"):
+        for i, what in enumerate(("video", "audio")):
+            a, b = sharded[name][i], replicated[name][i]
+            assert (a is None) == (b is None), (name, what)
+            if a is not None:
+                assert _same(a, b), f"{name} {what}: sharded differs from replicated"
+        assert sharded[name][2] == replicated[name][2], name  # the LoRA coverage reports
+    assert _same(sharded["stage1 again"][0], sharded["stage1"][0]), "the LoRA was not restored exactly"
+    assert expect in sharded["dtypes"], sharded["dtypes"]
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------------
+
+def test_sharded_policy_refusals():
+    from mgpu_backend.parallel.plan import check_sharded_policy
+    from mgpu_backend.validation import ValidationError
+
+    check_sharded_policy(4, None, None, "auto", heads=32)  # the default policy is fine
+    check_sharded_policy(2, 2, 0, "off", heads=8)
+    with pytest.raises(ValidationError, match="must divide the transformer's 32 attention heads"):
+        check_sharded_policy(3, None, None, "auto", heads=32)
+    with pytest.raises(ValidationError, match="sp_degree=2 with sharded weights"):
+        check_sharded_policy(4, 2, None, "auto")
+    with pytest.raises(ValidationError, match="min_tokens_per_rank=4096 with sharded weights"):
+        check_sharded_policy(4, None, 4096, "auto")
+    with pytest.raises(ValidationError, match="guidance_parallel='on' with sharded weights"):
+        check_sharded_policy(2, None, None, "on")
+    from mgpu_backend.protocol import FleetIdentity
+
+    with pytest.raises(ValueError, match="weights='fsdp': choose one of replicated, sharded"):
+        FleetIdentity(devices=("cpu",), checkpoint="x.safetensors", gemma=None, weights="fsdp")
+
+
+def _tiles_rank(rank: int, world: int, checkpoint: str) -> str:
+    from mgpu_backend.parallel.tiling import TileCountConfig
+    from mgpu_backend.validation import ValidationError
+
+    components = _components(checkpoint, torch.float32, False)
+    state, _ = _state(components, rank, world, True, torch.float32)
+    state.plan.tiled(components.transformer, (2, 4, 4), TileCountConfig.spatial(1, 2, 1))  # 2 tiles on 2 ranks: fine
+    try:
+        state.plan.tiled(components.transformer, (2, 4, 6), TileCountConfig.spatial(1, 3, 1))
+    except ValidationError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_sharded_tiles_must_be_a_multiple_of_the_ranks(tiny_dir):
+    messages = run_ranks(_tiles_rank, 2, str(tiny_dir["2.0"]["checkpoint"]), timeout_s=120.0)
+    assert all(m.startswith("3 tiles over 2 ranks: with sharded weights") for m in messages), messages

@@ -147,6 +147,24 @@ def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.
     return report
 
 
+def full_weight(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter gathered from the ranks' shards (a collective over its mesh: every rank calls it for the
+    same parameter), or the parameter itself when it is not sharded. The shards travel as bytes, so it is exact for
+    every dtype, fp8 and int8 included, on gloo too (whose all-gather has no float8 type)."""
+    if not hasattr(param, "to_local"):
+        return param
+    world, group = param.device_mesh.size(), param.device_mesh.get_group()
+    rows, rest = param.shape[0], tuple(param.shape[1:])
+    chunk = -(-rows // world)
+    local = param.to_local()
+    padded = torch.zeros((chunk, *rest), dtype=local.dtype, device=local.device)
+    padded[:local.shape[0]].copy_(local)
+    mine = padded.reshape(-1).view(torch.uint8)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    return torch.cat(parts).view(local.dtype).reshape(world * chunk, *rest)[:rows]
+
+
 def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The rows of `full` (`[out, …]`, the whole parameter) that this rank's shard of `param` holds: FSDP2 splits
     dim 0 as `torch.chunk` does (the last ranks may hold fewer rows, or none)."""
@@ -159,5 +177,5 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full[start:start + local.shape[0]]
 
 
-__all__ = ["SHARDED_UNITS", "ShardingReport", "WEIGHT_MODES", "is_sharded", "local_rows", "shard_transformer",
+__all__ = ["SHARDED_UNITS", "ShardingReport", "WEIGHT_MODES", "full_weight", "is_sharded", "local_rows", "shard_transformer",
            "sharding_of", "units_of"]
