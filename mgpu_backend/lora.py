@@ -42,7 +42,7 @@ from torch import nn
 
 from .models import keymaps
 from .models.fp8 import FP8Linear
-from .parallel.sharding import full_weight, is_sharded, local_rows
+from .parallel.sharding import full_weight, local_rows
 from .stage_params import LORA_PAIR_SUFFIXES, lora_pair_keys, open_lora
 from .validation import ValidationError
 
@@ -285,6 +285,7 @@ class LoRAFuser:
         self._key: tuple | None = None
         self._reports: list[LoRAReport] = []
         self._modules: dict[str, nn.Module] | None = None
+        self._sharded = False  # the fused set's layers are sharded over the ranks (set by `fuse`)
         # the last fuse ("layers", "owned", "pairs_read", "clean_bytes", "fused_bytes", "seconds") and restore
         # ("layers", "seconds")
         self.stats: dict[str, dict] = {"fuse": {}, "restore": {}}
@@ -297,9 +298,10 @@ class LoRAFuser:
 
     @property
     def sharded(self) -> bool:
-        """The model's layers are sharded over the ranks (`parallel/sharding.py`): each rank fuses its own rows of
-        every layer (gathering each layer whole, in model order on every rank) and keeps its rows' clean copy."""
-        return is_sharded(self.model)
+        """The fused layers are sharded over the ranks (`parallel/sharding.py`): each rank fuses every layer itself
+        — its own rows of a sharded layer (gathered whole first, in model order on every rank), the whole of a
+        replicated one — and keeps the clean copy of what it holds; nothing is broadcast."""
+        return self._sharded
 
     @property
     def clean_bytes(self) -> int:
@@ -381,7 +383,8 @@ class LoRAFuser:
         reports, plan = self._plan(loras, stage)
         t0 = time.perf_counter()
         owners = assign_owners([layer.weight.numel() for _, layer, _ in plan], self.world_size)
-        if self.sharded:  # every rank fuses every layer into its own shard: no owner, no broadcast
+        self._sharded = any(_is_dtensor(layer.weight) for _, layer, _ in plan)
+        if self.sharded:  # every rank fuses every layer into what it holds: no owner, no broadcast
             owners = [self.rank] * len(plan)
         fused = [_Fused(name, layer, owner) for (name, layer, _), owner in zip(plan, owners)]
         pairs_read = 0

@@ -123,9 +123,11 @@ class WorkerState:
         if sharded:
             from .parallel.sharding import shard_transformer
 
-            self.sharding = shard_transformer(self.components.transformer, device)
-            for module in self.components.modules().values():
-                if module is not self.components.transformer:
+            c = self.components
+            self.sharding = shard_transformer(c.transformer, device,
+                                              connectors=(c.video_connector, c.audio_connector))
+            for module in c.modules().values():
+                if module not in (c.transformer, c.video_connector, c.audio_connector):
                     module.to(device)
         # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
         self.text = TextEncoderService.for_fleet(identity, rank, device, self.components.text_projection,

@@ -41,7 +41,8 @@ def _state(components, rank: int, world: int, sharded: bool, dtype: torch.dtype)
     from mgpu_backend.parallel.sharding import shard_transformer
 
     device = torch.device("cpu")
-    report = shard_transformer(components.transformer, device) if sharded else None
+    report = shard_transformer(components.transformer, device, connectors=(
+        components.video_connector, components.audio_connector)) if sharded else None
     plan = build_plan(components.transformer, rank, world, device, guidance_parallel="off", sharded=sharded)
     return SimpleNamespace(components=components, plan=plan, dtype=dtype, device=device), report
 
@@ -58,12 +59,14 @@ def _native_rank(rank: int, world: int, checkpoint: str, lora_path: str, dtype_n
         components = _components(checkpoint, dtype, transformer_only)
         state, report = _state(components, rank, world, sharded, dtype)
         if sharded:
-            loaded = [p.to_local().clone() for u in units_of(components.transformer) for p in u.parameters()]
+            connectors = (components.video_connector, components.audio_connector)
+            loaded = [p.to_local().clone() for u in units_of(components.transformer, connectors)
+                      for p in u.parameters()]
         jobs = _run_jobs(state, rank, meta, tensors, CASES)
         lora = _run_lora(state, rank, meta, tensors, lora_path)
         entry = {"jobs": jobs, "lora": lora}
         if sharded:
-            after = [p.to_local() for u in units_of(components.transformer) for p in u.parameters()]
+            after = [p.to_local() for u in units_of(components.transformer, connectors) for p in u.parameters()]
             entry["restored_exactly"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                                             for a, b in zip(loaded, after))
             entry["report"] = report
@@ -82,6 +85,9 @@ def _assert_equal_outputs(sharded: dict, replicated: dict) -> None:
     for name, (video, audio) in replicated["jobs"]["outputs"].items():
         s_video, s_audio = sharded["jobs"]["outputs"][name]
         assert _same(s_video, video) and _same(s_audio, audio), f"{name}: sharded differs from replicated"
+    assert _same(sharded["jobs"]["text"], replicated["jobs"]["text"]), "the connectors differ"
+    for key in ("text", "text_clean"):  # the connectors with and without their LoRA
+        assert _same(sharded["lora"][key].context, replicated["lora"][key].context), key
     for key in ("clean", "fused", "kept", "restored"):
         assert _same(sharded["lora"][key].video, replicated["lora"][key].video), key
         assert _same(sharded["lora"][key].audio, replicated["lora"][key].audio), key
@@ -99,7 +105,7 @@ def test_native_forward_sharded_equals_replicated_and_comfyui(golden, world):
     assert set(sharded["jobs"]["reports"].values()) == {sharded["plan"]}
     for r in ranks:  # each rank holds 1/W of the units (to one row per parameter) and the whole rest
         rep = r["sharded"]["report"]
-        assert rep.world_size == world and rep.units == 8 * 2  # the tiny model: 2 blocks
+        assert rep.world_size == world and rep.units == 8 * 2 + 2 * 2  # the tiny model: 2 blocks, 2 connectors of 1
         assert rep.unit_bytes / world <= rep.sharded_bytes <= rep.unit_bytes / world * 1.05 + 4096
         assert rep.resident_bytes < rep.replica_bytes
     assert sum(r["sharded"]["report"].sharded_bytes for r in ranks) == ranks[0]["sharded"]["report"].unit_bytes

@@ -11,8 +11,8 @@ it, the gathered copy is freed (`reshard_after_forward=True`). So:
   "ZeRO-3 + Ulysses"), which needs no 2-D mesh.
 - **Any dtype**: bf16 / fp32 parameters, fp8 (e4m3fn / e5m2) and int8 weights stay in their dtype in the shards
   (FSDP2 all-gathers a unit whose parameters mix dtypes as bytes); per-tensor and per-row scales are buffers and stay
-  replicated, as do the blocks' AdaLN tables, the embeddings, the projections in and out and the text connectors
-  (small: ~1 % of the 22B transformer).
+  replicated, as do the blocks' AdaLN tables, the embeddings and the projections in and out (small: ~1 % of the
+  transformer). The text connectors' blocks (attention, feed-forward) are sharded too: they run on every rank.
 - **Lockstep**: every rank must call every unit in the same order (each call is a collective). Hence the plan of a
   sharded fleet (`ParallelPlan.set_policy`): every forward runs sequence parallel over all ranks, never on a
   sub-group; guidance passes or batch rows are not spread over ranks; a tiled stage needs a tile count that is a
@@ -41,6 +41,7 @@ from ..protocol import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.
 # the modules of a transformer block that become FSDP units (everything else stays replicated)
 SHARDED_UNITS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn",
                  "ff", "audio_ff")
+CONNECTOR_UNITS = ("attn1", "ff")  # the same in the text connectors' blocks (LTX-2.3 / 2.5: ~2B parameters)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ShardingReport:
     """What one rank holds after `shard_transformer` (bytes of parameters and buffers, this rank's memory).
 
     world_size: ranks the units are sharded over.
-    units: FSDP units (8 per block: six attentions, two feed-forwards).
+    units: FSDP units (8 per transformer block: six attentions, two feed-forwards; 2 per connector block).
     sharded_bytes: this rank's shards of the units (≈ 1/W of `unit_bytes`, rounded up per parameter).
     unit_bytes: the units' full size (what one replica holds of them).
     replicated_bytes: the rest of the transformer, held whole by every rank.
@@ -88,10 +89,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def units_of(transformer: nn.Module) -> list[nn.Module]:
-    """The modules `shard_transformer` makes FSDP units, in block order."""
-    return [getattr(block, name) for block in transformer.transformer_blocks for name in SHARDED_UNITS
-            if getattr(block, name, None) is not None]
+def _slots(transformer: nn.Module, connectors=()) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(block, attribute, unit) of every module `shard_transformer` makes an FSDP unit, in call order."""
+    out = [(block, name, getattr(block, name)) for block in transformer.transformer_blocks for name in SHARDED_UNITS
+           if getattr(block, name, None) is not None]
+    for connector in connectors:
+        out += [(block, name, getattr(block, name)) for block in connector.transformer_blocks
+                for name in CONNECTOR_UNITS if getattr(block, name, None) is not None]
+    return out
+
+
+def units_of(transformer: nn.Module, connectors=()) -> list[nn.Module]:
+    """The modules `shard_transformer` makes FSDP units: the blocks' attentions and feed-forwards (and those of
+    the text connectors' blocks, when given)."""
+    return [unit for _, _, unit in _slots(transformer, connectors)]
 
 
 def is_sharded(transformer: nn.Module) -> bool:
@@ -103,11 +114,12 @@ def sharding_of(transformer: nn.Module) -> ShardingReport | None:
     return getattr(transformer, "_mgpu_sharding", None)
 
 
-def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None
-                      ) -> ShardingReport:
-    """Shard the block layers of `transformer` over the ranks of `group` (None: the default group) and move the rest
-    to `device`; every rank calls it (collective), with the transformer on any device (e.g. a memory map on the
-    CPU: only this rank's shards and the replicated rest reach `device`, one unit's full weights at a time).
+def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None,
+                      connectors: tuple[nn.Module, ...] = ()) -> ShardingReport:
+    """Shard the block layers of `transformer` (and of the text `connectors`, which run on every rank too) over the
+    ranks of `group` (None: the default group) and move the rest of those modules to `device`; every rank calls it
+    (collective), with the modules on any device (e.g. a memory map on the CPU: only this rank's shards and the
+    replicated rest reach `device`, one unit's full weights at a time).
 
     Returns this rank's `ShardingReport`. Raises RuntimeError without an initialized process group, ValueError when
     the transformer is sharded already.
@@ -121,16 +133,16 @@ def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.
         raise ValueError("the transformer is sharded already")
     group = group or dist.group.WORLD
     mesh = DeviceMesh.from_group(group, device.type)
-    units = units_of(transformer)
+    slots = _slots(transformer, connectors)
+    units = [unit for _, _, unit in slots]
     unit_bytes = sum(_nbytes(p) for u in units for p in u.parameters())
     largest = max((sum(_nbytes(p) for p in u.parameters()) for u in units), default=0)
     # the replicated rest to the device first, with the units taken out (they never reach it whole)
-    slots = [(block, name, getattr(block, name)) for block in transformer.transformer_blocks for name in SHARDED_UNITS
-             if getattr(block, name, None) is not None]
     for block, name, _ in slots:
         setattr(block, name, nn.Identity())
     try:
-        transformer.to(device)
+        for module in (transformer, *connectors):
+            module.to(device)
     finally:
         for block, name, unit in slots:
             setattr(block, name, unit)
@@ -140,8 +152,8 @@ def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     unit_ids = {id(p) for u in units for p in u.parameters()}
     sharded = sum(_nbytes(_local(p)) for u in units for p in u.parameters())
-    rest = (sum(_nbytes(p) for p in transformer.parameters() if id(p) not in unit_ids)
-            + sum(_nbytes(b) for b in transformer.buffers()))
+    rest = sum(_nbytes(p) for m in (transformer, *connectors) for p in m.parameters() if id(p) not in unit_ids)
+    rest += sum(_nbytes(b) for m in (transformer, *connectors) for b in m.buffers())
     report = ShardingReport(dist.get_world_size(group), len(units), sharded, unit_bytes, rest, largest)
     transformer._mgpu_sharding = report
     return report
@@ -177,5 +189,5 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full[start:start + local.shape[0]]
 
 
-__all__ = ["SHARDED_UNITS", "ShardingReport", "WEIGHT_MODES", "full_weight", "is_sharded", "local_rows", "shard_transformer",
+__all__ = ["CONNECTOR_UNITS", "SHARDED_UNITS", "ShardingReport", "WEIGHT_MODES", "full_weight", "is_sharded", "local_rows", "shard_transformer",
            "sharding_of", "units_of"]
