@@ -59,6 +59,7 @@ from .lora import LoRAFile, LoRAFuser, LoRAPair
 from .models import keymaps
 from .parallel.exchange import Exchange
 from .parallel.sequence import NEG_INF, SequenceParallelTransformer
+from .parallel.sharding import gathered
 from .validation import ValidationError
 
 log = logging.getLogger("ltx2_mgpu.native")
@@ -682,7 +683,7 @@ class NativeEngine:
         sp.state.key_mask = kw["key_mask"]
         sp.state.self_attention = GuideBias(guide_start, log_w).attend if log_w is not None else None
         try:
-            for block in t.transformer_blocks:
+            for block in gathered(t.transformer_blocks):  # sharded weights: each block gathered as it runs
                 hidden, audio_hidden = comfy_block(
                     block, hidden, audio_hidden, v_ctx=kw["v_ctx"], a_ctx=kw["a_ctx"], text_mask=kw["text_mask"],
                     temb=kw["temb"], temb_audio=kw["temb_audio"], video_ca_ss=kw["video_ca_ss"],

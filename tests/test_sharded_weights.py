@@ -105,8 +105,10 @@ def test_native_forward_sharded_equals_replicated_and_comfyui(golden, world):
     assert set(sharded["jobs"]["reports"].values()) == {sharded["plan"]}
     for r in ranks:  # each rank holds 1/W of the units (to one row per parameter) and the whole rest
         rep = r["sharded"]["report"]
-        assert rep.world_size == world and rep.units == 8 * 2 + 2 * 2  # the tiny model: 2 blocks, 2 connectors of 1
-        assert rep.unit_bytes / world <= rep.sharded_bytes <= rep.unit_bytes / world * 1.05 + 4096
+        assert rep.world_size == world and rep.units == 2 + 2  # the tiny model: 2 blocks, 2 connectors of 1 block
+        # dim 0 split as torch.chunk does: the first ranks hold one row more of a parameter whose rows W does not
+        # divide (the tiny model's narrow rows: a few KiB)
+        assert rep.sharded_bytes <= rep.unit_bytes / world * 1.05 + 4096
         assert rep.resident_bytes < rep.replica_bytes
     assert sum(r["sharded"]["report"].sharded_bytes for r in ranks) == ranks[0]["sharded"]["report"].unit_bytes
 

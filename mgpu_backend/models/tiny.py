@@ -295,14 +295,15 @@ def _comfy_quantize(state: dict[str, torch.Tensor], quantization: str) -> dict[s
     return out
 
 
-def _save(path: Path, state: dict[str, torch.Tensor], config: dict[str, Any], variant: str) -> Path:
+def _save(path: Path, state: dict[str, torch.Tensor], config: dict[str, Any], variant: str,
+          model_version: str | None = None) -> Path:
     for key, tensor in state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor.float()).all():
             raise AssertionError(f"tiny model tensor {key} is not finite")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path),
-              metadata={"config": json.dumps(config), "model_version": f"ltx-{variant}-tiny"})
+              metadata={"config": json.dumps(config), "model_version": model_version or f"ltx-{variant}-tiny"})
     return path
 
 
@@ -312,13 +313,25 @@ def write_tiny_transformer(path: Path, variant: str, seed: int = 0, modules: dic
     (`video_embeddings_connector.*`, `audio_embeddings_connector.*`), `config` metadata with the `transformer`
     section. `quantization`: None (floating `dtype`), "int8-convrot" or "fp8" (ComfyUI `.comfy_quant` layouts)."""
     modules = modules or build_tiny_modules(variant, seed)
+    return write_transformer_file(path, modules, tiny_transformer_metadata(variant), quantization, dtype,
+                                  f"ltx-{variant}-tiny")
+
+
+def write_transformer_file(path: Path, modules: dict[str, nn.Module], meta: dict[str, Any],
+                           quantization: str | None = None, dtype: torch.dtype = torch.bfloat16,
+                           model_version: str = "ltx-tiny", to_cpu: bool = False) -> Path:
+    """`modules["transformer"]`, `["video_connector"]`, `["audio_connector"]` (any size, e.g. a real-size random
+    model for bench/bench_sharded.py) in the `diffusion_models/` layout with `meta` as `config.transformer`.
+    `to_cpu`: the tensors are moved to the host one at a time (modules built on a GPU)."""
     state: dict[str, torch.Tensor] = {}
     state.update(_original_state(modules["transformer"], "", keymaps.transformer_to_original, dtype))
     for name, prefix in zip(("video_connector", "audio_connector"), keymaps.CONNECTOR_PREFIXES):
         state.update(_original_state(modules[name], prefix, keymaps.connector_to_original, dtype))
     if quantization is not None:
         state = _comfy_quantize(state, quantization)
-    return _save(path, state, {"transformer": tiny_transformer_metadata(variant)}, variant)
+    if to_cpu:
+        state = {k: state.pop(k).cpu() for k in list(state)}
+    return _save(path, state, {"transformer": meta}, "", model_version)
 
 
 def write_tiny_video_vae(path: Path, variant: str, seed: int = 0, modules: dict[str, nn.Module] | None = None,

@@ -1,9 +1,9 @@
-"""Sharded weights (the fleet's memory mode): the transformer's layers sharded over the ranks with FSDP2.
+"""Sharded weights (the fleet's memory mode): the transformer's blocks sharded over the ranks with FSDP2.
 
-`FleetIdentity.weights = "sharded"` makes every rank hold 1/W of each attention and feed-forward layer of the
-transformer blocks (`torch.distributed.fsdp.fully_shard`, one FSDP unit per attention / feed-forward module, dim 0
-of every parameter split over the ranks). Before a unit runs, FSDP all-gathers its full weights on every rank; after
-it, the gathered copy is freed (`reshard_after_forward=True`). So:
+`FleetIdentity.weights = "sharded"` makes every rank hold 1/W of every transformer block and text-connector block
+(`torch.distributed.fsdp.fully_shard`, one FSDP unit per block, dim 0 of every parameter split over the ranks).
+Before a block runs, FSDP all-gathers its full weights on every rank (on CUDA the next block's gather is started
+while this one computes); after it, the gathered copy is freed (`reshard_after_forward=True`). So:
 
 - **Faithful**: the forward computes with the very same weights as one process (an all-gather copies bytes), so a
   sharded forward equals the replicated forward bit for bit on the same rank layout — sequence parallel or not. It
@@ -11,25 +11,28 @@ it, the gathered copy is freed (`reshard_after_forward=True`). So:
   "ZeRO-3 + Ulysses"), which needs no 2-D mesh.
 - **Any dtype**: bf16 / fp32 parameters, fp8 (e4m3fn / e5m2) and int8 weights stay in their dtype in the shards
   (FSDP2 all-gathers a unit whose parameters mix dtypes as bytes); per-tensor and per-row scales are buffers and stay
-  replicated, as do the blocks' AdaLN tables, the embeddings and the projections in and out (small: ~1 % of the
-  transformer). The text connectors' blocks (attention, feed-forward) are sharded too: they run on every rank.
-- **Lockstep**: every rank must call every unit in the same order (each call is a collective). Hence the plan of a
+  whole, as do the embeddings, the projections in and out and the AdaLN embedders outside the blocks (~4 % of the
+  22B transformer). The text connectors' blocks are sharded too: they run on every rank.
+- **Lockstep**: every rank must run every block in the same order (each gather is a collective). Hence the plan of a
   sharded fleet (`ParallelPlan.set_policy`): every forward runs sequence parallel over all ranks, never on a
   sub-group; guidance passes or batch rows are not spread over ranks; a tiled stage needs a tile count that is a
   multiple of W (every rank runs the same number of tile forwards). CUDA graphs and `torch.compile` are off (the
-  per-unit all-gathers are not captured).
+  per-block gathers are not captured). A block loop that calls a block's submodules itself (the native forward's
+  ComfyUI block order) iterates `gathered(blocks)`; `block(...)` gathers through FSDP's hooks.
 
 Why FSDP and not tensor parallel (DTensor `ColwiseParallel` / `RowwiseParallel`): FSDP moves the weights (≈ the
 model size × (W−1)/W per forward, whatever the token count) and changes no arithmetic; tensor parallel moves
-activations (≈ 2 all-reduces per attention and feed-forward, ∝ tokens: ≈ 8 per block × T × 4096 × 2 B) and changes
-the reduction order of every row-split layer and of the q/k RMSNorm across heads. At stage-1 sizes (T ≥ 4k video
-tokens) tensor parallel moves more bytes than FSDP (`bench/bench_sharded.py` prints both), so FSDP is the one mode.
+activations (2 all-reduces per attention and feed-forward, ∝ tokens) and changes the reduction order of every
+row-split layer and of the q/k RMSNorm across heads. Per forward of one rank at W = 2 (22B fp8,
+bench/results/sharded_h200.txt): stage 1 at 640×352×121 (CFG batch 2) FSDP 11.3 GB vs tensor parallel 11.1 GB;
+stage 2 at 1280×704×121 11.3 GB vs 22.1 GB. Tensor parallel never moves clearly less, so FSDP is the one mode.
 
-Memory per rank (`ShardingReport`): the shards (≈ 1/W of the block layers) + the replicated rest + one gathered
-unit at a time (≈ 1/48 of the blocks per attention, ×4 for a feed-forward).
+Memory per rank (`ShardingReport`): the shards (≈ 1/W of the blocks) + the replicated rest + two gathered blocks
+at a time (the running one and the next, ≈ 0.45 GiB each for the 22B fp8 file).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +40,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..protocol import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.weights`
-
-# the modules of a transformer block that become FSDP units (everything else stays replicated)
-SHARDED_UNITS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn",
-                 "ff", "audio_ff")
-CONNECTOR_UNITS = ("attn1", "ff")  # the same in the text connectors' blocks (LTX-2.3 / 2.5: ~2B parameters)
-
 
 @dataclass(frozen=True)
 class ShardingReport:
@@ -89,20 +86,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _slots(transformer: nn.Module, connectors=()) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(block, attribute, unit) of every module `shard_transformer` makes an FSDP unit, in call order."""
-    out = [(block, name, getattr(block, name)) for block in transformer.transformer_blocks for name in SHARDED_UNITS
-           if getattr(block, name, None) is not None]
-    for connector in connectors:
-        out += [(block, name, getattr(block, name)) for block in connector.transformer_blocks
-                for name in CONNECTOR_UNITS if getattr(block, name, None) is not None]
-    return out
-
-
 def units_of(transformer: nn.Module, connectors=()) -> list[nn.Module]:
-    """The modules `shard_transformer` makes FSDP units: the blocks' attentions and feed-forwards (and those of
-    the text connectors' blocks, when given)."""
-    return [unit for _, _, unit in _slots(transformer, connectors)]
+    """The modules `shard_transformer` makes FSDP units: the transformer's blocks (and the text connectors' blocks,
+    when given), in call order."""
+    return [*transformer.transformer_blocks, *(b for c in connectors for b in c.transformer_blocks)]
+
+
+def gathered(blocks) -> Iterator[nn.Module]:
+    """Iterate `blocks` for a block loop that calls a block's submodules directly (not `block(...)`, whose FSDP hooks
+    gather it): each sharded block is yielded with its weights gathered, the next block's gather already under way
+    (overlapping this block's compute), and resharded once the loop moves on. Unsharded blocks pass through."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = list(blocks)
+    pending = None
+    for i, block in enumerate(blocks):
+        if not isinstance(block, FSDPModule):
+            yield block
+            continue
+        handle = pending if pending is not None else block.unshard(async_op=True)
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        pending = nxt.unshard(async_op=True) if isinstance(nxt, FSDPModule) else None
+        if handle is not None:
+            handle.wait()
+        try:
+            yield block
+        finally:
+            block.reshard()
 
 
 def is_sharded(transformer: nn.Module) -> bool:
@@ -133,23 +143,30 @@ def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.
         raise ValueError("the transformer is sharded already")
     group = group or dist.group.WORLD
     mesh = DeviceMesh.from_group(group, device.type)
-    slots = _slots(transformer, connectors)
-    units = [unit for _, _, unit in slots]
+    units = units_of(transformer, connectors)
     unit_bytes = sum(_nbytes(p) for u in units for p in u.parameters())
     largest = max((sum(_nbytes(p) for p in u.parameters()) for u in units), default=0)
-    # the replicated rest to the device first, with the units taken out (they never reach it whole)
-    for block, name, _ in slots:
-        setattr(block, name, nn.Identity())
+    # the replicated rest to the device first, with the blocks taken out (they never reach it whole)
+    lists = [transformer.transformer_blocks, *(c.transformer_blocks for c in connectors)]
+    saved = [list(blocks) for blocks in lists]
+    for blocks in lists:
+        for i in range(len(blocks)):
+            blocks[i] = nn.Identity()
     try:
         for module in (transformer, *connectors):
             module.to(device)
     finally:
-        for block, name, unit in slots:
-            setattr(block, name, unit)
+        for blocks, originals in zip(lists, saved):
+            for i, block in enumerate(originals):
+                blocks[i] = block
     for unit in units:
-        # FSDP moves the unit's parameters and buffers to the mesh's device, one unit at a time, and keeps this rank's
-        # shard of each parameter (buffers — fp8 / int8 scales — stay whole)
+        # FSDP moves the block's parameters and buffers to the mesh's device, one block at a time, and keeps this
+        # rank's shard of each parameter (buffers — fp8 / int8 scales — stay whole)
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    if device.type == "cuda":  # each block's hook starts the next block's gather (overlaps the compute)
+        for blocks in lists:
+            for block, nxt in zip(blocks, list(blocks)[1:]):
+                block.set_modules_to_forward_prefetch([nxt])
     unit_ids = {id(p) for u in units for p in u.parameters()}
     sharded = sum(_nbytes(_local(p)) for u in units for p in u.parameters())
     rest = sum(_nbytes(p) for m in (transformer, *connectors) for p in m.parameters() if id(p) not in unit_ids)
@@ -189,5 +206,5 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full[start:start + local.shape[0]]
 
 
-__all__ = ["CONNECTOR_UNITS", "SHARDED_UNITS", "ShardingReport", "WEIGHT_MODES", "full_weight", "is_sharded", "local_rows", "shard_transformer",
+__all__ = [ "ShardingReport", "WEIGHT_MODES", "full_weight", "gathered", "is_sharded", "local_rows", "shard_transformer",
            "sharding_of", "units_of"]
