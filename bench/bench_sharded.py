@@ -161,6 +161,15 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
         out["resident"] = torch.cuda.memory_allocated(device)
         out["load_peak"] = torch.cuda.max_memory_allocated(device)
     model = c.transformer
+    if world > 1:  # every block gathered once, as the native forward's loop does (`gathered`): the gathers alone
+        from mgpu_backend.parallel.sharding import gathered
+
+        for _ in range(2):
+            start = time.perf_counter()
+            for _block in gathered(model.transformer_blocks):
+                pass
+            _sync(device)
+        out["gather_sweep_ms"] = (time.perf_counter() - start) * 1000
     for frames, width, height, batch in sizes:
         row = {"size": f"{width}x{height}x{frames}", "batch": batch}
         try:
@@ -284,7 +293,8 @@ def main(argv=None) -> None:
                 f"(shards {r['sharded_bytes'] / GiB:.2f} + replicated {r['replicated_bytes'] / GiB:.2f}) of a "
                 f"{r['replica_bytes'] / GiB:.2f} GiB replica = {ratio:.3f} (target ≤ 1/{world} + 5 % = "
                 f"{1 / world + 0.05:.3f}: {'met' if ratio <= 1 / world + 0.05 else 'NOT met'}); peak while sharding "
-                f"{res.get('load_peak', 0) / GiB:.2f} GiB")
+                f"{res.get('load_peak', 0) / GiB:.2f} GiB; every block gathered once (no compute, collectives "
+                f"simulated): {res.get('gather_sweep_ms', float('nan')):.0f} ms")
         for row in res["rows"]:
             if "error" in row:
                 log(f"  {row['size']} B={row['batch']}: {row['error']}")

@@ -2,8 +2,8 @@
 
 `FleetIdentity.weights = "sharded"` makes every rank hold 1/W of every transformer block and text-connector block
 (`torch.distributed.fsdp.fully_shard`, one FSDP unit per block, dim 0 of every parameter split over the ranks).
-Before a block runs, FSDP all-gathers its full weights on every rank (on CUDA the next block's gather is started
-while this one computes); after it, the gathered copy is freed (`reshard_after_forward=True`). So:
+Before a block runs, FSDP all-gathers its full weights on every rank; after it, the gathered copy is freed
+(`reshard_after_forward=True`). So:
 
 - **Faithful**: the forward computes with the very same weights as one process (an all-gather copies bytes), so a
   sharded forward equals the replicated forward bit for bit on the same rank layout — sequence parallel or not. It
@@ -18,7 +18,9 @@ while this one computes); after it, the gathered copy is freed (`reshard_after_f
   sub-group; guidance passes or batch rows are not spread over ranks; a tiled stage needs a tile count that is a
   multiple of W (every rank runs the same number of tile forwards). CUDA graphs and `torch.compile` are off (the
   per-block gathers are not captured). A block loop that calls a block's submodules itself (the native forward's
-  ComfyUI block order) iterates `gathered(blocks)`; `block(...)` gathers through FSDP's hooks.
+  ComfyUI block order) iterates `gathered(blocks)`, which starts the next block's gather before this block computes;
+`block(...)` (diffusers' forward: the stage jobs) gathers through FSDP's hooks, one block at a time (each block is an
+FSDP root of its own, and FSDP 2.11's hook prefetch across roots fails before their lazy init).
 
 Why FSDP and not tensor parallel (DTensor `ColwiseParallel` / `RowwiseParallel`): FSDP moves the weights (≈ the
 model size × (W−1)/W per forward, whatever the token count) and changes no arithmetic; tensor parallel moves
@@ -163,10 +165,6 @@ def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.
         # FSDP moves the block's parameters and buffers to the mesh's device, one block at a time, and keeps this
         # rank's shard of each parameter (buffers — fp8 / int8 scales — stay whole)
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
-    if device.type == "cuda":  # each block's hook starts the next block's gather (overlaps the compute)
-        for blocks in lists:
-            for block, nxt in zip(blocks, list(blocks)[1:]):
-                block.set_modules_to_forward_prefetch([nxt])
     unit_ids = {id(p) for u in units for p in u.parameters()}
     sharded = sum(_nbytes(_local(p)) for u in units for p in u.parameters())
     rest = sum(_nbytes(p) for m in (transformer, *connectors) for p in m.parameters() if id(p) not in unit_ids)
