@@ -450,8 +450,7 @@ def check_config(config: P.FleetConfig) -> None:
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
     # header reads and the degree rule only: neither diffusers nor a model class is imported here
     from .models.loader import CheckpointError, SafetensorsFile, transformer_prefix
-    from .parallel.degrees import check_requested_degree
-    from .parallel.plan import check_sharded_policy
+    from .parallel.degrees import check_requested_degree, check_sharded_policy
     from .validation import ValidationError
 
     for what, path in (("checkpoint", config.checkpoint), ("upscaler", config.upscaler),

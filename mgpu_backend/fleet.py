@@ -180,7 +180,8 @@ class Fleet:
     def describe(self) -> dict:
         """The fleet for status answers and for saying what a stop or a rebuild replaces."""
         return {"generation": self.generation, "devices": list(self.config.devices), "worker_pids": list(self.pids),
-                "checkpoint": self.config.checkpoint, "load_seconds": self.load_seconds,
+                "checkpoint": self.config.checkpoint, "weights": self.config.weights,
+                "load_seconds": self.load_seconds,
                 "policy": dataclasses.asdict(self.policy), "plan": dataclasses.asdict(self.plan_for(self.policy))}
 
     def shutdown(self, graceful: bool = True) -> None:

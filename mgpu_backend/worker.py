@@ -109,6 +109,13 @@ class WorkerState:
         dtype = getattr(torch, identity.dtype)
         self.config, self.rank, self.device, self.dtype = identity, rank, device, dtype
         sharded = identity.weights == "sharded"
+        if device.type == "cuda":  # this GPU's free memory against what this rank will hold, before any weight
+            from .parallel.sharding import check_fits
+
+            files = (identity.checkpoint,) if identity.transformer_only else (
+                identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
+            sizes = loader.weight_bytes(files, dtype, transformer_only=identity.transformer_only)
+            check_fits(str(device), torch.cuda.mem_get_info(device)[0], sizes, identity.weights, identity.world_size)
         # sharded weights: loaded as a memory map on the host, then each rank moves only its shards to the device
         load_device = torch.device("cpu") if sharded else device
         if identity.transformer_only:

@@ -15,6 +15,7 @@ as float8 stay float8 (`FP8Linear`). Every component is loaded `strict`: a missi
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,6 +259,35 @@ def transformer_prefix(file: SafetensorsFile) -> str:
             return prefix
     raise CheckpointError(f"{file.path}: not an LTX-2 checkpoint (no '{keymaps.TRANSFORMER_PREFIX}{_LTX_MARKER}' "
                           f"key); is it a checkpoint of another model family?")
+
+
+def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False):
+    """The bytes the ranks will hold of these files (header reads only): a `parallel.sharding.WeightBytes` with the
+    transformer's and text connectors' block tensors apart. Floating tensors count in `dtype`, fp8 / int8 weights
+    and their scales as stored. `transformer_only`: only the transformer's keys of the first file."""
+    from ..parallel.sharding import WeightBytes
+
+    blocks = rest = 0
+    for i, path in enumerate(dict.fromkeys(p for p in paths if p)):
+        file = _open(path)
+        keys = file.keys
+        if transformer_only:
+            if i:
+                break
+            prefix = transformer_prefix(file)
+            keys = file.keys_under(prefix) if prefix else keys
+        for key in keys:
+            if key.endswith("." + quant.COMFY_QUANT_SUFFIX):  # a format marker, not held
+                continue
+            stored = file.tensor_dtype(key)
+            keep = stored in FP8_DTYPES or stored == torch.int8 or key.endswith((SCALE_SUFFIX, INPUT_SCALE_SUFFIX))
+            size = stored.itemsize if keep or not stored.is_floating_point else dtype.itemsize
+            n = math.prod(file.tensor_shape(key)) * size
+            if "transformer_blocks." in key or "transformer_1d_blocks." in key:  # the connectors' blocks
+                blocks += n
+            else:
+                rest += n
+    return WeightBytes(blocks, rest)
 
 
 def _component_prefix(file: SafetensorsFile, prefix: str, marker_keys: tuple[str, ...], what: str) -> str:

@@ -47,3 +47,24 @@ def top_sp_degree(heads: int, world_size: int, sp_degree: int | None = None) -> 
         check_requested_degree(heads, sp_degree, world_size)
         return sp_degree
     return largest_sp_degree(heads, world_size)
+
+
+def check_sharded_policy(world_size: int, sp_degree: int | None, min_tokens_per_rank: int | None,
+                         guidance_parallel: str, heads: int | None = None) -> None:
+    """Refuse, by name, a policy a sharded-weights fleet cannot follow (ValidationError, before any work): every
+    layer is gathered by all ranks at once, so every forward runs on all ranks — sequence parallel over all of them
+    (the world size must divide the heads), never on a sub-group, and guidance passes are not spread over ranks."""
+    if heads is not None and heads % world_size:
+        raise ValidationError(f"sharded weights over {world_size} ranks: every forward runs sequence parallel over "
+                              f"all ranks, so the world size must divide the transformer's {heads} attention heads "
+                              f"(use {', '.join(str(d) for d in range(2, heads + 1) if heads % d == 0 and d <= 8)} "
+                              f"ranks, or replicated weights)")
+    if sp_degree is not None and sp_degree != world_size:
+        raise ValidationError(f"sp_degree={sp_degree} with sharded weights: every forward runs on all {world_size} "
+                              f"ranks (each layer is gathered by all of them); leave sp_degree unset")
+    if min_tokens_per_rank:
+        raise ValidationError(f"min_tokens_per_rank={min_tokens_per_rank} with sharded weights: every forward runs "
+                              f"on all ranks; leave it unset (or 0)")
+    if guidance_parallel == "on":
+        raise ValidationError("guidance_parallel='on' with sharded weights: the ranks run every guidance pass "
+                              "together (each layer is gathered by all of them); use 'auto' or 'off'")

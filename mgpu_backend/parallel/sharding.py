@@ -80,6 +80,49 @@ class ShardingReport:
                 f"+{self.largest_unit_bytes / gib:.2f} GiB while the largest layer runs")
 
 
+GiB = 2 ** 30
+ACTIVATION_RESERVE_BYTES = 3 * GiB
+"""Kept free per GPU for one forward beside the weights: what one rank's peak exceeded its resident weights by at
+1280×704×121 (stage 2, 7,040 tokens per rank at W = 2: 2.96 GiB; 640×352×121 with a CFG batch of 2: 1.88 GiB), in
+bench/results/sharded_h200.txt. Larger sizes need more (a finer split: more ranks)."""
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """The bytes a rank holds of a model's files, as the loader keeps them (floating tensors in the compute dtype,
+    fp8 / int8 weights and their scales as stored): `blocks` (transformer and text-connector blocks: sharded in the
+    memory mode) and `rest` (everything else: held whole by every rank)."""
+
+    blocks: int
+    rest: int
+
+    def per_rank(self, weights: str, world_size: int) -> int:
+        if weights == "sharded":
+            return -(-self.blocks // world_size) + self.rest
+        return self.blocks + self.rest
+
+
+def check_fits(device: str, free_bytes: int, sizes: WeightBytes, weights: str, world_size: int,
+               reserve: int = ACTIVATION_RESERVE_BYTES) -> None:
+    """Refuse (ValidationError, before any weight is loaded) a fleet whose rank on `device` would not fit its free
+    memory, with the figure needed and the modes that would fit."""
+    from ..validation import ValidationError
+
+    need = sizes.per_rank(weights, world_size) + reserve
+    if need <= free_bytes:
+        return
+    fits = [f"sharded over {w} GPUs ({(sizes.per_rank('sharded', w) + reserve) / GiB:.1f} GiB per GPU)"
+            for w in (2, 4, 8) if sizes.per_rank("sharded", w) + reserve <= free_bytes]
+    if sizes.per_rank("replicated", 1) + reserve <= free_bytes:
+        fits.insert(0, "replicated weights")
+    what = f"{weights} weights" + (f" over {world_size} GPUs" if weights == "sharded" else "")
+    raise ValidationError(
+        f"{device} has {free_bytes / GiB:.1f} GiB free; this fleet needs {need / GiB:.1f} GiB on each GPU ({what}: "
+        f"{sizes.per_rank(weights, world_size) / GiB:.1f} GiB of weights + {reserve / GiB:.0f} GiB for one "
+        f"forward). Would fit: {'; '.join(fits) if fits else 'none of replicated or sharded over 2, 4 or 8 GPUs'}"
+        f" (also: free the GPU, or use an fp8 / int8 file)")
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -204,5 +247,5 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full[start:start + local.shape[0]]
 
 
-__all__ = [ "ShardingReport", "WEIGHT_MODES", "full_weight", "gathered", "is_sharded", "local_rows", "shard_transformer",
+__all__ = ["ACTIVATION_RESERVE_BYTES", "WeightBytes", "check_fits",  "ShardingReport", "WEIGHT_MODES", "full_weight", "gathered", "is_sharded", "local_rows", "shard_transformer",
            "sharding_of", "units_of"]
