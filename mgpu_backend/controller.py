@@ -501,6 +501,13 @@ def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = Tru
         if path and Path(path).is_dir():
             raise P.ControllerError(f"{what}: {path} is a directory, not a file: give the .safetensors file in it",
                                     kind=P.ErrorKind.VALIDATION)
+    try:  # sizes only (no file is opened): a checkpoint larger than the host's memory is not even mapped
+        if memory:
+            R.check_fleet(config, freed_bytes=freed_bytes)
+        else:
+            R.check_rank_count(config.devices, config.threads_per_worker)
+    except R.FleetTooLarge as exc:
+        raise P.ControllerError(str(exc), kind=P.ErrorKind.VALIDATION) from None
     try:
         header = SafetensorsFile(config.checkpoint)
         transformer_prefix(header)
@@ -508,13 +515,6 @@ def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = Tru
             heads = int(header.config().get("transformer", {}).get("num_attention_heads", 32))
             check_requested_degree(heads, config.sp_degree, config.world_size)
     except (ValidationError, CheckpointError, FileNotFoundError) as exc:
-        raise P.ControllerError(str(exc), kind=P.ErrorKind.VALIDATION) from None
-    try:
-        if memory:
-            R.check_fleet(config, freed_bytes=freed_bytes)
-        else:
-            R.check_rank_count(config.devices, config.threads_per_worker)
-    except R.FleetTooLarge as exc:
         raise P.ControllerError(str(exc), kind=P.ErrorKind.VALIDATION) from None
 
 

@@ -265,10 +265,10 @@ def reap(directory: Path, own: bool = False) -> list[dict]:
     """End recorded workers and remove their pid files; return their records (`was_running`: it still ran and was
     killed). own=False (a controller starting): the workers whose controller is gone (it died without reaping
     them); a live controller's are left to it. own=True (a controller stopping on a signal): this process's."""
-    ended = []
     if not directory.is_dir():
-        return ended
-    for path in sorted(directory.glob("*.json")):
+        return []
+    records = []
+    for path in sorted(directory.glob("*.json"), key=lambda p: (len(p.stem), p.stem)):  # by pid
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -278,24 +278,24 @@ def reap(directory: Path, own: bool = False) -> list[dict]:
         mine = owner == os.getpid() and record.get("controller_start_time") == start_time(os.getpid())
         if mine != own or (not own and owner and same_process(owner, record.get("controller_start_time"))):
             continue
-        pid = record["pid"]
-        if same_process(pid, record.get("start_time")):
+        record["was_running"] = same_process(record["pid"], record.get("start_time"))
+        records.append((path, record))
+    for _, record in records:  # every one first, then wait: a fleet's own teardown may race with this
+        if record["was_running"]:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(record["pid"], signal.SIGKILL)
             except OSError:
                 pass
-            end = time.monotonic() + 5.0
-            while same_process(pid, record.get("start_time")) and time.monotonic() < end:
-                try:
-                    os.waitpid(pid, os.WNOHANG)  # our own child: reap it, or it stays a zombie
-                except ChildProcessError:
-                    pass
-                time.sleep(0.05)
-            record["was_running"] = True
-        ended.append(record)
+    end = time.monotonic() + 5.0
+    for path, record in records:
+        while same_process(record["pid"], record.get("start_time")) and time.monotonic() < end:
+            try:
+                os.waitpid(record["pid"], os.WNOHANG)  # our own child: reap it, or it stays a zombie
+            except ChildProcessError:
+                pass
+            time.sleep(0.05)
         path.unlink(missing_ok=True)
-    return ended
-
+    return [record for _, record in records]
 
 # ---- process names and parent death (Linux prctl; elsewhere these do nothing) -----------------------------------
 
