@@ -244,12 +244,13 @@ class Controller:
 
     def processes(self) -> list[dict]:
         """Every process this controller owns, itself first: {"pid", "role", "rss_bytes"} (role "controller",
-        "worker rank R" or "helper (<name>)", e.g. multiprocessing's resource tracker; rss_bytes None off Linux)."""
+        "worker rank R" or "helper (<its command line>)", e.g. multiprocessing's resource tracker; rss_bytes None
+        off Linux)."""
         me, fleet = os.getpid(), self.fleet
         roles = {pid: f"worker rank {rank}" for rank, pid in enumerate(fleet.pids)} if fleet is not None else {}
         out = [{"pid": me, "role": "controller", "rss_bytes": R.rss_bytes(me)}]
         for pid in sorted(set(R.children(me)) | {p for p in roles if R.start_time(p) is not None}):
-            out.append({"pid": pid, "role": roles.get(pid, f"helper ({R.process_name(pid)})"),
+            out.append({"pid": pid, "role": roles.get(pid, f"helper ({R.command_line(pid)})"),
                         "rss_bytes": R.rss_bytes(pid)})
         return out
 
@@ -483,11 +484,11 @@ def _protocol_error(message: str) -> dict:
 
 def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = True) -> None:
     """Checks that need only file headers and the host, before any worker starts (so a running fleet is not torn
-    down for a configuration that cannot work): the checkpoint is a readable LTX-2 file, an explicit SP degree
-    divides its heads and fits the ranks, and the host can run the fleet (`resources.check_fleet`: ranks, GPUs,
-    cores; host memory unless memory=False, with `freed_bytes` given back by a fleet this one replaces). (Each field's own rule — a known
-    guidance-parallel mode, a non-negative token minimum, … — is checked when the `FleetIdentity` / `FleetPolicy` is
-    built.)
+    down for a configuration that cannot work): the host can run the fleet (`resources.check_fleet`: ranks, GPUs,
+    cores; host memory unless memory=False, with `freed_bytes` given back by a fleet this one replaces), the
+    checkpoint is a readable LTX-2 file, and an explicit SP degree divides its heads and fits the ranks. (Each
+    field's own rule — a known guidance-parallel mode, a non-negative token minimum, … — is checked when the
+    `FleetIdentity` / `FleetPolicy` is built.)
 
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
     # header reads and the degree rule only: neither diffusers nor a model class is imported here

@@ -125,6 +125,15 @@ def process_name(pid: int) -> str:
         return "?"
 
 
+def command_line(pid: int, limit: int = 80) -> str:
+    """The first `limit` characters of a process's command line ("" where unknown)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
+    except OSError:
+        return ""
+
+
 # ---- bounds ---------------------------------------------------------------------------------------------------------
 
 def _gib(n: float) -> str:
@@ -176,7 +185,8 @@ def check_rank_count(devices: tuple[str, ...], threads_per_worker: int = 1, host
             indices.append(int(index))
     missing = sorted({i for i in indices if i >= host.gpus})
     if missing:
-        have = f"this machine has {host.gpus} (cuda:0..cuda:{host.gpus - 1})" if host.gpus else "this machine has no CUDA GPU"
+        have = (f"this machine has {host.gpus} (cuda:0..cuda:{host.gpus - 1})" if host.gpus
+                else "this machine has no CUDA GPU")
         raise FleetTooLarge(f"{what}: CUDA device(s) {missing} do not exist: {have}")
     doubled = sorted({i for i in indices if indices.count(i) > 1})
     if doubled:

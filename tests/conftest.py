@@ -64,7 +64,8 @@ def seed() -> Callable[[int], torch.Generator]:
 SESSION_MARK = "LTX2_MGPU_TEST_SESSION"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "ltx2mgpu-"  # = mgpu_backend.frames.BLOCK_PREFIX + "<writer pid>-<ns>"
-LEFTOVER_GRACE_S = 20.0  # a controller told to stop exits just after it answers: wait this long before blaming
+# a controller told to stop exits just after it answers: wait this long before blaming it
+LEFTOVER_GRACE_S = float(os.environ.get("LTX2_MGPU_TEST_LEFTOVER_GRACE_S", "20"))
 
 
 def pytest_configure(config):
