@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger("ltx2_mgpu.resources")
 
 # A tiny-model CPU worker once it has reported ready: VmRSS 431-435 MiB (317 MiB of it anonymous: torch, diffusers
-# and the interpreter), torch 2.13 CPU, Python 3.11 (bench/results/worker_rss.md). The weights are not in it (tiny).
+# and the interpreter), torch 2.13 CPU, Python 3.11 (bench/results/worker_rss_cpu.md). The weights are not in it (tiny).
 WORKER_RSS_BYTES = 435 * 2**20
 MAX_RANKS = 64  # one host; the largest single machines have 8-16 GPUs
 THREADS_PER_CORE = 4  # CPU fleets may oversubscribe (tests run 4 ranks on 2 cores), not without bound
@@ -60,7 +61,7 @@ def cpu_cores() -> int:
 def gpu_count() -> int:
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()  # asks NVML first: no CUDA initialisation in the controller
 
 
 def available_memory() -> int | None:
@@ -293,7 +294,7 @@ def reap(directory: Path, own: bool = False) -> list[dict]:
     for _, record in records:  # every one first, then wait: a fleet's own teardown may race with this
         if record["was_running"]:
             try:
-                os.kill(record["pid"], signal.SIGKILL)
+                os.kill(record["pid"], getattr(signal, "SIGKILL", signal.SIGTERM))
             except OSError:
                 pass
     end = time.monotonic() + 5.0
@@ -314,7 +315,7 @@ _PR_SET_NAME = 15
 
 
 def _prctl(option: int, value) -> bool:
-    if not os.uname().sysname == "Linux":
+    if not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
@@ -330,6 +331,6 @@ def set_process_name(name: str) -> None:
     _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
-def kill_on_parent_death(sig: int = signal.SIGKILL) -> bool:
-    """Linux: the kernel sends `sig` to this process when the thread that spawned it ends (PR_SET_PDEATHSIG)."""
-    return _prctl(_PR_SET_PDEATHSIG, int(sig))
+def kill_on_parent_death() -> bool:
+    """Linux: the kernel sends SIGKILL to this process when the thread that spawned it ends (PR_SET_PDEATHSIG)."""
+    return _prctl(_PR_SET_PDEATHSIG, int(getattr(signal, "SIGKILL", 9)))
