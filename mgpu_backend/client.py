@@ -154,8 +154,10 @@ class ControllerClient:
             if conn is not None:
                 return conn
             time.sleep(0.1)
-        raise P.ControllerError(f"the controller did not answer within {START_TIMEOUT_S:g} s",
-                                kind=P.ErrorKind.START_FAILED)
+        proc.kill()  # it never listened: not left running behind the error
+        proc.wait(5)
+        raise P.ControllerError(f"the controller (pid {proc.pid}) did not answer within {START_TIMEOUT_S:g} s and was "
+                                f"killed; see {self.runtime_dir / 'controller.log'}", kind=P.ErrorKind.START_FAILED)
 
     def close(self) -> None:
         self._conn.close()

@@ -362,3 +362,28 @@ def test_a_signal_while_a_fleet_starts_ends_its_workers(tiny_dir, tmp_path):
     finally:
         stop_controller(runtime)
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_controller_that_never_answers_is_killed_not_left(monkeypatch):
+    """The client's own start: a controller process that does not listen within START_TIMEOUT_S is killed with the
+    error (here a stand-in that sleeps, started as the client starts a controller)."""
+    from mgpu_backend import client as client_module
+
+    launched = []
+
+    def launch(runtime_dir, log_path):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        launched.append(proc)
+        return proc
+
+    monkeypatch.setattr(client_module, "_launch", launch)
+    monkeypatch.setattr(client_module, "START_TIMEOUT_S", 0.5)
+    runtime = short_runtime_dir()
+    try:
+        with pytest.raises(ControllerError) as e:
+            ControllerClient(runtime_dir=runtime)
+        assert e.value.kind == ErrorKind.START_FAILED
+        assert f"(pid {launched[0].pid}) did not answer within 0.5 s and was killed" in str(e.value)
+        assert launched[0].returncode == -signal.SIGKILL and not process_alive(launched[0].pid)
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
