@@ -84,6 +84,11 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
                    help="run on a worker fleet: 'all', a count, a CUDA list like '0,1,3', or 'cpu:N' "
                         "(default: in this process)")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (with --devices, or CPU ranks)")
+    p.add_argument("--weights", choices=("replicated", "sharded"), default=None,
+                   help="the transformer's weights over the fleet's ranks: replicated (every GPU holds the whole "
+                        "transformer: fastest) or sharded (each GPU holds 1/N of its layers, gathered layer by layer "
+                        "as they run: for GPUs that cannot hold the model, e.g. 22B on 24 GB cards); fleet runs only "
+                        "(default: replicated)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks: the first job at a size pays the compile, later "
                         "jobs on the same fleet run faster")
@@ -163,7 +168,7 @@ class _Progress:
 def on_fleet(args: argparse.Namespace) -> bool:
     """A fleet option given: the job runs on the background controller's fleet, else in this process."""
     return any(getattr(args, name, None) is not None for name in
-               ("devices", "world_size", "sp_degree", "guidance_parallel", "min_tokens_per_rank"))
+               ("devices", "world_size", "sp_degree", "guidance_parallel", "min_tokens_per_rank", "weights"))
 
 
 def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
@@ -337,7 +342,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
     config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree,
                          compile=args.compile, guidance_parallel=args.guidance_parallel or "auto",
-                         min_tokens_per_rank=args.min_tokens_per_rank, **files)
+                         min_tokens_per_rank=args.min_tokens_per_rank, weights=args.weights or "replicated", **files)
     # headers and rank counts: a bad degree or file is refused before a controller is started (the controller checks
     # host memory, knowing what a running fleet would give back)
     check_config(config, memory=False)

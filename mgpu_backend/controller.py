@@ -494,6 +494,7 @@ def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = Tru
     # header reads and the degree rule only: neither diffusers nor a model class is imported here
     from .models.loader import CheckpointError, SafetensorsFile, transformer_prefix
     from .parallel.degrees import check_requested_degree
+    from .parallel.plan import check_sharded_policy
     from .validation import ValidationError
 
     for what, path in (("checkpoint", config.checkpoint), ("upscaler", config.upscaler),
@@ -512,9 +513,16 @@ def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = Tru
     try:
         header = SafetensorsFile(config.checkpoint)
         transformer_prefix(header)
+        heads = int(header.config().get("transformer", {}).get("num_attention_heads", 32))
         if config.sp_degree is not None:
-            heads = int(header.config().get("transformer", {}).get("num_attention_heads", 32))
             check_requested_degree(heads, config.sp_degree, config.world_size)
+        if config.weights == "sharded":
+            check_sharded_policy(config.world_size, config.sp_degree, config.min_tokens_per_rank,
+                                 config.guidance_parallel, heads if config.sequence_parallel else None)
+            if config.compile:
+                raise ValidationError("compile with sharded weights: the blocks' layers are gathered over the ranks "
+                                      "as they run, which compiled blocks do not do; use replicated weights to "
+                                      "compile")
     except (ValidationError, CheckpointError, FileNotFoundError) as exc:
         raise P.ControllerError(str(exc), kind=P.ErrorKind.VALIDATION) from None
 

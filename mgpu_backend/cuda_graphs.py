@@ -37,6 +37,8 @@ from typing import Any, Callable
 
 import torch
 
+from .parallel.sharding import is_sharded
+
 MODES = ("auto", "off")
 CAPACITY = 16  # graphs kept per transformer (sizes × pass sets × stages of a long-lived fleet)
 MAX_HELD_FRACTION = 0.25  # a graph whose capture reserves more than this share of the GPU's memory is dropped
@@ -274,6 +276,11 @@ def call(transformer, forward: Callable[..., Any], kwargs: dict, extra: Any = No
     if eligible(kwargs) is not None:
         return forward(**kwargs)
     cache = graphs_of(transformer)
+    if is_sharded(transformer):  # FSDP gathers each layer in its pre-forward hook: not captured
+        reason = f"{what} runs eagerly: sharded weights (each layer is gathered over the ranks as it runs)"
+        if reason not in cache.events:
+            cache.events.append(reason)
+        return forward(**kwargs)
     key = forward_key(transformer, kwargs, extra)
     entry = cache.entries.get(key)
     if entry is None:

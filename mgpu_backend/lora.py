@@ -42,6 +42,7 @@ from torch import nn
 
 from .models import keymaps
 from .models.fp8 import FP8Linear
+from .parallel.sharding import full_weight, local_rows
 from .stage_params import LORA_PAIR_SUFFIXES, lora_pair_keys, open_lora
 from .validation import ValidationError
 
@@ -217,16 +218,28 @@ def read_loras(specs) -> list[LoRAFile]:
 def _fused_weight(layer: nn.Module, terms: list[tuple[torch.Tensor, torch.Tensor, float]]) -> torch.Tensor:
     """The fused weight of one layer: `W + Σ scale_i · B_i @ A_i`, the sum in float32 in the LoRAs' order, rounded
     once to the weight's dtype (fp8 layers: the dequantized weight, rounded to the compute dtype). One function for
-    one process and every rank of a fleet, so that their fused weights are the same bits."""
+    one process and every rank of a fleet, so that their fused weights are the same bits. A layer sharded over the
+    ranks (`parallel/sharding.py`) is gathered whole first (a collective: every rank calls it for the layer)."""
     fp8 = isinstance(layer, FP8Linear)
-    device = layer.weight.device
+    sharded = _is_dtensor(layer.weight)
+    weight = full_weight(layer.weight) if sharded else layer.weight
+    device = weight.device
     delta = None
     for a, b, scale in terms:
         d = scale * (b.to(device, torch.float32) @ a.to(device, torch.float32))
         delta = d if delta is None else delta + d
     if fp8:
-        return (layer.dequantized_weight().float() + delta).to(layer.compute_dtype)
-    return (layer.weight.float() + delta).to(layer.weight.dtype)
+        return (layer.dequantized_weight(weight).float() + delta).to(layer.compute_dtype)
+    return (weight.float() + delta).to(weight.dtype)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _shard(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of a parameter: its local shard when sharded, else the parameter itself."""
+    return weight.to_local() if _is_dtensor(weight) else weight
 
 
 def assign_owners(sizes: list[int], world_size: int) -> list[int]:
@@ -272,6 +285,7 @@ class LoRAFuser:
         self._key: tuple | None = None
         self._reports: list[LoRAReport] = []
         self._modules: dict[str, nn.Module] | None = None
+        self._sharded = False  # the fused set's layers are sharded over the ranks (set by `fuse`)
         # the last fuse ("layers", "owned", "pairs_read", "clean_bytes", "fused_bytes", "seconds") and restore
         # ("layers", "seconds")
         self.stats: dict[str, dict] = {"fuse": {}, "restore": {}}
@@ -281,6 +295,13 @@ class LoRAFuser:
     @property
     def active(self) -> bool:
         return bool(self._fused)
+
+    @property
+    def sharded(self) -> bool:
+        """The fused layers are sharded over the ranks (`parallel/sharding.py`): each rank fuses every layer itself
+        — its own rows of a sharded layer (gathered whole first, in model order on every rank), the whole of a
+        replicated one — and keeps the clean copy of what it holds; nothing is broadcast."""
+        return self._sharded
 
     @property
     def clean_bytes(self) -> int:
@@ -362,6 +383,9 @@ class LoRAFuser:
         reports, plan = self._plan(loras, stage)
         t0 = time.perf_counter()
         owners = assign_owners([layer.weight.numel() for _, layer, _ in plan], self.world_size)
+        self._sharded = any(_is_dtensor(layer.weight) for _, layer, _ in plan)
+        if self.sharded:  # every rank fuses every layer into what it holds: no owner, no broadcast
+            owners = [self.rank] * len(plan)
         fused = [_Fused(name, layer, owner) for (name, layer, _), owner in zip(plan, owners)]
         pairs_read = 0
         try:
@@ -383,12 +407,13 @@ class LoRAFuser:
                     if isinstance(layer, FP8Linear):
                         layer.fused_weight = weight
                     else:
-                        self._backup[name] = self._keep(layer.weight.detach())
-                        layer.weight.copy_(weight)
+                        shard = _shard(layer.weight)
+                        self._backup[name] = self._keep(shard.detach())
+                        shard.copy_(local_rows(layer.weight, weight))
                     del weight, values
             # 2. every fused layer from its owner into every rank (the same order on all ranks)
             self._fused = fused  # model order; restore() and the rollback walk this list
-            if self.world_size > 1:
+            if self.world_size > 1 and not self.sharded:
                 with torch.no_grad():
                     for item in fused:
                         layer = item.layer
@@ -423,8 +448,8 @@ class LoRAFuser:
                     layer.fused_weight = None  # the fp8 weight was never touched
                     continue
                 if item.owner == self.rank:
-                    layer.weight.copy_(self._backup.pop(item.name))
-                if self.world_size > 1:
+                    _shard(layer.weight).copy_(self._backup.pop(item.name))
+                if self.world_size > 1 and not self.sharded:
                     self._broadcast(layer.weight, item.owner)
         self._clear()
         self.stats["restore"] = {"layers": layers, "seconds": _seconds_since(t0, device)}
@@ -453,7 +478,7 @@ class LoRAFuser:
                 if isinstance(layer, FP8Linear):
                     layer.fused_weight = None
                 elif item.name in self._backup:
-                    layer.weight.copy_(self._backup[item.name])
+                    _shard(layer.weight).copy_(self._backup[item.name])
         self._clear()
 
     def _keep(self, clean: torch.Tensor) -> torch.Tensor:

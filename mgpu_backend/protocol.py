@@ -166,6 +166,7 @@ def read_or_create_key(directory: Path) -> bytes:
 DTYPES = ("float32", "bfloat16", "float16")
 GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = parallel/passes.py MODES (not imported: no torch here)
 GEMMA_MODES = ("replicated", "batch_parallel", "sharded")  # = parallel/gemma.py MODES
+WEIGHT_MODES = ("replicated", "sharded")  # the transformer's weights over the ranks (parallel/sharding.py)
 
 
 def _positive(what: str, value, integer: bool = False, allow_none: bool = False) -> None:
@@ -203,6 +204,10 @@ class FleetIdentity:
     gemma_reserve_gib: kept free on every fleet device when planning Gemma's memory (for the transformer).
     gemma_max_memory: per-device caps for Gemma, Accelerate max_memory style: (("cuda:0", "20GiB"), ("cpu", "64GiB"));
         a device named here that is not a fleet device ("cpu", "disk") takes the sharded layers the GPUs cannot hold.
+    weights: the transformer's weights over the ranks (`WEIGHT_MODES`): "replicated" (every rank holds the whole
+        transformer: the latency mode) or "sharded" (each rank holds 1/W of every block layer, FSDP2, gathered layer by
+        layer as it runs: the memory mode for GPUs that cannot hold a replica; every forward then runs sequence
+        parallel over all ranks, and the world size must divide the attention heads — parallel/sharding.py).
 
     Raises ValueError (naming the field, the value and the rule) on construction.
     """
@@ -223,8 +228,11 @@ class FleetIdentity:
     gemma_unload: bool = False
     gemma_reserve_gib: float = 0.0
     gemma_max_memory: tuple[tuple[str, str], ...] | None = None
+    weights: str = "replicated"
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights={self.weights!r}: choose one of {', '.join(WEIGHT_MODES)}")
         if (not isinstance(self.devices, tuple) or not self.devices
                 or not all(isinstance(d, str) and d for d in self.devices)):
             raise ValueError(f"devices={self.devices!r}: must be a non-empty tuple of device names, one per rank "
@@ -330,6 +338,7 @@ class FleetConfig:
     gemma_unload: bool = False
     gemma_reserve_gib: float = 0.0
     gemma_max_memory: tuple[tuple[str, str], ...] | None = None
+    weights: str = "replicated"
 
     def __post_init__(self) -> None:
         self.identity  # noqa: B018 - validates

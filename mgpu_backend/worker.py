@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .protocol import (JOB_STAGES, FleetIdentity, FleetPolicy, JobDone, JobFailed, JobProgress, JobSpec,
                        JobStopped, Pickled, RunJob, StopWorker, WorkerInitError, WorkerReady, send_inline)
+from .validation import ValidationError
 
 # a worker's exit code when its controller is gone (it exits on its own, `bind_to_parent`)
 EXIT_PARENT_GONE = 75
@@ -110,20 +111,34 @@ class WorkerState:
 
         dtype = getattr(torch, identity.dtype)
         self.config, self.rank, self.device, self.dtype = identity, rank, device, dtype
+        sharded = identity.weights == "sharded"
+        # sharded weights: loaded as a memory map on the host, then each rank moves only its shards to the device
+        load_device = torch.device("cpu") if sharded else device
         if identity.transformer_only:
-            self.components = loader.load_components(identity.checkpoint, dtype=dtype, device=device,
+            self.components = loader.load_components(identity.checkpoint, dtype=dtype, device=load_device,
                                                      transformer_only=True)
         else:
             self.components = loader.load_components(
                 identity.checkpoint, video_vae=identity.video_vae, audio_vae=identity.audio_vae,
                 text_projection=identity.text_projection, upsampler=identity.upscaler, text_encoder=identity.gemma,
-                dtype=dtype, device=device)
+                dtype=dtype, device=load_device)
+        self.sharding = None
+        if sharded:
+            from .parallel.sharding import shard_transformer
+
+            c = self.components
+            self.sharding = shard_transformer(c.transformer, device,
+                                              connectors=(c.video_connector, c.audio_connector))
+            for module in c.modules().values():
+                if module not in (c.transformer, c.video_connector, c.audio_connector):
+                    module.to(device)
         # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
         self.text = TextEncoderService.for_fleet(identity, rank, device, self.components.text_projection,
                                                  family=self.components.family)
         # every group any policy may use is built here, once (build_plan); the policy only picks among them
         self.plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy.token_cap,
-                                policy.min_tokens_per_rank, policy.sp_degree, policy.guidance_parallel)
+                                policy.min_tokens_per_rank, policy.sp_degree, policy.guidance_parallel,
+                                sharded=sharded)
                      if identity.sequence_parallel else None)
         self.pipeline = TwoStagePipeline(self.components, self.text, device=device, dtype=dtype, plan=self.plan)
         self.policy: FleetPolicy | None = None
@@ -136,6 +151,10 @@ class WorkerState:
         the heads or the fleet do not allow, before anything changes."""
         if policy == self.policy:
             return
+        if policy.compile and self.sharding is not None:
+            raise ValidationError("compile=True with sharded weights: the blocks' layers are gathered over the ranks "
+                                  "as they run (FSDP hooks), which the compiled blocks do not run; use replicated "
+                                  "weights to compile")
         if self.plan is not None:
             self.plan.set_policy(sp_degree=policy.sp_degree, min_tokens_per_rank=policy.min_tokens_per_rank,
                                  guidance_parallel=policy.guidance_parallel, token_cap=policy.token_cap)
@@ -183,6 +202,7 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
 
     bind_to_parent(parent_pid, watch)
     set_process_name(f"ltx2mgpu-rank{rank}")
+
     from .jobs import load_all
     from .models import loader
     from .sampling import SamplingCancelled

@@ -96,6 +96,18 @@ def _device_inputs() -> list:
                                  "GPU); otherwise caps or sets the count.")]
 
 
+WEIGHT_MODES_TOOLTIP = ("The transformer's weights over the GPUs: replicated = every GPU holds the whole transformer "
+                        "(fastest; needs a GPU that holds the model); sharded = each GPU holds 1/N of its layers, "
+                        "gathered layer by layer as they run (LTX-2.3 / 2.5 22B on 2-4 GPUs of 24-32 GB; every "
+                        "forward then runs sequence parallel over all GPUs, whose count must divide the 32 heads: "
+                        "2, 4 or 8). Changing it restarts the fleet.")
+
+
+def _weights_input():
+    return io.Combo.Input("weights", options=list(P.WEIGHT_MODES), default="replicated", optional=True,
+                          tooltip=WEIGHT_MODES_TOOLTIP)
+
+
 def describe_plan(handle: P.FleetHandle) -> str:
     """The node's text: the fleet and the split it computed for this handle's policy (`handle.plan`, a
     `protocol.FleetPlan`: nothing is re-derived here), the weights and the free memory."""
@@ -124,8 +136,11 @@ def describe_plan(handle: P.FleetHandle) -> str:
         f"{cfg.dtype}{', compiled blocks' if cfg.compile else ''}",
         sp,
         f"tiled stage 2 / decode: all {w} ranks",
-        f"weights: one full copy per rank (~{size / 2**30:.2f} GiB of files each, plus Gemma, mode "
-        f"{cfg.gemma_mode}) - a latency tool, not a memory tool",
+        (f"weights: one full copy per rank (~{size / 2**30:.2f} GiB of files each, plus Gemma, mode "
+         f"{cfg.gemma_mode})" if cfg.weights == "replicated" else
+         f"weights: the transformer's layers sharded over the {w} ranks (~1/{w} each of ~{size / 2**30:.2f} GiB of "
+         f"files, gathered layer by layer as they run; Gemma mode {cfg.gemma_mode}): every forward runs sequence "
+         f"parallel over all {w} ranks"),
         f"memory: {_free_memory(cfg.devices)}",
         f"worker pids: {', '.join(map(str, handle.worker_pids))}",
     ]
@@ -182,6 +197,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                                          "at each size pays the compile (tens of seconds); later ones run ~10 % "
                                          "faster on GPUs. Changing it keeps the fleet (turning it off restores the "
                                          "eager blocks)."),
+                _weights_input(),
             ],
             outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
                                                                 "generation)."),
@@ -191,7 +207,8 @@ class LoadCheckpointMGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, checkpoint, gemma, upscaler, devices, world_size, weight_dtype, video_vae=NONE,
-                audio_vae=NONE, text_projection=NONE, sp_degree=0, compile=False) -> io.NodeOutput:
+                audio_vae=NONE, text_projection=NONE, sp_degree=0, compile=False,
+                weights="replicated") -> io.NodeOutput:
         from ..mgpu_backend.client import parse_devices
 
         with guard("Load Checkpoint (MGPU)"):
@@ -204,7 +221,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 video_vae=_optional(video_vae, "vae", "checkpoints"),
                 audio_vae=_optional(audio_vae, "vae", "checkpoints"),
                 text_projection=_optional(text_projection, "text_encoders", "checkpoints"), dtype=dtype,
-                sp_degree=sp_degree or None, compile=bool(compile))
+                sp_degree=sp_degree or None, compile=bool(compile), weights=weights)
             try:
                 c = client()
                 try:
@@ -260,6 +277,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
                                        "ComfyUI's int8-convrot), a 2.0 / 2.3 transformer-only file, or a single-file "
                                        "checkpoint (only its transformer is loaded on the fleet)."),
                 *_device_inputs(),
+                _weights_input(),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip=MODEL_TOOLTIP),
                      Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet, for the other MGPU "
@@ -268,7 +286,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, devices, world_size) -> io.NodeOutput:
+    def execute(cls, unet_name, devices, world_size, weights="replicated") -> io.NodeOutput:
         from ..mgpu_backend.client import parse_devices
 
         what = "Load Diffusion Model (MGPU)"
@@ -278,7 +296,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             path = _resolve(unet_name, "diffusion_models", "checkpoints")
             # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
             config = P.FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
-                                   transformer_only=True)
+                                   transformer_only=True, weights=weights)
             try:
                 c = client()
                 try:

@@ -241,9 +241,11 @@ class FP8Linear(nn.Module):
         self._fused_weight = value
         WEIGHT_GENERATION[0] += 1
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight in `compute_dtype`: `weight.to(compute_dtype) · weight_scale`."""
-        return self.weight.to(self.compute_dtype) * self.weight_scale.to(self.compute_dtype)
+    def dequantized_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight in `compute_dtype`: `weight.to(compute_dtype) · weight_scale` (`weight`: this layer's, or the
+        same weight gathered whole when the layer is sharded over ranks)."""
+        weight = self.weight if weight is None else weight
+        return weight.to(self.compute_dtype) * self.weight_scale.to(self.compute_dtype)
 
     def _scale_b_rows(self) -> torch.Tensor:
         if torch.compiler.is_compiling():

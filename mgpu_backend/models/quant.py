@@ -282,9 +282,10 @@ class Int8Linear(FP8Linear):
         self.last_reason: str | None = None
         self.input_act: str | None = None  # "gelu_tanh" once `fold_gelu` moved a FeedForward's GELU in here
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight in `compute_dtype` (float32 math, rotated back for ConvRot)."""
-        return dequantize_int8(self.weight, self.weight_scale, self.convrot_group).to(self.compute_dtype)
+    def dequantized_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight in `compute_dtype` (float32 math, rotated back for ConvRot); `weight`: as `FP8Linear`'s."""
+        weight = self.weight if weight is None else weight
+        return dequantize_int8(weight, self.weight_scale, self.convrot_group).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

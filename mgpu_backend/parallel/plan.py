@@ -89,6 +89,7 @@ class ParallelPlan:
     heads: int | None = None  # the transformer's attention heads (the SP degree must divide them)
     model_shape: ModelShape | None = None  # the transformer's shape (`shape` is set from it when a policy needs it)
     requested_sp_degree: int | None = None  # the policy's explicit `sp_degree` (None: the largest the heads allow)
+    sharded: bool = False  # the transformer's weights are sharded over all ranks (sharding.py): lockstep forwards
 
     def set_policy(self, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
                    guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> None:
@@ -99,15 +100,19 @@ class ParallelPlan:
         check_mode(guidance_parallel)
         if self.all_stages is None:
             raise RuntimeError("set_policy needs a plan from build_plan (its groups are built there)")
+        if self.sharded:
+            check_sharded_policy(self.world_size, sp_degree, min_tokens_per_rank, guidance_parallel)
         heads = self.heads or 1
         degree = top_sp_degree(heads, self.world_size, sp_degree)  # raises for a degree the heads do not allow
         cost_model = None
         if min_tokens_per_rank is None:
-            cost_model = default_model() if self.device.type == "cuda" else None  # the graphed forward's
+            cost_model = (default_model() if self.device.type == "cuda" and not self.sharded
+                          else None)  # the graphed forward's
             min_tokens_per_rank = 0
         self.stages = {d: s for d, s in self.all_stages.items()
                        if d <= degree and (d == degree or min_tokens_per_rank > 0 or cost_model is not None)}
-        use_passes = guidance_parallel == "on" or (guidance_parallel == "auto" and self.device.type == "cuda")
+        use_passes = not self.sharded and (
+            guidance_parallel == "on" or (guidance_parallel == "auto" and self.device.type == "cuda"))
         self.pass_groups = dict(self.all_pass_groups or {}) if use_passes else {}
         top = self.all_stages[degree]
         self.sp_degree, self.sp_group, self.sp_forward = degree, top.group, top.forward
@@ -204,8 +209,16 @@ class ParallelPlan:
         return out[0], out[1]
 
     def tiled(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig) -> TiledTransformer:
-        """A TDP wrapper over every rank of the fleet (the default group)."""
-        return TiledTransformer(transformer, grid, tiling, None, self.world_size, self.rank)
+        """A TDP wrapper over every rank of the fleet (the default group). With sharded weights the tile count must
+        be a multiple of the ranks (raises ValidationError before any work): each rank runs the same number of tile
+        forwards, in lockstep."""
+        tiled = TiledTransformer(transformer, grid, tiling, None, self.world_size, self.rank)
+        if self.sharded and len(tiled.tiles) % self.world_size:
+            raise ValidationError(
+                f"{len(tiled.tiles)} tiles over {self.world_size} ranks: with sharded weights every rank runs the "
+                f"same number of tile forwards (each layer is gathered by all ranks at once), so the tile count "
+                f"must be a multiple of {self.world_size}; choose tiles such as 1x{self.world_size}")
+        return tiled
 
     def decode(self, vae, latent: torch.Tensor, tiling: TileCountConfig, temb=None):
         """Distributed decode over every rank; pixels on rank 0 (None elsewhere) and this rank's report."""
@@ -227,6 +240,9 @@ class ParallelPlan:
         guidance passes in parallel, that."""
         if self.world_size == 1:
             return "one rank"
+        if self.sharded:
+            return (f"sequence parallel over all {self.world_size} ranks, weights sharded over them (FSDP: every "
+                    f"layer gathered by all ranks in lockstep)")
         if self.last_split is not None and self.last_split.kind == "passes":
             return self.last_split.describe(self.world_size)
         reason = f": {self.last_reason}" if self.last_reason else ""
@@ -240,9 +256,30 @@ class ParallelPlan:
                 f"wait for its result{reason}")
 
 
+def check_sharded_policy(world_size: int, sp_degree: int | None, min_tokens_per_rank: int | None,
+                         guidance_parallel: str, heads: int | None = None) -> None:
+    """Refuse, by name, a policy a sharded-weights fleet cannot follow (ValidationError, before any work): every
+    layer is gathered by all ranks at once, so every forward runs on all ranks — sequence parallel over all of them
+    (the world size must divide the heads), never on a sub-group, and guidance passes are not spread over ranks."""
+    if heads is not None and heads % world_size:
+        raise ValidationError(f"sharded weights over {world_size} ranks: every forward runs sequence parallel over "
+                              f"all ranks, so the world size must divide the transformer's {heads} attention heads "
+                              f"(use {', '.join(str(d) for d in range(2, heads + 1) if heads % d == 0 and d <= 8)} "
+                              f"ranks, or replicated weights)")
+    if sp_degree is not None and sp_degree != world_size:
+        raise ValidationError(f"sp_degree={sp_degree} with sharded weights: every forward runs on all {world_size} "
+                              f"ranks (each layer is gathered by all of them); leave sp_degree unset")
+    if min_tokens_per_rank:
+        raise ValidationError(f"min_tokens_per_rank={min_tokens_per_rank} with sharded weights: every forward runs "
+                              f"on all ranks; leave it unset (or 0)")
+    if guidance_parallel == "on":
+        raise ValidationError("guidance_parallel='on' with sharded weights: the ranks run every guidance pass "
+                              "together (each layer is gathered by all of them); use 'auto' or 'off'")
+
+
 def build_plan(transformer, rank: int, world_size: int, device: torch.device,
                token_cap: int | None = DEFAULT_TOKEN_CAP, min_tokens_per_rank: int | None = 0,
-               sp_degree: int | None = None, guidance_parallel: str = "auto") -> ParallelPlan:
+               sp_degree: int | None = None, guidance_parallel: str = "auto", sharded: bool = False) -> ParallelPlan:
     """Called by every rank of an initialized default process group (creating the sub-groups is collective).
 
     Every group a policy may use is built here, once, in the same order on every rank: an SP group of ranks
@@ -261,6 +298,8 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     """
     check_mode(guidance_parallel)
     heads = transformer.config.num_attention_heads
+    if sharded:
+        check_sharded_policy(world_size, sp_degree, min_tokens_per_rank, guidance_parallel, heads)
     if sp_degree is not None:
         check_requested_degree(heads, sp_degree, world_size)
     all_stages: dict[int, SPStage] = {}
@@ -277,7 +316,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     top = all_stages[top_sp_degree(heads, world_size)]
     plan = ParallelPlan(rank, world_size, device, top.degree, top.group, top.forward, token_cap,
                         all_stages=all_stages, all_pass_groups=all_pass_groups, heads=heads,
-                        model_shape=ModelShape.of(transformer.config))
+                        model_shape=ModelShape.of(transformer.config), sharded=sharded)
     plan.set_policy(sp_degree=sp_degree, min_tokens_per_rank=min_tokens_per_rank,
                     guidance_parallel=guidance_parallel, token_cap=token_cap)
     return plan
