@@ -26,10 +26,10 @@ import torch.multiprocessing as mp
 
 from .frames import frames_ref, free_frames, remove_orphans
 from .parallel.degrees import top_sp_degree, valid_sp_degrees
-from .resources import FleetTooLarge, check_fleet, write_pid_file
 from .protocol import (JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPlan, FleetPolicy, JobCancelled,
                        JobDone, JobFailed, JobProgress, JobSpec, JobStopped, Pickled, RunJob, StopWorker,
                        WorkerInitError, WorkerMessage, WorkerReady, send_inline)
+from .resources import FleetTooLarge, check_fleet, write_pid_file
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
