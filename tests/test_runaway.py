@@ -387,3 +387,23 @@ def test_a_controller_that_never_answers_is_killed_not_left(monkeypatch):
         assert launched[0].returncode == -signal.SIGKILL and not process_alive(launched[0].pid)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_the_cli_refuses_an_oversized_fleet_before_a_controller_starts(tiny_dir, tmp_path, monkeypatch, capsys):
+    from mgpu_backend import cli
+
+    runtime = short_runtime_dir()
+    monkeypatch.setenv("LTX2_MGPU_RUNTIME_DIR", str(runtime))
+    files = tiny_dir["2.0"]
+    too_many = R.max_cpu_ranks(R.Host.probe()) + 1
+    try:
+        code = cli.main(["generate", "--checkpoint", str(files["checkpoint"]), "--gemma", str(files["gemma"]),
+                         "--upscaler", str(files["upsampler"]), "--prompt", "a fox", "--width", "128", "--height",
+                         "128", "--frames", "9", "--output", str(tmp_path / "clip.mp4"), "--devices",
+                         f"cpu:{too_many}"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"error: devices='cpu:{too_many}':" in err and "fit here" in err, err
+        assert not (runtime / "controller.sock").exists()  # no controller was started
+    finally:
+        stop_controller(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
