@@ -343,7 +343,9 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree,
                          compile=args.compile, guidance_parallel=args.guidance_parallel or "auto",
                          min_tokens_per_rank=args.min_tokens_per_rank, weights=args.weights or "replicated", **files)
-    check_config(config)  # headers only: a bad degree or file is refused before a controller is started
+    # headers and rank counts: a bad degree or file is refused before a controller is started (the controller checks
+    # host memory, knowing what a running fleet would give back)
+    check_config(config, memory=False)
     client = ControllerClient()
     t = time.perf_counter()
     handle = client.configure(config)

@@ -19,6 +19,7 @@ import torch
 
 from . import frames as F
 from . import protocol as P
+from .resources import Host, check_rank_count, cpu_cores
 
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the directory that holds `mgpu_backend`
 START_TIMEOUT_S = 60.0
@@ -29,7 +30,8 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
     `"cpu:N"` -> one device per rank.
 
     Without CUDA, "all" and counts give CPU ranks (gloo). `world_size` caps / sets the count.
-    Raises ValueError naming the value and the rule.
+    Raises ValueError naming the value and the rule; FleetTooLarge (a ValueError) for more ranks than this host runs
+    (`resources.check_rank_count`: GPUs present, CPU cores, `MAX_RANKS`), before any process starts.
     """
     spec = str(devices if devices is not None else "all").strip().lower()
     cuda = torch.cuda.device_count()
@@ -69,6 +71,8 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
         if world_size > len(out):
             raise ValueError(f"world_size={world_size} is larger than the {len(out)} devices given ({devices!r})")
         out = out[:world_size]
+    check_rank_count(out, 1, Host(cpu_cores(), cuda, None), what=f"devices={devices!r}"
+                     + (f", world_size={world_size}" if world_size is not None else ""))
     return out
 
 
@@ -150,8 +154,10 @@ class ControllerClient:
             if conn is not None:
                 return conn
             time.sleep(0.1)
-        raise P.ControllerError(f"the controller did not answer within {START_TIMEOUT_S:g} s",
-                                kind=P.ErrorKind.START_FAILED)
+        proc.kill()  # it never listened: not left running behind the error
+        proc.wait(5)
+        raise P.ControllerError(f"the controller (pid {proc.pid}) did not answer within {START_TIMEOUT_S:g} s and was "
+                                f"killed; see {self.runtime_dir / 'controller.log'}", kind=P.ErrorKind.START_FAILED)
 
     def close(self) -> None:
         self._conn.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import struct
 import threading
@@ -29,7 +30,8 @@ from multiprocessing.connection import AuthenticationError, Listener, answer_cha
 from pathlib import Path
 
 from . import protocol as P
-from .frames import free_frames
+from . import resources as R
+from .frames import free_frames, remove_orphans
 from .fleet import Fleet, next_generation
 
 log = logging.getLogger("ltx2_mgpu.controller")
@@ -53,6 +55,28 @@ class Controller:
         self.clients: dict[int, str] = {}  # id(connection) -> "pid N (name)" of every authenticated client
         self.stopping = threading.Event()
         self.test_faults = os.environ.get("LTX2_MGPU_TEST_FAULTS") == "1"
+        self.pid_dir = self.runtime_dir / "workers"  # a pid file per worker until it is reaped
+        self._reap_stale()
+
+    def _reap_stale(self) -> None:
+        """End the workers a previous controller of this runtime directory left (it died without reaping them),
+        and the /dev/shm frames blocks they wrote."""
+        stale = R.reap(self.pid_dir)
+        for record in stale:
+            log.warning("stale worker pid %d (rank %s of fleet generation %s, controller pid %s, which is gone): %s",
+                        record["pid"], record.get("rank"), record.get("generation"), record.get("controller_pid"),
+                        "ended" if record.get("was_running") else "had already exited")
+        if stale:
+            remove_orphans(tuple(r["pid"] for r in stale))
+
+    def on_signal(self, signum: int, frame) -> None:
+        """SIGTERM / SIGINT: end every worker this controller spawned (also one of a fleet still starting, from its
+        pid file), log it, and stop serving."""
+        ended = R.reap(self.pid_dir, own=True)
+        log.warning("stopping on %s: ended worker pids %s", signal.Signals(signum).name,
+                    [r["pid"] for r in ended if r.get("was_running")])
+        self.stopping.set()
+        raise SystemExit(128 + signum)
 
     # ---- serving ------------------------------------------------------------------------------------------------
 
@@ -215,7 +239,20 @@ class Controller:
         return {"pid": os.getpid(), "socket": str(self.socket_path), "busy_job": self.current_job,
                 "busy_kind": self.current_kind, "last_failure": self.last_failure, "clients": clients,
                 "fleet": None if fleet is None or not fleet.alive() else {
-                    **fleet.describe(), "open_counts": list(fleet.open_counts)}}
+                    **fleet.describe(), "open_counts": list(fleet.open_counts)},
+                "processes": self.processes()}
+
+    def processes(self) -> list[dict]:
+        """Every process this controller owns, itself first: {"pid", "role", "rss_bytes"} (role "controller",
+        "worker rank R" or "helper (<its command line>)", e.g. multiprocessing's resource tracker; rss_bytes None
+        off Linux)."""
+        me, fleet = os.getpid(), self.fleet
+        roles = {pid: f"worker rank {rank}" for rank, pid in enumerate(fleet.pids)} if fleet is not None else {}
+        out = [{"pid": me, "role": "controller", "rss_bytes": R.rss_bytes(me)}]
+        for pid in sorted(set(R.children(me)) | {p for p in roles if R.start_time(p) is not None}):
+            out.append({"pid": pid, "role": roles.get(pid, f"helper ({R.command_line(pid)})"),
+                        "rss_bytes": R.rss_bytes(pid)})
+        return out
 
     def _note_lost(self, fleet: Fleet) -> None:
         """Record (once) why a fleet that is not alive died, e.g. a worker killed between jobs."""
@@ -230,7 +267,7 @@ class Controller:
         t0 = time.monotonic()
         generation = next_generation()
         try:
-            fleet = Fleet(config, generation)
+            fleet = Fleet(config, generation, pid_dir=self.pid_dir)
         except P.ControllerError as exc:
             log.warning("fleet generation %d failed to start after %.1f s (%s) on %s: %s", generation,
                         time.monotonic() - t0, why, ",".join(config.devices), exc)
@@ -266,8 +303,12 @@ class Controller:
                 self.current_client = client
             with self.fleet_lock:
                 fleet = self.fleet
-                check_config(config)  # headers only, before any worker starts; nothing running is touched
-                if fleet is not None and fleet.alive() and fleet.identity == config.identity:
+                kept = fleet is not None and fleet.alive() and fleet.identity == config.identity
+                # headers and host limits, before any worker starts; nothing running is touched. A fleet this one
+                # replaces gives its workers' memory back first.
+                freed = 0 if kept or fleet is None else sum(R.rss_bytes(p) or 0 for p in fleet.pids)
+                check_config(config, freed_bytes=freed, memory=not kept)
+                if kept:
                     if config.policy != fleet.config.policy:
                         log.info("fleet generation %d kept for %s: a policy change only (%s)", fleet.generation,
                                  client, _policy_change(fleet.config.policy, config.policy))
@@ -441,11 +482,13 @@ def _protocol_error(message: str) -> dict:
             "kind": P.ErrorKind.PROTOCOL.value, "fleet_lost": False, "details": {}}
 
 
-def check_config(config: P.FleetConfig) -> None:
-    """Checks that need only file headers, before any worker starts (so a running fleet is not torn down for a
-    configuration that cannot work): the checkpoint is a readable LTX-2 file, and an explicit SP degree divides its
-    heads and fits the ranks. (Each field's own rule — a known guidance-parallel mode, a non-negative token
-    minimum, … — is checked when the `FleetIdentity` / `FleetPolicy` is built.)
+def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = True) -> None:
+    """Checks that need only file headers and the host, before any worker starts (so a running fleet is not torn
+    down for a configuration that cannot work): the host can run the fleet (`resources.check_fleet`: ranks, GPUs,
+    cores; host memory unless memory=False, with `freed_bytes` given back by a fleet this one replaces), the
+    checkpoint is a readable LTX-2 file, and an explicit SP degree divides its heads and fits the ranks. (Each
+    field's own rule — a known guidance-parallel mode, a non-negative token minimum, … — is checked when the
+    `FleetIdentity` / `FleetPolicy` is built.)
 
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
     # header reads and the degree rule only: neither diffusers nor a model class is imported here
@@ -459,6 +502,13 @@ def check_config(config: P.FleetConfig) -> None:
         if path and Path(path).is_dir():
             raise P.ControllerError(f"{what}: {path} is a directory, not a file: give the .safetensors file in it",
                                     kind=P.ErrorKind.VALIDATION)
+    try:  # sizes only (no file is opened): a checkpoint larger than the host's memory is not even mapped
+        if memory:
+            R.check_fleet(config, freed_bytes=freed_bytes)
+        else:
+            R.check_rank_count(config.devices, config.threads_per_worker)
+    except R.FleetTooLarge as exc:
+        raise P.ControllerError(str(exc), kind=P.ErrorKind.VALIDATION) from None
     try:
         header = SafetensorsFile(config.checkpoint)
         transformer_prefix(header)
@@ -503,7 +553,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runtime-dir", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    Controller(Path(args.runtime_dir) if args.runtime_dir else P.default_runtime_dir()).serve()
+    R.set_process_name("ltx2mgpu-ctl")
+    controller = Controller(Path(args.runtime_dir) if args.runtime_dir else P.default_runtime_dir())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, controller.on_signal)
+    controller.serve()
 
 
 if __name__ == "__main__":

@@ -12,12 +12,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import os
 import signal
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -26,6 +29,7 @@ from .parallel.degrees import top_sp_degree, valid_sp_degrees
 from .protocol import (JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPlan, FleetPolicy, JobCancelled,
                        JobDone, JobFailed, JobProgress, JobSpec, JobStopped, Pickled, RunJob, StopWorker,
                        WorkerInitError, WorkerMessage, WorkerReady, send_inline)
+from .resources import FleetTooLarge, check_fleet, write_pid_file
 from .worker import clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -34,6 +38,13 @@ ERROR_GRACE_S = 10.0
 STOP_GRACE_S = 10.0
 
 EventFn = Callable[[dict], None]
+
+log = logging.getLogger("ltx2_mgpu.fleet")
+
+# Workers get PR_SET_PDEATHSIG (worker.bind_to_parent), which fires when the *thread* that spawned them ends, not
+# the process: every worker is started from this one thread, which lives as long as the process (the controller
+# starts fleets from per-connection threads that end with their client).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ltx2-mgpu-spawner")
 
 
 def exit_text(code: int | None) -> str:
@@ -53,34 +64,27 @@ class Fleet:
     Raises ControllerError (fleet_lost=True) when a worker fails to start, naming the rank and the cause.
     """
 
-    def __init__(self, config: FleetConfig, generation: int):
+    def __init__(self, config: FleetConfig, generation: int, pid_dir: Path | None = None):
+        """`pid_dir`: where each worker's pid file is kept until it is reaped (the controller's runtime directory,
+        `resources.reap`). Raises ControllerError (kind "validation") for a fleet this host cannot run
+        (`resources.check_fleet`), before any process starts."""
+        try:
+            check_fleet(config)
+        except FleetTooLarge as exc:
+            raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
         self.config, self.generation = config, generation  # the configuration it was started with
         self.identity = config.identity  # what makes a fleet this one (the controller compares it)
         self.policy = config.policy  # the policy of the last job (status)
         self.world_size = config.world_size
+        self.pid_dir = pid_dir
+        self._starting = None  # the spawner thread's `Process.start` of the newest worker
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="ltx2-mgpu-fleet-")
         init_file = os.path.join(self._tmp.name, "rendezvous")
         self.cancel_flag = ctx.Value("i", 0)
         self.heartbeat = ctx.Array("d", 2 * self.world_size)
         self.conns, self.processes = [], []
-        saved_env = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(clean_allocator_env(saved_env))  # inherited by the spawned workers
-        try:
-            for rank in range(self.world_size):
-                parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=worker_main, name=f"ltx2-mgpu-rank{rank}", daemon=True,
-                                   args=(rank, self.identity, config.policy, init_file, child, self.cancel_flag,
-                                         self.heartbeat))
-                proc.start()
-                child.close()
-                self.conns.append(parent)
-                self.processes.append(proc)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved_env)
-        self.pids = tuple(p.pid for p in self.processes)
+        self.pids: tuple[int, ...] = ()
         self.open_counts: list[int] = [0] * self.world_size
         self.load_seconds = 0.0
         self.heads: int | None = None  # the loaded transformer's attention heads (`WorkerReady`)
@@ -88,7 +92,50 @@ class Fleet:
         # frames blocks handed to clients lately (theirs to unlink); any other block of this fleet's workers left in
         # /dev/shm at teardown is an orphan (e.g. written by rank 0 of a job another rank's death ended)
         self.handed_out: collections.deque[str] = collections.deque(maxlen=64)
-        self._wait_ready()
+        # the workers watch the read end: when this process dies its write end closes and they exit (worker.py)
+        watch, self._watch = ctx.Pipe(duplex=False)
+        try:
+            self._spawn(ctx, init_file, watch)
+            watch.close()
+            self._wait_ready()
+        except BaseException as exc:  # a failed or interrupted start (a signal, a timeout) leaves no process
+            watch.close()
+            self._abort_start(exc)
+            raise
+
+    def _spawn(self, ctx, init_file: str, watch) -> None:
+        saved_env = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(clean_allocator_env(saved_env))  # inherited by the spawned workers
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=worker_main, name=f"ltx2-mgpu-rank{rank}", daemon=True,
+                                   args=(rank, self.identity, self.config.policy, init_file, child, self.cancel_flag,
+                                         self.heartbeat, os.getpid(), watch))
+                self.conns.append(parent)
+                self.processes.append(proc)
+                self._starting = _SPAWNER.submit(proc.start)
+                self._starting.result()
+                child.close()
+                self.pids += (proc.pid,)
+                if self.pid_dir is not None:
+                    write_pid_file(self.pid_dir, proc.pid, rank=rank, generation=self.generation)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+
+    def _abort_start(self, exc: BaseException) -> None:
+        """Reap every worker a start spawned (`_fail` may have already) and log why it did not finish."""
+        if self._starting is not None:  # an interrupt in `_spawn` may come while the spawner thread starts one
+            self._starting.exception()
+        started = [p.pid for p in self.processes if p.pid is not None]
+        why = str(exc) if isinstance(exc, ControllerError) else f"interrupted by {type(exc).__name__}: {exc}"
+        if self.lost is None:
+            self.lost = why
+            self.shutdown(graceful=False)
+        log.warning("fleet generation %d did not start (%d of %d worker(s) spawned, pids %s, all reaped): %s",
+                    self.generation, len(started), self.world_size, started, why)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -193,14 +240,19 @@ class Fleet:
                     pass
             deadline = time.monotonic() + STOP_GRACE_S
             for proc in self.processes:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.processes:
+                if proc.pid is not None:
+                    proc.join(max(0.0, deadline - time.monotonic()))
+        started = [p for p in self.processes if p.pid is not None]
+        for proc in started:
             if proc.is_alive():
                 proc.kill()
-        for proc in self.processes:
+        for proc in started:
             proc.join(5)
+            if self.pid_dir is not None and not proc.is_alive():  # one still running keeps its record
+                (self.pid_dir / f"{proc.pid}.json").unlink(missing_ok=True)
         for conn in self.conns:
             conn.close()
+        self._watch.close()
         self.lost = self.lost or "shut down"
         self._tmp.cleanup()
         self._remove_orphan_frames()

@@ -8,6 +8,7 @@ half-entered. Rank 0 streams progress and returns the result: latents by value, 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from .protocol import (JOB_STAGES, FleetIdentity, FleetPolicy, JobDone, JobFaile
                        JobStopped, Pickled, RunJob, StopWorker, WorkerInitError, WorkerReady, send_inline)
 from .validation import ValidationError
 
+# a worker's exit code when its controller is gone (it exits on its own, `bind_to_parent`)
+EXIT_PARENT_GONE = 75
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
 TRANSFORMER_JOBS = frozenset({"forward", "preprocess_text", "noop", "frames"})
@@ -177,11 +180,36 @@ class WorkerState:
         return self.text.encoder
 
 
+def bind_to_parent(parent_pid: int, watch) -> None:
+    """Make this worker end with the process that spawned it (the controller), within a second, however that one
+    ends (SIGKILL, the OOM killer): Linux's parent-death signal (SIGKILL), and everywhere a thread that waits on
+    `watch`, the read end of a pipe whose only write end the parent holds, and exits when it closes."""
+    from .resources import kill_on_parent_death
+
+    kill_on_parent_death()
+    if os.getppid() != parent_pid:  # the parent died before the signal was set
+        os._exit(EXIT_PARENT_GONE)
+
+    def wait_for_close() -> None:
+        try:
+            while True:
+                watch.recv()  # nothing is ever sent: this returns only by EOF when the parent is gone
+        except (EOFError, OSError):
+            os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=wait_for_close, name="ltx2-mgpu-parent-watch", daemon=True).start()
+
+
 def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, conn, cancel_flag,
-                heartbeat) -> None:
-    """Entry point of a spawned worker. Reports `WorkerReady` or `WorkerInitError`, then serves jobs: each `RunJob`
-    runs under its policy (`WorkerState.apply_policy`) and ends with `JobDone`, `JobStopped` or `JobFailed`; a
-    `StopWorker` ends the loop."""
+                heartbeat, parent_pid: int, watch) -> None:
+    """Entry point of a spawned worker. Ends with its parent (`bind_to_parent`). Reports `WorkerReady` or
+    `WorkerInitError`, then serves jobs: each `RunJob` runs under its policy (`WorkerState.apply_policy`) and ends
+    with `JobDone`, `JobStopped` or `JobFailed`; a `StopWorker` ends the loop."""
+    from .resources import set_process_name
+
+    bind_to_parent(parent_pid, watch)
+    set_process_name(f"ltx2mgpu-rank{rank}")
+
     from .jobs import load_all
     from .models import loader
     from .sampling import SamplingCancelled

@@ -23,6 +23,11 @@ def format_status(status: dict, handle: P.FleetHandle | None = None) -> str:
         lines.append(f"checkpoint {fleet.get('checkpoint')} (loaded in {fleet.get('load_seconds') or 0:.1f} s)")
         if handle is not None and fleet["generation"] != handle.generation:
             lines.append(f"this handle is of generation {handle.generation} (the fleet was rebuilt since)")
+    processes = status.get("processes") or []
+    if processes:  # every process the controller owns, with its resident memory
+        lines.append("processes: " + "; ".join(
+            f"{p['role']} pid {p['pid']} {p['rss_bytes'] / 2**20:.0f} MiB" if p.get("rss_bytes") is not None
+            else f"{p['role']} pid {p['pid']}" for p in processes))
     lines.append(f"busy with job {status['busy_job']}" if status.get("busy_job") else "idle")
     if status.get("last_failure"):
         lines.append(f"last failure: {status['last_failure']}")

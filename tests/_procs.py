@@ -1,4 +1,5 @@
-"""Process helpers shared by the fleet / controller tests: a hang guard and checks that processes are gone."""
+"""Process helpers shared by the fleet / controller tests: a hang guard, checks that processes are gone, stopping a
+test's controller."""
 from __future__ import annotations
 
 import os
@@ -44,3 +45,31 @@ def wait_gone(pids, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def stop_controller(runtime) -> None:
+    """Stop the controller of the runtime directory `runtime` if one answers there, and make sure it and its workers
+    are gone (killed if a stop does not end them)."""
+    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.protocol import ControllerError
+
+    pids = []
+    try:
+        client = ControllerClient(runtime, start=False)
+        status = client.status()
+        pids = [p["pid"] for p in status.get("processes", [])] or [status["pid"]]
+        client.stop()
+    except (ControllerError, OSError, EOFError):
+        pass
+    if not wait_gone(pids):
+        for pid in pids:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def bound_child(parent_pid: int, watch) -> None:
+    """A spawned process bound to its parent as a worker is (`worker.bind_to_parent`), then idle."""
+    from mgpu_backend.worker import bind_to_parent
+
+    bind_to_parent(parent_pid, watch)
+    time.sleep(600)

@@ -4,10 +4,17 @@ The tiny models are written once per session by the project's own writer (`mgpu_
 single-file layout, for both model variants ("2.0" and "2.3"). `make_tiny` writes, per variant, a bf16 checkpoint
 and its fp8 twin built from the SAME modules (`build_tiny_modules(variant, seed=0)`), so `tiny_modules` holds the
 weights both files were written from.
+
+Nothing outlives the run (`pytest_sessionfinish`): a controller, a worker or a /dev/shm frames block of the pack that
+this session started and that is still there when it ends fails the run (and is ended / removed).
 """
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +55,90 @@ def seed() -> Callable[[int], torch.Generator]:
         return torch.Generator().manual_seed(n)
 
     return _seed
+
+
+# ---- nothing outlives the run -------------------------------------------------------------------------------------
+
+# in the environment of every process this session starts (controllers and workers inherit it): how its leftovers
+# are told from those of another session running beside it
+SESSION_MARK = "LTX2_MGPU_TEST_SESSION"
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "ltx2mgpu-"  # = mgpu_backend.frames.BLOCK_PREFIX + "<writer pid>-<ns>"
+# a controller told to stop exits just after it answers: wait this long before blaming it
+LEFTOVER_GRACE_S = float(os.environ.get("LTX2_MGPU_TEST_LEFTOVER_GRACE_S", "20"))
+
+
+def pytest_configure(config):
+    os.environ[SESSION_MARK] = f"{os.getpid()}-{time.time_ns()}"
+    config._ltx2_shm_before = _shm_blocks()
+
+
+def _shm_blocks() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")} if SHM_DIR.is_dir() else set()
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
+def _pack_processes() -> dict[int, str]:
+    """pid -> "name: command line" of this session's live controllers and workers: by the names the pack gives them
+    (ltx2mgpu-ctl, ltx2mgpu-rankN), the controller's module, or multiprocessing's spawn entry (a worker still
+    importing)."""
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            name = (entry / "comm").read_text().strip()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or not (name.startswith("ltx2mgpu-") or "mgpu_backend.controller" in cmdline
+                                  or "spawn_main" in cmdline):
+            continue
+        if mark in _environ(int(entry.name)).split(b"\0"):
+            out[int(entry.name)] = f"{name}: {cmdline[:160]}"
+    return out
+
+
+def _session_blocks(config) -> list[str]:
+    """/dev/shm frames blocks made during the session whose writer is gone or is one of this session's processes
+    (a live writer of another session keeps its blocks)."""
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    out = []
+    for name in sorted(_shm_blocks() - config._ltx2_shm_before):
+        pid = int(name[len(SHM_PREFIX):].split("-")[0])
+        if not Path(f"/proc/{pid}").exists() or mark in _environ(pid).split(b"\0"):
+            out.append(name)
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if SESSION_MARK not in os.environ or not Path("/proc").is_dir():
+        return  # the check needs /proc (Linux)
+    end = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := _pack_processes()) and time.monotonic() < end:
+        time.sleep(0.2)
+    blocks = _session_blocks(session.config)
+    if not left and not blocks:
+        return
+    lines = [f"left behind by this test run (issue 24): {len(left)} process(es), {len(blocks)} /dev/shm block(s)"]
+    for pid, what in sorted(left.items()):
+        lines.append(f"  process {pid} {what}")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for name in blocks:
+        lines.append(f"  /dev/shm/{name}")
+        (SHM_DIR / name).unlink(missing_ok=True)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        (reporter.write_line if reporter else print)(line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

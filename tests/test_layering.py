@@ -10,8 +10,9 @@ relative and absolute — are read with `ast` (nothing is imported or executed) 
   hands back goes through `frames` (shared-memory frames) and `protocol`;
 - the pack's `kernels/` folder is imported only through `mgpu_backend/parallel/exchange.py` (today by nothing), and
   `kernels/` never imports `mgpu_backend`, `nodes` or ComfyUI;
-- those contract modules import from `mgpu_backend` only each other, `validation` and `frames` (the client's half of
-  the frame hand-back), so a node never pulls in the engine through them.
+- those contract modules import from `mgpu_backend` only each other, `validation`, `frames` (the client's half of
+  the frame hand-back) and `resources` (the host's limits, standard library only: the client refuses a fleet size
+  before a controller starts), so a node never pulls in the engine through them.
 
 `ALLOWED` lists the exceptions still in the code, each with its reason. It can only shrink: the test fails on any
 import that breaks a rule and is not listed, and on a listed import that no longer exists (remove it from the list).
@@ -30,7 +31,7 @@ NODES_MAY_IMPORT = {"mgpu_backend.client", "mgpu_backend.protocol", "mgpu_backen
 COMFYUI_MODULES = ("comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "server", "nodes")
 BELOW_THE_FLEET = ("mgpu_backend.models", "mgpu_backend.parallel")
 FLEET_MODULES = ("mgpu_backend.controller", "mgpu_backend.client", "mgpu_backend.worker", "mgpu_backend.fleet")
-CONTRACT_MAY_IMPORT = NODES_MAY_IMPORT | {"mgpu_backend.validation", "mgpu_backend.frames"}
+CONTRACT_MAY_IMPORT = NODES_MAY_IMPORT | {"mgpu_backend.validation", "mgpu_backend.frames", "mgpu_backend.resources"}
 JOBS = ("mgpu_backend.jobs",)
 
 # (importing module, imported module) pairs that break a rule today. Only ever remove entries.

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from _procs import stop_controller
+
 pytestmark = pytest.mark.comfyui
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,8 +67,9 @@ def tiny(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("native_model")
     modules = build_tiny_modules("2.0", 0)
-    return {"checkpoint": write_tiny_checkpoint(d / "ltx-2.0-tiny.safetensors", "2.0", 0, modules=modules),
-            "lora": write_tiny_lora(d / "ltx-2.0-tiny-lora.safetensors", "2.0", 0), "dir": d}
+    yield {"checkpoint": write_tiny_checkpoint(d / "ltx-2.0-tiny.safetensors", "2.0", 0, modules=modules),
+           "lora": write_tiny_lora(d / "ltx-2.0-tiny-lora.safetensors", "2.0", 0), "dir": d}
+    stop_controller(d / "rt")  # the fleet drivers' controller (run_driver) outlives each driver
 
 
 def run_driver(comfyui, tiny, transport: str, cases, world_size: int = 1, timeout: int = 900) -> dict:
@@ -148,8 +151,9 @@ def tiny23(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("native_model_23")
     modules = build_tiny_modules("2.3", 0)
-    return {"checkpoint": write_tiny_checkpoint(d / "ltx-2.3-tiny.safetensors", "2.3", 0, modules=modules),
-            "lora": write_tiny_lora(d / "ltx-2.3-tiny-lora.safetensors", "2.3", 0), "dir": d}
+    yield {"checkpoint": write_tiny_checkpoint(d / "ltx-2.3-tiny.safetensors", "2.3", 0, modules=modules),
+           "lora": write_tiny_lora(d / "ltx-2.3-tiny-lora.safetensors", "2.3", 0), "dir": d}
+    stop_controller(d / "rt")
 
 
 def test_ltx23_on_the_fleet_equals_native(comfyui, tiny23):
