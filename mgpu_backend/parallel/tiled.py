@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..attention import LTX2AttnProcessor, use_processor
+from ..model_forward import call_diffusers
+from .forward_plan import TILES
 from .tiling import Tile, TileCountConfig, make_tiles
 
 DEFAULT_MAX_FIRST_SIGMA = 0.7  # TDP refused above this first sigma: tiles drift apart (seed: "Do not run TDP first")
@@ -59,6 +61,8 @@ class TiledTransformer:
     `group=None` with `world_size=1` computes every tile here (the single-process reference of the same tiling).
     """
 
+    plan = TILES  # the declarative plan it applies (parallel/forward_plan.py)
+
     def __init__(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig,
                  group: dist.ProcessGroup | None = None, world_size: int = 1, rank: int = 0,
                  normalize_positions: bool = True):
@@ -81,6 +85,13 @@ class TiledTransformer:
         self._overlap_count = cover[overlap].float()  # [N_ov] tiles per overlap token
         self._overlap_slot = torch.full((n_gen,), -1, dtype=torch.int64)  # token -> row in the overlap buffers
         self._overlap_slot[overlap] = torch.arange(overlap.numel())
+
+    def _tile_forward(self, **kwargs):
+        """One tile's forward: the one forward on the tile's tokens (`model_forward.call_diffusers`: the plan's
+        `TILES` entry selected them), local. A stand-in without the LTX-2 modules (tests) is called as it is."""
+        if not hasattr(self.transformer, "proj_in"):
+            return self.transformer(return_dict=False, **kwargs)
+        return call_diffusers(self.transformer, **kwargs)
 
     def activate(self) -> None:
         """Install local attention processors (tiles run the whole model on this rank)."""
@@ -153,11 +164,10 @@ class TiledTransformer:
                 coords = coords - offset[:, :, None, None]
             per_token = {"video_keyframes_mask": kwargs["video_keyframes_mask"][:, idx]} \
                 if kwargs.get("video_keyframes_mask") is not None else {}  # from the un-normalized positions
-            video, audio = self.transformer(hidden_states=hidden_states[:, idx], timestep=timestep[:, idx],
-                                            video_coords=coords, audio_hidden_states=audio_hidden_states,
-                                            return_dict=False,
-                                            **{**{k: v for k, v in kwargs.items() if k != "return_dict"},
-                                               **per_token})
+            video, audio = self._tile_forward(hidden_states=hidden_states[:, idx], timestep=timestep[:, idx],
+                                              video_coords=coords, audio_hidden_states=audio_hidden_states,
+                                              **{**{k: v for k, v in kwargs.items() if k != "return_dict"},
+                                                 **per_token})
             out[:, idx] += video.float() * weights[None, :, None]
             if n_ov:
                 gen = tile.token_index(self.grid)
