@@ -31,6 +31,7 @@ from .parallel.decode import decode_tiles, decode_untiled, is_diffusion_decoder
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
 from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
 from .protocol import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
+from .semantics import REFERENCE
 from .stage import (CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageResult, StageSpec, TiledRunner,
                     run_stage)
 
@@ -355,7 +356,7 @@ class TwoStagePipeline:
             video_clean, video_mask = self._conditioning_latent(request.image, request.image_strength, frames_lat,
                                                                 request.height // 2, request.width // 2)
         audio_clean = torch.zeros(1, audio_frames, 128)
-        stage1 = StageSpec(name="stage 1", semantics="reference", positive=positive, negative=negative,
+        stage1 = StageSpec(name="stage 1", semantics=REFERENCE, positive=positive, negative=negative,
                            grid=(frames_lat, h1, w1), fps=request.fps, audio_frames=audio_frames,
                            video_clean=video_clean, audio_clean=audio_clean, sigmas=sigmas1,
                            video_guidance=video_guidance, audio_guidance=audio_guidance, video_mask=video_mask,
@@ -386,7 +387,7 @@ class TwoStagePipeline:
         report = {"rank": plan.rank if plan is not None else 0, "stage 1": plan.describe() if plan else "local"}
         # the distilled preset runs stage 2 split like stage 1 (the plan's choice); the two-stage recipe tiles it
         # over the fleet (one rank: the whole stage here)
-        stage2 = StageSpec(name="stage 2", semantics="reference", positive=positive, negative=None,
+        stage2 = StageSpec(name="stage 2", semantics=REFERENCE, positive=positive, negative=None,
                            grid=(frames_lat, h2, w2), fps=request.fps, audio_frames=audio_frames,
                            video_clean=video_clean2, audio_clean=audio1, sigmas=sigmas2, video_mask=video_mask2,
                            seed=request.seed + 1, audio_frozen=True, sampler=SamplerSpec(sampler_name,

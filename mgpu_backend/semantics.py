@@ -6,6 +6,7 @@ two recipes it reproduces differ in a handful of rules, each a field of `Semanti
 | field | `REFERENCE` (ltx-core / ltx-pipelines: the CLI) | `COMFYUI` (ComfyUI 0.33: the nodes, the native MODEL) |
 |---|---|---|
 | block_order | "diffusers": v2a cross-attention normalizes the video from before the block's a2v update | "comfyui": from after it (`model_forward.comfy_block`) |
+| token_inputs | "reference": positions and timesteps as diffusers' arguments (`LTX2Denoiser`) | "comfyui": a `ForwardRequest` prepared as ComfyUI does (`ComfyDenoiser` -> `NativeEngine.prepare`) |
 | qk_eps | None: the checkpoint's (1e-6) | 1e-5 (`comfy/ldm/lightricks/model.py` CrossAttention) |
 | mask_rule | "reference": the denoise mask blended into x0 | "comfyui": `KSamplerX0Inpaint`'s blend (`sampling.MaskRule`) |
 | start_noise_masked | True: start = lerp(clean, noised, mask) | False: every token noised (`CONST.noise_scaling`) |
@@ -25,6 +26,7 @@ from .validation import ValidationError
 
 BLOCK_ORDERS = ("diffusers", "comfyui")
 MASK_RULES = ("reference", "comfyui")
+TOKEN_INPUTS = ("reference", "comfyui")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Semantics:
 
     name: str
     block_order: str
+    token_inputs: str
     qk_eps: float | None
     mask_rule: str
     start_noise_masked: bool
@@ -45,6 +48,8 @@ class Semantics:
     def __post_init__(self):
         if self.block_order not in BLOCK_ORDERS:
             raise ValidationError(f"block_order={self.block_order!r}: choose one of {', '.join(BLOCK_ORDERS)}")
+        if self.token_inputs not in TOKEN_INPUTS:
+            raise ValidationError(f"token_inputs={self.token_inputs!r}: choose one of {', '.join(TOKEN_INPUTS)}")
         if self.mask_rule not in MASK_RULES:
             raise ValidationError(f"mask_rule={self.mask_rule!r}: choose one of {', '.join(MASK_RULES)}")
         if self.qk_eps is not None and not self.qk_eps > 0:
@@ -54,10 +59,10 @@ class Semantics:
         return self.name
 
 
-REFERENCE = Semantics(name="reference", block_order="diffusers", qk_eps=None, mask_rule="reference",
+REFERENCE = Semantics(name="reference", block_order="diffusers", token_inputs="reference", qk_eps=None, mask_rule="reference",
                       start_noise_masked=True, text_per_prompt=False, ancestral_noise_layout=None,
                       allows_tiles=True, allows_frozen_audio=True, allows_guides=False)
-COMFYUI = Semantics(name="comfyui", block_order="comfyui", qk_eps=1e-5, mask_rule="comfyui",
+COMFYUI = Semantics(name="comfyui", block_order="comfyui", token_inputs="comfyui", qk_eps=1e-5, mask_rule="comfyui",
                     start_noise_masked=False, text_per_prompt=True, ancestral_noise_layout="comfyui",
                     allows_tiles=False, allows_frozen_audio=False, allows_guides=True)
 ALL = (REFERENCE, COMFYUI)
@@ -75,4 +80,5 @@ def semantics_named(value: "str | Semantics", what: str = "semantics") -> Semant
     raise ValidationError(f"{what}={value!r}: choose one of {', '.join(NAMES)}")
 
 
-__all__ = ["ALL", "BLOCK_ORDERS", "COMFYUI", "MASK_RULES", "NAMES", "REFERENCE", "Semantics", "semantics_named"]
+__all__ = ["ALL", "BLOCK_ORDERS", "COMFYUI", "MASK_RULES", "NAMES", "REFERENCE", "Semantics", "TOKEN_INPUTS",
+           "semantics_named"]

@@ -91,11 +91,19 @@ def _boundary(plan, cancel_at: int | None, log: list):
 
 
 class _Forwards:
-    """Counts the transformer forwards this process runs."""
+    """Counts the transformer forwards this process runs (the one forward, `model_forward.run_eager`)."""
 
     def __init__(self, transformer):
+        from mgpu_backend import model_forward
+
         self.n = 0
-        transformer.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
+        real = model_forward.run_eager
+
+        def counting(*args, **kwargs):
+            self.n += 1
+            return real(*args, **kwargs)
+
+        model_forward.run_eager = counting  # transparent; every later forward of this process is counted
 
 
 def _rank(rank: int, world: int, paths: dict) -> dict:

@@ -28,7 +28,7 @@ import torch
 
 from ..attention import LTX2AttnProcessor, use_processor
 from ..forward import ForwardOptions
-from ..model_forward import run_eager
+from .. import model_forward
 from ..semantics import REFERENCE
 from ..tokens import TokenBatch
 from .degrees import check_sp_degree
@@ -174,4 +174,4 @@ class SequenceParallelTransformer:
         isolate = bool(kwargs.get("isolate_modalities", False))
         batch = TokenBatch.from_diffusers(self.transformer.config, **kwargs)
         options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)
-        return run_eager(self.transformer, batch, REFERENCE, self, options)
+        return model_forward.run_eager(self.transformer, batch, REFERENCE, self, options)
