@@ -28,7 +28,7 @@ duplicated leading frame, `(k_t // 2) · 2` replicated trailing latent frames cr
 chunks of which scale/shift 0, 1, 3, 4 are used, timestep `1000 · 1`, a single x0 step. Two differences, both
 resolved to ComfyUI's behaviour here:
 - neighborhood attention: diffusers runs FlexAttention (or NATTEN from the Hub); we install our processor, which calls
-  `comfy_kitchen.na3d` like ComfyUI (`mgpu_backend/parallel/neighborhood.py`);
+  `comfy_kitchen.na3d` like ComfyUI (`mgpu_backend/ops/neighborhood.py`);
 - grids smaller than a kernel: diffusers' attention raises, ComfyUI (comfy-kitchen) clamps the window to the axis;
   we clamp (short or narrow videos decode as in ComfyUI).
 Noise: ComfyUI draws `x_t` with a fresh `torch.Generator(device).manual_seed(0)` in the latent's dtype on its device
@@ -46,7 +46,7 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 
-from ..parallel.neighborhood import na3d
+from ..ops.neighborhood import na3d
 from .loader import CheckpointError, SafetensorsFile, _format_keys
 
 DIFFUSION_VAE_MARKER = "decoder.conv_in_x_t.weight"  # ComfyUI's detection key (comfy/sd.py)
@@ -223,7 +223,7 @@ def decoder_state_to_comfy(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 class NeighborhoodAttnProcessor:
     """diffusers attention processor for `LTX2VideoVaeNeighborhoodAttention`: project (norm, scale, RoPE — diffusers'
-    `project_qkv`), `na3d` from `parallel/neighborhood.py` (comfy-kitchen when installed), output projection.
+    `project_qkv`), `na3d` from `ops/neighborhood.py` (comfy-kitchen when installed), output projection.
     Takes no block mask (the decoder builds none for a processor that is not diffusers' flex one)."""
 
     def __init__(self, backend: str = "auto"):
