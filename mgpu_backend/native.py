@@ -2,8 +2,9 @@
 
 `NativeEngine.forward(request)` reproduces `comfy.ldm.lightricks.av_model.LTXAVModel.forward` (ComfyUI 0.33.0, which
 includes the upstream AdaLN sigma fix Comfy-Org/ComfyUI#14097) on the pack's resident diffusers
-`LTX2VideoTransformer3DModel`, calling its modules (projections, AdaLN embeddings, RoPE, blocks, output layers) in
-ComfyUI's order with ComfyUI's inputs:
+`LTX2VideoTransformer3DModel`: `prepare` turns the request into the engine's one `TokenBatch` with ComfyUI's inputs,
+and `run_rows` runs the engine's one forward (`model_forward.run`) on it under the `COMFYUI` semantics (ComfyUI's
+block order and q/k eps). ComfyUI's inputs:
 - positions: ComfyUI's patchifier grid in pixel units (`latent_to_pixel_coords` with the causal first-frame fix),
   the appended guide tokens' positions replaced by `keyframe_idxs`, then time × (1 / frame_rate) — seconds;
   audio: ComfyUI's `AudioPatchifier` times (hop 160, 16 kHz, 4× downsampling, causal), reference-audio tokens
@@ -19,7 +20,7 @@ ComfyUI's order with ComfyUI's inputs:
   per query group inside the (sequence-parallel) video self-attention;
 - STG (`stg_self_attn_blocks`): video and audio self-attention of those blocks return their value projection;
   modality guidance: a2v / v2a cross-attention off;
-- ComfyUI's block (`comfy_block`): the video→audio cross-attention normalizes the video stream after the block's
+- ComfyUI's block (`model_forward.comfy_block`): the video→audio cross-attention normalizes the video stream after the block's
   audio→video update (diffusers' block uses the video from before it); `run_vx` / `run_ax` False skip a stream's
   updates;
 - reference-audio tokens at timestep 0, cut from the output; q/k RMS-norm eps 1e-5 (ComfyUI's, instead of the
@@ -30,9 +31,10 @@ the clean weights exactly. Its patches of the text connectors are fused for a `p
 Not supported yet, refused by name: a video-only call, `generated_keyframes` on a model with the LTX-2.5 keyframe
 embedding.
 
-Parallel: the video tokens are split over the sequence-parallel group (`parallel/sequence.py`: Ulysses video
-self-attention, gathered K/V for video→audio), or a batch's rows are spread over ranks (the guidance-pass split of
-`parallel/passes.py`, each rank one whole forward per row) — `ParallelPlan.split` decides (the cost model on CUDA,
+Parallel: the plans of `parallel/forward_plan.py` over the one forward — the video tokens split over the
+sequence-parallel group (`SEQUENCE`: Ulysses video self-attention, gathered K/V for video→audio), or a batch's rows
+spread over ranks (`ROWS`: the guidance-pass split of `parallel/passes.py`, each rank one whole forward per row) —
+`ParallelPlan.split` decides once per request (the cost model on CUDA,
 sequence parallel on CPU unless `guidance_parallel="on"`). The batch-wide gate maxima are taken before the split, so
 a row computed alone equals the row computed in its batch.
 
