@@ -27,7 +27,7 @@ from mgpu_backend.tokens import TOKEN_FIELDS, TokenBatch
 from mgpu_backend.validation import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
-BEFORE = "40b2323"  # main before the one forward (issue 25)
+BEFORE = "40b2323cddd1435a4b64c4b69833f0daaef0ddde"  # main before the one forward (issue 25)
 
 
 @pytest.fixture(scope="module")
