@@ -15,8 +15,8 @@ relative and absolute — are read with `ast` (nothing is imported or executed) 
 - kernels vs `parallel/` vs `models/` (issue 25): `mgpu_backend/ops` (compute kernels in plain PyTorch, e.g.
   neighborhood attention) imports nothing of the pack; `models/` never imports `parallel/` (the model layer sits
   below the parallel layer, which may use it);
-- no import cycles inside `mgpu_backend`, lazy (function-local) imports included (`KNOWN_CYCLES` lists the one left,
-  and can only shrink).
+- no import cycles inside `mgpu_backend`, lazy (function-local) imports included (`KNOWN_CYCLES` would list any
+  left, and can only shrink; it is empty).
 
 `ALLOWED` lists the exceptions still in the code, each with its reason. It can only shrink: the test fails on any
 import that breaks a rule and is not listed, and on a listed import that no longer exists (remove it from the list).
@@ -136,12 +136,7 @@ def test_allow_list_only_shrinks():
 
 
 # strongly connected groups of modules importing each other (lazily or not) still in the code: only ever remove
-KNOWN_CYCLES = {
-    # diffusion_decoder reads files with loader's SafetensorsFile / CheckpointError; loader dispatches a diffusion
-    # VAE file to it. To split: the file layer (SafetensorsFile, CheckpointError, OPEN_COUNT — read by worker.py)
-    # into its own module.
-    frozenset({"mgpu_backend.models.diffusion_decoder", "mgpu_backend.models.loader"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def import_graph() -> dict[str, set[str]]:
