@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mgpu_backend.models.diffusion_decoder import (DiffusionDecoderConfig, build_decoder,  # noqa: E402
                                                    decode_vae_space, noise_canvas)
-from mgpu_backend.parallel import neighborhood  # noqa: E402
+from mgpu_backend.ops import neighborhood  # noqa: E402
 from mgpu_backend.parallel.decode import SPATIAL  # noqa: E402
 from mgpu_backend.parallel.tiling import axis_weights, split_axis  # noqa: E402
 

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mgpu_backend import latents as L  # noqa: E402
 from mgpu_backend import compile as C  # noqa: E402
+from mgpu_backend import model_forward  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
 from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
@@ -236,8 +237,8 @@ def simulated_rank(model, kw, tokens, w, exchange):
     per = tokens // w
     sim_kw = dict(kw, hidden_states=kw["hidden_states"][:, :per], timestep=kw["timestep"][:, :per],
                   video_coords=kw["video_coords"][:, :, :per])
-    # the simulated rank already holds its T/W tokens: run the wrapped transformer on them directly
-    return lambda: model(return_dict=False, **sim_kw)
+    # the simulated rank already holds its T/W tokens: the engine's one forward on them (model_forward)
+    return lambda: model_forward.call_diffusers(model, **sim_kw)
 
 
 def main():

@@ -43,6 +43,7 @@ from bench_sp import LTX2_19B, SimulatedExchange, build_transformer, inputs, pla
 
 from mgpu_backend import compile as C  # noqa: E402
 from mgpu_backend import cuda_graphs as G  # noqa: E402
+from mgpu_backend import model_forward  # noqa: E402
 from mgpu_backend import sampling as S  # noqa: E402
 from mgpu_backend.denoiser import LTX2Denoiser, TextContext  # noqa: E402
 from mgpu_backend.models import fp8 as F8  # noqa: E402
@@ -168,8 +169,8 @@ def rank_forward(model, kw, tokens, w):
     sim_kw = dict(base, hidden_states=base["hidden_states"][:, :per], timestep=base["timestep"][:, :per],
                   video_coords=base["video_coords"][:, :, :per])
 
-    def fwd(**k):
-        return model(return_dict=False, **k)
+    def fwd(**k):  # the engine's one forward on the rank's tokens (model_forward), the simulated exchanges installed
+        return model_forward.call_diffusers(model, **k)
     return (lambda: fwd(**sim_kw)), (lambda: G.call(model, fwd, sim_kw, extra=("rank", w)))
 
 

@@ -17,6 +17,7 @@ In float32 both are the reference's arithmetic exactly.
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +131,37 @@ class LTX2AttnProcessor:
         q, k, v = self.project(attn, hidden_states, encoder_hidden_states, query_rotary_emb, key_rotary_emb)
         out = self.attend(q, k, v, additive_mask(attention_mask))
         return self.finish(attn, hidden_states, out)
+
+
+@dataclass
+class GuideBias:
+    """ComfyUI's `GuideAttentionMask` over the kept token sequence: queries [0, guide_start) add `log_w` on keys
+    [guide_start, guide_start + tracked); tracked queries add their own `log_w` on keys [0, guide_start)."""
+
+    guide_start: int
+    log_w: torch.Tensor  # [tracked] in the compute dtype (finfo.min where the weight is 0)
+
+    @property
+    def tracked(self) -> int:
+        return self.log_w.numel()
+
+    def attend(self, q, k, v, key_mask):
+        """The video self-attention kernel on the whole (padded) sequence: `[B, Tp, H, D]` in, out; `key_mask`
+        additive `[1, 1, 1, Tp]` (−inf on padding) or None."""
+        gs, te, tp = self.guide_start, self.guide_start + self.tracked, q.shape[1]
+        log_w = self.log_w.to(q.dtype)
+        base = torch.zeros(1, 1, 1, tp, dtype=q.dtype, device=q.device) if key_mask is None else key_mask.to(q.dtype)
+        outs = []
+        if gs > 0:
+            noisy = base.clone()
+            noisy[..., gs:te] += log_w
+            outs.append(LTX2AttnProcessor.attend(q[:, :gs], k, v, noisy))
+        tracked = base.expand(1, 1, te - gs, tp).clone()
+        tracked[..., :gs] += log_w.view(1, 1, -1, 1)
+        outs.append(LTX2AttnProcessor.attend(q[:, gs:te], k, v, tracked))
+        if te < tp:
+            outs.append(LTX2AttnProcessor.attend(q[:, te:], k, v, key_mask))
+        return torch.cat(outs, dim=1)
 
 
 class FusedRMSNorm(torch.nn.Module):

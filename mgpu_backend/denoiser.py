@@ -17,9 +17,12 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_ltx2 import LTX2PerturbedAttnProcessor
 
-from . import cuda_graphs
+from . import cuda_graphs, model_forward
 from .attention import LTX2AttnProcessor, use_processor
+from .forward import ForwardOptions
 from .sampling import TIMESTEP_SCALE, GuidancePass, ModelInputs
+from .semantics import REFERENCE
+from .tokens import TokenBatch
 
 # connectors replace padding with 128 learnable registers; the reference pads prompts to 1024 tokens
 MIN_CONTEXT_TOKENS = 1024
@@ -296,16 +299,19 @@ class LTX2Denoiser:
                                                for note, n in self.batch_notes.items())
 
     def run_forward(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of `self.forward` (keyword arguments of the diffusers transformer, without `return_dict`):
-        replayed from CUDA graphs when the forward allows it (`cuda_graphs.call`: the plain transformer and the
-        sequence-parallel wrapper; a tiled wrapper synchronises with the host and stays eager), else eager."""
+        """One forward of `self.forward` on the diffusers keyword arguments the reference recipe forms (without
+        `return_dict`): for the plain transformer and the sequence-parallel wrapper, the `TokenBatch` they describe
+        (`TokenBatch.from_diffusers`) through the one forward (`model_forward.run`: replayed from CUDA graphs where
+        it can be); any other wrapper (tiled: it synchronises with the host) is called with them, eagerly."""
         forward = self.forward
-        if forward is self.transformer:
-            return cuda_graphs.call(self.transformer, lambda **kw: forward(return_dict=False, **kw), kwargs,
-                                    extra="transformer")
-        if getattr(forward, "cuda_graph_safe", False):
-            forward.ensure_active()
-            return cuda_graphs.call(self.transformer, forward, kwargs, extra=type(forward).__name__)
+        if forward is self.transformer or getattr(forward, "cuda_graph_safe", False):
+            split = None if forward is self.transformer else forward
+            if split is not None:
+                split.check(kwargs["hidden_states"].shape[1], kwargs["timestep"])
+            isolate = bool(kwargs.pop("isolate_modalities", False))
+            batch = TokenBatch.from_diffusers(self.transformer.config, **kwargs)
+            options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)
+            return model_forward.run(self.transformer, batch, REFERENCE, split, options)
         if cuda_graphs.eligible(kwargs) is None:
             cuda_graphs.graphs_of(self.transformer).note_eager(
                 f"{type(forward).__name__} forwards eager (the wrapper synchronises with the host)")

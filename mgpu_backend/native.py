@@ -2,8 +2,9 @@
 
 `NativeEngine.forward(request)` reproduces `comfy.ldm.lightricks.av_model.LTXAVModel.forward` (ComfyUI 0.33.0, which
 includes the upstream AdaLN sigma fix Comfy-Org/ComfyUI#14097) on the pack's resident diffusers
-`LTX2VideoTransformer3DModel`, calling its modules (projections, AdaLN embeddings, RoPE, blocks, output layers) in
-ComfyUI's order with ComfyUI's inputs:
+`LTX2VideoTransformer3DModel`: `prepare` turns the request into the engine's one `TokenBatch` with ComfyUI's inputs,
+and `run_rows` runs the engine's one forward (`model_forward.run`) on it under the `COMFYUI` semantics (ComfyUI's
+block order and q/k eps). ComfyUI's inputs:
 - positions: ComfyUI's patchifier grid in pixel units (`latent_to_pixel_coords` with the causal first-frame fix),
   the appended guide tokens' positions replaced by `keyframe_idxs`, then time × (1 / frame_rate) — seconds;
   audio: ComfyUI's `AudioPatchifier` times (hop 160, 16 kHz, 4× downsampling, causal), reference-audio tokens
@@ -19,7 +20,7 @@ ComfyUI's order with ComfyUI's inputs:
   per query group inside the (sequence-parallel) video self-attention;
 - STG (`stg_self_attn_blocks`): video and audio self-attention of those blocks return their value projection;
   modality guidance: a2v / v2a cross-attention off;
-- ComfyUI's block (`comfy_block`): the video→audio cross-attention normalizes the video stream after the block's
+- ComfyUI's block (`model_forward.comfy_block`): the video→audio cross-attention normalizes the video stream after the block's
   audio→video update (diffusers' block uses the video from before it); `run_vx` / `run_ax` False skip a stream's
   updates;
 - reference-audio tokens at timestep 0, cut from the output; q/k RMS-norm eps 1e-5 (ComfyUI's, instead of the
@@ -30,9 +31,10 @@ the clean weights exactly. Its patches of the text connectors are fused for a `p
 Not supported yet, refused by name: a video-only call, `generated_keyframes` on a model with the LTX-2.5 keyframe
 embedding.
 
-Parallel: the video tokens are split over the sequence-parallel group (`parallel/sequence.py`: Ulysses video
-self-attention, gathered K/V for video→audio), or a batch's rows are spread over ranks (the guidance-pass split of
-`parallel/passes.py`, each rank one whole forward per row) — `ParallelPlan.split` decides (the cost model on CUDA,
+Parallel: the plans of `parallel/forward_plan.py` over the one forward — the video tokens split over the
+sequence-parallel group (`SEQUENCE`: Ulysses video self-attention, gathered K/V for video→audio), or a batch's rows
+spread over ranks (`ROWS`: the guidance-pass split of `parallel/passes.py`, each rank one whole forward per row) —
+`ParallelPlan.split` decides once per request (the cost model on CUDA,
 sequence parallel on CPU unless `guidance_parallel="on"`). The batch-wide gate maxima are taken before the split, so
 a row computed alone equals the row computed in its batch.
 
@@ -50,21 +52,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cuda_graphs
-from .attention import LTX2AttnProcessor
+from . import cuda_graphs, model_forward
+from .attention import GuideBias
 from .denoiser import skip_self_attention, text_contexts
 from .forward import (ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraSet,
                       PreprocessTextRequest)
 from .lora import LoRAFile, LoRAFuser, LoRAPair
+from .model_forward import comfy_block, qk_eps, qk_norms  # noqa: F401 (re-exported)
 from .models import keymaps
 from .parallel.exchange import Exchange
-from .parallel.sequence import NEG_INF, SequenceParallelTransformer
-from .parallel.sharding import gathered
+from .parallel.sequence import SequenceParallelTransformer
+from .semantics import COMFYUI
+from .tokens import TokenBatch
 from .validation import ValidationError
 
 log = logging.getLogger("ltx2_mgpu.native")
-_ROPE = ("video_rotary_emb", "audio_rotary_emb", "ca_video_rotary_emb", "ca_audio_rotary_emb")
-COMFY_QK_EPS = 1e-5  # ComfyUI's q/k RMSNorm eps (comfy/ldm/lightricks/model.py CrossAttention)
+COMFY_QK_EPS = COMFYUI.qk_eps  # ComfyUI's q/k RMSNorm eps (comfy/ldm/lightricks/model.py CrossAttention)
 VAE_SCALE = (8, 32, 32)  # LTX-2 video VAE: time, height, width compression
 AUDIO_HOP, AUDIO_RATE, AUDIO_DOWNSAMPLE = 160, 16000, 4  # ComfyUI AudioPatchifier defaults for LTX-AV
 
@@ -73,23 +76,11 @@ class NotSupported(ValidationError):
     """A request ComfyUI's forward accepts that the fleet does not run yet (named, never ignored)."""
 
 
-def qk_norms(*modules: torch.nn.Module) -> list[torch.nn.Module]:
-    """The attention q/k RMSNorms (`norm_q`, `norm_k`) of `modules`."""
-    return [m for module in modules if module is not None for name, m in module.named_modules()
-            if name.rsplit(".", 1)[-1] in ("norm_q", "norm_k") and hasattr(m, "eps")]
-
-
 @contextlib.contextmanager
 def comfy_qk_eps(norms: list[torch.nn.Module], eps: float = COMFY_QK_EPS):
-    """Within the block, the q/k RMSNorms `norms` (`qk_norms`) use `eps`; their own eps is restored after."""
-    saved = [m.eps for m in norms]
-    try:
-        for m in norms:
-            m.eps = eps
+    """Within the block, the q/k RMSNorms `norms` (`qk_norms`) use `eps` (ComfyUI's by default); restored after."""
+    with qk_eps(norms, eps):
         yield
-    finally:
-        for m, old in zip(norms, saved):
-            m.eps = old
 
 
 class ContextCache:
@@ -236,37 +227,6 @@ def patch_loras(lora: LoraSet, connectors: bool = False) -> list[PatchLoRA]:
 
 # ---- the guide-attention bias -----------------------------------------------------------------------------------
 
-@dataclass
-class GuideBias:
-    """ComfyUI's `GuideAttentionMask` over the kept token sequence: queries [0, guide_start) add `log_w` on keys
-    [guide_start, guide_start + tracked); tracked queries add their own `log_w` on keys [0, guide_start)."""
-
-    guide_start: int
-    log_w: torch.Tensor  # [tracked] in the compute dtype (finfo.min where the weight is 0)
-
-    @property
-    def tracked(self) -> int:
-        return self.log_w.numel()
-
-    def attend(self, q, k, v, key_mask):
-        """The video self-attention kernel on the whole (padded) sequence: `[B, Tp, H, D]` in, out; `key_mask`
-        additive `[1, 1, 1, Tp]` (−inf on padding) or None."""
-        gs, te, tp = self.guide_start, self.guide_start + self.tracked, q.shape[1]
-        log_w = self.log_w.to(q.dtype)
-        base = torch.zeros(1, 1, 1, tp, dtype=q.dtype, device=q.device) if key_mask is None else key_mask.to(q.dtype)
-        outs = []
-        if gs > 0:
-            noisy = base.clone()
-            noisy[..., gs:te] += log_w
-            outs.append(LTX2AttnProcessor.attend(q[:, :gs], k, v, noisy))
-        tracked = base.expand(1, 1, te - gs, tp).clone()
-        tracked[..., :gs] += log_w.view(1, 1, -1, 1)
-        outs.append(LTX2AttnProcessor.attend(q[:, gs:te], k, v, tracked))
-        if te < tp:
-            outs.append(LTX2AttnProcessor.attend(q[:, te:], k, v, key_mask))
-        return torch.cat(outs, dim=1)
-
-
 def guide_bias(entries: tuple[GuideAttentionEntry, ...], kf_keep: torch.Tensor, kept_tokens: int,
                dtype: torch.dtype, device) -> GuideBias | None:
     """ComfyUI `_build_guide_self_attention_mask` on the resolved entries (None when no bias is needed).
@@ -299,103 +259,17 @@ def guide_bias(entries: tuple[GuideAttentionEntry, ...], kf_keep: torch.Tensor, 
     return GuideBias(kept_tokens - num_guide, log_w)
 
 
-# ---- one block in ComfyUI's order -----------------------------------------------------------------------------------
-
-def _mod(table: torch.Tensor, temb: torch.Tensor, b: int):
-    """diffusers `get_mod_params`: per-layer table + per-token (or per-row) AdaLN embedding, unbound per parameter."""
-    return (table[None, None].to(temb.dtype) + temb.reshape(b, temb.shape[1], table.shape[0], -1)).unbind(dim=2)
-
-
-def comfy_block(block, vx, ax, *, v_ctx, a_ctx, text_mask, temb, temb_audio, video_ca_ss, audio_ca_ss, a2v_gate,
-                v2a_gate, temb_prompt, temb_prompt_audio, rope, run_vx=True, run_ax=True, a2v=True, v2a=True):
-    """ComfyUI 0.33 `BasicAVTransformerBlock.forward` on a diffusers `LTX2VideoTransformerBlock`'s modules.
-
-    Differences from diffusers' block order (ComfyUI's win): the video→audio cross-attention normalizes the video
-    stream *after* the audio→video update of the same block; `run_vx` / `run_ax` False skip a stream's self-attention,
-    text cross-attention and feed-forward (a2v needs run_vx, v2a run_ax); a2v / v2a False skip those attentions.
-    STG is the attention processor's business (`denoiser.skip_self_attention`)."""
-    b = vx.shape[0]
-    v_vals = _mod(block.scale_shift_table, temb, b)
-    a_vals = _mod(block.audio_scale_shift_table, temb_audio, b)
-    run_a2v = run_vx and a2v and ax.shape[1] > 0
-    run_v2a = run_ax and v2a and ax.shape[1] > 0
-    if block.cross_attn_adaln:
-        kv = (_mod(block.prompt_scale_shift_table, temb_prompt, b) if temb_prompt is not None else
-              block.prompt_scale_shift_table[None, None].to(vx.dtype).unbind(dim=2))
-        a_kv = (_mod(block.audio_prompt_scale_shift_table, temb_prompt_audio, b) if temb_prompt_audio is not None
-                else block.audio_prompt_scale_shift_table[None, None].to(ax.dtype).unbind(dim=2))
-    if run_vx:
-        shift, scale, gate = v_vals[:3]
-        vx = vx + block.attn1(block.norm1(vx) * (1 + scale) + shift, None, None, rope["video_rotary_emb"], None) * gate
-        q = block.norm2(vx)
-        ctx = v_ctx
-        if block.video_cross_attn_adaln:
-            q = q * (1 + v_vals[7]) + v_vals[6]
-        if block.cross_attn_adaln:
-            ctx = ctx * (1 + kv[1]) + kv[0]
-        out = block.attn2(q, ctx, text_mask, None, None)
-        vx = vx + (out * v_vals[8] if block.video_cross_attn_adaln else out)
-    if run_ax:
-        shift, scale, gate = a_vals[:3]
-        ax = ax + block.audio_attn1(block.audio_norm1(ax) * (1 + scale) + shift, None, None,
-                                    rope["audio_rotary_emb"], None) * gate
-        q = block.audio_norm2(ax)
-        ctx = a_ctx
-        if block.audio_cross_attn_adaln:
-            q = q * (1 + a_vals[7]) + a_vals[6]
-        if block.cross_attn_adaln:
-            ctx = ctx * (1 + a_kv[1]) + a_kv[0]
-        out = block.audio_attn2(q, ctx, text_mask, None, None)
-        ax = ax + (out * a_vals[8] if block.audio_cross_attn_adaln else out)
-    if run_a2v or run_v2a:
-        ax_norm = block.video_to_audio_norm(ax)
-        v_ss = _mod(block.video_a2v_cross_attn_scale_shift_table[:4], video_ca_ss, b)
-        a_ss = _mod(block.audio_a2v_cross_attn_scale_shift_table[:4], audio_ca_ss, b)
-        if run_a2v:
-            v_in = block.audio_to_video_norm(vx) * (1 + v_ss[0]) + v_ss[1]
-            a_in = ax_norm * (1 + a_ss[0]) + a_ss[1]
-            out = block.audio_to_video_attn(v_in, a_in, None, rope["ca_video_rotary_emb"], rope["ca_audio_rotary_emb"])
-            vx = vx + out * _mod(block.video_a2v_cross_attn_scale_shift_table[4:], a2v_gate, b)[0]
-        if run_v2a:
-            a_in = ax_norm * (1 + a_ss[2]) + a_ss[3]
-            v_in = block.audio_to_video_norm(vx) * (1 + v_ss[2]) + v_ss[3]
-            out = block.video_to_audio_attn(a_in, v_in, None, rope["ca_audio_rotary_emb"], rope["ca_video_rotary_emb"])
-            ax = ax + out * _mod(block.audio_a2v_cross_attn_scale_shift_table[4:], v2a_gate, b)[0]
-    if run_vx:
-        shift, scale, gate = v_vals[3:6]
-        vx = vx + block.ff(block.norm3(vx) * (1 + scale) + shift) * gate
-    if run_ax:
-        shift, scale, gate = a_vals[3:6]
-        ax = ax + block.audio_ff(block.audio_norm3(ax) * (1 + scale) + shift) * gate
-    return vx, ax
-
-
 # ---- one forward ----------------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class _Prepared:
-    """A request turned into the transformer's inputs for the whole batch (before any row or token split)."""
+    """A request turned into the one forward's `TokenBatch` for the whole batch (before any row or token split),
+    with what `unpack` needs to give ComfyUI its layout back."""
 
-    video: torch.Tensor  # [B, N, 128] kept tokens (compute dtype)
-    video_ts: torch.Tensor  # [B, N] or [B, 1] scaled sigmas (float32)
-    video_coords: torch.Tensor  # [B, 3, N, 2] seconds / pixels (float32)
-    keyframe_marker: torch.Tensor | None  # [B, N] for models with the keyframe embedding
-    audio: torch.Tensor  # [B, R + T, 128]
-    audio_ts: torch.Tensor  # [B, R + T] or [B, 1] scaled
-    audio_coords: torch.Tensor  # [B, 1, R + T, 2]
-    a2v_gate_ts: torch.Tensor  # 0-d: max scaled audio sigma × gate factor (whole batch)
-    v2a_gate_ts: torch.Tensor  # 0-d: max scaled video sigma × gate factor (whole batch)
-    context: torch.Tensor  # [B, L, C]
-    text_mask: torch.Tensor | None  # additive [B, 1, 1, L]
-    bias: GuideBias | None
+    batch: TokenBatch
     keep: torch.Tensor | None  # [N_full] bool (None: nothing dropped)
     full_shape: tuple[int, int, int]  # (F, H, W)
     audio_steps: int
-    ref_steps: int
-
-
-def _rows(x: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
-    return None if x is None else x[rows]
 
 
 class NativeEngine:
@@ -575,125 +449,41 @@ class NativeEngine:
                 text_mask = m.to(dt).view(b, 1, 1, -1)
             else:  # ComfyUI _prepare_attention_mask: (mask − 1) · finfo.max
                 text_mask = ((m - 1).to(dt) * torch.finfo(dt).max).view(b, 1, 1, -1)
-        return _Prepared(video, v_scaled, seconds, marker, audio, a_scaled, audio_coords(b, t_steps, ref, dev),
-                         a_scaled.max() * gate_factor, v_scaled.max() * gate_factor, context, text_mask, bias, keep,
-                         (f, h, w), t_steps, ref)
+        dv = context.shape[-1] // 2 if cfg.use_prompt_embeddings else cfg.num_attention_heads * cfg.attention_head_dim
+        batch = TokenBatch(
+            video=video, audio=audio, video_timestep=v_scaled, audio_timestep=a_scaled,
+            video_cross_timestep=v_scaled, audio_cross_timestep=a_scaled,
+            # the gates from the whole batch's maxima (ComfyUI), so a row computed alone equals it in its batch
+            a2v_gate_timestep=(a_scaled.max() * gate_factor).expand(b),
+            v2a_gate_timestep=(v_scaled.max() * gate_factor).expand(b),
+            video_coords=seconds, audio_coords=audio_coords(b, t_steps, ref, dev),
+            video_context=context[..., :dv], audio_context=context[..., dv:],
+            video_prompt_timestep=v_scaled.max(dim=1).values, audio_prompt_timestep=a_scaled.max(dim=1).values,
+            video_text_bias=text_mask, audio_text_bias=text_mask, keyframe_marker=marker,
+            guide_log_w=None if bias is None else bias.log_w, guide_start=None if bias is None else bias.guide_start,
+            audio_prefix=ref)
+        return _Prepared(batch, keep, (f, h, w), t_steps)
 
     # ---- run ----
     def run_rows(self, p: _Prepared, rows: list[int], sp: SequenceParallelTransformer,
                  options: ForwardOptions) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward of batch `rows` over `sp`'s group (degree 1: local). -> packed video `[b, N, 128]` (kept
+        """The forward of batch `rows` over `sp`'s group (degree 1: local): the one forward (`model_forward.run`,
+        ComfyUI's semantics; replayed from CUDA graphs where it can be — a forward that cannot be captured runs
+        eagerly, the reason logged once by name and kept for the report). -> packed video `[b, N, 128]` (kept
         tokens) and audio `[b, T, 128]` (reference tokens cut), on every rank of the group."""
-        t, cfg, dt = self.transformer, self.transformer.config, self.dtype
-        b = len(rows)
-        video, v_ts, coords = p.video[rows], p.video_ts[rows], p.video_coords[rows]
-        audio, a_ts, a_coords = p.audio[rows], p.audio_ts[rows], p.audio_coords[rows]
-        n = video.shape[1]
-        w = sp.exchange.world_size
-        padded = -(-n // w) * w
-        per_token = v_ts.shape[1] > 1
-        hidden = t.proj_in(sp.shard(video, 1, padded))
-        if p.keyframe_marker is not None:
-            marker = sp.shard(p.keyframe_marker[rows].to(dt), 1, padded).unsqueeze(-1)
-            hidden = hidden + marker * t.keyframes_abs_pos_embedding.to(dt)
-        audio_hidden = t.audio_proj_in(audio)
-        v_local = sp.shard(v_ts, 1, padded) if per_token else v_ts
-        coords_local = sp.shard(coords, 2, padded)
-
-        def embed(module, ts):
-            out, emb = module(ts.flatten(), batch_size=b, hidden_dtype=dt)
-            return out.view(b, -1, out.shape[-1]), emb.view(b, -1, emb.shape[-1])
-
-        temb, emb = embed(t.time_embed, v_local)
-        temb_audio, a_emb = embed(t.audio_time_embed, a_ts)
-        temb_prompt = temb_prompt_audio = None
-        if t.prompt_modulation and cfg.use_prompt_adaln_single:
-            temb_prompt = embed(t.prompt_adaln, v_ts.max(dim=1).values)[0]
-            temb_prompt_audio = embed(t.audio_prompt_adaln, a_ts.max(dim=1).values)[0]
-        video_ca_ss = embed(t.av_cross_attn_video_scale_shift, v_local)[0]
-        audio_ca_ss = embed(t.av_cross_attn_audio_scale_shift, a_ts)[0]
-        a2v_gate = embed(t.av_cross_attn_video_a2v_gate, p.a2v_gate_ts.expand(b))[0]
-        v2a_gate = embed(t.av_cross_attn_audio_v2a_gate, p.v2a_gate_ts.expand(b))[0]
-        context = p.context[rows]
-        dv = context.shape[-1] // 2 if cfg.use_prompt_embeddings else cfg.num_attention_heads * cfg.attention_head_dim
-        v_ctx, a_ctx = context[..., :dv], context[..., dv:]
-        if cfg.use_prompt_embeddings:  # LTX-2.0 (ComfyUI _prepare_context: caption projection in the forward)
-            v_ctx = t.caption_projection(v_ctx).view(b, -1, hidden.shape[-1])
-            a_ctx = t.audio_caption_projection(a_ctx).view(b, -1, audio_hidden.shape[-1])
-        text_mask = _rows(p.text_mask, rows)
-        rope = dict(video_rotary_emb=t.rope(coords_local, device=hidden.device),
-                    audio_rotary_emb=t.audio_rope(a_coords, device=hidden.device),
-                    ca_video_rotary_emb=t.cross_attn_rope(coords_local[:, 0:1], device=hidden.device),
-                    ca_audio_rotary_emb=t.cross_attn_audio_rope(a_coords[:, 0:1], device=hidden.device))
-        key_mask = None
-        if padded != n:
-            key_mask = torch.zeros(1, 1, 1, padded, device=hidden.device)
-            key_mask[..., n:] = NEG_INF
-        if t.transformer_blocks[0].attn1.processor is not sp._self_attention:  # noqa: SLF001
-            sp.activate()  # another job used the shared transformer since
-        # the block loop's tensor inputs, contiguous (a CUDA graph's static copies are; eager runs on the same layout)
-        inputs = dict(hidden=hidden, audio_hidden=audio_hidden, v_ctx=v_ctx, a_ctx=a_ctx, text_mask=text_mask,
-                      temb=temb, temb_audio=temb_audio, video_ca_ss=video_ca_ss, audio_ca_ss=audio_ca_ss,
-                      a2v_gate=a2v_gate, v2a_gate=v2a_gate, temb_prompt=temb_prompt,
-                      temb_prompt_audio=temb_prompt_audio, key_mask=key_mask,
-                      guide_log_w=p.bias.log_w if p.bias is not None else None)
-        for name, (cos, sin) in rope.items():
-            inputs[name + "_cos"], inputs[name + "_sin"] = cos, sin
-        inputs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        guide_start = p.bias.guide_start if p.bias is not None else None
+        t = self.transformer
+        batch = p.batch.select_rows(rows)
+        sp.ensure_active()  # another job used the shared transformer since
+        cache = cuda_graphs.graphs_of(t) if batch.video.is_cuda and cuda_graphs.mode() != "off" else None
+        seen = len(cache.events) if cache is not None else 0
         stg = options.stg_self_attn_blocks
         with skip_self_attention(t, stg, stg):
-            hidden, audio_hidden = self._blocks(sp, options, guide_start, inputs)
-        shift, scale = (t.scale_shift_table[None, None].to(dt) + emb[:, :, None]).unbind(dim=2)
-        out = t.proj_out(t.norm_out(hidden) * (1 + scale) + shift)
-        out = sp.exchange.all_gather_seq(out)[:, :n]
-        a_shift, a_scale = (t.audio_scale_shift_table[None, None].to(dt) + a_emb[:, :, None]).unbind(dim=2)
-        audio_out = t.audio_proj_out(t.audio_norm_out(audio_hidden) * (1 + a_scale) + a_shift)
-        return out, audio_out[:, p.ref_steps:]
-
-    def _blocks(self, sp: SequenceParallelTransformer, options: ForwardOptions, guide_start: int | None,
-                inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block loop on `inputs` (`run_rows`' tensors), replayed from CUDA graphs where it can be
-        (`cuda_graphs.call`, keyed on the tensors' shapes, the installed processors — STG's skipped self-attention,
-        the sequence-parallel group — and the options below; piecewise around the sequence-parallel collectives).
-        The guide bias's weights and the padding key mask are graph inputs, so a replay honours new values. A forward
-        that cannot be captured runs eagerly; the reason is logged once by name and kept for the report."""
-        def loop(**kw):
-            return self._run_blocks(sp, options, guide_start, kw)
-
-        if cuda_graphs.eligible(inputs) is not None:  # a CPU forward, or graphs set off
-            return loop(**inputs)
-        cache = cuda_graphs.graphs_of(self.transformer)
-        seen = len(cache.events)
-        extra = ("native blocks", options.stg_self_attn_blocks, options.run_vx, options.run_ax,
-                 options.a2v_cross_attn, options.v2a_cross_attn, guide_start, COMFY_QK_EPS)
-        out = cuda_graphs.call(self.transformer, loop, inputs, extra=extra, what="native forward")
-        for reason in cache.events[seen:]:
-            log.warning("native forward runs eagerly: %s", reason)
-        self.graph_fallbacks.extend(cache.events[seen:])
+            out = model_forward.run(t, batch, COMFYUI, sp, options, what="native forward")
+        if cache is not None:
+            for reason in cache.events[seen:]:
+                log.warning("native forward runs eagerly: %s", reason)
+            self.graph_fallbacks.extend(cache.events[seen:])
         return out
-
-    def _run_blocks(self, sp: SequenceParallelTransformer, options: ForwardOptions, guide_start: int | None,
-                    kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """ComfyUI's blocks in order on `kw` (a pure function of those tensors and the arguments)."""
-        t = self.transformer
-        rope = {name: (kw[name + "_cos"], kw[name + "_sin"]) for name in _ROPE}
-        hidden, audio_hidden = kw["hidden"], kw["audio_hidden"]
-        log_w = kw["guide_log_w"]
-        sp.state.key_mask = kw["key_mask"]
-        sp.state.self_attention = GuideBias(guide_start, log_w).attend if log_w is not None else None
-        try:
-            for block in gathered(t.transformer_blocks):  # sharded weights: each block gathered as it runs
-                hidden, audio_hidden = comfy_block(
-                    block, hidden, audio_hidden, v_ctx=kw["v_ctx"], a_ctx=kw["a_ctx"], text_mask=kw["text_mask"],
-                    temb=kw["temb"], temb_audio=kw["temb_audio"], video_ca_ss=kw["video_ca_ss"],
-                    audio_ca_ss=kw["audio_ca_ss"], a2v_gate=kw["a2v_gate"], v2a_gate=kw["v2a_gate"],
-                    temb_prompt=kw["temb_prompt"], temb_prompt_audio=kw["temb_prompt_audio"], rope=rope,
-                    run_vx=options.run_vx, run_ax=options.run_ax, a2v=options.a2v_cross_attn,
-                    v2a=options.v2a_cross_attn)
-        finally:
-            sp.state.key_mask = sp.state.self_attention = None
-        return hidden, audio_hidden
 
     def unpack(self, p: _Prepared, video: torch.Tensor, audio: torch.Tensor, dtype: torch.dtype):
         """Packed outputs -> ComfyUI's `[B, 128, F, H, W]` (dropped tokens zero) and `[B, 8, T, 16]`, CPU, `dtype`."""
@@ -717,8 +507,8 @@ class NativeEngine:
             rows = list(range(request.batch))
             run = None
             if self.plan is not None and self.plan.world_size > 1:
-                nbytes = 4 * (p.video.shape[1] + p.audio.shape[1]) * 128  # one row's outputs, float32
-                run = self.plan.split("forward", p.video.shape[1], request.batch, nbytes)
+                nbytes = 4 * (p.batch.video.shape[1] + p.batch.audio.shape[1]) * 128  # one row's outputs, float32
+                run = self.plan.split("forward", p.batch.video.shape[1], request.batch, nbytes)
             if run is not None and run.kind == "passes":
                 from .parallel.passes import PassParallel
 

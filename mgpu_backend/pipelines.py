@@ -31,6 +31,7 @@ from .parallel.decode import decode_tiles, decode_untiled, is_diffusion_decoder
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
 from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
 from .protocol import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
+from .semantics import REFERENCE
 from .stage import (CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageResult, StageSpec, TiledRunner,
                     run_stage)
 
@@ -132,6 +133,28 @@ def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidancePara
     (the tiny test models) uses its last block instead."""
     blocks = tuple(min(b, n_blocks - 1) for b in guidance.stg_blocks)
     return dataclasses.replace(guidance, stg_blocks=blocks)
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """A `GenerateRequest` resolved against the model's recipe and the fleet (`TwoStagePipeline.plan_job`): the
+    latent grids (frames; stage 1 h1 × w1, stage 2 h2 × w2), guidance, sampler, sigmas, tiles and LoRAs per stage."""
+
+    distilled: bool
+    sampler: str
+    video_guidance: S.GuidanceParams
+    audio_guidance: S.GuidanceParams
+    frames: int
+    h1: int
+    w1: int
+    h2: int
+    w2: int
+    stage2_tiling: TileCountConfig | None
+    decode_tiling: TileCountConfig | None
+    sigmas1: torch.Tensor
+    sigmas2: torch.Tensor
+    stage1_loras: tuple
+    stage2_loras: tuple
 
 
 class TwoStagePipeline:
@@ -275,12 +298,63 @@ class TwoStagePipeline:
         every step (group: the process group of the ranks running the stage, None: all).
 
         Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
-        request.validate()
+        job = self.plan_job(request)  # every refusal happens here, before any work
         self.batch_notes = {}
+        plan = self.plan
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        uses_negative = job.video_guidance.uses_uncond or job.audio_guidance.uses_uncond
+        embeds = self.encode_prompts([request.prompt] + ([request.negative_prompt] if uses_negative else []))
+        contexts = text_contexts(self.components, embeds, dtype=self.dtype)
+        positive, negative = contexts.select(0), (contexts.select(1) if uses_negative else None)
+        timings["text"] = time.perf_counter() - t0
+
+        t = time.perf_counter()  # stage 1: half size (guided for the two-stage recipe), split by the plan
+        result1, reports = self._run_with_loras(self._stage1_spec(request, job, positive, negative), job.stage1_loras,
+                                                progress, cancel_check)
+        video1, audio1 = result1.video, result1.audio
+        timings["stage 1"] = time.perf_counter() - t
+
+        t = time.perf_counter()  # 2× latent upscale
+        upscaled = self.upscale(L.unpack_video(video1, job.frames, job.h1, job.w1))
+        V.check_finite(upscaled, "upscale", "video")
+        timings["upscale"] = time.perf_counter() - t
+
+        t = time.perf_counter()  # stage 2: full size, no guidance, audio frozen; the distilled LoRA (two-stage)
+        report = {"rank": plan.rank if plan is not None else 0, "stage 1": plan.describe() if plan else "local"}
+        result2, more = self._run_with_loras(self._stage2_spec(request, job, positive, upscaled, audio1),
+                                             job.stage2_loras, progress, cancel_check, restore=True)
+        reports += more
+        report["stage 2"] = self._stage2_report(result2, job.distilled)
+        timings["stage 2"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        video_latent = L.unpack_video(result2.video, job.frames, job.h2, job.w2)
+        frames, report["decode"] = self.decode_video(video_latent, request.seed, job.decode_tiling)
+        timings["decode video"] = time.perf_counter() - t
+        t = time.perf_counter()
+        audio_latent = L.unpack_audio(audio1)
+        waveform, sample_rate = None, 0
+        if plan is None or plan.rank == 0:  # audio decodes once, on the driver rank
+            waveform, sample_rate = self.decode_audio(audio_latent)
+        timings["decode audio"] = time.perf_counter() - t
+        timings["total"] = time.perf_counter() - t0
+        report["timings"] = dict(timings)
+        speed = speed_report(self.components.transformer, self.batch_notes)
+        if speed:  # CUDA graphs, fp8 compute, batched passes (and why not)
+            report["speed"] = speed
+        rank_reports = plan.gather_reports(report) if plan is not None else [report]
+        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports,
+                              _parallel_summary(report, job.distilled) if plan is not None else "one process",
+                              rank_reports)
+
+    def plan_job(self, request: GenerateRequest) -> "GenerateJob":
+        """The request checked against this model and fleet and resolved against the family's recipe (guidance,
+        sampler, sigmas, tiles, LoRAs per stage), before any work. Raises ValidationError naming the value."""
+        request.validate()
         family = self.components.family
         recipe = family.recipe
         distilled = (request.pipeline or recipe.pipeline) == "distilled"
-        sampler_name = request.sampler or recipe.sampler
         n_blocks = len(self.components.transformer.transformer_blocks)
         if distilled:  # the distilled model runs without guidance (reference distilled pipeline)
             default_v = default_a = S.NO_GUIDANCE
@@ -295,18 +369,8 @@ class TwoStagePipeline:
         frames_lat = L.latent_frames(request.frames)
         h1, w1 = request.height // 64, request.width // 64
         h2, w2 = 2 * h1, 2 * w1
-        plan = self.plan
-        if plan is not None:
-            plan.check(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
-        else:  # in process: the cap a one-rank fleet applies, so a huge size is refused here too, not by the allocator
-            from .parallel.plan import DEFAULT_TOKEN_CAP
-            from .parallel.sequence import check_token_cap
-
-            try:
-                check_token_cap(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1, 1, DEFAULT_TOKEN_CAP)
-            except ValueError as exc:
-                raise V.ValidationError(str(exc)) from None
-        ranks = plan.world_size if plan is not None else 1
+        self._check_tokens(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
+        ranks = self.plan.world_size if self.plan is not None else 1
         grid2 = (frames_lat, h2, w2)
         stage2_tiling = None if distilled else self.resolve_tiling(request.tiles, ranks, grid2, request.tile_overlap,
                                                                    "stage-2 tiles")
@@ -326,108 +390,82 @@ class TwoStagePipeline:
         # per-stage LoRA sets: the user's on both stages, the distilled LoRA on stage 2 only; indexed and checked
         # against the transformer (coverage, widths) before any work
         user_loras = read_loras(request.loras)
-        stage1_loras = user_loras
         stage2_loras = user_loras + ([read_lora(*request.distilled_lora)] if request.distilled_lora else [])
-        for loras in (stage1_loras, stage2_loras):
+        for loras in (user_loras, stage2_loras):
             self.lora.check(loras)
         if distilled:
             sigmas1 = S.as_sigmas((recipe.stage1_sigmas or S.DISTILLED_SIGMAS) if request.steps is None else
                                   S.ltx2_sigmas(request.steps))
         else:  # reference ti2vid_two_stages: the scheduler at its default 4096 tokens
             sigmas1 = S.ltx2_sigmas(request.steps or S.default_steps(family))
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
+        return GenerateJob(distilled, request.sampler or recipe.sampler, video_guidance, audio_guidance, frames_lat,
+                           h1, w1, h2, w2, stage2_tiling, decode_tiling, sigmas1, sigmas2, tuple(user_loras),
+                           tuple(stage2_loras))
 
-        uses_negative = video_guidance.uses_uncond or audio_guidance.uses_uncond
-        prompts = [request.prompt] + ([request.negative_prompt] if uses_negative else [])
-        embeds = self.encode_prompts(prompts)
-        contexts = text_contexts(self.components, embeds, dtype=self.dtype)
-        positive = contexts.select(0)
-        negative = contexts.select(1) if uses_negative else None
-        timings["text"] = time.perf_counter() - t0
+    def _check_tokens(self, tokens: int) -> None:
+        """The per-rank token cap of the plan (in process: the cap a one-rank fleet applies, so a huge size is
+        refused here too, not by the allocator). Raises ValidationError."""
+        if self.plan is not None:
+            self.plan.check(tokens)
+            return
+        from .parallel.plan import DEFAULT_TOKEN_CAP
+        from .parallel.sequence import check_token_cap
 
-        # stage 1: half size (guided for the two-stage recipe), sequence parallel on a fleet
-        t = time.perf_counter()
+        try:
+            check_token_cap(tokens, 1, DEFAULT_TOKEN_CAP)
+        except ValueError as exc:
+            raise V.ValidationError(str(exc)) from None
+
+    def _stage1_spec(self, request: GenerateRequest, job: "GenerateJob", positive, negative) -> StageSpec:
+        """Stage 1 at half size: text-to-video from zeros, or the image's first frame through the denoise mask."""
         audio_frames = L.audio_latent_frames(request.frames, request.fps)
-        video_clean = torch.zeros(1, h1 * w1 * frames_lat, 128)
+        video_clean = torch.zeros(1, job.h1 * job.w1 * job.frames, 128)
         video_mask = None
         if request.image is not None:
-            video_clean, video_mask = self._conditioning_latent(request.image, request.image_strength, frames_lat,
+            video_clean, video_mask = self._conditioning_latent(request.image, request.image_strength, job.frames,
                                                                 request.height // 2, request.width // 2)
-        audio_clean = torch.zeros(1, audio_frames, 128)
-        stage1 = StageSpec(name="stage 1", semantics="reference", positive=positive, negative=negative,
-                           grid=(frames_lat, h1, w1), fps=request.fps, audio_frames=audio_frames,
-                           video_clean=video_clean, audio_clean=audio_clean, sigmas=sigmas1,
-                           video_guidance=video_guidance, audio_guidance=audio_guidance, video_mask=video_mask,
-                           seed=request.seed, sampler=SamplerSpec(sampler_name, request.seed))
-        try:
-            reports = self.lora.apply(stage1_loras, "stage 1")
-            result1 = self.run_stage(stage1, progress, cancel_check)
-            video1, audio1 = result1.video, result1.audio
-        except BaseException:
-            self.lora.after_error()
-            raise
-        timings["stage 1"] = time.perf_counter() - t
+        return StageSpec(name="stage 1", semantics=REFERENCE, positive=positive, negative=negative,
+                         grid=(job.frames, job.h1, job.w1), fps=request.fps, audio_frames=audio_frames,
+                         video_clean=video_clean, audio_clean=torch.zeros(1, audio_frames, 128), sigmas=job.sigmas1,
+                         video_guidance=job.video_guidance, audio_guidance=job.audio_guidance, video_mask=video_mask,
+                         seed=request.seed, sampler=SamplerSpec(job.sampler, request.seed))
 
-        # 2× latent upscale
-        t = time.perf_counter()
-        upscaled = self.upscale(L.unpack_video(video1, frames_lat, h1, w1))
-        V.check_finite(upscaled, "upscale", "video")
-        timings["upscale"] = time.perf_counter() - t
-
-        # stage 2: full size, no guidance, audio frozen; the distilled LoRA for the two-stage recipe
-        t = time.perf_counter()
-        video_clean2, video_mask2 = L.pack_video(upscaled), None
+    def _stage2_spec(self, request: GenerateRequest, job: "GenerateJob", positive, upscaled, audio1) -> StageSpec:
+        """Stage 2 at full size on the upscaled latent (the image's tokens put back), audio frozen, no guidance; the
+        distilled preset splits it like stage 1 (the plan's choice), the two-stage recipe tiles it over the fleet."""
+        video_clean, video_mask = L.pack_video(upscaled), None
         if request.image is not None:
-            image_tokens, video_mask2 = self._conditioning_latent(request.image, request.image_strength, frames_lat,
-                                                                  request.height, request.width)
-            first = video_mask2[0] < 1.0
-            video_clean2[:, first] = image_tokens[:, first]
-        report = {"rank": plan.rank if plan is not None else 0, "stage 1": plan.describe() if plan else "local"}
-        # the distilled preset runs stage 2 split like stage 1 (the plan's choice); the two-stage recipe tiles it
-        # over the fleet (one rank: the whole stage here)
-        stage2 = StageSpec(name="stage 2", semantics="reference", positive=positive, negative=None,
-                           grid=(frames_lat, h2, w2), fps=request.fps, audio_frames=audio_frames,
-                           video_clean=video_clean2, audio_clean=audio1, sigmas=sigmas2, video_mask=video_mask2,
-                           seed=request.seed + 1, audio_frozen=True, sampler=SamplerSpec(sampler_name,
-                                                                                         request.seed + 1),
-                           tiling=None if distilled else stage2_tiling)
+            image_tokens, video_mask = self._conditioning_latent(request.image, request.image_strength, job.frames,
+                                                                 request.height, request.width)
+            first = video_mask[0] < 1.0
+            video_clean[:, first] = image_tokens[:, first]
+        seed = request.seed + 1
+        return StageSpec(name="stage 2", semantics=REFERENCE, positive=positive, negative=None,
+                         grid=(job.frames, job.h2, job.w2), fps=request.fps, audio_frames=audio1.shape[1],
+                         video_clean=video_clean, audio_clean=audio1, sigmas=job.sigmas2, video_mask=video_mask,
+                         seed=seed, audio_frozen=True, sampler=SamplerSpec(job.sampler, seed),
+                         tiling=None if job.distilled else job.stage2_tiling)
+
+    def _run_with_loras(self, spec: StageSpec, loras, progress, cancel_check, restore: bool = False):
+        """Fuse `loras` for `spec`'s stage, run it; on any failure restore the weights (`after_error`); `restore`:
+        the clean weights after it too. -> (StageResult, the LoRA reports)."""
         try:
-            reports += self.lora.apply(stage2_loras, "stage 2")
-            result2 = self.run_stage(stage2, progress, cancel_check)
-            video2 = result2.video
-            if isinstance(result2.runner, TiledRunner):
-                tiled = result2.runner.tiled
-                report["stage 2"] = f"{tiled.describe()}; {tiled.compute_seconds:.3f} s in tile forwards"
-            elif distilled:
-                report["stage 2"] = plan.describe() if plan else "local"  # its own split: the cost model may differ
-            else:
-                report["stage 2"] = "local"
+            reports = self.lora.apply(list(loras), spec.name)
+            result = self.run_stage(spec, progress, cancel_check)
         except BaseException:
             self.lora.after_error()
             raise
-        self.lora.restore()
-        timings["stage 2"] = time.perf_counter() - t
+        if restore:
+            self.lora.restore()
+        return result, reports
 
-        t = time.perf_counter()
-        video_latent = L.unpack_video(video2, frames_lat, h2, w2)
-        frames, decode_report = self.decode_video(video_latent, request.seed, decode_tiling)
-        report["decode"] = decode_report
-        timings["decode video"] = time.perf_counter() - t
-        t = time.perf_counter()
-        audio_latent = L.unpack_audio(audio1)
-        waveform, sample_rate = None, 0
-        if plan is None or plan.rank == 0:  # audio decodes once, on the driver rank
-            waveform, sample_rate = self.decode_audio(audio_latent)
-        timings["decode audio"] = time.perf_counter() - t
-        timings["total"] = time.perf_counter() - t0
-        report["timings"] = dict(timings)
-        speed = speed_report(self.components.transformer, self.batch_notes)
-        if speed:  # CUDA graphs, fp8 compute, batched passes (and why not)
-            report["speed"] = speed
-        rank_reports = plan.gather_reports(report) if plan is not None else [report]
-        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports,
-                              _parallel_summary(report, distilled) if plan is not None else "one process", rank_reports)
+    def _stage2_report(self, result: StageResult, distilled: bool) -> str:
+        if isinstance(result.runner, TiledRunner):
+            tiled = result.runner.tiled
+            return f"{tiled.describe()}; {tiled.compute_seconds:.3f} s in tile forwards"
+        if distilled:  # its own split: the cost model may differ from stage 1's
+            return self.plan.describe() if self.plan else "local"
+        return "local"
 
     @staticmethod
     def resolve_tiling(explicit: TileCountConfig | None, ranks: int, grid: tuple[int, int, int], overlap: int,

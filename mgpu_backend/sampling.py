@@ -25,6 +25,7 @@ timesteps in *sigma units* and the adapter multiplies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
@@ -500,6 +501,45 @@ def _comfy_step(x, x0, sigma, sigma_next, noise, sampler: AncestralSampler | Non
     return ancestral_step(x, x0, sigma, sigma_next, noise, sampler.eta, sampler.s_noise)
 
 
+class _ReferenceMasks:
+    """The reference's mask rule: the model sees the state x; x0 = x − v·(m·σ) per token; the step pulls the
+    conditioned tokens to their clean latent (`masked_euler_step`, `_masked_ancestral_step`)."""
+
+    @staticmethod
+    def model_input(x, clean, mask, timesteps, sigma):
+        return x, timesteps
+
+    @staticmethod
+    def blend(x0, clean, mask):
+        return x0
+
+    @staticmethod
+    def step(x, x0, sigma, sigma_next, noise, token_mask, clean, sampler):
+        if sampler is None:
+            return masked_euler_step(x, x0, sigma, sigma_next, token_mask, clean)
+        return _masked_ancestral_step(x, x0, sigma, sigma_next, noise, token_mask, clean, sampler)
+
+
+class _ComfyMasks:
+    """ComfyUI's `KSamplerX0Inpaint` for LTX-AV: the model sees x·m + clean·(1 − m), x0 = x_in − v·σ with the step's
+    σ, the guided x0 is blended the same way, and the sampler steps the unblended state of every token."""
+
+    @staticmethod
+    def model_input(x, clean, mask, timesteps, sigma):
+        return _comfy_blend(x, clean, mask), sigma
+
+    @staticmethod
+    def blend(x0, clean, mask):
+        return _comfy_blend(x0, clean, mask)
+
+    @staticmethod
+    def step(x, x0, sigma, sigma_next, noise, token_mask, clean, sampler):
+        return _comfy_step(x, x0, sigma, sigma_next, noise, sampler)
+
+
+_MASK_RULE_STEPS = {"reference": _ReferenceMasks, "comfyui": _ComfyMasks}
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     """What :func:`denoise_loop` hands the model function for one forward.
@@ -599,45 +639,15 @@ def denoise_loop(
     """
     s = as_sigmas(sigmas)
     total = s.numel() - 1
-    if mask_rule not in MASK_RULES:
-        raise ValueError(f"mask_rule={mask_rule!r}: choose one of {', '.join(MASK_RULES)}")
-    comfy = mask_rule == "comfyui"
-    if comfy and audio_frozen:
-        raise ValueError("mask_rule 'comfyui' has no frozen audio stream (the reference recipe's)")
-    if video is None and audio is None:
-        raise ValueError("denoise_loop needs at least one of video / audio")
-    for name, x in (("video", video), ("audio", audio)):
-        if x is not None and x.ndim != 3:
-            raise ValueError(f"{name} latent must be packed [B, T, C]; got shape {tuple(x.shape)}")
-    if video is not None and audio is not None and video.shape[0] != audio.shape[0]:
-        raise ValueError(f"video batch {video.shape[0]} != audio batch {audio.shape[0]}")
-    if check_finite:  # a NaN in the input is the input's fault, not step 1's
-        for name, x in (("video", video), ("audio", audio)):
-            if x is not None and not bool(torch.isfinite(x).all()):
-                bad = int((~torch.isfinite(x)).sum())
-                raise NonFiniteInputError(f"the input {name} latent has {bad} non-finite values (NaN/Inf) before "
-                                          f"sampling step 1: a bad input (e.g. encoded from an image with NaN "
-                                          f"pixels, or a latent from a failed earlier stage)")
-
-    def prep_mask(mask: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor:
-        if mask is None:
-            return torch.ones(x.shape[:2], dtype=torch.float32, device=x.device)
-        m = mask.to(device=x.device, dtype=torch.float32)
-        if m.ndim == 3 and m.shape[-1] == 1:
-            m = m[..., 0]
-        if tuple(m.shape) != tuple(x.shape[:2]):
-            raise ValueError(f"{name} mask shape {tuple(mask.shape)} does not match tokens {tuple(x.shape[:2])}")
-        return m
-
-    vmask = prep_mask(video_mask, video, "video") if video is not None else None
+    rule = _check_loop_inputs(video, audio, mask_rule, audio_frozen, check_finite)
+    vmask = _prep_mask(video_mask, video, "video") if video is not None else None
     vclean = (video_clean if video_clean is not None else video) if video is not None else None
-    amask = None
-    aclean = None
+    amask = aclean = None
     if audio is not None:
         if audio_frozen:
             amask = torch.zeros(audio.shape[:2], dtype=torch.float32, device=audio.device)
         else:
-            amask = prep_mask(audio_mask, audio, "audio")
+            amask = _prep_mask(audio_mask, audio, "audio")
             aclean = audio_clean if audio_clean is not None else audio
     batch = (video if video is not None else audio).shape[0]  # type: ignore[union-attr]
     x_v, x_a = video, audio
@@ -653,64 +663,89 @@ def denoise_loop(
         dev = (x_v if x_v is not None else x_a).device  # type: ignore[union-attr]
         v_sig = torch.full((batch,), sigma, dtype=torch.float32, device=dev) if x_v is not None else None
         a_sig = torch.full((batch,), a_sig_val, dtype=torch.float32, device=dev) if x_a is not None else None
-
-        if comfy:  # KSamplerX0Inpaint: the model sees the masked tokens clean; x0 uses the step's sigma
-            in_v, in_a = _comfy_blend(x_v, vclean, video_mask), _comfy_blend(x_a, aclean, audio_mask)
-            x0_scale_v = x0_scale_a = sigma
-        else:
-            in_v, in_a, x0_scale_v, x0_scale_a = x_v, x_a, v_ts, a_ts
-
-        def denoise(p: GuidancePass, _i=i, _xv=in_v, _xa=in_a, _vts=v_ts, _ats=a_ts, _vs=v_sig, _as=a_sig,
-                    _sv=x0_scale_v, _sa=x0_scale_a):
-            vel_v, vel_a = model_fn(ModelInputs(_xv, _xa, _vts, _ats, _vs, _as, p, _i))
-            x0_v = to_x0(_xv, vel_v, _sv) if (_xv is not None and vel_v is not None) else None
-            x0_a = to_x0(_xa, vel_a, _sa) if (_xa is not None and vel_a is not None) else None
-            return x0_v, x0_a
-
-        if hasattr(model_fn, "batch") and hasattr(model_fn, "batch_choice"):
-            def many(ps: list[GuidancePass], _i=i, _xv=in_v, _xa=in_a, _vts=v_ts, _ats=a_ts, _vs=v_sig, _as=a_sig,
-                     _sv=x0_scale_v, _sa=x0_scale_a):
-                """The passes as one batched forward (model_fn.batch), or None where model_fn declines."""
-                if not model_fn.batch_choice(ps, _xv):
-                    return None
-                outs = model_fn.batch(ModelInputs(_xv, _xa, _vts, _ats, _vs, _as, ps[0], _i), ps)
-                return [(to_x0(_xv, v, _sv) if (_xv is not None and v is not None) else None,
-                         to_x0(_xa, a, _sa) if (_xa is not None and a is not None) else None) for v, a in outs]
-
-            denoise.many = many  # type: ignore[attr-defined]
-
+        in_v, x0_scale_v = rule.model_input(x_v, vclean, video_mask, v_ts, sigma)
+        in_a, x0_scale_a = rule.model_input(x_a, aclean, audio_mask, a_ts, sigma)
+        denoise = _step_model(model_fn, ModelInputs(in_v, in_a, v_ts, a_ts, v_sig, a_sig, None, i), x0_scale_v,
+                              x0_scale_a)
         a_params = NO_GUIDANCE if audio_frozen else audio_guidance
         g_v, g_a = guided_prediction(denoise, video_guidance, a_params, step=i, last=last, run_passes=run_passes)
         last = (g_v, g_a)
-        if comfy:  # KSamplerX0Inpaint: out·m + clean·(1 − m), then the sampler steps the state of every token
-            g_v, g_a = _comfy_blend(g_v, vclean, video_mask), _comfy_blend(g_a, aclean, audio_mask)
+        g_v, g_a = rule.blend(g_v, vclean, video_mask), rule.blend(g_a, aclean, audio_mask)
         n_v = n_a = None
         if sampler is not None and sigma_next != 0.0 and sampler.eta > 0:
             n_v, n_a = sampler.noise_fn()
         if x_v is not None:
             if g_v is None:
                 raise ValueError("model_fn returned no video prediction")
-            if comfy:
-                x_v = _comfy_step(x_v, g_v, sigma, sigma_next, n_v, sampler)
-            elif sampler is None:
-                x_v = masked_euler_step(x_v, g_v, sigma, sigma_next, vmask, vclean)
-            else:
-                x_v = _masked_ancestral_step(x_v, g_v, sigma, sigma_next, n_v, vmask, vclean, sampler)
+            x_v = rule.step(x_v, g_v, sigma, sigma_next, n_v, vmask, vclean, sampler)
         if x_a is not None and not audio_frozen:
             if g_a is None:
                 raise ValueError("model_fn returned no audio prediction")
-            if comfy:
-                x_a = _comfy_step(x_a, g_a, sigma, sigma_next, n_a, sampler)
-            elif sampler is None:
-                x_a = masked_euler_step(x_a, g_a, sigma, sigma_next, amask, aclean)
-            else:
-                x_a = _masked_ancestral_step(x_a, g_a, sigma, sigma_next, n_a, amask, aclean, sampler)
+            x_a = rule.step(x_a, g_a, sigma, sigma_next, n_a, amask, aclean, sampler)
         if check_finite:
             _check_finite(x_v, "video", i + 1)
             _check_finite(None if audio_frozen else x_a, "audio", i + 1)
         if progress_callback is not None:
             progress_callback(i + 1, total)
     return x_v, x_a
+
+
+def _check_loop_inputs(video, audio, mask_rule: str, audio_frozen: bool, check_finite: bool):
+    """`denoise_loop`'s refusals before any step; returns the mask rule's step functions."""
+    if mask_rule not in MASK_RULES:
+        raise ValueError(f"mask_rule={mask_rule!r}: choose one of {', '.join(MASK_RULES)}")
+    if mask_rule == "comfyui" and audio_frozen:
+        raise ValueError("mask_rule 'comfyui' has no frozen audio stream (the reference recipe's)")
+    if video is None and audio is None:
+        raise ValueError("denoise_loop needs at least one of video / audio")
+    for name, x in (("video", video), ("audio", audio)):
+        if x is not None and x.ndim != 3:
+            raise ValueError(f"{name} latent must be packed [B, T, C]; got shape {tuple(x.shape)}")
+    if video is not None and audio is not None and video.shape[0] != audio.shape[0]:
+        raise ValueError(f"video batch {video.shape[0]} != audio batch {audio.shape[0]}")
+    if check_finite:  # a NaN in the input is the input's fault, not step 1's
+        for name, x in (("video", video), ("audio", audio)):
+            if x is not None and not bool(torch.isfinite(x).all()):
+                bad = int((~torch.isfinite(x)).sum())
+                raise NonFiniteInputError(f"the input {name} latent has {bad} non-finite values (NaN/Inf) before "
+                                          f"sampling step 1: a bad input (e.g. encoded from an image with NaN "
+                                          f"pixels, or a latent from a failed earlier stage)")
+    return _MASK_RULE_STEPS[mask_rule]
+
+
+def _prep_mask(mask: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor:
+    """A denoise mask `[B, T]` (or `[B, T, 1]`, or None: ones) as float32 on x's device. Raises ValueError for
+    another shape."""
+    if mask is None:
+        return torch.ones(x.shape[:2], dtype=torch.float32, device=x.device)
+    m = mask.to(device=x.device, dtype=torch.float32)
+    if m.ndim == 3 and m.shape[-1] == 1:
+        m = m[..., 0]
+    if tuple(m.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{name} mask shape {tuple(mask.shape)} does not match tokens {tuple(x.shape[:2])}")
+    return m
+
+
+def _step_model(model_fn, inputs: ModelInputs, x0_scale_v, x0_scale_a):
+    """One step's model function for `guided_prediction`: `denoise(pass)` runs `model_fn` on the step's `inputs`
+    (the pass filled in) and turns the velocities into x0 with the mask rule's scales; where `model_fn` offers a
+    batched forward (`batch` / `batch_choice`), `denoise.many(passes)` runs the passes as one (None: declined)."""
+    def x0(vel_v, vel_a):
+        x_v, x_a = inputs.video, inputs.audio
+        return (to_x0(x_v, vel_v, x0_scale_v) if (x_v is not None and vel_v is not None) else None,
+                to_x0(x_a, vel_a, x0_scale_a) if (x_a is not None and vel_a is not None) else None)
+
+    def denoise(p: GuidancePass):
+        return x0(*model_fn(dataclasses.replace(inputs, guidance=p)))
+
+    if hasattr(model_fn, "batch") and hasattr(model_fn, "batch_choice"):
+        def many(ps: list[GuidancePass]):
+            if not model_fn.batch_choice(ps, inputs.video):
+                return None
+            return [x0(v, a) for v, a in model_fn.batch(dataclasses.replace(inputs, guidance=ps[0]), ps)]
+
+        denoise.many = many  # type: ignore[attr-defined]
+    return denoise
 
 
 __all__ = [

@@ -6,16 +6,19 @@ validated once when it is built, and runs through `run_stage(spec, env, hooks)`:
 plan which split runs it (one device; sequence parallel over the plan's SP group; the guidance passes spread over
 ranks; tiled), the runner builds the model function and runs the denoising loop (`denoise`).
 
-Two semantics (`StageSpec.semantics`), for the same inputs:
-- "reference": Lightricks' recipe (ltx-core / ltx-pipelines; the CLI): diffusers' block order, the reference's
+Two semantics (`StageSpec.semantics`, a `semantics.Semantics` record: the table of what differs is there), for the
+same inputs:
+- `REFERENCE`: Lightricks' recipe (ltx-core / ltx-pipelines; the CLI): diffusers' block order, the reference's
   positions, q/k RMS-norm eps 1e-6, the denoise mask blended into x0 (`sampling.masked_euler_step`: x0 ← x0·m +
   clean·(1 − m) with x0 = x − v·(m·σ)), start latent lerp(clean, lerp(clean, noise, σ0), m).
-- "comfyui": ComfyUI 0.33's LTX-AV model and samplers (the nodes): the forward of `native.NativeEngine` (ComfyUI's
-  block order, positions and eps, the same code that serves the native MGPU MODEL), the text connectors per prompt
-  as `LTXAVModel.preprocess_text_embeds`, and ComfyUI's inpainting blend (`comfy/samplers.py::KSamplerX0Inpaint` with
-  `LTXAV.scale_latent_inpaint` = the clean latent): start x = σ0·noise + (1 − σ0)·clean for every token; before each
-  model call x_in = x·m + clean·(1 − m), per-token timestep m·σ (`LTXAV.process_timestep`); x0 = x_in − v·σ with the
-  step's σ; after guidance out = x0·m + clean·(1 − m); the sampler steps the unblended state x.
+- `COMFYUI`: ComfyUI 0.33's LTX-AV model and samplers (the nodes): ComfyUI's block order, positions and eps (the same
+  forward that serves the native MGPU MODEL), the text connectors per prompt as `LTXAVModel.preprocess_text_embeds`,
+  and ComfyUI's inpainting blend (`comfy/samplers.py::KSamplerX0Inpaint` with `LTXAV.scale_latent_inpaint` = the
+  clean latent): start x = σ0·noise + (1 − σ0)·clean for every token; before each model call x_in = x·m +
+  clean·(1 − m), per-token timestep m·σ (`LTXAV.process_timestep`); x0 = x_in − v·σ with the step's σ; after
+  guidance out = x0·m + clean·(1 − m); the sampler steps the unblended state x.
+Code reads the record's fields (`mask_rule`, `start_noise_masked`, `text_per_prompt`, `token_inputs`, …), never its
+name.
 """
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ from . import latents as L
 from . import sampling as S
 from . import validation as V
 from .denoiser import LTX2Denoiser, TextContext, text_contexts
+from .model_forward import qk_eps, qk_norms
 from .parallel.tiling import TileCountConfig
+from .semantics import ALL as ALL_SEMANTICS
+from .semantics import Semantics, semantics_named
 # ComfyGuides is re-exported: the request's guides, defined with the requests in protocol.py
 from .protocol import STAGE_NOISE_DEVICES, STAGE_SAMPLERS, STAGE_SEMANTICS, ComfyGuides  # noqa: F401
 
@@ -121,7 +127,8 @@ class StageSpec:
 
     Latents are packed float32 `[1, T, 128]` in model space (`latents.pack_video` / `pack_audio`), CPU.
     name: what progress, errors and reports call the stage ("stage 1", "stage 2").
-    semantics: "reference" (the CLI recipe) or "comfyui" (the nodes; see the module docstring).
+    semantics: a `Semantics` record (`REFERENCE`: the CLI recipe; `COMFYUI`: the nodes), or its name (resolved when
+        the spec is built).
     positive / negative: processed text contexts (`stage_contexts`); negative None when no pass needs it.
     grid: latent (F, H, W) of the video; fps: frames per second (positions); audio_frames: audio latent steps T.
     video_clean / audio_clean: the clean latents (what masked tokens keep; zeros for text-to-video).
@@ -137,7 +144,7 @@ class StageSpec:
     """
 
     name: str
-    semantics: str
+    semantics: Semantics
     positive: TextContext
     negative: TextContext | None
     grid: tuple[int, int, int]
@@ -161,8 +168,11 @@ class StageSpec:
         stage = self.name
         if not isinstance(stage, str) or not stage.strip():
             raise V.ValidationError(f"stage={stage!r}: a name such as 'stage 1' or 'stage 2'")
-        if self.semantics not in SEMANTICS:
-            raise V.ValidationError(f"{stage}: semantics={self.semantics!r}: choose one of {', '.join(SEMANTICS)}")
+        try:
+            sem = semantics_named(self.semantics)
+        except V.ValidationError as exc:
+            raise V.ValidationError(f"{stage}: {exc}") from None
+        object.__setattr__(self, "semantics", sem)
         grid = tuple(int(n) for n in self.grid)
         if len(grid) != 3 or min(grid) < 1:
             raise V.ValidationError(f"{stage}: latent grid {self.grid!r}: expected (F, H, W) ≥ 1")
@@ -188,17 +198,21 @@ class StageSpec:
                                             f"the latent {tuple(clean.shape)}")
         if (self.video_guidance.uses_uncond or self.audio_guidance.uses_uncond) and self.negative is None:
             raise V.ValidationError("CFG scale ≠ 1 needs a negative conditioning")
-        if self.semantics == "comfyui":
-            if self.audio_frozen:
-                raise V.ValidationError(f"{stage}: a frozen audio stream is the reference recipe's (semantics "
-                                        f"'reference'); ComfyUI's samplers denoise every modality of the latent")
-            if self.tiling is not None:
-                raise V.ValidationError(f"{stage}: a tiled stage runs the reference forward (semantics 'reference')")
-            if self.sampler.name == "euler_ancestral" and self.sampler.noise_layout != "comfyui":
-                raise V.ValidationError(f"{stage}: semantics 'comfyui' draws ancestral noise in ComfyUI's layout "
-                                        f"(SamplerSpec.noise_layout='comfyui')")
-        elif self.guides is not None and not self.guides.empty:
-            raise V.ValidationError(f"{stage}: guides / reference audio need semantics 'comfyui'")
+        allowed = {what: ", ".join(repr(s.name) for s in ALL_SEMANTICS if getattr(s, what))
+                   for what in ("allows_frozen_audio", "allows_tiles", "allows_guides")}
+        if self.audio_frozen and not sem.allows_frozen_audio:
+            raise V.ValidationError(f"{stage}: a frozen audio stream is the recipe of semantics "
+                                    f"{allowed['allows_frozen_audio']}; semantics {sem.name!r} denoises every "
+                                    f"modality of the latent")
+        if self.tiling is not None and not sem.allows_tiles:
+            raise V.ValidationError(f"{stage}: a tiled stage runs the forward of semantics {allowed['allows_tiles']}, "
+                                    f"not {sem.name!r}")
+        layout = sem.ancestral_noise_layout
+        if layout is not None and self.sampler.name == "euler_ancestral" and self.sampler.noise_layout != layout:
+            raise V.ValidationError(f"{stage}: semantics {sem.name!r} draws ancestral noise in ComfyUI's layout "
+                                    f"(SamplerSpec.noise_layout={layout!r})")
+        if self.guides is not None and not self.guides.empty and not sem.allows_guides:
+            raise V.ValidationError(f"{stage}: guides / reference audio need semantics {allowed['allows_guides']}")
 
     @property
     def video_tokens(self) -> int:
@@ -212,19 +226,19 @@ class StageSpec:
         return len(S.plan_passes(self.video_guidance, audio))
 
 
-def stage_contexts(components, embeds: list[torch.Tensor], semantics: str, dtype: torch.dtype
+def stage_contexts(components, embeds: list[torch.Tensor], semantics: Semantics | str, dtype: torch.dtype
                    ) -> list[TextContext]:
-    """CONDITIONING embeddings (`[1, T_i, C]` each) -> one `TextContext` per prompt, as the semantics computes them:
-    "reference" runs the prompts as one padded batch (`denoiser.text_contexts`); "comfyui" runs each prompt alone
-    with ComfyUI's q/k eps (`LTXAVModel.preprocess_text_embeds`, called per conditioning by `extra_conds`).
-    Raises ValidationError for embeddings of another model's width."""
+    """CONDITIONING embeddings (`[1, T_i, C]` each) -> one `TextContext` per prompt, as the semantics computes them
+    (`Semantics.text_per_prompt`): the prompts as one padded batch (`denoiser.text_contexts`, the reference), or each
+    prompt alone (`LTXAVModel.preprocess_text_embeds`, called per conditioning by ComfyUI's `extra_conds`), with
+    the semantics' q/k eps on the connectors. Raises ValidationError for embeddings of another model's width."""
+    sem = semantics_named(semantics)
+    norms = qk_norms(components.video_connector, components.audio_connector)
     try:
-        if semantics == "comfyui":
-            from .native import COMFY_QK_EPS, comfy_qk_eps, qk_norms
-
-            with comfy_qk_eps(qk_norms(components.video_connector, components.audio_connector), COMFY_QK_EPS):
+        with qk_eps(norms, sem.qk_eps):
+            if sem.text_per_prompt:
                 return [text_contexts(components, [e], dtype=dtype) for e in embeds]
-        batch = text_contexts(components, embeds, dtype=dtype)
+            batch = text_contexts(components, embeds, dtype=dtype)
     except ValueError as exc:  # a conditioning from another model (width) is an input error, raised on every rank
         raise V.ValidationError(str(exc)) from None
     return [batch.select(i) for i in range(len(embeds))]
@@ -267,19 +281,33 @@ class StageResult:
 
 # ---- the denoising loop of one spec --------------------------------------------------------------------------------
 
-def model_fn(spec: StageSpec, env: StageEnv, forward=None):
-    """The loop's model function for `spec` on `forward` (None: the plain transformer; a
-    `SequenceParallelTransformer` or a `TiledTransformer`)."""
+def _reference_denoiser(spec: StageSpec, env: StageEnv, forward=None):
+    """The reference's inputs (`latents.video_coords` / `audio_coords` positions, per-token timesteps as
+    diffusers' keyword arguments) -> `denoiser.LTX2Denoiser`."""
     transformer = env.components.transformer
-    if spec.semantics == "comfyui":
-        from .comfy_stage import ComfyDenoiser
-
-        return ComfyDenoiser(env.native(), spec, forward)
     f, h, w = spec.grid
     video_coords = L.video_coords(transformer, 1, f, h, w, spec.fps, device=env.device)
     audio_coords = L.audio_coords(transformer, 1, spec.audio_frames, device=env.device)
     return LTX2Denoiser(transformer, spec.positive, spec.negative, video_coords, audio_coords, env.dtype,
                         forward=forward or env.forward)
+
+
+def _comfy_denoiser(spec: StageSpec, env: StageEnv, forward=None):
+    """ComfyUI's inputs (a `ForwardRequest` per pass, prepared by this rank's `native.NativeEngine`) ->
+    `comfy_stage.ComfyDenoiser`."""
+    from .comfy_stage import ComfyDenoiser
+
+    return ComfyDenoiser(env.native(), spec, forward)
+
+
+DENOISERS = {"reference": _reference_denoiser, "comfyui": _comfy_denoiser}
+"""`Semantics.token_inputs` -> how a stage's latents become the one forward's `TokenBatch`."""
+
+
+def model_fn(spec: StageSpec, env: StageEnv, forward=None):
+    """The loop's model function for `spec` on `forward` (None: the plain transformer; a
+    `SequenceParallelTransformer` or a `TiledTransformer`), by the semantics' `token_inputs`."""
+    return DENOISERS[spec.semantics.token_inputs](spec, env, forward)
 
 
 def denoise(spec: StageSpec, fn, hooks: StageHooks, group=None, run_passes=None
@@ -293,14 +321,13 @@ def denoise(spec: StageSpec, fn, hooks: StageHooks, group=None, run_passes=None
         noise_v, noise_a = spec.noise
     else:
         noise_v, noise_a = S.make_av_noise(spec.video_clean.shape, spec.audio_clean.shape, spec.seed)
-    comfy = spec.semantics == "comfyui"
-    if comfy:  # CONST.noise_scaling over every token (the mask acts inside the loop)
-        start_v = S.noise_latent(spec.video_clean, noise_v, sigma0)
-        start_a = S.noise_latent(spec.audio_clean, noise_a, sigma0)
-    else:
-        start_v = S.noise_latent(spec.video_clean, noise_v, sigma0, spec.video_mask)
-        start_a = (spec.audio_clean if spec.audio_frozen else
-                   S.noise_latent(spec.audio_clean, noise_a, sigma0, spec.audio_mask))
+    sem = spec.semantics
+    # the reference: start = lerp(clean, noised, mask); ComfyUI (CONST.noise_scaling): every token noised, the mask
+    # acts inside the loop
+    video_mask, audio_mask = (spec.video_mask, spec.audio_mask) if sem.start_noise_masked else (None, None)
+    start_v = S.noise_latent(spec.video_clean, noise_v, sigma0, video_mask)
+    start_a = (spec.audio_clean if spec.audio_frozen else
+               S.noise_latent(spec.audio_clean, noise_a, sigma0, audio_mask))
     hooks = hooks or StageHooks()
     cancel = (lambda: hooks.cancel(stage, next(steps), group)) if hooks.cancel else None
     try:
@@ -311,7 +338,7 @@ def denoise(spec: StageSpec, fn, hooks: StageHooks, group=None, run_passes=None
             progress_callback=(lambda i, n: hooks.progress(stage, i, n)) if hooks.progress else None,
             cancel_check=cancel, run_passes=run_passes,
             sampler=spec.sampler.build(spec.grid, spec.audio_frames, spec.audio_frozen),
-            mask_rule="comfyui" if comfy else "reference")
+            mask_rule=sem.mask_rule)
     except S.NonFiniteLatentError as exc:
         raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
     report = getattr(fn, "batch_report", None)

@@ -170,8 +170,8 @@ def test_choice_reason_names_the_degree_and_why():
 
 def _plan(world: int, **kw) -> ParallelPlan:
     stages = {d: SPStage(d, None, None) for d in DEGREES if d <= world}
-    return ParallelPlan(rank=0, world_size=world, device=CPU, sp_degree=world, sp_group=None, sp_forward=None,
-                        stages=stages, **kw)
+    return ParallelPlan.hand_built(rank=0, world_size=world, device=CPU, sp_degree=world,
+                                   stages=stages, **kw)
 
 
 def test_plan_picks_the_cost_models_degree_and_reports_why():

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from mgpu_backend.models.diffusion_decoder import denormalize, load_diffusion_vae
+from mgpu_backend.models.diffusion_decoder import denormalize
+from mgpu_backend.models.loader import load_diffusion_vae
 from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
 from mgpu_backend.parallel.decode import SPATIAL, decode_tiles, decode_untiled, is_diffusion_decoder
 from mgpu_backend.parallel.tiling import TileCountConfig, split_axis

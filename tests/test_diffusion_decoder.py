@@ -23,10 +23,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mgpu_backend.models.diffusion_decoder import (CheckpointError, decode_diffusion, decoder_key_to_diffusers,
-                                                   decoder_state_to_comfy, diffusers_key_to_file, load_diffusion_vae)
+from mgpu_backend.models.diffusion_decoder import (decode_diffusion, decoder_key_to_diffusers, decoder_state_to_comfy,
+                                                   diffusers_key_to_file)
+from mgpu_backend.models.loader import CheckpointError, load_diffusion_vae
 from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
-from mgpu_backend.parallel import neighborhood
+from mgpu_backend.ops import neighborhood
 
 torch.set_num_threads(1)
 

@@ -91,11 +91,19 @@ def _boundary(plan, cancel_at: int | None, log: list):
 
 
 class _Forwards:
-    """Counts the transformer forwards this process runs."""
+    """Counts the transformer forwards this process runs (the one forward, `model_forward.run_eager`)."""
 
     def __init__(self, transformer):
+        from mgpu_backend import model_forward
+
         self.n = 0
-        transformer.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
+        real = model_forward.run_eager
+
+        def counting(*args, **kwargs):
+            self.n += 1
+            return real(*args, **kwargs)
+
+        model_forward.run_eager = counting  # transparent; every later forward of this process is counted
 
 
 def _rank(rank: int, world: int, paths: dict) -> dict:
@@ -256,10 +264,10 @@ def _cuda_plan(world: int, mode: str = "auto", **kw) -> ParallelPlan:
     """A CUDA-like plan as build_plan makes it for the LTX-2 19B shape (no GPU needed: only the policy is read, no
     collective runs)."""
     degrees = [d for d in (1, 2, 4, 8) if d <= world]
-    return ParallelPlan(rank=0, world_size=world, device=torch.device("cuda"), sp_degree=max(degrees), sp_group=None,
-                        sp_forward=None, stages={d: SPStage(d, None, None) for d in degrees},
-                        cost_model=C.DEFAULT, shape=C.LTX2_19B, guidance_parallel=mode,
-                        pass_groups={g: None for g in range(2, min(world, 4) + 1)}, **kw)
+    return ParallelPlan.hand_built(rank=0, world_size=world, device=torch.device("cuda"), sp_degree=max(degrees),
+                                   stages={d: SPStage(d, None, None) for d in degrees},
+                                   cost_model=C.DEFAULT, shape=C.LTX2_19B, guidance_parallel=mode,
+                                   pass_groups={g: None for g in range(2, min(world, 4) + 1)}, **kw)
 
 
 @pytest.mark.parametrize("tokens,passes,world", [(3520, 4, 4), (3520, 4, 2), (3520, 2, 8), (14080, 4, 4),
@@ -303,8 +311,8 @@ def test_auto_on_cuda_flagship_stage1_and_a_large_three_pass_stage():
 
 
 def test_modes_cpu_off_on_and_the_token_cap():
-    cpu = ParallelPlan(rank=0, world_size=4, device=CPU, sp_degree=4, sp_group=None, sp_forward=None,
-                       guidance_parallel="auto", pass_groups={})
+    cpu = ParallelPlan.hand_built(rank=0, world_size=4, device=CPU, sp_degree=4,
+                                  guidance_parallel="auto", pass_groups={})
     assert cpu.split("stage 1", 3520, 4).kind == "sequence"  # CPU "auto": SP as before
     assert cpu.describe() == "sequence parallel over all 4 ranks"
     off = _cuda_plan(4, "off")

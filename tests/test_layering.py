@@ -12,7 +12,12 @@ relative and absolute — are read with `ast` (nothing is imported or executed) 
   `kernels/` never imports `mgpu_backend`, `nodes` or ComfyUI;
 - those contract modules import from `mgpu_backend` only each other, `validation`, `frames` (the client's half of
   the frame hand-back) and `resources` (the host's limits, standard library only: the client refuses a fleet size
-  before a controller starts), so a node never pulls in the engine through them.
+  before a controller starts), so a node never pulls in the engine through them;
+- kernels vs `parallel/` vs `models/` (issue 25): `mgpu_backend/ops` (compute kernels in plain PyTorch, e.g.
+  neighborhood attention) imports nothing of the pack; `models/` never imports `parallel/` (the model layer sits
+  below the parallel layer, which may use it);
+- no import cycles inside `mgpu_backend`, lazy (function-local) imports included (`KNOWN_CYCLES` would list any
+  left, and can only shrink; it is empty).
 
 `ALLOWED` lists the exceptions still in the code, each with its reason. It can only shrink: the test fails on any
 import that breaks a rule and is not listed, and on a listed import that no longer exists (remove it from the list).
@@ -33,6 +38,9 @@ BELOW_THE_FLEET = ("mgpu_backend.models", "mgpu_backend.parallel")
 FLEET_MODULES = ("mgpu_backend.controller", "mgpu_backend.client", "mgpu_backend.worker", "mgpu_backend.fleet")
 CONTRACT_MAY_IMPORT = NODES_MAY_IMPORT | {"mgpu_backend.validation", "mgpu_backend.frames", "mgpu_backend.resources"}
 JOBS = ("mgpu_backend.jobs",)
+OPS = ("mgpu_backend.ops",)
+MODELS = ("mgpu_backend.models",)
+PARALLEL = ("mgpu_backend.parallel",)
 
 # (importing module, imported module) pairs that break a rule today. Only ever remove entries.
 ALLOWED = {
@@ -97,6 +105,11 @@ def _rule_broken(importer: str, imported: str) -> str | None:
         return "models/ and parallel/ never import the controller, client, worker or fleet"
     if within(importer, JOBS) and within(imported, FLEET_MODULES):
         return "a job never imports the worker, fleet, controller or client (frames go through mgpu_backend.frames)"
+    if within(importer, OPS) and within(imported, ("mgpu_backend",)) and not within(imported, OPS) \
+            and imported != "mgpu_backend":
+        return "mgpu_backend/ops (kernels) imports nothing of the pack"
+    if within(importer, MODELS) and within(imported, PARALLEL):
+        return "models/ never imports parallel/ (a kernel both use lives in mgpu_backend/ops)"
     return None
 
 
@@ -121,6 +134,73 @@ def test_import_rules_hold():
 def test_allow_list_only_shrinks():
     gone = sorted(ALLOWED - set(_violations()))
     assert not gone, f"these allowed imports are gone: remove them from ALLOWED in {Path(__file__).name}: {gone}"
+
+
+# strongly connected groups of modules importing each other (lazily or not) still in the code: only ever remove
+KNOWN_CYCLES: set[frozenset[str]] = set()
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the pack's modules it imports (every import, function-local ones included)."""
+    graph = {}
+    for path in sorted((ROOT / "mgpu_backend").rglob("*.py")):
+        importer = _module_name(path)
+        deps = set()
+        for _, imported in imports_of(path):
+            while imported and not _is_module(imported):
+                imported = imported.rpartition(".")[0]
+            if imported.startswith("mgpu_backend") and imported not in (importer, "mgpu_backend"):
+                deps.add(imported)
+        graph[importer] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: set[frozenset[str]] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.add(frozenset(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph())
+    new = sorted(sorted(c) for c in cycles - KNOWN_CYCLES)
+    assert not new, f"modules importing each other (lazily or not): {new}"
+    gone = sorted(sorted(c) for c in KNOWN_CYCLES - cycles)
+    assert not gone, f"these cycles are gone: remove them from KNOWN_CYCLES in {Path(__file__).name}: {gone}"
+
+
+def test_the_cycle_finder():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
+    assert import_cycles({"a": {"b"}, "b": set()}) == set()
 
 
 def test_the_reader_sees_every_kind_of_import(tmp_path, monkeypatch):
@@ -152,6 +232,10 @@ def test_the_reader_sees_every_kind_of_import(tmp_path, monkeypatch):
     assert _rule_broken("mgpu_backend.forward", "mgpu_backend.validation") is None
     assert _rule_broken("mgpu_backend.jobs.stages", "mgpu_backend.worker")
     assert _rule_broken("mgpu_backend.jobs.generate", "mgpu_backend.frames") is None
+    assert _rule_broken("mgpu_backend.models.diffusion_decoder", "mgpu_backend.parallel.neighborhood")
+    assert _rule_broken("mgpu_backend.models.diffusion_decoder", "mgpu_backend.ops.neighborhood") is None
+    assert _rule_broken("mgpu_backend.ops.neighborhood", "mgpu_backend.models.loader")
+    assert _rule_broken("mgpu_backend.parallel.decode", "mgpu_backend.models.diffusion_decoder") is None
 
 
 def test_a_job_importing_the_worker_fails(tmp_path, monkeypatch):

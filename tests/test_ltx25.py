@@ -431,7 +431,7 @@ def test_cli_takes_a_models_folder_and_names_what_is_missing(files25, tmp_path):
         _model_files(args)
 
 
-def test_tiles_get_the_marker_of_their_own_tokens(ours, golden):
+def test_tiles_get_the_marker_of_their_own_tokens(ours, golden, monkeypatch):
     """Tiled stage 2 normalizes each tile's positions to start at 0 (DESIGN.md §5): the keyframe marker must come
     from the clip's positions, so a tile of later frames carries none."""
     from mgpu_backend.parallel.tiled import TiledTransformer
@@ -440,13 +440,17 @@ def test_tiles_get_the_marker_of_their_own_tokens(ours, golden):
     grid = (4, 1, 2)
     tr = ours.transformer
     seen = []
-    hook = tr.register_forward_pre_hook(lambda m, a, kw: seen.append(
-        (kw["video_coords"][0, 0, :, 0].clone(), kw["video_keyframes_mask"][0, :, 0].clone())), with_kwargs=True)
-    try:
-        tiled = TiledTransformer(tr, grid, TileCountConfig(frames=DimensionTilingConfig(2, 1)))
-        _sp_forward(ours, golden, tiled, grid)
-    finally:
-        hook.remove()
+    from mgpu_backend import model_forward
+
+    real = model_forward.run_eager  # the one forward every tile runs (issue 25)
+
+    def spy(transformer, batch, *args, **kwargs):
+        seen.append((batch.video_coords[0, 0, :, 0].clone(), batch.keyframe_marker[0].float()))
+        return real(transformer, batch, *args, **kwargs)
+
+    monkeypatch.setattr(model_forward, "run_eager", spy)
+    tiled = TiledTransformer(tr, grid, TileCountConfig(frames=DimensionTilingConfig(2, 1)))
+    _sp_forward(ours, golden, tiled, grid)
     assert len(seen) == 2
     (coords0, mask0), (coords1, mask1) = seen
     assert mask0.tolist() == [1.0, 1.0] + [0.0] * (len(mask0) - 2)  # the clip's first latent frame

@@ -1,4 +1,4 @@
-"""The native MODEL's forward (`NativeEngine.run_rows`) replayed from CUDA graphs (issue 19 / 20 on CUDA).
+"""The native MODEL's forward (`NativeEngine.run_rows` -> `model_forward.run`) replayed from CUDA graphs (issue 19 / 20 on CUDA).
 
 GPU (marked `gpu`, skipped without CUDA): on the tiny LTX-2.3 model in bf16, every golden case of
 `test_native_forward.py` — text-to-video at B = 1 and 2, per-token timesteps, STG, modality guidance, guides at
@@ -89,13 +89,15 @@ def test_uncapturable_native_forward_falls_back_by_name(tiny_dir, mark, monkeypa
     eng = _engine(tiny_dir, "cuda", torch.bfloat16)
     req = golden_requests(*load_golden())["t2v_b1"]
     want = _eager(eng, req)
-    block = N.comfy_block
+    from mgpu_backend import model_forward
+
+    block = model_forward.comfy_block  # the one forward's ComfyUI block order (issue 25)
 
     def syncing(*args, **kwargs):  # a host synchronisation inside the loop: not capturable
         vx, ax = block(*args, **kwargs)
         return vx * float(vx.abs().sum().item() >= 0), ax
 
-    monkeypatch.setattr(N, "comfy_block", syncing)
+    monkeypatch.setattr(model_forward, "comfy_block", syncing)
     with caplog.at_level(logging.WARNING, logger="ltx2_mgpu.native"):
         outs = [_forward(eng, req) for _ in range(3)]
     assert all(torch.equal(v, want[0]) and torch.equal(a, want[1]) for v, a in outs)

@@ -584,7 +584,7 @@ def test_token_cap_refusals(reference):
                               "least 10 GPUs, fewer frames or a smaller size, or raise the cap")
     check_token_cap(100, 2, 50)  # exactly at the cap: allowed
     check_token_cap(10 ** 9, 1, None)  # no cap
-    plan = ParallelPlan(rank=0, world_size=4, device=CPU, sp_degree=4, sp_group=None, sp_forward=None, token_cap=8)
+    plan = ParallelPlan.hand_built(rank=0, world_size=4, device=CPU, sp_degree=4, token_cap=8)
     with pytest.raises(ValidationError) as exc:
         plan.check(100)
     assert "100 video tokens over 4 ranks is 25 tokens per rank, above the cap of 8: use at least 13 GPUs" \
@@ -596,7 +596,7 @@ def test_token_cap_refused_before_any_work(reference, monkeypatch):
     """The pipeline checks the cap of its largest SP stage before encoding a prompt; the SP forward before any
     transformer call."""
     ref = reference["2.0"]
-    plan = ParallelPlan(rank=0, world_size=1, device=CPU, sp_degree=1, sp_group=None, sp_forward=None, token_cap=4)
+    plan = ParallelPlan.hand_built(rank=0, world_size=1, device=CPU, sp_degree=1, token_cap=4)
     pipeline = TwoStagePipeline(ref["components"], ref["gemma"], plan=plan)
     monkeypatch.setattr(pipeline, "encode_prompts", lambda *a: pytest.fail("work started before the token cap check"))
     with pytest.raises(ValidationError, match="27 video tokens over 1 ranks is 27 tokens per rank, above the cap of "

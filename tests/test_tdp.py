@@ -435,17 +435,17 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
         seen[spec.name] = (spec.audio_clean.clone(), result.audio.clone())
         return result
 
-    transformer = pipeline.components.transformer
-    real_forward = transformer.forward
+    from mgpu_backend import model_forward
 
-    def forward_spy(*args, **kwargs):
+    real_forward = model_forward.run_eager  # the one forward every tile runs (issue 25)
+
+    def forward_spy(transformer, batch, *args, **kwargs):
         if current["stage"] == "stage 2":
-            forwards.append((kwargs["hidden_states"].shape[1], kwargs["audio_hidden_states"].clone(),
-                             kwargs["audio_timestep"].clone()))
-        return real_forward(*args, **kwargs)
+            forwards.append((batch.video_tokens, batch.audio.clone(), batch.audio_timestep.clone()))
+        return real_forward(transformer, batch, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "run_stage", spy)
-    monkeypatch.setattr(transformer, "forward", forward_spy)
+    monkeypatch.setattr(model_forward, "run_eager", forward_spy)
     result = pipeline.generate(GenerateRequest(prompt="a fox", seed=3, tiles=TileCountConfig.spatial(1, 2, overlap=1),
                                                **SMALL))
     stage1_out = seen["stage 1"][1]

@@ -249,10 +249,10 @@ def test_plan_report_gives_the_real_reason_for_a_sub_group():
     from mgpu_backend.parallel.plan import ParallelPlan
 
     cpu = torch.device("cpu")
-    asked = ParallelPlan(0, 2, cpu, 1, None, None, heads=8, requested_sp_degree=1)
+    asked = ParallelPlan.hand_built(0, 2, cpu, 1, None, None, heads=8, requested_sp_degree=1)
     assert asked.describe() == ("sequence parallel on ranks 0-0 of 2 (sp_degree 1 requested); the other ranks wait "
                                 "for its result")
-    heads = ParallelPlan(0, 3, cpu, 2, None, None, heads=8)
+    heads = ParallelPlan.hand_built(0, 3, cpu, 2, None, None, heads=8)
     assert heads.describe() == ("sequence parallel on ranks 0-1 of 3 (the SP degree must divide the 8 attention "
                                 "heads; 3 does not); the other ranks wait for its result")
 

@@ -16,6 +16,7 @@ from .. import latents as L
 from .. import sampling as S
 from ..lora import read_loras
 from ..protocol import DecodeRequest, SampleRequest, UpscaleRequest
+from ..semantics import semantics_named
 from ..stage import SamplerSpec, StageSpec, TiledRunner, stage_contexts
 from ..validation import ValidationError
 from . import register
@@ -91,7 +92,7 @@ def run_sample(state, request: SampleRequest, ctx) -> dict:
 
     r = _request(request, SampleRequest, "sample")
     pipe = state.pipeline
-    mode, semantics, sigmas = r.mode, r.semantics, r.sigmas
+    mode, semantics, sigmas = r.mode, semantics_named(r.semantics), r.sigmas
     video, audio = r.video.float(), r.audio.float()
     stage = _stage_name(r, sigmas)
     ctx.stage = stage

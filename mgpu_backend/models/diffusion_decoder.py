@@ -28,7 +28,7 @@ duplicated leading frame, `(k_t // 2) · 2` replicated trailing latent frames cr
 chunks of which scale/shift 0, 1, 3, 4 are used, timestep `1000 · 1`, a single x0 step. Two differences, both
 resolved to ComfyUI's behaviour here:
 - neighborhood attention: diffusers runs FlexAttention (or NATTEN from the Hub); we install our processor, which calls
-  `comfy_kitchen.na3d` like ComfyUI (`mgpu_backend/parallel/neighborhood.py`);
+  `comfy_kitchen.na3d` like ComfyUI (`mgpu_backend/ops/neighborhood.py`);
 - grids smaller than a kernel: diffusers' attention raises, ComfyUI (comfy-kitchen) clamps the window to the axis;
   we clamp (short or narrow videos decode as in ComfyUI).
 Noise: ComfyUI draws `x_t` with a fresh `torch.Generator(device).manual_seed(0)` in the latent's dtype on its device
@@ -39,15 +39,12 @@ from __future__ import annotations
 import json
 import types
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import init_empty_weights
 from torch import nn
 
-from ..parallel.neighborhood import na3d
-from .loader import CheckpointError, SafetensorsFile, _format_keys
+from ..ops.neighborhood import na3d
 
 DIFFUSION_VAE_MARKER = "decoder.conv_in_x_t.weight"  # ComfyUI's detection key (comfy/sd.py)
 NOISE_SEED = 0  # ComfyUI's fixed decode noise seed (CausalDiffusionVAE.decode)
@@ -172,7 +169,7 @@ _RENAMES = (  # file (ComfyUI) spelling -> diffusers spelling, inside `decoder.`
     (".attn.q_norm.", ".attn.norm_q."),
     (".attn.k_norm.", ".attn.norm_k."),
 )
-_STATISTICS = {"per_channel_statistics.mean-of-means": "latents_mean",
+STATISTICS = {"per_channel_statistics.mean-of-means": "latents_mean",
                "per_channel_statistics.std-of-means": "latents_std"}
 _QKV = ("to_q", "to_k", "to_v")
 
@@ -182,8 +179,8 @@ def decoder_key_to_diffusers(key: str) -> list[tuple[str, int | None]]:
 
     A fused `attn.qkv.{weight,bias}` gives three entries (its row thirds 0, 1, 2 → `to_q`, `to_k`, `to_v`).
     """
-    if key in _STATISTICS:
-        return [(_STATISTICS[key], None)]
+    if key in STATISTICS:
+        return [(STATISTICS[key], None)]
     new = key
     for old, rep in _RENAMES:
         new = new.replace(old, rep)
@@ -196,7 +193,7 @@ def decoder_key_to_diffusers(key: str) -> list[tuple[str, int | None]]:
 
 def diffusers_key_to_file(key: str) -> str:
     """Inverse of `decoder_key_to_diffusers` (`to_q|to_k|to_v` all name the fused `qkv`)."""
-    inverse = {v: k for k, v in _STATISTICS.items()}
+    inverse = {v: k for k, v in STATISTICS.items()}
     if key in inverse:
         return inverse[key]
     for name in _QKV:
@@ -223,7 +220,7 @@ def decoder_state_to_comfy(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 class NeighborhoodAttnProcessor:
     """diffusers attention processor for `LTX2VideoVaeNeighborhoodAttention`: project (norm, scale, RoPE — diffusers'
-    `project_qkv`), `na3d` from `parallel/neighborhood.py` (comfy-kitchen when installed), output projection.
+    `project_qkv`), `na3d` from `ops/neighborhood.py` (comfy-kitchen when installed), output projection.
     Takes no block mask (the decoder builds none for a processor that is not diffusers' flex one)."""
 
     def __init__(self, backend: str = "auto"):
@@ -271,136 +268,6 @@ def build_decoder(config: DiffusionDecoderConfig, backend: str = "auto") -> nn.M
             module.set_processor(NeighborhoodAttnProcessor(backend))
             module.forward = types.MethodType(_clamped_forward, module)
     return model
-
-
-# ---- loading -------------------------------------------------------------------------------------------------------
-
-@dataclass
-class DiffusionVideoVAE:
-    """A loaded LTX-2.5 diffusion video VAE file: the model (diffusers' decoder with the conv encoder attached as
-    `conv_encoder`), its decoder config, and the file's encoder keys."""
-
-    decoder: nn.Module
-    config: DiffusionDecoderConfig
-    encoder_keys: list[str] = field(default_factory=list)
-    path: str = ""
-
-
-def is_diffusion_vae(file: SafetensorsFile) -> bool:
-    return DIFFUSION_VAE_MARKER in file.keys
-
-
-def load_diffusion_vae(path: str | Path | SafetensorsFile, dtype: torch.dtype = torch.bfloat16,
-                       backend: str = "auto") -> DiffusionVideoVAE:
-    """Load the decoder of an LTX-2.5 diffusion video VAE file strictly and memory-mapped.
-
-    Tensors are read through the memory map and assigned (no second copy beyond a dtype cast; the fused `qkv`
-    rows become three views). Floating tensors are cast to `dtype`; the latent statistics stay float32.
-    Raises CheckpointError: not a diffusion VAE file (no `decoder.conv_in_x_t.weight`), bad `config` metadata,
-    missing or unexpected keys (named in the file's spelling), or static gates ComfyUI would ignore.
-    """
-    file = path if isinstance(path, SafetensorsFile) else SafetensorsFile(path)
-    if not is_diffusion_vae(file):
-        raise CheckpointError(f"{file.path}: not an LTX-2.5 diffusion video VAE (no '{DIFFUSION_VAE_MARKER}' key)")
-    try:
-        config = DiffusionDecoderConfig.from_vae_section(file.config().get("vae", {}))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{file.path}: metadata config.vae: {exc}") from exc
-    encoder_keys = [k for k in file.keys if k.startswith("encoder.")]
-    gated = [k for k in file.keys if k.endswith(REFUSED_SUFFIXES) or ".coarse_" in k]
-    if gated:
-        raise CheckpointError(f"{file.path}: the decoder carries static gates / preview heads ComfyUI 0.33 ignores "
-                              f"(convert the file with the gates folded): {_format_keys(gated)}")
-    with init_empty_weights(include_buffers=False):
-        model = build_decoder(config, backend)
-    mapped: dict[str, tuple[str, int | None]] = {}
-    unexpected = []
-    for key in file.keys:
-        if key in encoder_keys or key in UNUSED_STATISTICS:
-            continue
-        if not (key.startswith("decoder.") or key in _STATISTICS):
-            unexpected.append(key)
-            continue
-        for mk, third in decoder_key_to_diffusers(key):
-            mapped[mk] = (key, third)
-    expected = set(model.state_dict().keys())
-    unexpected += sorted({fk for mk, (fk, _) in mapped.items() if mk not in expected})
-    missing = sorted(expected - mapped.keys())
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_format_keys(sorted({diffusers_key_to_file(k) for k in missing}))}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_format_keys(unexpected)}")
-        raise CheckpointError(f"{file.path}: diffusion video VAE does not match the expected layout; "
-                              + "; ".join(parts))
-    state = {}
-    cache: dict[str, torch.Tensor] = {}
-    for mk, (fk, third) in mapped.items():
-        tensor = cache.get(fk)
-        if tensor is None:
-            tensor = file.tensor(fk)
-            if mk in ("latents_mean", "latents_std"):
-                tensor = tensor.float()
-            elif tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            cache[fk] = tensor
-        if third is not None:
-            rows = tensor.shape[0] // 3
-            tensor = tensor[third * rows:(third + 1) * rows]
-        state[mk] = tensor
-    model.load_state_dict(state, strict=True, assign=True)
-    if encoder_keys:
-        model.conv_encoder = _load_encoder(file, file.config().get("vae", {}).get("encoder", {}), encoder_keys,
-                                           {k: state[k] for k in ("latents_mean", "latents_std")}, dtype)
-    return DiffusionVideoVAE(decoder=model.eval().requires_grad_(False), config=config, encoder_keys=encoder_keys,
-                             path=str(file.path))
-
-
-def encoder_vae_metadata(encoder: dict[str, Any]) -> dict[str, Any]:
-    """The file's `config.vae.encoder` (ComfyUI's `CausalDiffusionVAE` fields and defaults) -> the LTX-2.3 `config.vae`
-    fields `configs.video_vae_kwargs` reads (with a minimal stand-in decoder, dropped after construction)."""
-    defaults = {"in_channels": 3, "out_channels": 128, "patch_size": 4, "norm_layer": "pixel_norm",
-                "latent_log_var": "constant", "base_channels": 128, "spatial_padding_mode": "zeros"}
-    enc = {**defaults, **encoder}
-    if "blocks" not in enc:
-        raise ValueError("config.vae.encoder has no 'blocks'")
-    return {"in_channels": enc["in_channels"], "out_channels": 3, "latent_channels": enc["out_channels"],
-            "encoder_base_channels": enc["base_channels"], "patch_size": enc["patch_size"],
-            "norm_layer": enc["norm_layer"], "latent_log_var": enc["latent_log_var"],
-            "spatial_padding_mode": enc["spatial_padding_mode"], "encoder_blocks": enc["blocks"],
-            "decoder_blocks": [["res_x", {"num_layers": 1}], ["compress_all", {"multiplier": 1}],
-                               ["res_x", {"num_layers": 1}]], "decoder_base_channels": 8}
-
-
-def _load_encoder(file: SafetensorsFile, encoder: dict[str, Any], keys: list[str],
-                  statistics: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
-    """The file's `encoder.*` into an `AutoencoderKLLTX2Video` (its decoder dropped), strictly (the 2.3 key map).
-    Both `latent_log_var` "uniform" and "constant" have 129 output channels and the same mean (channels 0..127)."""
-    from diffusers import AutoencoderKLLTX2Video
-
-    from . import configs, keymaps
-
-    try:
-        kwargs = configs.video_vae_kwargs(encoder_vae_metadata(encoder))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{file.path}: metadata config.vae.encoder: {exc}") from exc
-    stages = len(kwargs["block_out_channels"])
-    with init_empty_weights(include_buffers=False):
-        vae = AutoencoderKLLTX2Video(**kwargs)
-    vae.decoder = None
-    mapped = {keymaps.video_vae_to_diffusers(k, stages): k for k in keys}
-    expected = set(vae.state_dict().keys()) - set(statistics)
-    missing = sorted(keymaps.video_vae_to_original(k, stages) for k in expected - mapped.keys())
-    unexpected = sorted(mapped[k] for k in mapped.keys() - expected)
-    if missing or unexpected:
-        parts = ([f"missing keys: {_format_keys(missing)}"] if missing else []) + \
-                ([f"unexpected keys: {_format_keys(unexpected)}"] if unexpected else [])
-        raise CheckpointError(f"{file.path}: the encoder does not match the expected layout; " + "; ".join(parts))
-    state = {mk: file.tensor(fk).to(dtype) for mk, fk in mapped.items()}
-    state.update(statistics)
-    vae.load_state_dict(state, strict=True, assign=True)
-    return vae.eval().requires_grad_(False)
 
 
 # ---- decode --------------------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ from safetensors import safe_open
 from torch import nn
 
 from . import configs, keymaps, quant
+from .diffusion_decoder import (DIFFUSION_VAE_MARKER, REFUSED_SUFFIXES, STATISTICS, UNUSED_STATISTICS,
+                                DiffusionDecoderConfig, build_decoder, decoder_key_to_diffusers, diffusers_key_to_file)
 from .families import ModelFamily, detect_family
 from .fp8 import FP8_DTYPES, INPUT_SCALE_SUFFIX, SCALE_SUFFIX, swap_in_fp8_linears
 
@@ -261,12 +263,25 @@ def transformer_prefix(file: SafetensorsFile) -> str:
                           f"key); is it a checkpoint of another model family?")
 
 
-def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False):
-    """The bytes the ranks will hold of these files (header reads only): a `parallel.sharding.WeightBytes` with the
+@dataclass(frozen=True)
+class WeightBytes:
+    """The bytes a rank holds of a model's files, as the loader keeps them (floating tensors in the compute dtype,
+    fp8 / int8 weights and their scales as stored): `blocks` (transformer and text-connector blocks: sharded in the
+    memory mode) and `rest` (everything else: held whole by every rank)."""
+
+    blocks: int
+    rest: int
+
+    def per_rank(self, weights: str, world_size: int) -> int:
+        if weights == "sharded":
+            return -(-self.blocks // world_size) + self.rest
+        return self.blocks + self.rest
+
+
+def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False) -> WeightBytes:
+    """The bytes the ranks will hold of these files (header reads only): a `WeightBytes` with the
     transformer's and text connectors' block tensors apart. Floating tensors count in `dtype`, fp8 / int8 weights
     and their scales as stored. `transformer_only`: only the transformer's keys of the first file."""
-    from ..parallel.sharding import WeightBytes
-
     blocks = rest = 0
     for i, path in enumerate(dict.fromkeys(p for p in paths if p)):
         file = _open(path)
@@ -343,14 +358,140 @@ def load_transformer(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Modu
     return transformer, connectors[0], connectors[1], meta
 
 
+# ---- the LTX-2.5 diffusion video VAE file (its model: diffusion_decoder.py) -----------------------------------------
+
+@dataclass
+class DiffusionVideoVAE:
+    """A loaded LTX-2.5 diffusion video VAE file: the model (diffusers' decoder with the conv encoder attached as
+    `conv_encoder`), its decoder config, and the file's encoder keys."""
+
+    decoder: nn.Module
+    config: DiffusionDecoderConfig
+    encoder_keys: list[str] = field(default_factory=list)
+    path: str = ""
+
+
+def is_diffusion_vae(file: SafetensorsFile) -> bool:
+    return DIFFUSION_VAE_MARKER in file.keys
+
+
+def load_diffusion_vae(path: str | Path | SafetensorsFile, dtype: torch.dtype = torch.bfloat16,
+                       backend: str = "auto") -> DiffusionVideoVAE:
+    """Load the decoder of an LTX-2.5 diffusion video VAE file strictly and memory-mapped.
+
+    Tensors are read through the memory map and assigned (no second copy beyond a dtype cast; the fused `qkv`
+    rows become three views). Floating tensors are cast to `dtype`; the latent statistics stay float32.
+    Raises CheckpointError: not a diffusion VAE file (no `decoder.conv_in_x_t.weight`), bad `config` metadata,
+    missing or unexpected keys (named in the file's spelling), or static gates ComfyUI would ignore.
+    """
+    file = path if isinstance(path, SafetensorsFile) else SafetensorsFile(path)
+    if not is_diffusion_vae(file):
+        raise CheckpointError(f"{file.path}: not an LTX-2.5 diffusion video VAE (no '{DIFFUSION_VAE_MARKER}' key)")
+    try:
+        config = DiffusionDecoderConfig.from_vae_section(file.config().get("vae", {}))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{file.path}: metadata config.vae: {exc}") from exc
+    encoder_keys = [k for k in file.keys if k.startswith("encoder.")]
+    gated = [k for k in file.keys if k.endswith(REFUSED_SUFFIXES) or ".coarse_" in k]
+    if gated:
+        raise CheckpointError(f"{file.path}: the decoder carries static gates / preview heads ComfyUI 0.33 ignores "
+                              f"(convert the file with the gates folded): {_format_keys(gated)}")
+    with init_empty_weights(include_buffers=False):
+        model = build_decoder(config, backend)
+    mapped: dict[str, tuple[str, int | None]] = {}
+    unexpected = []
+    for key in file.keys:
+        if key in encoder_keys or key in UNUSED_STATISTICS:
+            continue
+        if not (key.startswith("decoder.") or key in STATISTICS):
+            unexpected.append(key)
+            continue
+        for mk, third in decoder_key_to_diffusers(key):
+            mapped[mk] = (key, third)
+    expected = set(model.state_dict().keys())
+    unexpected += sorted({fk for mk, (fk, _) in mapped.items() if mk not in expected})
+    missing = sorted(expected - mapped.keys())
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_format_keys(sorted({diffusers_key_to_file(k) for k in missing}))}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_format_keys(unexpected)}")
+        raise CheckpointError(f"{file.path}: diffusion video VAE does not match the expected layout; "
+                              + "; ".join(parts))
+    state = {}
+    cache: dict[str, torch.Tensor] = {}
+    for mk, (fk, third) in mapped.items():
+        tensor = cache.get(fk)
+        if tensor is None:
+            tensor = file.tensor(fk)
+            if mk in ("latents_mean", "latents_std"):
+                tensor = tensor.float()
+            elif tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            cache[fk] = tensor
+        if third is not None:
+            rows = tensor.shape[0] // 3
+            tensor = tensor[third * rows:(third + 1) * rows]
+        state[mk] = tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    if encoder_keys:
+        model.conv_encoder = _load_encoder(file, file.config().get("vae", {}).get("encoder", {}), encoder_keys,
+                                           {k: state[k] for k in ("latents_mean", "latents_std")}, dtype)
+    return DiffusionVideoVAE(decoder=model.eval().requires_grad_(False), config=config, encoder_keys=encoder_keys,
+                             path=str(file.path))
+
+
+def encoder_vae_metadata(encoder: dict[str, Any]) -> dict[str, Any]:
+    """The file's `config.vae.encoder` (ComfyUI's `CausalDiffusionVAE` fields and defaults) -> the LTX-2.3 `config.vae`
+    fields `configs.video_vae_kwargs` reads (with a minimal stand-in decoder, dropped after construction)."""
+    defaults = {"in_channels": 3, "out_channels": 128, "patch_size": 4, "norm_layer": "pixel_norm",
+                "latent_log_var": "constant", "base_channels": 128, "spatial_padding_mode": "zeros"}
+    enc = {**defaults, **encoder}
+    if "blocks" not in enc:
+        raise ValueError("config.vae.encoder has no 'blocks'")
+    return {"in_channels": enc["in_channels"], "out_channels": 3, "latent_channels": enc["out_channels"],
+            "encoder_base_channels": enc["base_channels"], "patch_size": enc["patch_size"],
+            "norm_layer": enc["norm_layer"], "latent_log_var": enc["latent_log_var"],
+            "spatial_padding_mode": enc["spatial_padding_mode"], "encoder_blocks": enc["blocks"],
+            "decoder_blocks": [["res_x", {"num_layers": 1}], ["compress_all", {"multiplier": 1}],
+                               ["res_x", {"num_layers": 1}]], "decoder_base_channels": 8}
+
+
+def _load_encoder(file: SafetensorsFile, encoder: dict[str, Any], keys: list[str],
+                  statistics: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    """The file's `encoder.*` into an `AutoencoderKLLTX2Video` (its decoder dropped), strictly (the 2.3 key map).
+    Both `latent_log_var` "uniform" and "constant" have 129 output channels and the same mean (channels 0..127)."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    try:
+        kwargs = configs.video_vae_kwargs(encoder_vae_metadata(encoder))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{file.path}: metadata config.vae.encoder: {exc}") from exc
+    stages = len(kwargs["block_out_channels"])
+    with init_empty_weights(include_buffers=False):
+        vae = AutoencoderKLLTX2Video(**kwargs)
+    vae.decoder = None
+    mapped = {keymaps.video_vae_to_diffusers(k, stages): k for k in keys}
+    expected = set(vae.state_dict().keys()) - set(statistics)
+    missing = sorted(keymaps.video_vae_to_original(k, stages) for k in expected - mapped.keys())
+    unexpected = sorted(mapped[k] for k in mapped.keys() - expected)
+    if missing or unexpected:
+        parts = ([f"missing keys: {_format_keys(missing)}"] if missing else []) + \
+                ([f"unexpected keys: {_format_keys(unexpected)}"] if unexpected else [])
+        raise CheckpointError(f"{file.path}: the encoder does not match the expected layout; " + "; ".join(parts))
+    state = {mk: file.tensor(fk).to(dtype) for mk, fk in mapped.items()}
+    state.update(statistics)
+    vae.load_state_dict(state, strict=True, assign=True)
+    return vae.eval().requires_grad_(False)
+
+
 _OTHER_PREFIXES = (keymaps.VIDEO_VAE_PREFIX, keymaps.AUDIO_VAE_PREFIX, keymaps.VOCODER_PREFIX,
                    keymaps.TEXT_PROJECTION_PREFIX)
 
 
 def load_video_vae(file: SafetensorsFile, dtype: torch.dtype) -> nn.Module:
     from diffusers import AutoencoderKLLTX2Video
-
-    from .diffusion_decoder import is_diffusion_vae, load_diffusion_vae
 
     if is_diffusion_vae(file):  # LTX-2.5's diffusion-decoder video VAE file (ComfyUI's detection key)
         return load_diffusion_vae(file, dtype).decoder

@@ -8,7 +8,7 @@ latent space), `decoder.*` (the diffusion decoder in ComfyUI's spelling: fused `
 What shrinks and what stays real: widths (stage channels 64/32/16/16/8, head 8), depths (1/1/1/1/2), the kernels
 (3×3×3 deterministic stages, 5×5×5 stage 5) and the timestep width; kept are the 128-channel latent, the upsample
 strides and channel reductions (so the 8 × 32 × 32 compression), patch size 4, the trailing-frame padding rule and
-the single x0 step. Every tensor is filled (tiny.py's `_fill`) and checked finite. Deterministic per seed.
+the single x0 step. Every tensor is filled (tiny_fill.py's `_fill`) and checked finite. Deterministic per seed.
 Verified by ComfyUI's own loader: `tests/golden/make_golden_25.py` loads the file with `comfy.sd.VAE` (asserting
 no missing or leftover key) and decodes a latent.
 """
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from . import configs, keymaps
 from .diffusion_decoder import DiffusionDecoderConfig, build_decoder, decoder_state_to_comfy, metadata_json
-from .tiny import _fill, tiny_vae_metadata
+from .tiny_fill import _fill, tiny_vae_metadata
 
 TINY_DECODER = DiffusionDecoderConfig(
     in_channels=128, out_channels=3, patch_size=4, head_dim=8,

@@ -17,7 +17,9 @@ than the stage's SP choice (`FleetConfig.guidance_parallel`: "auto", "on", "off"
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -63,42 +65,138 @@ class StageRun:
         return self.split.kind
 
 
-@dataclass
-class ParallelPlan:
-    """The split of one fleet. Build it on every rank with `build_plan` (creating a sub-group is collective)."""
+@dataclass(frozen=True)
+class PlanGroups:
+    """The process groups of one fleet, built once on every rank by `build_plan` (creating a group is collective):
+    what any policy may choose among. Frozen: a policy never creates or drops a group.
+
+    stages: SP degree -> `SPStage` (ranks 0..d-1; this rank's `SequenceParallelTransformer` when it is in the group).
+    pass_groups: guidance-pass group size g -> ranks 0..g-1 (None: the whole fleet).
+    heads / model_shape: the transformer's attention heads (the SP degree must divide them) and shape (cost model).
+    built: False for a plan made by hand (`ParallelPlan.hand_built`): its policy cannot change.
+    sharded: the weights are sharded over all ranks (`parallel/sharding.py`): every forward runs on all of them.
+    """
 
     rank: int
     world_size: int
     device: torch.device
-    sp_degree: int
-    sp_group: dist.ProcessGroup | None  # None = the default (world) group
-    sp_forward: SequenceParallelTransformer | None  # None on ranks outside the SP group
-    token_cap: int | None = DEFAULT_TOKEN_CAP
-    stages: dict[int, SPStage] | None = None  # every usable SP degree -> its group (built collectively)
-    min_tokens_per_rank: int = 0
-    last_degree: int | None = None  # the degree the last SP stage ran at (job report)
-    cost_model: CostModel | None = None  # set: the degree per stage is the cost model's choice (min_tokens ignored)
-    shape: ModelShape | None = None  # the transformer's shape for the cost model (None: LTX-2 19B)
-    last_reason: str | None = None  # why the last SP stage ran at `last_degree` (job report)
-    guidance_parallel: str = "off"  # "auto" | "on" | "off" (build_plan's default is "auto"; see passes.py)
-    pass_groups: dict[int, dist.ProcessGroup | None] | None = None  # group size g -> ranks 0..g-1 (built collectively)
-    last_split: StageSplit | None = None  # how the last stage run through `split` ran (job report)
-    # every group built at fleet start (`build_plan`); a policy (`set_policy`) picks `stages` / `pass_groups` among them
-    all_stages: dict[int, SPStage] | None = None
-    all_pass_groups: dict[int, dist.ProcessGroup | None] | None = None
-    heads: int | None = None  # the transformer's attention heads (the SP degree must divide them)
-    model_shape: ModelShape | None = None  # the transformer's shape (`shape` is set from it when a policy needs it)
-    requested_sp_degree: int | None = None  # the policy's explicit `sp_degree` (None: the largest the heads allow)
+    stages: Mapping[int, SPStage]
+    pass_groups: Mapping[int, dist.ProcessGroup | None]
+    heads: int | None = None
+    model_shape: ModelShape | None = None
+    built: bool = True
     sharded: bool = False  # the transformer's weights are sharded over all ranks (sharding.py): lockstep forwards
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where collectives' buffers live: the rank's CUDA device (NCCL) or the CPU (gloo)."""
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class PlanPolicy:
+    """A `protocol.FleetPolicy` applied to a fleet's groups (`ParallelPlan.set_policy`, per job): which groups a
+    stage may use and how its split is chosen. Frozen: a new policy replaces the old one whole.
+
+    sp_degree: the largest SP degree a stage may use; stage_degrees / pass_degrees: the SP degrees and guidance-pass
+    group sizes a stage may pick among; token_cap: video tokens per rank per forward; min_tokens_per_rank: the rule
+    "at least that many video tokens per rank" (0: the full degree) when no cost model is set; cost_model / shape:
+    the cost model that picks a stage's split (CUDA) and the transformer's shape for it; guidance_parallel: "auto" |
+    "on" | "off" (`passes.py`); requested_sp_degree: the policy's explicit `sp_degree` (None: the largest allowed).
+    """
+
+    sp_degree: int
+    stage_degrees: tuple[int, ...]
+    pass_degrees: tuple[int, ...] = ()
+    token_cap: int | None = DEFAULT_TOKEN_CAP
+    min_tokens_per_rank: int = 0
+    cost_model: CostModel | None = None
+    shape: ModelShape | None = None
+    guidance_parallel: str = "off"
+    requested_sp_degree: int | None = None
+
+
+@dataclass
+class PlanReport:
+    """How the last stage run through the plan was split (what `ParallelPlan.describe` says in the job report): the
+    SP degree, why, and the guidance-pass split when the passes ran in parallel. The plan's only mutable state."""
+
+    degree: int | None = None
+    reason: str | None = None
+    split: StageSplit | None = None
+
+
+class ParallelPlan:
+    """The split of one fleet: its groups (`PlanGroups`, frozen, built once by `build_plan` on every rank), the
+    policy in force (`PlanPolicy`, frozen, replaced whole per job by `set_policy`) and the report of the last stage
+    (`PlanReport`). `split` chooses a stage's split once (the cost model) and hands it down as a `StageRun`."""
+
+    def __init__(self, groups: PlanGroups, policy: PlanPolicy):
+        self.groups, self.policy, self.report = groups, policy, PlanReport()
+
+    @classmethod
+    def hand_built(cls, rank: int, world_size: int, device: torch.device, sp_degree: int,
+                   sp_group: dist.ProcessGroup | None = None, sp_forward: SequenceParallelTransformer | None = None,
+                   token_cap: int | None = DEFAULT_TOKEN_CAP, stages: dict[int, SPStage] | None = None,
+                   min_tokens_per_rank: int = 0, cost_model: CostModel | None = None, shape: ModelShape | None = None,
+                   guidance_parallel: str = "off", pass_groups: dict | None = None, heads: int | None = None,
+                   requested_sp_degree: int | None = None) -> "ParallelPlan":
+        """A plan without `build_plan` (tests, tools): the SP `stages` given (default: one of `sp_degree` on
+        `sp_group` with `sp_forward`) and the guidance-pass groups given, under a fixed policy (`set_policy` raises)."""
+        allowed = tuple(stages) if stages else (sp_degree,)
+        every = {**(stages or {}), sp_degree: (stages or {}).get(sp_degree, SPStage(sp_degree, sp_group, sp_forward))}
+        groups = PlanGroups(rank, world_size, device, MappingProxyType(every),
+                            MappingProxyType(dict(pass_groups or {})), heads, None, built=False)
+        policy = PlanPolicy(sp_degree, allowed, tuple(pass_groups or {}), token_cap, min_tokens_per_rank, cost_model,
+                            shape, guidance_parallel, requested_sp_degree)
+        return cls(groups, policy)
+
+    # ---- read-only views (the groups, the policy, the report) ----
+    rank = property(lambda self: self.groups.rank)
+    world_size = property(lambda self: self.groups.world_size)
+    device = property(lambda self: self.groups.device)
+    heads = property(lambda self: self.groups.heads)
+    model_shape = property(lambda self: self.groups.model_shape)
+    all_stages = property(lambda self: dict(self.groups.stages) if self.groups.built else None)
+    all_pass_groups = property(lambda self: dict(self.groups.pass_groups) if self.groups.built else None)
+    sp_degree = property(lambda self: self.policy.sp_degree)
+    token_cap = property(lambda self: self.policy.token_cap)
+    min_tokens_per_rank = property(lambda self: self.policy.min_tokens_per_rank)
+    cost_model = property(lambda self: self.policy.cost_model)
+    shape = property(lambda self: self.policy.shape)
+    guidance_parallel = property(lambda self: self.policy.guidance_parallel)
+    requested_sp_degree = property(lambda self: self.policy.requested_sp_degree)
+    sharded = property(lambda self: self.groups.sharded)
+    last_degree = property(lambda self: self.report.degree)
+    last_reason = property(lambda self: self.report.reason)
+    last_split = property(lambda self: self.report.split)
+
+    @property
+    def stages(self) -> dict[int, SPStage]:
+        """The SP stages the policy allows (degree -> stage)."""
+        return {d: self.groups.stages[d] for d in self.policy.stage_degrees}
+
+    @property
+    def pass_groups(self) -> dict[int, dist.ProcessGroup | None]:
+        """The guidance-pass groups the policy allows (size -> group)."""
+        return {g: self.groups.pass_groups[g] for g in self.policy.pass_degrees}
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        return self.groups.stages[self.policy.sp_degree].group
+
+    @property
+    def sp_forward(self) -> SequenceParallelTransformer | None:
+        return self.groups.stages[self.policy.sp_degree].forward
 
     def set_policy(self, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
                    guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> None:
         """Apply a parallel policy (`protocol.FleetPolicy`'s fields; see `build_plan`) to this plan, on every rank
-        with the same values, between jobs: it only chooses among the groups `build_plan` built, so no collective
-        runs and nothing is reloaded. Raises ValidationError (a degree the heads or the fleet do not allow) or
-        ValueError (an unknown guidance-parallel mode) before anything changes."""
+        with the same values, between jobs: a new `PlanPolicy` choosing among the groups `build_plan` built, so no
+        collective runs and nothing is reloaded; the report starts empty. Raises ValidationError (a degree the heads
+        or the fleet do not allow) or ValueError (an unknown guidance-parallel mode) before anything changes."""
         check_mode(guidance_parallel)
-        if self.all_stages is None:
+        if not self.groups.built:
             raise RuntimeError("set_policy needs a plan from build_plan (its groups are built there)")
         if self.sharded:
             check_sharded_policy(self.world_size, sp_degree, min_tokens_per_rank, guidance_parallel)
@@ -109,20 +207,18 @@ class ParallelPlan:
             cost_model = (default_model() if self.device.type == "cuda" and not self.sharded
                           else None)  # the graphed forward's
             min_tokens_per_rank = 0
-        self.stages = {d: s for d, s in self.all_stages.items()
-                       if d <= degree and (d == degree or min_tokens_per_rank > 0 or cost_model is not None)}
+        stage_degrees = tuple(d for d in self.groups.stages
+                              if d <= degree and (d == degree or min_tokens_per_rank > 0 or cost_model is not None))
         use_passes = not self.sharded and (
             guidance_parallel == "on" or (guidance_parallel == "auto" and self.device.type == "cuda"))
-        self.pass_groups = dict(self.all_pass_groups or {}) if use_passes else {}
-        top = self.all_stages[degree]
-        self.sp_degree, self.sp_group, self.sp_forward = degree, top.group, top.forward
-        self.token_cap, self.min_tokens_per_rank, self.cost_model = token_cap, min_tokens_per_rank, cost_model
-        for stage in self.all_stages.values():
+        pass_degrees = tuple(self.groups.pass_groups) if use_passes else ()
+        shape = self.model_shape if cost_model is not None or pass_degrees else None
+        self.policy = PlanPolicy(degree, stage_degrees, pass_degrees, token_cap, min_tokens_per_rank, cost_model,
+                                 shape, guidance_parallel, sp_degree)
+        for stage in self.groups.stages.values():
             if stage.forward is not None:
                 stage.forward.token_cap = token_cap
-        self.shape = self.model_shape if cost_model is not None or self.pass_groups else None
-        self.guidance_parallel, self.requested_sp_degree = guidance_parallel, sp_degree
-        self.last_degree = self.last_reason = self.last_split = None
+        self.report = PlanReport()
 
     def stage(self, tokens: int) -> SPStage:
         """The SP stage for a forward of `tokens` video tokens.
@@ -130,20 +226,20 @@ class ParallelPlan:
         With a cost model: the degree with the lowest predicted forward time among the built stages (1 when no split
         is predicted to beat one GPU). Otherwise the largest degree that keeps at least `min_tokens_per_rank` video
         tokens per rank; the full degree when no minimum is set."""
-        self.last_split = None
-        stages = self.stages or {self.sp_degree: SPStage(self.sp_degree, self.sp_group, self.sp_forward)}
+        self.report.split = None
+        stages = self.stages
         if self.cost_model is not None:
             shape = self.shape or ModelShape()
             degree = best_sp_degree(tokens, [d for d in stages], shape, self.cost_model)
             degree = degree if degree in stages else min(stages)
             chosen = stages[degree]
-            self.last_reason = choice_reason(tokens, degree, list(stages), shape, self.cost_model)
+            self.report.reason = choice_reason(tokens, degree, list(stages), shape, self.cost_model)
         else:
             fits = [d for d in stages if d == 1 or tokens >= d * self.min_tokens_per_rank]
             chosen = stages[max(fits) if fits else min(stages)]
-            self.last_reason = (f"fewer than {self.min_tokens_per_rank} video tokens per rank would not pay"
-                                if chosen.degree < self.sp_degree else None)
-        self.last_degree = chosen.degree
+            self.report.reason = (f"fewer than {self.min_tokens_per_rank} video tokens per rank would not pay"
+                                  if chosen.degree < self.sp_degree else None)
+        self.report.degree = chosen.degree
         return chosen
 
     def split(self, stage: str, tokens: int, passes: int, pass_bytes: float = 0.0) -> StageRun:
@@ -159,10 +255,10 @@ class ParallelPlan:
                               list(self.pass_groups or {}), cost_model=model, shape=self.shape or ModelShape(),
                               nbytes=pass_bytes, token_cap=self.token_cap, stage=stage)
         if choice.kind == "passes":
-            self.last_split = choice
-            return StageRun(choice, (self.pass_groups or {})[choice.degree], None)
+            self.report.split = choice
+            return StageRun(choice, self.pass_groups[choice.degree], None)
         if choice.reason:
-            self.last_reason = f"{self.last_reason}; {choice.reason}" if self.last_reason else choice.reason
+            self.report.reason = f"{self.last_reason}; {choice.reason}" if self.last_reason else choice.reason
         return StageRun(choice, sp.group, sp.forward)
 
     @property
@@ -233,7 +329,7 @@ class ParallelPlan:
         return out
 
     def _comm_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
+        return self.groups.comm_device
 
     def describe(self) -> str:
         """The job report's line: the degree the last SP stage ran at, and why — or, when the last stage ran its
@@ -292,10 +388,10 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
         all_pass_groups[g] = (None if g == world_size else all_stages[g].group if g in all_stages
                               else dist.new_group(list(range(g))))
-    top = all_stages[top_sp_degree(heads, world_size)]
-    plan = ParallelPlan(rank, world_size, device, top.degree, top.group, top.forward, token_cap,
-                        all_stages=all_stages, all_pass_groups=all_pass_groups, heads=heads,
-                        model_shape=ModelShape.of(transformer.config), sharded=sharded)
+    top = top_sp_degree(heads, world_size)
+    groups = PlanGroups(rank, world_size, device, MappingProxyType(all_stages), MappingProxyType(all_pass_groups),
+                        heads, ModelShape.of(transformer.config), sharded=sharded)
+    plan = ParallelPlan(groups, PlanPolicy(top, (top,), (), token_cap))
     plan.set_policy(sp_degree=sp_degree, min_tokens_per_rank=min_tokens_per_rank,
                     guidance_parallel=guidance_parallel, token_cap=token_cap)
     return plan

@@ -27,8 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import LTX2AttnProcessor, use_processor
+from ..forward import ForwardOptions
+from .. import model_forward
+from ..semantics import REFERENCE
+from ..tokens import TokenBatch
 from .degrees import check_sp_degree
 from .exchange import Exchange
+from .forward_plan import SEQUENCE, pad_and_slice, shard_batch
 
 NEG_INF = float("-inf")
 
@@ -107,6 +112,7 @@ class SequenceParallelTransformer:
     """
 
     cuda_graph_safe = True  # a pure function of its tensors: `cuda_graphs.call` may capture it (piecewise)
+    plan = SEQUENCE  # the declarative plan it applies (parallel/forward_plan.py)
 
     def __init__(self, transformer, exchange: Exchange, token_cap: int | None = None):
         check_sp_degree(transformer.config.num_attention_heads, exchange.world_size)
@@ -125,13 +131,31 @@ class SequenceParallelTransformer:
 
     def shard(self, x: torch.Tensor, dim: int, padded: int) -> torch.Tensor:
         """Zero-pad `dim` to `padded` and take this rank's contiguous slice."""
-        t = x.shape[dim]
-        if padded != t:
-            pad_shape = list(x.shape)
-            pad_shape[dim] = padded - t
-            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-        per_rank = padded // self.exchange.world_size
-        return x.narrow(dim, self.exchange.rank * per_rank, per_rank)
+        return pad_and_slice(x, dim, padded, self.exchange.rank, self.exchange.world_size)
+
+    def shard_batch(self, batch: TokenBatch) -> tuple[TokenBatch, int]:
+        """This rank's share of `batch` by the plan (`forward_plan.SEQUENCE`'s inputs) -> (local, padded tokens)."""
+        return shard_batch(self.plan, batch, self.exchange.rank, self.exchange.world_size)
+
+    @staticmethod
+    def key_mask(tokens: int, padded: int, device) -> torch.Tensor | None:
+        """Additive `[1, 1, 1, padded]`: 0 on the real video keys, −inf on the padding (None: no padding)."""
+        if padded == tokens:
+            return None
+        mask = torch.zeros(1, 1, 1, padded, device=device)
+        mask[..., tokens:] = NEG_INF
+        return mask
+
+    def gather(self, video: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The plan's output entry: every rank's video tokens, gathered, the padding cut -> `[B, tokens, C]`."""
+        return self.exchange.all_gather_seq(video)[:, :tokens]
+
+    def check(self, tokens: int, timestep: torch.Tensor) -> None:
+        """Before a forward: the per-rank token cap, and per-token timesteps (raises ValueError)."""
+        check_token_cap(tokens, self.exchange.world_size, self.token_cap)
+        if timestep.ndim != 2 or timestep.shape[1] != tokens:
+            raise ValueError(f"sequence parallel needs per-token timesteps [B, {tokens}]; got "
+                             f"{tuple(timestep.shape)}")
 
     def ensure_active(self) -> None:
         """`activate()` unless this wrapper's processors are installed (another stage may have used the shared
@@ -143,29 +167,11 @@ class SequenceParallelTransformer:
         if processor is not self._video_to_audio:
             self.activate()
 
-    def __call__(self, *, hidden_states, timestep, video_coords, **kwargs):
+    def __call__(self, **kwargs):
+        """The diffusers keyword API (`TokenBatch.from_diffusers`) on the one forward, sequence parallel, eagerly."""
         self.ensure_active()
-        w = self.exchange.world_size
-        b, t, _ = hidden_states.shape
-        check_token_cap(t, w, self.token_cap)
-        if timestep.ndim != 2 or timestep.shape[1] != t:
-            raise ValueError(f"sequence parallel needs per-token timesteps [B, {t}]; got {tuple(timestep.shape)}")
-        padded = -(-t // w) * w
-        key_mask = None
-        if padded != t:
-            key_mask = torch.zeros(1, 1, 1, padded, device=hidden_states.device)
-            key_mask[..., t:] = NEG_INF
-        self.state.key_mask = key_mask
-        try:
-            per_token = {"video_keyframes_mask": self.shard(kwargs["video_keyframes_mask"], 1, padded)} \
-                if kwargs.get("video_keyframes_mask") is not None else {}
-            video, audio = self.transformer(
-                hidden_states=self.shard(hidden_states, 1, padded),
-                timestep=self.shard(timestep, 1, padded),
-                video_coords=self.shard(video_coords, 2, padded),
-                return_dict=False, **{k: v for k, v in kwargs.items() if k not in ("return_dict", *per_token)},
-                **per_token)
-        finally:
-            self.state.key_mask = None
-        video = self.exchange.all_gather_seq(video)[:, :t]
-        return video, audio
+        self.check(kwargs["hidden_states"].shape[1], kwargs["timestep"])
+        isolate = bool(kwargs.get("isolate_modalities", False))
+        batch = TokenBatch.from_diffusers(self.transformer.config, **kwargs)
+        options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)
+        return model_forward.run_eager(self.transformer, batch, REFERENCE, self, options)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models.loader import WeightBytes
 from ..protocol import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.weights`
 
 @dataclass(frozen=True)
@@ -85,21 +86,6 @@ ACTIVATION_RESERVE_BYTES = 3 * GiB
 """Kept free per GPU for one forward beside the weights: what one rank's peak exceeded its resident weights by at
 1280×704×121 (stage 2, 7,040 tokens per rank at W = 2: 2.96 GiB; 640×352×121 with a CFG batch of 2: 1.88 GiB), in
 bench/results/sharded_h200.txt. Larger sizes need more (a finer split: more ranks)."""
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    """The bytes a rank holds of a model's files, as the loader keeps them (floating tensors in the compute dtype,
-    fp8 / int8 weights and their scales as stored): `blocks` (transformer and text-connector blocks: sharded in the
-    memory mode) and `rest` (everything else: held whole by every rank)."""
-
-    blocks: int
-    rest: int
-
-    def per_rank(self, weights: str, world_size: int) -> int:
-        if weights == "sharded":
-            return -(-self.blocks // world_size) + self.rest
-        return self.blocks + self.rest
 
 
 def check_fits(device: str, free_bytes: int, sizes: WeightBytes, weights: str, world_size: int,

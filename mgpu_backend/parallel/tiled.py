@@ -30,7 +30,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import model_forward
 from ..attention import LTX2AttnProcessor, use_processor
+from ..forward import ForwardOptions
+from ..semantics import REFERENCE
+from ..tokens import TokenBatch
+from .forward_plan import TILES, select_tokens
 from .tiling import Tile, TileCountConfig, make_tiles
 
 DEFAULT_MAX_FIRST_SIGMA = 0.7  # TDP refused above this first sigma: tiles drift apart (seed: "Do not run TDP first")
@@ -59,6 +64,8 @@ class TiledTransformer:
     `group=None` with `world_size=1` computes every tile here (the single-process reference of the same tiling).
     """
 
+    plan = TILES  # the declarative plan it applies (parallel/forward_plan.py)
+
     def __init__(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig,
                  group: dist.ProcessGroup | None = None, world_size: int = 1, rank: int = 0,
                  normalize_positions: bool = True):
@@ -81,6 +88,30 @@ class TiledTransformer:
         self._overlap_count = cover[overlap].float()  # [N_ov] tiles per overlap token
         self._overlap_slot = torch.full((n_gen,), -1, dtype=torch.int64)  # token -> row in the overlap buffers
         self._overlap_slot[overlap] = torch.arange(overlap.numel())
+
+    def _tile_forwards(self, hidden_states, timestep, video_coords, audio_hidden_states, kwargs: dict):
+        """`(token index, the tile's positions) -> (video, audio)`: the one forward (`model_forward.run_eager`,
+        local) on the tile's share of ONE `TokenBatch` of the whole latent (the plan's `TILES` entry:
+        `forward_plan.select_tokens`). A stand-in without the LTX-2 modules (tests) is called with the tile's
+        keyword arguments instead."""
+        rest = {k: v for k, v in kwargs.items() if k != "return_dict"}
+        if not hasattr(self.transformer, "proj_in"):
+            def stand_in(idx, coords):
+                per_token = ({"video_keyframes_mask": rest["video_keyframes_mask"][:, idx]}
+                             if rest.get("video_keyframes_mask") is not None else {})
+                return self.transformer(hidden_states=hidden_states[:, idx], timestep=timestep[:, idx],
+                                        video_coords=coords, audio_hidden_states=audio_hidden_states,
+                                        return_dict=False, **{**rest, **per_token})
+            return stand_in
+        isolate = bool(rest.pop("isolate_modalities", False))
+        batch = TokenBatch.from_diffusers(self.transformer.config, hidden_states=hidden_states, timestep=timestep,
+                                          video_coords=video_coords, audio_hidden_states=audio_hidden_states, **rest)
+        options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)
+
+        def tile(idx, coords):  # the keyframe marker comes from the clip's positions, not the tile's
+            return model_forward.run_eager(self.transformer, select_tokens(self.plan, batch, idx, video_coords=coords),
+                                           REFERENCE, None, options)
+        return tile
 
     def activate(self) -> None:
         """Install local attention processors (tiles run the whole model on this rank)."""
@@ -139,6 +170,7 @@ class TiledTransformer:
         n_ov = self._overlap_count.numel()
         sums = torch.zeros(2, b, n_ov, c, dtype=torch.float32, device=out.device)  # Σ v and Σ v² on overlaps
         audio_sum = None
+        tile_forward = self._tile_forwards(hidden_states, timestep, video_coords, audio_hidden_states, kwargs)
         start = time.perf_counter()
         for tile in self.my_tiles:
             idx = tile.token_index(self.grid).to(hidden_states.device)
@@ -151,13 +183,7 @@ class TiledTransformer:
             if self.normalize_positions:
                 offset = video_coords[:, :, tile.token_index(self.grid).to(coords.device), 0].amin(dim=2)  # [B, 3]
                 coords = coords - offset[:, :, None, None]
-            per_token = {"video_keyframes_mask": kwargs["video_keyframes_mask"][:, idx]} \
-                if kwargs.get("video_keyframes_mask") is not None else {}  # from the un-normalized positions
-            video, audio = self.transformer(hidden_states=hidden_states[:, idx], timestep=timestep[:, idx],
-                                            video_coords=coords, audio_hidden_states=audio_hidden_states,
-                                            return_dict=False,
-                                            **{**{k: v for k, v in kwargs.items() if k != "return_dict"},
-                                               **per_token})
+            video, audio = tile_forward(idx, coords)
             out[:, idx] += video.float() * weights[None, :, None]
             if n_ov:
                 gen = tile.token_index(self.grid)
