@@ -8,8 +8,10 @@ gathered, which attentions exchange what — one `ForwardPlan` per kind of split
 | `TILES` (tiled data parallel, §5) | the video token fields indexed by each tile's tokens (+ the conditioning tokens it keeps), positions re-based per tile | local | video: weighted sum over the tiles' tokens, one all_reduce | replicated |
 | `ROWS` (guidance passes / batch rows, `passes.py`) | whole rows (dim 0) round-robin to ranks | local | each row's outputs broadcast from its owner | replicated |
 
-`weights`: where a weight-sharding entry goes (FSDP2 `fully_shard` per transformer block, `FleetIdentity.weights`
-= "sharded", `parallel/sharding.py`); every plan says "replicated" today. A new kind of split is a new `ForwardPlan`
+`weights`: "replicated", or `SHARDED` on a fleet whose weights are sharded (`FleetIdentity.weights`, FSDP2
+`fully_shard` per transformer block, `parallel/sharding.py`: each block gathered as it runs, the arithmetic
+unchanged). With sharded weights every rank runs every forward: `SEQUENCE` over all ranks and `TILES` with a multiple
+of W tiles; `ROWS` and sequence-parallel sub-groups are refused (`ParallelPlan.set_policy`). A new kind of split is a new `ForwardPlan`
 here plus the one function that applies it (`shard_batch` for token splits); the forward itself
 (`model_forward.run_eager`) does not change.
 
@@ -46,6 +48,7 @@ REPLICATED = "replicated"
 ULYSSES = "ulysses"  # all_to_all sequence -> heads, attend over every token, back (parallel/sequence.py)
 GATHERED_KEYS = "gathered keys"  # replicated queries, the sharded keys / values all_gathered (parallel/sequence.py)
 LOCAL = "local"
+SHARDED = "sharded"  # the weights entry of a fleet with sharded weights (FSDP2 per block)
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,14 @@ class ForwardPlan:
     inputs: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # field -> Split
     attention: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # attention module -> kind
     outputs: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # "video" | "audio" -> Gather
-    weights: str = REPLICATED  # the weight-sharding entry ("replicated"; "sharded": parallel/sharding.py, to come)
+    weights: str = REPLICATED  # the weight-sharding entry: REPLICATED or SHARDED (parallel/sharding.py)
+
+    def with_sharded_weights(self) -> "ForwardPlan":
+        """The same split on a fleet whose weights are sharded. Raises ValueError for `ROWS` (ranks would run
+        different forwards, and every block's gather needs all of them)."""
+        if self.name == ROWS.name:
+            raise ValueError("batch rows spread over ranks cannot run with sharded weights")
+        return dataclasses.replace(self, weights=SHARDED)
 
 
 SEQUENCE = ForwardPlan(
@@ -102,5 +112,5 @@ def select_tokens(plan: ForwardPlan, batch: TokenBatch, index: torch.Tensor, **r
     return dataclasses.replace(batch, **changes)
 
 
-__all__ = ["ForwardPlan", "GATHERED_KEYS", "Gather", "LOCAL", "PLANS", "REPLICATED", "ROWS", "SEQUENCE", "Split",
+__all__ = ["ForwardPlan", "GATHERED_KEYS", "Gather", "LOCAL", "PLANS", "REPLICATED", "ROWS", "SEQUENCE", "SHARDED", "Split",
            "TILES", "ULYSSES", "pad_and_slice", "select_tokens", "shard_batch"]

@@ -309,6 +309,8 @@ class ParallelPlan:
         be a multiple of the ranks (raises ValidationError before any work): each rank runs the same number of tile
         forwards, in lockstep."""
         tiled = TiledTransformer(transformer, grid, tiling, None, self.world_size, self.rank)
+        if self.sharded:
+            tiled.plan = tiled.plan.with_sharded_weights()
         if self.sharded and len(tiled.tiles) % self.world_size:
             raise ValidationError(
                 f"{len(tiled.tiles)} tiles over {self.world_size} ranks: with sharded weights every rank runs the "
@@ -383,6 +385,8 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
         group = None if d == world_size else dist.new_group(list(range(d)))
         forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank), token_cap)
                    if rank < d and d > 1 else None)
+        if forward is not None and sharded:
+            forward.plan = forward.plan.with_sharded_weights()
         all_stages[d] = SPStage(d, group, forward)
     all_pass_groups: dict[int, dist.ProcessGroup | None] = {}
     for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
