@@ -25,6 +25,11 @@ owner rank (largest layers first, each to the least-loaded rank: ~1/W of the tou
 - restore: the owner copies its clean weight back and broadcasts it into the layer on every rank. fp8 layers: the
   fused weight is dropped on every rank (no communication; the fp8 tensors were never touched).
 Clean weights held per rank: ~1/W of the touched layers (`LoRAFuser.clean_bytes`). The checkpoint is not opened.
+
+With sharded weights (`parallel/sharding.py`: each rank holds rows of every block layer) each rank fuses every touched
+layer itself: the layer is gathered whole (in model order on every rank), the fused weight computed as one process
+computes it, and the rank's own rows written into its shard, with those rows' clean copy kept; restore copies them
+back. No broadcast; the same bits as one process, row for row.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from torch import nn
 
 from .models import keymaps
 from .models.fp8 import FP8Linear
-from .parallel.sharding import full_weight, local_rows
+from .parallel.sharding import full_weight, is_dtensor, local_rows, local_shard
 from .stage_params import LORA_PAIR_SUFFIXES, lora_pair_keys, open_lora
 from .validation import ValidationError
 
@@ -221,7 +226,7 @@ def _fused_weight(layer: nn.Module, terms: list[tuple[torch.Tensor, torch.Tensor
     one process and every rank of a fleet, so that their fused weights are the same bits. A layer sharded over the
     ranks (`parallel/sharding.py`) is gathered whole first (a collective: every rank calls it for the layer)."""
     fp8 = isinstance(layer, FP8Linear)
-    sharded = _is_dtensor(layer.weight)
+    sharded = is_dtensor(layer.weight)
     weight = full_weight(layer.weight) if sharded else layer.weight
     device = weight.device
     delta = None
@@ -231,15 +236,6 @@ def _fused_weight(layer: nn.Module, terms: list[tuple[torch.Tensor, torch.Tensor
     if fp8:
         return (layer.dequantized_weight(weight).float() + delta).to(layer.compute_dtype)
     return (weight.float() + delta).to(weight.dtype)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
-
-
-def _shard(weight: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds of a parameter: its local shard when sharded, else the parameter itself."""
-    return weight.to_local() if _is_dtensor(weight) else weight
 
 
 def assign_owners(sizes: list[int], world_size: int) -> list[int]:
@@ -383,7 +379,7 @@ class LoRAFuser:
         reports, plan = self._plan(loras, stage)
         t0 = time.perf_counter()
         owners = assign_owners([layer.weight.numel() for _, layer, _ in plan], self.world_size)
-        self._sharded = any(_is_dtensor(layer.weight) for _, layer, _ in plan)
+        self._sharded = any(is_dtensor(layer.weight) for _, layer, _ in plan)
         if self.sharded:  # every rank fuses every layer into what it holds: no owner, no broadcast
             owners = [self.rank] * len(plan)
         fused = [_Fused(name, layer, owner) for (name, layer, _), owner in zip(plan, owners)]
@@ -407,7 +403,7 @@ class LoRAFuser:
                     if isinstance(layer, FP8Linear):
                         layer.fused_weight = weight
                     else:
-                        shard = _shard(layer.weight)
+                        shard = local_shard(layer.weight)
                         self._backup[name] = self._keep(shard.detach())
                         shard.copy_(local_rows(layer.weight, weight))
                     del weight, values
@@ -448,7 +444,7 @@ class LoRAFuser:
                     layer.fused_weight = None  # the fp8 weight was never touched
                     continue
                 if item.owner == self.rank:
-                    _shard(layer.weight).copy_(self._backup.pop(item.name))
+                    local_shard(layer.weight).copy_(self._backup.pop(item.name))
                 if self.world_size > 1 and not self.sharded:
                     self._broadcast(layer.weight, item.owner)
         self._clear()
@@ -478,7 +474,7 @@ class LoRAFuser:
                 if isinstance(layer, FP8Linear):
                     layer.fused_weight = None
                 elif item.name in self._backup:
-                    _shard(layer.weight).copy_(self._backup[item.name])
+                    local_shard(layer.weight).copy_(self._backup[item.name])
         self._clear()
 
     def _keep(self, clean: torch.Tensor) -> torch.Tensor:

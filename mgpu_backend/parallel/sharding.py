@@ -42,18 +42,22 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.loader import WeightBytes
-from ..protocol import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.weights`
+from ..protocol import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.weights` (re-exported)
+
+GiB = 2 ** 30
+
 
 @dataclass(frozen=True)
 class ShardingReport:
     """What one rank holds after `shard_transformer` (bytes of parameters and buffers, this rank's memory).
 
     world_size: ranks the units are sharded over.
-    units: FSDP units (8 per transformer block: six attentions, two feed-forwards; 2 per connector block).
+    units: FSDP units (one per transformer block and per text-connector block).
     sharded_bytes: this rank's shards of the units (≈ 1/W of `unit_bytes`, rounded up per parameter).
     unit_bytes: the units' full size (what one replica holds of them).
     replicated_bytes: the rest of the transformer, held whole by every rank.
-    largest_unit_bytes: the largest unit, gathered whole while it runs.
+    largest_unit_bytes: the largest block, gathered whole while it runs (two at a time: the running one and the
+        next).
     """
 
     world_size: int
@@ -73,15 +77,7 @@ class ShardingReport:
         """What one rank would hold with replicated weights."""
         return self.unit_bytes + self.replicated_bytes
 
-    def describe(self) -> str:
-        gib = 2 ** 30
-        return (f"sharded weights (FSDP2) over {self.world_size} ranks: {self.units} units, "
-                f"{self.resident_bytes / gib:.2f} GiB resident per rank ({self.sharded_bytes / gib:.2f} GiB shards + "
-                f"{self.replicated_bytes / gib:.2f} GiB replicated) of a {self.replica_bytes / gib:.2f} GiB replica; "
-                f"+{self.largest_unit_bytes / gib:.2f} GiB while the largest layer runs")
 
-
-GiB = 2 ** 30
 ACTIVATION_RESERVE_BYTES = 3 * GiB
 """Kept free per GPU for one forward beside the weights: what one rank's peak exceeded its resident weights by at
 1280×704×121 (stage 2, 7,040 tokens per rank at W = 2: 2.96 GiB; 640×352×121 with a CFG batch of 2: 1.88 GiB), in
@@ -113,8 +109,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+def is_dtensor(t: torch.Tensor) -> bool:
+    """A parameter sharded over ranks (a DTensor of FSDP)."""
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of a parameter: its local shard when sharded, else the parameter itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def units_of(transformer: nn.Module, connectors=()) -> list[nn.Module]:
@@ -195,7 +197,7 @@ def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.
         # rank's shard of each parameter (buffers — fp8 / int8 scales — stay whole)
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     unit_ids = {id(p) for u in units for p in u.parameters()}
-    sharded = sum(_nbytes(_local(p)) for u in units for p in u.parameters())
+    sharded = sum(_nbytes(local_shard(p)) for u in units for p in u.parameters())
     rest = sum(_nbytes(p) for m in (transformer, *connectors) for p in m.parameters() if id(p) not in unit_ids)
     rest += sum(_nbytes(b) for m in (transformer, *connectors) for b in m.buffers())
     report = ShardingReport(dist.get_world_size(group), len(units), sharded, unit_bytes, rest, largest)
@@ -207,7 +209,7 @@ def full_weight(param: torch.Tensor) -> torch.Tensor:
     """The whole parameter gathered from the ranks' shards (a collective over its mesh: every rank calls it for the
     same parameter), or the parameter itself when it is not sharded. The shards travel as bytes, so it is exact for
     every dtype, fp8 and int8 included, on gloo too (whose all-gather has no float8 type)."""
-    if not hasattr(param, "to_local"):
+    if not is_dtensor(param):
         return param
     world, group = param.device_mesh.size(), param.device_mesh.get_group()
     rows, rest = param.shape[0], tuple(param.shape[1:])
@@ -224,8 +226,8 @@ def full_weight(param: torch.Tensor) -> torch.Tensor:
 def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The rows of `full` (`[out, …]`, the whole parameter) that this rank's shard of `param` holds: FSDP2 splits
     dim 0 as `torch.chunk` does (the last ranks may hold fewer rows, or none)."""
-    local = _local(param)
-    if not hasattr(param, "to_local"):
+    local = local_shard(param)
+    if not is_dtensor(param):
         return full
     rank, world = param.device_mesh.get_local_rank(), param.device_mesh.size()
     chunk = -(-full.shape[0] // world)
@@ -233,5 +235,5 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full[start:start + local.shape[0]]
 
 
-__all__ = ["ACTIVATION_RESERVE_BYTES", "WeightBytes", "check_fits",  "ShardingReport", "WEIGHT_MODES", "full_weight", "gathered", "is_sharded", "local_rows", "shard_transformer",
+__all__ = ["ACTIVATION_RESERVE_BYTES", "WeightBytes", "check_fits",  "ShardingReport", "WEIGHT_MODES", "full_weight", "gathered", "is_dtensor", "is_sharded", "local_shard", "local_rows", "shard_transformer",
            "sharding_of", "units_of"]
