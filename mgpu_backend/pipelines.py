@@ -27,9 +27,9 @@ from .denoiser import speed_report, text_contexts
 from .lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from .models.diffusion_decoder import denormalize
 from .models.loader import LTX2Components
-from .parallel.decode import decode_tiles, decode_untiled, is_diffusion_decoder
+from .parallel.decode import check_decodable, decode_tiles, decode_untiled, is_diffusion_decoder
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
-from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
+from .parallel.tiling import TileCountConfig, default_tiling, make_tiles, split_axis
 from .protocol import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
 from .semantics import REFERENCE
 from .stage import (CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageResult, StageSpec, TiledRunner,
@@ -378,6 +378,13 @@ class TwoStagePipeline:
         if decode_tiling is not None and decode_tiling.frames.num_tiles != 1:
             raise V.ValidationError("decode tiles: the decode never splits the frame axis (LTX's causal first "
                                     "frame); use height × width tiles")
+        if decode_tiling is not None:  # a tile the conv decoder cannot take, refused before sampling
+            try:
+                check_decodable(self.components.video_vae,
+                                split_axis(h2, decode_tiling.height.num_tiles, decode_tiling.height.overlap),
+                                split_axis(w2, decode_tiling.width.num_tiles, decode_tiling.width.overlap))
+            except ValueError as exc:
+                raise V.ValidationError(f"decode tiles: {exc}") from None
         if request.stage2_sigmas is not None:
             sigmas2 = S.as_sigmas(request.stage2_sigmas)
         else:

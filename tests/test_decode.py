@@ -316,3 +316,57 @@ def test_tiled_decode_matches_untiled_away_from_seams(vaes, references, variant)
           f"({clean.float().mean():.0%} of the pixels), {seam_err:.2e} within {radius} px of one; pixel range "
           f"{float(untiled.min()):.2f}..{float(untiled.max()):.2f}")
     assert clean_err <= CLEAN_TOL, f"{variant}: tiled decode differs by {clean_err:.2e} away from the seams"
+
+
+# ---- small and odd latent sizes (issue 24) ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def diffusion_vae(tmp_path_factory):
+    from mgpu_backend.models.diffusion_decoder import load_diffusion_vae
+    from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
+
+    path = write_tiny_diffusion_vae(tmp_path_factory.mktemp("dvae") / "ltx-2.5-tiny-diffusion-vae.safetensors", 0)
+    return load_diffusion_vae(path, dtype=torch.float32).decoder
+
+
+SMALL_GRIDS = [(1, 2, 2), (2, 2, 3), (3, 3, 2), (2, 2, 1), (1, 1, 3), (3, 1, 1)]  # (frames, height, width) cells
+
+
+@pytest.mark.parametrize("grid", SMALL_GRIDS, ids=lambda g: "x".join(map(str, g)))
+def test_small_and_odd_latents_decode_or_are_refused_before_work(vaes, diffusion_vae, grid, monkeypatch):
+    """Every latent of 1-3 frames and 1-3 cells high or wide: the conv decoder (reflection padding) decodes it
+    untiled when both axes have 2 cells or more; an axis — or, split in two tiles, a tile — of one cell is refused
+    before decoding anything, naming the size and the rule (torch's reflection padding needs a pad smaller than the
+    axis: ComfyUI 0.33's VAEDecode, the same decoder, fails inside its first convolution). The LTX-2.5 diffusion
+    decoder takes every size, untiled and in two tiles."""
+    from mgpu_backend.parallel.decode import decode_untiled
+
+    latent = _latent(grid)
+    pixel_shape = (1, 3, (grid[0] - 1) * 8 + 1, grid[1] * SPATIAL, grid[2] * SPATIAL)
+    for tiling in (None, TileCountConfig.spatial(1, 2, overlap=0) if grid[2] > 1 else None):
+        pixels = decode_untiled(diffusion_vae, latent) if tiling is None else decode_tiles(diffusion_vae, latent,
+                                                                                           tiling)[0]
+        assert pixels.shape == pixel_shape and torch.isfinite(pixels).all()
+    vae = vaes["2.3"]
+    assert vae.config.decoder_spatial_padding_mode == "reflect"
+    calls = []
+    real = type(vae).decode
+    monkeypatch.setattr(type(vae), "decode", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    _, h, w = grid
+    if min(h, w) < 2:
+        axis = "height" if h < 2 else "width"
+        with pytest.raises(ValueError, match=rf"the latent is 1 latent cell \(32 px\) in {axis}; the conv VAE decoder "
+                                             r"pads by reflection and needs at least 2 latent cells \(64 px\)"):
+            decode_untiled(vae, latent)
+        assert calls == []
+        return
+    untiled = decode_untiled(vae, latent)
+    assert untiled.shape == pixel_shape and torch.isfinite(untiled).all()
+    for tiling, axis, length in ((TileCountConfig.spatial(1, 2, overlap=0), "width", w),
+                                 (TileCountConfig.spatial(2, 1, overlap=0), "height", h)):
+        calls.clear()
+        if length < 4:  # two tiles of a 2- or 3-cell axis: one of them is 1 cell
+            with pytest.raises(ValueError, match=rf"a {axis} tile of the 2-tile split is 1 latent cell .* use fewer "
+                                                 rf"{axis} tiles"):
+                decode_tiles(vae, latent, tiling)
+            assert calls == []

@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from conftest import require_golden_weights
+
 from mgpu_backend.models.diffusion_decoder import (decode_diffusion, decoder_key_to_diffusers, decoder_state_to_comfy,
                                                    diffusers_key_to_file)
 from mgpu_backend.models.loader import CheckpointError, load_diffusion_vae
@@ -44,8 +46,15 @@ def golden():
 
 
 @pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory) -> Path:
-    return write_tiny_diffusion_vae(tmp_path_factory.mktemp("tiny25") / "ltx-2.5-tiny-diffusion-vae.safetensors", 0)
+def tiny_file(tmp_path_factory, golden) -> Path:
+    import sys
+    sys.path.insert(0, str(GOLDEN.parent))
+    from make_golden_25 import fingerprint
+
+    path = write_tiny_diffusion_vae(tmp_path_factory.mktemp("tiny25") / "ltx-2.5-tiny-diffusion-vae.safetensors", 0)
+    require_golden_weights(fingerprint(path) == golden[2]["tiny_sha256"],
+                           "the tiny diffusion VAE writer changed: regenerate with tests/golden/make_golden_25.py")
+    return path
 
 
 def test_tiny_file_is_the_golden_one(golden, tiny_file):

@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from conftest import require_golden_weights
+
 from mgpu_backend import latents as L
 from mgpu_backend.denoiser import LTX2Denoiser, keyframe_token_mask, text_contexts
 from mgpu_backend.models import families as FM
@@ -56,6 +58,8 @@ def files25(tmp_path_factory, golden):
     paths = write_tiny_component_files(directory, "2.5", spec["tiny_seed"], modules)
     paths["transformer_fp8"] = write_tiny_transformer(directory / "ltx-2.5-tiny-transformer-fp8.safetensors", "2.5",
                                                       spec["tiny_seed"], modules, quantization="fp8")
+    require_golden_weights(_fingerprint(paths) == golden["fingerprint"],
+                           "the tiny 2.5 writer changed: regenerate with tests/golden/make_golden_ltx25.py")
     return paths
 
 
@@ -95,8 +99,7 @@ def _fingerprint(paths: dict) -> str:
 
 
 def test_golden_was_made_from_these_files(files25, golden):
-    assert _fingerprint(files25) == golden["fingerprint"], \
-        "the tiny 2.5 writer changed: regenerate with tests/golden/make_golden_ltx25.py"
+    assert _fingerprint(files25) == golden["fingerprint"]  # checked in the fixture
 
 
 def test_every_tensor_filled_and_finite(files25):
@@ -204,10 +207,65 @@ def test_quantized_twins_compute_close_to_bf16(files25, ours, golden):
         assert 0 < rel < 0.05, (name, rel)
 
 
-def test_int8_forward_equals_comfyui_w8a8(files25, golden):
+INT8_TIE = 2e-4   # |x/s - (k + 1/2)| below this (in quantization steps) is a near-tie: float32 noise decides it
+INT8_MAX_FLIPS = 4  # near-ties the golden's CPU may have rounded the other way (measured: 1 on an AVX-512 EPYC)
+
+
+class _TieFlipper:
+    """Every `Int8Linear` call of a forward computed as `quant.int8_linear_torch` does (comfy-kitchen's eager
+    W8A8; bit-equal, checked below) with chosen near-tie activations rounded to the other neighbour.
+
+    ComfyUI quantizes each activation row as round(x / s), s = max|x| / 127. Where x / s lies within float32 noise
+    of k + 1/2 (the noise of x between CPU kernels, measured here <= 1e-4 steps before any flip), the golden's CPU
+    and this one may round to different neighbours; one such flip moves a layer's output by one step and cascades
+    through the later layers (hundreds of flips, 9.4e-3 on the velocity). `flips` holds (input number, element) pairs:
+    an input number counts distinct activation tensors, so layers fed the same tensor (q/k/v) flip together."""
+
+    def __init__(self):
+        self.flips: set[tuple[int, int]] = set()
+        self.ties: list[tuple[int, int]] = []  # near-ties seen in the last forward, in order
+
+    def __call__(self, x, weight, weight_scale, bias, convrot_group=None, input_act=None):
+        import mgpu_backend.models.quant as Q
+
+        if input_act == "gelu_tanh":
+            x = torch.nn.functional.gelu(x, approximate="tanh")
+        k = x.shape[-1]
+        if convrot_group is not None:
+            x = (x.reshape(-1, k // convrot_group, convrot_group) @ Q._hadamard_like(convrot_group, x)).reshape(x.shape)
+        x2 = x.reshape(-1, k)
+        s_x = (x2.abs().amax(dim=-1, keepdim=True).float() / 127.0).clamp(min=1e-30)
+        r = x2 / s_x.to(x.dtype)
+        if self._last is None or not torch.equal(r, self._last):
+            self._input += 1
+        self._last = r
+        q = r.round()
+        frac = (r - r.floor() - 0.5).abs().flatten()
+        for i in (frac < INT8_TIE).nonzero().flatten().tolist():
+            if (self._input, i) not in self.ties:
+                self.ties.append((self._input, i))
+            if (self._input, i) in self.flips:  # the other neighbour of the tie
+                q.view(-1)[i] = r.view(-1)[i].floor() + r.view(-1)[i].ceil() - q.view(-1)[i]
+        acc = Q._int8_mm(q.clamp(-128, 127).to(torch.int8), weight.t().contiguous())
+        out = (acc.float() * (s_x * weight_scale.float().reshape(1, -1))).to(x.dtype)
+        if bias is not None:
+            out = out + bias.to(x.dtype).reshape(1, -1)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def forward(self, comps, golden):
+        self._input, self._last, self.ties = -1, None, []
+        return _forward(comps, golden)
+
+
+def test_int8_forward_equals_comfyui_w8a8(files25, golden, monkeypatch):
     """The int8-convrot twin's forward equals ComfyUI's (golden: its int8 layers W8A8 through comfy-kitchen's
-    int8_linear, reference order / eps like the "ref" forward) to float tolerance; computing the same layers W8A16
-    (x · deq(W)ᵀ: `LTX2_MGPU_INT8_COMPUTE=w8a16`) moves it by ~1e-2 — what this pack computed before."""
+    int8_linear, reference order / eps like the "ref" forward) up to at most INT8_MAX_FLIPS activation roundings at
+    near-ties (which float32 noise decides differently on different CPUs: 9.4e-3 on an AVX-512 EPYC, 1e-5 under
+    ATEN_CPU_CAPABILITY=default there): the flips are searched in forward order, each kept only if it brings the
+    velocities closer to the golden, and then the velocities match to TIGHT (measured on the EPYC: one flip, found in
+    4 forwards, then within TIGHT). A bug is no near-tie flip: one int8 layer's weight scale ×1.001 fails with all ~77
+    near-ties tried (6.1e-3). Computing the same layers W8A16 (x · deq(W)ᵀ: `LTX2_MGPU_INT8_COMPUTE=w8a16`, what this
+    pack computed before) differs by far more."""
     import mgpu_backend.models.quant as Q
 
     t = golden["t"]
@@ -215,9 +273,30 @@ def test_int8_forward_equals_comfyui_w8a8(files25, golden):
         pytest.skip("golden made before the int8 forward was recorded (regenerate: tests/golden/make_golden_ltx25.py)")
     comps = load_components(files25["transformer_int8"], video_vae=files25["video_vae"],
                             audio_vae=files25["audio_vae"], dtype=torch.float32)
-    video, audio = _forward(comps, golden)
-    assert _max_diff(t["comfy.int8_velocity_video_ref"], video) <= TIGHT  # measured 1.7e-6
-    assert _max_diff(t["comfy.int8_velocity_audio_ref"], audio) <= TIGHT  # measured 7e-7
+    plain = _forward(comps, golden)  # the pack's own int8_linear (comfy-kitchen's op, or its torch copy)
+    flipper = _TieFlipper()
+    monkeypatch.setattr(Q, "int8_linear", flipper)
+
+    def distance(out):
+        return max(_max_diff(t["comfy.int8_velocity_video_ref"], out[0]),
+                   _max_diff(t["comfy.int8_velocity_audio_ref"], out[1]))
+
+    out = flipper.forward(comps, golden)
+    assert all(torch.equal(a, b) for a, b in zip(out, plain))  # no flip: the same bits as the pack's forward
+    best, tried = distance(out), 0
+    while best > TIGHT and len(flipper.flips) < INT8_MAX_FLIPS:
+        for tie in [tie for tie in flipper.ties if tie not in flipper.flips and tie > max(flipper.flips, default=(-1,))]:
+            tried += 1
+            flipper.flips.add(tie)
+            d = distance(flipper.forward(comps, golden))
+            if d < best / 2:  # the golden's CPU took the other neighbour here
+                best = d
+                break
+            flipper.flips.discard(tie)
+        else:
+            break
+    assert best <= TIGHT, (f"the int8 forward differs from ComfyUI's by {best:.2e} after {len(flipper.flips)} "
+                           f"near-tie flips (of {len(flipper.ties)} near-ties, {tried} tried): not a rounding flip")
     saved = Q.INT8_COMPUTE
     try:
         Q.INT8_COMPUTE = "w8a16"

@@ -119,3 +119,16 @@ def test_cli_refuses_bad_frames_before_loading(tmp_path, capsys):
                      "--upscaler", "y", "--prompt", "p", "--frames", "120", "--width", "128", "--height", "128"])
     assert code == 2
     assert "frames=120" in capsys.readouterr().err
+
+
+def test_decode_tiles_of_one_cell_refused_before_sampling(tiny_pipeline, monkeypatch):
+    """64 px wide (2 latent cells at full size) in two decode tiles without overlap: 1-cell tiles, which the conv
+    decoder's reflection padding cannot take — refused before any sampling, with the rule."""
+    from mgpu_backend.parallel.tiling import TileCountConfig
+    from mgpu_backend.validation import ValidationError
+
+    pipeline, paths = tiny_pipeline
+    monkeypatch.setattr(pipeline, "run_stage", lambda *a, **k: pytest.fail("sampled before refusing"))
+    with pytest.raises(ValidationError, match=r"decode tiles: decode: a width tile of the 2-tile split is 1 latent cell "
+                                              r"\(32 px\) in width; .* at least 2 latent cells \(64 px\)"):
+        _run(pipeline, paths, width=64, decode_tiles=TileCountConfig.spatial(1, 2, overlap=0))

@@ -20,6 +20,34 @@ import torch.distributed as dist
 from .tiling import TileCountConfig, axis_weights, split_axis
 
 SPATIAL = 32  # pixels per latent cell (VAE spatial compression)
+MIN_REFLECT_CELLS = 2  # a conv decoder that pads by reflection needs this many latent cells per spatial axis
+
+
+def check_decodable(vae, h_spans: list[tuple[int, int]], w_spans: list[tuple[int, int]]) -> None:
+    """Refuse, before any decode, a piece (the latent, or a tile of it) the conv VAE decoder cannot take.
+
+    The LTX conv decoders (diffusers' `AutoencoderKLLTX2Video`, ComfyUI 0.33's `VideoVAE`: the files' default
+    `spatial_padding_mode` "reflect") pad their 3×3 convolutions by reflection, which torch allows only for a pad
+    smaller than the axis: an axis of 1 latent cell (32 px) fails inside the first convolution ("Padding size should be
+    less than the corresponding input dimension"), in ComfyUI's VAEDecode as here. Raises ValueError naming the size,
+    the rule and what would fit.
+    """
+    config = getattr(vae, "config", None)
+    mode = config.get("decoder_spatial_padding_mode") if isinstance(config, dict) else \
+        getattr(config, "decoder_spatial_padding_mode", None)
+    if is_diffusion_decoder(vae) or mode != "reflect":
+        return
+    for axis, spans in (("height", h_spans), ("width", w_spans)):
+        narrow = [e - s for s, e in spans if e - s < MIN_REFLECT_CELLS]
+        if not narrow:
+            continue
+        what = "the latent" if len(spans) == 1 else f"a {axis} tile of the {len(spans)}-tile split"
+        fix = f"make the video at least {MIN_REFLECT_CELLS * SPATIAL} px in {axis}" if len(spans) == 1 else \
+            f"use fewer {axis} tiles (each needs {MIN_REFLECT_CELLS} cells)"
+        raise ValueError(
+            f"decode: {what} is {narrow[0]} latent cell ({narrow[0] * SPATIAL} px) in {axis}; the conv VAE decoder "
+            f"pads by reflection and needs at least {MIN_REFLECT_CELLS} latent cells ({MIN_REFLECT_CELLS * SPATIAL} "
+            f"px) per axis (ComfyUI's VAEDecode fails the same): {fix}")
 
 
 def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch.Tensor | None = None,
@@ -33,7 +61,8 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
     decoded by rank i mod W. Returns (pixels `[1, 3, F', 32H, 32W]` float32 on rank `dst` — None elsewhere —,
     report dict with this rank's tiles and seconds). Every rank of the group must call it.
 
-    Raises ValueError when tiles would not be larger than the overlap, or a `temb` for the diffusion decoder.
+    Raises ValueError when tiles would not be larger than the overlap, a piece the conv decoder cannot take
+    (`check_decodable`), or a `temb` for the diffusion decoder.
     """
     if tiling.frames.num_tiles != 1:
         raise ValueError("the decode never splits the frame axis (the causal first frame); use height/width tiles")
@@ -42,6 +71,7 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
     decode_tile = _tile_decoder(vae, latent, temb)
     h_spans = split_axis(h, tiling.height.num_tiles, tiling.height.overlap)
     w_spans = split_axis(w, tiling.width.num_tiles, tiling.width.overlap)
+    check_decodable(vae, h_spans, w_spans)
     # pixel-space weights: the trapezoid over the overlap measured in pixels
     h_weights = axis_weights([(s * SPATIAL, e * SPATIAL) for s, e in h_spans], tiling.height.overlap * SPATIAL)
     w_weights = axis_weights([(s * SPATIAL, e * SPATIAL) for s, e in w_spans], tiling.width.overlap * SPATIAL)
@@ -110,4 +140,5 @@ def decode_untiled(vae, latent: torch.Tensor, temb: torch.Tensor | None = None) 
     """Decode a de-normalized latent `[1, 128, F, H, W]` in one piece -> pixels `[1, 3, F', 32H, 32W]` (the VAE's
     dtype, about -1..1); either decoder (the diffusion decoder as ComfyUI's untiled VAEDecode: noise seed 0)."""
     _, _, _, h, w = latent.shape
+    check_decodable(vae, [(0, h)], [(0, w)])
     return _tile_decoder(vae, latent, temb)(0, h, 0, w)
