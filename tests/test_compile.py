@@ -49,7 +49,7 @@ def _compile_rank(rank: int, world: int, files: dict) -> dict:
 
     blocks = components.transformer.transformer_blocks
     state = WorkerState.__new__(WorkerState)  # a rank's state without the fleet around it: no plan, just the model
-    state.components, state.plan, state.policy = components, None, FleetPolicy(compile=True)
+    state.components, state.plan, state.policy, state.sharding = components, None, FleetPolicy(compile=True), None
     state.apply_policy(FleetPolicy(compile=False))
     out["compiled_blocks_off"] = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     out["eager_after_off"] = _forward(sp, kwargs)

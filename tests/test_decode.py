@@ -322,7 +322,7 @@ def test_tiled_decode_matches_untiled_away_from_seams(vaes, references, variant)
 
 @pytest.fixture(scope="module")
 def diffusion_vae(tmp_path_factory):
-    from mgpu_backend.models.diffusion_decoder import load_diffusion_vae
+    from mgpu_backend.models.loader import load_diffusion_vae
     from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
 
     path = write_tiny_diffusion_vae(tmp_path_factory.mktemp("dvae") / "ltx-2.5-tiny-diffusion-vae.safetensors", 0)
