@@ -222,12 +222,14 @@ def comm_seconds(unit_bytes: int, tokens: int, batch: int, world: int, gbps: flo
     - Ulysses all_to_all: q, k, v there and the output back per block: 4 × B·T·width·2 B × (W−1)/W / W;
     - tensor parallel instead (for comparison): 2 all-reduces of B·T·width·2 B per attention and feed-forward of
       the video stream (4 per block: self, text, a2v, ff; the audio stream's are ~1/40 of it) × 2(W−1)/W."""
+    from mgpu_backend.resources import sharded_gather_seconds
+
     ring = (world - 1) / world
     fsdp = unit_bytes * ring
     ulysses = blocks * 4 * batch * tokens * width * 2 * ring / world
     tp = blocks * 4 * 2 * batch * tokens * width * 2 * ring
     return {"fsdp_bytes": fsdp, "ulysses_bytes": ulysses, "tp_bytes": tp,
-            "fsdp_s": fsdp / (gbps * 1e9), "ulysses_s": ulysses / (gbps * 1e9), "tp_s": tp / (gbps * 1e9)}
+            "fsdp_s": sharded_gather_seconds(unit_bytes, world, gbps), "ulysses_s": ulysses / (gbps * 1e9), "tp_s": tp / (gbps * 1e9)}
 
 
 def main(argv=None) -> None:

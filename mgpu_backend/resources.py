@@ -33,6 +33,18 @@ THREADS_PER_CORE = 4  # CPU fleets may oversubscribe (tests run 4 ranks on 2 cor
 GIB = 2**30
 
 
+# Bus bandwidth of the links between a fleet's GPUs, GB/s (DESIGN.md §12; consumer drivers disable P2P, and NCCL then
+# goes through host memory). Configured figures for predictions, not measurements of this host.
+LINKS_GBPS = {"PCIe 4.0 x16 without P2P": 10.0, "PCIe 4.0 x16 with P2P": 22.0, "NVLink (H100 / H200)": 350.0}
+
+
+def sharded_gather_seconds(weight_bytes: int, world_size: int, gbps: float) -> float:
+    """Seconds a sharded-weights rank spends per forward gathering the weights it does not hold, over a link of
+    `gbps` GB/s: every block is gathered once per forward, a ring all-gather moving (W−1)/W of its bytes to each rank
+    (not overlapped with the compute: an upper bound of what the link adds to a forward)."""
+    return weight_bytes * (world_size - 1) / world_size / (gbps * 1e9)
+
+
 class FleetTooLarge(ValueError):
     """A fleet this host cannot run; the message has the numbers and what would fit."""
 

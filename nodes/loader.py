@@ -7,6 +7,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..mgpu_backend import protocol as P
+from ..mgpu_backend.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
 
 NONE = "none"
@@ -140,7 +141,9 @@ def describe_plan(handle: P.FleetHandle) -> str:
          f"{cfg.gemma_mode})" if cfg.weights == "replicated" else
          f"weights: the transformer's layers sharded over the {w} ranks (~1/{w} each of ~{size / 2**30:.2f} GiB of "
          f"files, gathered layer by layer as they run; Gemma mode {cfg.gemma_mode}): every forward runs sequence "
-         f"parallel over all {w} ranks"),
+         f"parallel over all {w} ranks; predicted weight gathers per forward (on top of the compute): "
+         + ", ".join(f"{sharded_gather_seconds(size, w, gbps):.2f} s over {link}"
+                     for link, gbps in LINKS_GBPS.items())),
         f"memory: {_free_memory(cfg.devices)}",
         f"worker pids: {', '.join(map(str, handle.worker_pids))}",
     ]

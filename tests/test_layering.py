@@ -2,8 +2,9 @@
 relative and absolute — are read with `ast` (nothing is imported or executed) and checked against the layers:
 
 - `nodes/` (the only ComfyUI-aware layer) imports from `mgpu_backend` only the request / contract modules:
-  `client`, `protocol`, `forward` (the native MODEL's request contract) and `stage_params` (guidance, sigma
-  schedules, tile counts) — never `sampling`, `parallel`, `lora`, `models` or any other engine module;
+  `client`, `protocol`, `forward` (the native MODEL's request contract), `stage_params` (guidance, sigma
+  schedules, tile counts) and `resources` (the host's limits and links, standard library only) — never `sampling`,
+  `parallel`, `lora`, `models` or any other engine module;
 - `mgpu_backend` never imports `nodes`, `comfy*`, `folder_paths`, `server` or `comfy_api`;
 - `mgpu_backend/models` and `mgpu_backend/parallel` never import `controller`, `client`, `worker` or `fleet`;
 - a job (`mgpu_backend/jobs`) never imports the worker that runs it (nor `fleet`, `controller`, `client`): what a job
@@ -32,7 +33,7 @@ LAYERS = ("mgpu_backend", "nodes", "kernels")
 KERNELS_DOOR = "mgpu_backend.parallel.exchange"
 
 NODES_MAY_IMPORT = {"mgpu_backend.client", "mgpu_backend.protocol", "mgpu_backend.forward",
-                    "mgpu_backend.stage_params"}
+                    "mgpu_backend.stage_params", "mgpu_backend.resources"}
 COMFYUI_MODULES = ("comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "server", "nodes")
 BELOW_THE_FLEET = ("mgpu_backend.models", "mgpu_backend.parallel")
 FLEET_MODULES = ("mgpu_backend.controller", "mgpu_backend.client", "mgpu_backend.worker", "mgpu_backend.fleet")

@@ -277,3 +277,14 @@ def test_check_fits_names_the_need_and_what_would_fit():
            "GPUs (6.4 GiB per GPU)" in message
     with pytest.raises(ValidationError, match="Would fit: none of replicated or sharded over 2, 4 or 8 GPUs"):
         check_fits("cuda:0", int(4 * GiB), sizes, "sharded", 4)
+
+
+def test_predicted_gather_seconds_per_link():
+    """What the loader node reports per link: the bytes a rank does not hold, once per forward (22B fp8 at W = 2:
+    ~1.1 s over PCIe without P2P, as bench/results/sharded_h200.txt predicts)."""
+    from mgpu_backend.resources import LINKS_GBPS, sharded_gather_seconds
+
+    bytes_22b_fp8 = 22_603_156_480  # the blocks of the 22B-shaped fp8 file (bench/results/sharded_h200.json)
+    assert sharded_gather_seconds(bytes_22b_fp8, 2, LINKS_GBPS["PCIe 4.0 x16 without P2P"]) == pytest.approx(1.13, abs=0.01)
+    assert sharded_gather_seconds(bytes_22b_fp8, 4, LINKS_GBPS["PCIe 4.0 x16 without P2P"]) == pytest.approx(1.69, abs=0.01)
+    assert sharded_gather_seconds(bytes_22b_fp8, 1, 10.0) == 0.0
