@@ -276,8 +276,8 @@ def call(transformer, forward: Callable[..., Any], kwargs: dict, extra: Any = No
     if eligible(kwargs) is not None:
         return forward(**kwargs)
     cache = graphs_of(transformer)
-    if is_sharded(transformer):  # FSDP gathers each layer in its pre-forward hook: not captured
-        reason = f"{what} runs eagerly: sharded weights (each layer is gathered over the ranks as it runs)"
+    if is_sharded(transformer):  # each block is gathered over the ranks as it runs (FSDP): not captured
+        reason = f"{what} runs eagerly: sharded weights (each block is gathered over the ranks as it runs)"
         if reason not in cache.events:
             cache.events.append(reason)
         return forward(**kwargs)
