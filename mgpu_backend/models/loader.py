@@ -138,6 +138,22 @@ def _format_keys(keys: list[str], limit: int = 12) -> str:
     return shown + (f", … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
+def kept_as_stored(dtype: torch.dtype, key: str) -> bool:
+    """A tensor the loader keeps in its file dtype (fp8 / int8 weights and their scales); other floating tensors are
+    cast to the compute dtype."""
+    return dtype in FP8_DTYPES or dtype == torch.int8 or key.endswith((SCALE_SUFFIX, INPUT_SCALE_SUFFIX))
+
+
+def _layout_error(path, what: str, missing: list[str], unexpected: list[str]) -> CheckpointError | None:
+    """The error naming a component's missing and unexpected keys (None when there are none)."""
+    parts = []
+    if missing:
+        parts.append(f"missing keys: {_format_keys(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys: {_format_keys(unexpected)}")
+    return CheckpointError(f"{path}: {what} does not match the expected layout; " + "; ".join(parts)) if parts else None
+
+
 def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_keys: list[str], prefix: str,
                 to_diffusers: Callable[[str], str], dtype: torch.dtype, component: str,
                 ignored_suffixes: tuple[str, ...] = (), to_original: Callable[[str], str] | None = None
@@ -189,21 +205,16 @@ def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_ke
     if to_original is not None:
         missing = sorted(prefix + to_original(k) for k in missing)
     unexpected = sorted(mapped[k] for k in mapped.keys() - expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_format_keys(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_format_keys(unexpected)}")
-        raise CheckpointError(f"{file.path}: {component} does not match the expected layout; " + "; ".join(parts))
+    error = _layout_error(file.path, component, missing, unexpected)
+    if error is not None:
+        raise error
     state = {}
     own = module.state_dict()
     for mk, fk in mapped.items():
         tensor = file.tensor(fk)
         if mk in fp8_weights and tensor.dtype == torch.uint8:  # legacy ComfyUI files: fp8 bytes stored as uint8
             tensor = tensor.view(fp8_weights[mk])
-        keep = tensor.dtype in FP8_DTYPES or tensor.dtype == torch.int8 or mk.endswith((SCALE_SUFFIX,
-                                                                                          INPUT_SCALE_SUFFIX))
+        keep = kept_as_stored(tensor.dtype, mk)
         if tensor.is_floating_point() and not keep:
             tensor = tensor.to(dtype)
         if keep and tensor.shape != own[mk].shape and tensor.numel() == own[mk].numel() == 1:
@@ -295,7 +306,7 @@ def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False) -> W
             if key.endswith("." + quant.COMFY_QUANT_SUFFIX):  # a format marker, not held
                 continue
             stored = file.tensor_dtype(key)
-            keep = stored in FP8_DTYPES or stored == torch.int8 or key.endswith((SCALE_SUFFIX, INPUT_SCALE_SUFFIX))
+            keep = kept_as_stored(stored, key)
             size = stored.itemsize if keep or not stored.is_floating_point else dtype.itemsize
             n = math.prod(file.tensor_shape(key)) * size
             if "transformer_blocks." in key or "transformer_1d_blocks." in key:  # the connectors' blocks
@@ -411,14 +422,10 @@ def load_diffusion_vae(path: str | Path | SafetensorsFile, dtype: torch.dtype = 
     expected = set(model.state_dict().keys())
     unexpected += sorted({fk for mk, (fk, _) in mapped.items() if mk not in expected})
     missing = sorted(expected - mapped.keys())
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_format_keys(sorted({diffusers_key_to_file(k) for k in missing}))}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_format_keys(unexpected)}")
-        raise CheckpointError(f"{file.path}: diffusion video VAE does not match the expected layout; "
-                              + "; ".join(parts))
+    error = _layout_error(file.path, "diffusion video VAE", sorted({diffusers_key_to_file(k) for k in missing}),
+                          unexpected)
+    if error is not None:
+        raise error
     state = {}
     cache: dict[str, torch.Tensor] = {}
     for mk, (fk, third) in mapped.items():

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..resources import available_memory
 from ..validation import ValidationError
 
 MODES = ("replicated", "batch_parallel", "sharded")
@@ -282,14 +283,8 @@ def free_bytes(device: str, offload_dir: str | None = None) -> int:
         return int(free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
     if device == "disk":
         return int(shutil.disk_usage(offload_dir or tempfile.gettempdir()).free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    available = available_memory()
+    return available if available is not None else int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def device_budgets(devices: Sequence, *, reserve_bytes: int = 0, max_memory: Mapping | None = None,
