@@ -57,26 +57,30 @@ LTX23_SHAPE = {
 SIZES = ((121, 640, 352, 2), (121, 1280, 704, 1))
 
 
-def shape_meta(tiny: bool, connector_layers: int) -> dict:
+def shape_meta(tiny: bool, connector_layers: int, variant: str = "2.3") -> dict:
+    """`config.transformer` of the file: the tiny model's, or the 22B shape (2.3 and 2.5 share it; 2.5's flags differ:
+    no video feed-forward bias, the keyframe embedding)."""
     from mgpu_backend.models.tiny import tiny_transformer_metadata
 
-    meta = tiny_transformer_metadata("2.3")
+    meta = tiny_transformer_metadata(variant)
     if not tiny:
         meta.update(LTX23_SHAPE, connector_num_layers=connector_layers)
     return meta
 
 
-def write_file(path: str, tiny: bool, connector_layers: int, quantization: str | None, device) -> dict:
+def write_file(path: str, tiny: bool, connector_layers: int, quantization: str | None, device,
+               variant: str = "2.3") -> dict:
     """Build the transformer + connectors on `device` with random weights and write them in the released layout."""
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
 
     from bench_memory import fill_random_, quiet_diffusers
     from mgpu_backend.models import configs
+    from mgpu_backend.models.quant import DEFAULT_CONVROT_GROUP
     from mgpu_backend.models.tiny import write_transformer_file
 
     quiet_diffusers()
-    meta = shape_meta(tiny, connector_layers)
+    meta = shape_meta(tiny, connector_layers, variant)
     t0 = time.perf_counter()
     with torch.device("meta"):
         modules = {"transformer": LTX2VideoTransformer3DModel(**configs.transformer_kwargs(meta)),
@@ -85,8 +89,9 @@ def write_file(path: str, tiny: bool, connector_layers: int, quantization: str |
     for i, (name, m) in enumerate(modules.items()):
         modules[name] = fill_random_(m.to(torch.bfloat16).to_empty(device=device), seed=i)
     params = sum(p.numel() for m in modules.values() for p in m.parameters())
-    write_transformer_file(Path(path), modules, meta, quantization=quantization, model_version="ltx-2.3-shape-random",
-                           to_cpu=True)
+    write_transformer_file(Path(path), modules, meta, quantization=quantization,
+                           model_version=f"ltx-{variant}-shape-random", to_cpu=True,
+                           convrot_group=16 if tiny else DEFAULT_CONVROT_GROUP)
     return {"params": params, "bytes": os.path.getsize(path), "seconds": time.perf_counter() - t0}
 
 
@@ -236,7 +241,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--write", help="write the random-weight file to this path and exit")
     p.add_argument("--file", help="the transformer file to measure (from --write)")
-    p.add_argument("--quantization", choices=("fp8", "none"), default="fp8")
+    p.add_argument("--quantization", choices=("fp8", "int8-convrot", "none"), default="fp8",
+                   help="block Linears of --write: fp8 (LTX-2.3 fp8 files), int8-convrot (LTX-2.5's template file)")
+    p.add_argument("--variant", choices=("2.3", "2.5"), default="2.3", help="the family whose flags --write uses")
+    p.add_argument("--sizes", default=None,
+                   help="FRAMESxWIDTHxHEIGHTxBATCH,… (default: the LTX-2.3 two-stage template's stage 1 at CFG "
+                        "(B=2) and stage 2; LTX-2.5's templates run CFG 1: 121x640x352x1,121x1280x704x1)")
     p.add_argument("--connector-layers", type=int, default=8)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--budget-gib", type=float, default=24.0, help="per-process GPU memory of a sharded rank")
@@ -248,13 +258,18 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.tiny else torch.device("cpu")
-    sizes = ((9, 64, 64, 2), (9, 128, 64, 1)) if args.tiny else SIZES
+    if args.sizes:
+        sizes = tuple(tuple(int(v) for v in s.split("x")) for s in args.sizes.split(","))
+        if any(len(s) != 4 for s in sizes):
+            p.error(f"--sizes {args.sizes!r}: each size is FRAMESxWIDTHxHEIGHTxBATCH")
+    else:
+        sizes = ((9, 64, 64, 2), (9, 128, 64, 1)) if args.tiny else SIZES
+    quantization = None if args.quantization == "none" else args.quantization
     if args.tiny and not args.file:
         args.file = os.path.join(tempfile.mkdtemp(), "tiny.safetensors")
-        write_file(args.file, True, 1, None if args.quantization == "none" else args.quantization, device)
+        write_file(args.file, True, 1, quantization, device, args.variant)
     if args.write:
-        info = write_file(args.write, args.tiny, args.connector_layers,
-                          None if args.quantization == "none" else args.quantization, device)
+        info = write_file(args.write, args.tiny, args.connector_layers, quantization, device, args.variant)
         print(json.dumps(info))
         return
     if args.one is not None:
@@ -275,7 +290,8 @@ def main(argv=None) -> None:
     results = {}
     for world in [1] + [int(w) for w in args.worlds.split(",")]:
         cmd = [sys.executable, __file__, "--file", args.file, "--one", str(world), "--budget-gib",
-               str(args.budget_gib), "--repeat", str(args.repeat)] + (["--tiny"] if args.tiny else [])
+               str(args.budget_gib), "--repeat", str(args.repeat)] + (["--tiny"] if args.tiny else []) \
+            + (["--sizes", args.sizes] if args.sizes else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not found:

@@ -198,11 +198,13 @@ TINY_CONVROT_GROUP = 16
 TRANSFORMER_QUANTIZATIONS = ("int8-convrot", "fp8")
 
 
-def _comfy_quantize(state: dict[str, torch.Tensor], quantization: str) -> dict[str, torch.Tensor]:
+def _comfy_quantize(state: dict[str, torch.Tensor], quantization: str,
+                    convrot_group: int = TINY_CONVROT_GROUP) -> dict[str, torch.Tensor]:
     """ComfyUI's quantized layout for every 2-D `.weight` inside `transformer_blocks` (bare keys):
 
-    * "int8-convrot": `weight` int8 (rotated by the group Hadamard, then per-row scale), `weight_scale [out, 1]`,
-      `comfy_quant` = `{"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": 16}`;
+    * "int8-convrot": `weight` int8 (rotated by the group Hadamard of `convrot_group`, then per-row scale),
+      `weight_scale [out, 1]`, `comfy_quant` = `{"format": "int8_tensorwise", "convrot": true,
+      "convrot_groupsize": convrot_group}` (the tiny files use 16, the released ones ComfyUI's default 256);
     * "fp8": `weight` float8_e4m3fn, per-tensor `weight_scale` and `input_scale`, `comfy_quant` =
       `{"format": "float8_e4m3fn"}`.
     Other tensors are kept as they are.
@@ -214,8 +216,8 @@ def _comfy_quantize(state: dict[str, torch.Tensor], quantization: str) -> dict[s
             continue
         layer = key[: -len("weight")]
         if quantization == "int8-convrot":
-            q, scale = quant.quantize_int8(tensor.float(), TINY_CONVROT_GROUP)
-            conf = {"format": quant.INT8_FORMAT, "convrot": True, "convrot_groupsize": TINY_CONVROT_GROUP}
+            q, scale = quant.quantize_int8(tensor.float(), convrot_group)
+            conf = {"format": quant.INT8_FORMAT, "convrot": True, "convrot_groupsize": convrot_group}
         elif quantization == "fp8":
             q, scale = quantize_fp8(tensor.float())
             out[layer + "input_scale"] = torch.ones((), dtype=torch.float32)
@@ -252,16 +254,18 @@ def write_tiny_transformer(path: Path, variant: str, seed: int = 0, modules: dic
 
 def write_transformer_file(path: Path, modules: dict[str, nn.Module], meta: dict[str, Any],
                            quantization: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                           model_version: str = "ltx-tiny", to_cpu: bool = False) -> Path:
+                           model_version: str = "ltx-tiny", to_cpu: bool = False,
+                           convrot_group: int = TINY_CONVROT_GROUP) -> Path:
     """`modules["transformer"]`, `["video_connector"]`, `["audio_connector"]` (any size, e.g. a real-size random
     model for bench/bench_sharded.py) in the `diffusion_models/` layout with `meta` as `config.transformer`.
-    `to_cpu`: the tensors are moved to the host one at a time (modules built on a GPU)."""
+    `to_cpu`: the tensors are moved to the host one at a time (modules built on a GPU). `convrot_group`: the
+    Hadamard group of "int8-convrot" (see `_comfy_quantize`)."""
     state: dict[str, torch.Tensor] = {}
     state.update(_original_state(modules["transformer"], "", keymaps.transformer_to_original, dtype))
     for name, prefix in zip(("video_connector", "audio_connector"), keymaps.CONNECTOR_PREFIXES):
         state.update(_original_state(modules[name], prefix, keymaps.connector_to_original, dtype))
     if quantization is not None:
-        state = _comfy_quantize(state, quantization)
+        state = _comfy_quantize(state, quantization, convrot_group)
     if to_cpu:
         state = {k: state.pop(k).cpu() for k in list(state)}
     return _save(path, state, {"transformer": meta}, "", model_version)
