@@ -50,6 +50,7 @@ def _state(components, rank: int, world: int, sharded: bool, dtype: torch.dtype)
 def _native_rank(rank: int, world: int, checkpoint: str, lora_path: str, dtype_name: str,
                  transformer_only: bool) -> dict:
     """The golden cases and the LoRA sequence, replicated then sharded, on this rank; rank 0 returns the outputs."""
+    from mgpu_backend.models.quant import Int8Linear
     from mgpu_backend.parallel.sharding import units_of
 
     meta, tensors = load_golden()
@@ -70,8 +71,11 @@ def _native_rank(rank: int, world: int, checkpoint: str, lora_path: str, dtype_n
             entry["restored_exactly"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                                             for a, b in zip(loaded, after))
             entry["report"] = report
-            entry["dtypes"] = sorted({str(p.to_local().dtype) for u in units_of(components.transformer)
-                                      for p in u.parameters()})
+            # as the layers read them: int8 weights are held as float8 views of their bytes (sharding.py)
+            entry["dtypes"] = sorted({str((m.int8_weight(p.to_local()) if isinstance(m, Int8Linear) and n == "weight"
+                                           else p.to_local()).dtype)
+                                      for u in units_of(components.transformer) for m in u.modules()
+                                      for n, p in m.named_parameters(recurse=False)})
             entry["plan"] = state.plan.describe()
         out["sharded" if sharded else "replicated"] = entry
     return out

@@ -216,6 +216,8 @@ class FP8Linear(nn.Module):
         last_path: the compute path of the last call ("scaled_mm" / "dequantize"; None before the first).
     """
 
+    QUANT_FORMAT = "fp8"  # "int8" in the subclass `models.quant.Int8Linear`
+
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn, has_input_scale: bool = False):
         super().__init__()
@@ -309,7 +311,7 @@ def check_compute(module: nn.Module, device: torch.device, dtype: torch.dtype) -
         return
     probe = torch.empty(0, device=device, dtype=dtype) if device.type != "cuda" else None
     for name, m in module.named_modules():
-        if isinstance(m, FP8Linear) and m.weight.dtype != torch.int8:  # int8 layers: models.quant's own path
+        if isinstance(m, FP8Linear) and m.QUANT_FORMAT == "fp8":  # int8 layers: models.quant's own path
             x = probe if probe is not None else torch.empty(0, device=device, dtype=dtype)
             path, why = compute_path(m, x)
             if path != "scaled_mm":

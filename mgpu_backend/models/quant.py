@@ -255,7 +255,8 @@ class Int8Linear(FP8Linear):
     `fused_weight`, memory reports) treats it alike.
 
     Attributes:
-        weight: `[out_features, in_features]` int8 parameter, frozen.
+        weight: `[out_features, in_features]` int8 parameter, frozen (on a sharded fleet: a float8_e4m3fn view of
+            the same bytes, `parallel/sharding.py`; read it through `int8_weight`).
         weight_scale: float32 buffer, 0-d (per tensor) or `[out_features, 1]` (per row).
         convrot_group: Hadamard group size, or None (no rotation).
         bias: `[out_features]` in the compute dtype, or None.
@@ -282,10 +283,16 @@ class Int8Linear(FP8Linear):
         self.last_reason: str | None = None
         self.input_act: str | None = None  # "gelu_tanh" once `fold_gelu` moved a FeedForward's GELU in here
 
+    QUANT_FORMAT = "int8"
+
+    def int8_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight` (default: this layer's) as int8: the bytes of a sharded layer's float8 view reinterpreted."""
+        weight = self.weight if weight is None else weight
+        return weight if weight.dtype == torch.int8 else weight.view(torch.int8)
+
     def dequantized_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The weight in `compute_dtype` (float32 math, rotated back for ConvRot); `weight`: as `FP8Linear`'s."""
-        weight = self.weight if weight is None else weight
-        return dequantize_int8(weight, self.weight_scale, self.convrot_group).to(self.compute_dtype)
+        return dequantize_int8(self.int8_weight(weight), self.weight_scale, self.convrot_group).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -302,7 +309,7 @@ class Int8Linear(FP8Linear):
             self.last_path = "int8"
             self.last_reason = ("W8A8, comfy-kitchen int8_linear" if kitchen_op() is not None
                                 else "W8A8, torch copy of comfy-kitchen's int8_linear (comfy-kitchen not installed)")
-        return int8_linear(x, self.weight, self.weight_scale, bias, self.convrot_group, self.input_act)
+        return int8_linear(x, self.int8_weight(), self.weight_scale, bias, self.convrot_group, self.input_act)
 
     def extra_repr(self) -> str:
         rot = f", convrot={self.convrot_group}" if self.convrot_group else ""

@@ -10,7 +10,9 @@ Before a block runs, FSDP all-gathers its full weights on every rank; after it, 
   composes with Ulysses sequence parallelism on the same ranks (weights sharded over all W, tokens split over all W:
   "ZeRO-3 + Ulysses"), which needs no 2-D mesh.
 - **Any dtype**: bf16 / fp32 parameters, fp8 (e4m3fn / e5m2) and int8 weights stay in their dtype in the shards
-  (FSDP2 all-gathers a unit whose parameters mix dtypes as bytes); per-tensor and per-row scales are buffers and stay
+  (FSDP2 all-gathers a unit whose parameters mix dtypes as bytes). int8 weights are held as float8_e4m3fn views of
+  the same bytes (`_bytes_as_float`: FSDP2 up to torch 2.11 creates every sharded parameter with requires_grad=True,
+  which integer tensors refuse — pytorch#177844); `Int8Linear.int8_weight` views them back, no value converted; per-tensor and per-row scales are buffers and stay
   whole, as do the embeddings, the projections in and out and the AdaLN embedders outside the blocks (~4 % of the
   22B transformer). The text connectors' blocks are sharded too: they run on every rank.
 - **Lockstep**: every rank must run every block in the same order (each gather is a collective). Hence the plan of a
@@ -193,6 +195,7 @@ def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.
             for i, block in enumerate(originals):
                 blocks[i] = block
     for unit in units:
+        _bytes_as_float(unit)
         # FSDP moves the block's parameters and buffers to the mesh's device, one block at a time, and keeps this
         # rank's shard of each parameter (buffers — fp8 / int8 scales — stay whole)
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
@@ -203,6 +206,21 @@ def shard_transformer(transformer: nn.Module, device: torch.device, group: dist.
     report = ShardingReport(dist.get_world_size(group), len(units), sharded, unit_bytes, rest, largest)
     transformer._mgpu_sharding = report
     return report
+
+
+#: the 1-byte floating dtype integer weights are viewed as while sharded (see the module docstring)
+BYTES_AS_FLOAT = torch.float8_e4m3fn
+
+
+def _bytes_as_float(unit: nn.Module) -> None:
+    """Replace every int8 parameter of `unit` by a float8_e4m3fn view of the same bytes (frozen), so that FSDP2 of
+    any torch version can shard it: torch ≤ 2.11 builds each sharded parameter as `nn.Parameter(t)`, which raises
+    "only Tensors of floating point dtype can require gradients" for integer tensors (pytorch#177844). The layer
+    (`models.quant.Int8Linear`) views its weight back to int8 wherever it reads it."""
+    for module in unit.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dtype == torch.int8:
+                setattr(module, name, nn.Parameter(param.data.view(BYTES_AS_FLOAT), requires_grad=False))
 
 
 def full_weight(param: torch.Tensor) -> torch.Tensor:

@@ -405,8 +405,10 @@ MODEL_LOADERS = {"CheckpointLoaderSimple": 0, "UNETLoader": 0}  # class -> index
 
 def swap_model_loader(api: dict, *, devices: str = "all", world_size: int = 0, via: str = "diffusion_model",
                       unet_name: str | None = None, checkpoint: str | None = None, gemma: str | None = None,
-                      upscaler: str = "none") -> dict:
+                      upscaler: str = "none", weights: str | None = None) -> dict:
     """Rewire the MODEL output of the template's model loader to the pack's native MODEL; nothing else changes.
+
+    `weights`: the loader's `weights` input ("replicated" / "sharded"); None leaves the node's default.
 
     via="diffusion_model": `LTX2MGPU_LoadDiffusionModel` (unet_name = the template's file unless given).
     via="checkpoint": the `model` output (index 1) of `LTX2MGPU_LoadCheckpoint`, whose fleet also encodes text
@@ -437,6 +439,8 @@ def swap_model_loader(api: dict, *, devices: str = "all", world_size: int = 0, v
         slot = 1
     else:
         raise ConversionError(f"via must be 'diffusion_model' or 'checkpoint', got {via!r}")
+    if weights is not None:
+        api[new_id]["inputs"]["weights"] = weights
     rewire(api, [old, MODEL_LOADERS[api[old]["class_type"]]], [new_id, slot])
     if not consumers(api, old):
         del api[old]
