@@ -144,7 +144,7 @@ def test_the_ci_command_is_the_readmes_second_quick_start_block():
 
 def test_the_commands_it_runs_work(tmp_path):
     found = {c for b in BLOCKS if b.marker is None for c in commands(b.text)}
-    assert found == set(RUN), f"RUN lists commands no page has any more: {set(RUN) - found}"
+    assert set(RUN) <= found, f"RUN lists commands no page has any more: {set(RUN) - found}"
     runtime = tmp_path / "rt"
     runtime.mkdir(mode=0o700)
     env = {**os.environ, "LTX2_MGPU_RUNTIME_DIR": str(runtime),
