@@ -1,8 +1,9 @@
 """What a stranger's machine sees of the package: the wheel's top-level names, the fleet's import path, the CLI's
-conventions, and the version in one place."""
+conventions, the version in one place and the ComfyUI registry's metadata."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,11 +76,82 @@ def test_the_repository_kernels_folder_is_not_a_package():
     assert (REPO / "kernels").is_dir() and not (REPO / "kernels" / "__init__.py").exists()
 
 
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
 def test_one_version_everywhere():
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["version"] == mgpu_backend.__version__
+    """The version is written once, `mgpu_backend.__version__`; the package metadata (setuptools), the registry
+    (`[tool.comfy.version]`, read as comfy-cli reads it), the CLI and the CHANGELOG's newest release agree with it."""
+    data = _pyproject()
+    project = data["project"]
+    assert "version" not in project and project["dynamic"] == ["version"]
+    assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mgpu_backend.__version__"}
+    version_file = REPO / data["tool"]["comfy"]["version"]["path"]
+    assert version_file.resolve() == Path(mgpu_backend.__file__).resolve()
+    written = re.findall(r'^__version__ = "([^"]+)"$', version_file.read_text(), re.M)
+    assert written == [mgpu_backend.__version__]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", mgpu_backend.__version__)  # the registry's X.Y.Z
+    from setuptools.config.pyprojecttoml import read_configuration
+    assert read_configuration(REPO / "pyproject.toml")["project"]["version"] == mgpu_backend.__version__
     out = _run(sys.executable, "-m", "mgpu_backend", "--version", cwd=str(REPO))
     assert out.returncode == 0 and out.stdout.strip() == f"ltx2-multigpu {mgpu_backend.__version__}"
+    released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert released and released[0] == mgpu_backend.__version__, "CHANGELOG's newest release is not __version__"
+
+
+# what the registry's comfy-cli accepts (comfy_cli/registry/config_parser.py, comfy-cli 1.23.0): anything else under
+# "Environment ::" makes it drop every accelerator, under "Operating System ::" every OS
+REGISTRY_ACCELERATORS = {"GPU :: NVIDIA CUDA", "GPU :: AMD ROCm", "GPU :: Intel Arc", "NPU :: Huawei Ascend",
+                         "GPU :: Apple Metal"}
+REGISTRY_OS_PREFIXES = ("Microsoft", "POSIX", "MacOS", "OS Independent")
+
+
+def test_registry_metadata_is_complete():
+    """`[tool.comfy]` and `[project]` hold what the ComfyUI registry shows; the repository URL and the icon's URL are
+    set at publishing (docs/publishing.md says so), and the icon they will point at is in the repository."""
+    data = _pyproject()
+    project, comfy = data["project"], data["tool"]["comfy"]
+    assert re.fullmatch(r"[A-Za-z][A-Za-z0-9]*(?:[-_.][A-Za-z0-9]+)*", project["name"]) and len(project["name"]) < 100
+    assert "comfyui" not in project["name"].lower()
+    assert project["description"] and project["license"] == {"text": "Apache-2.0"} and project["requires-python"]
+    assert comfy["PublisherId"] and comfy["DisplayName"] == "LTX-2 Multi-GPU"
+    assert re.fullmatch(r">=\d+\.\d+\.\d+", comfy["requires-comfyui"])
+    classifiers = project["classifiers"]
+    accelerators = [c.removeprefix("Environment :: ") for c in classifiers if c.startswith("Environment ::")]
+    systems = [c.removeprefix("Operating System :: ") for c in classifiers if c.startswith("Operating System :: ")]
+    assert "GPU :: NVIDIA CUDA" in accelerators and set(accelerators) <= REGISTRY_ACCELERATORS
+    assert "POSIX :: Linux" in systems and all(s.startswith(REGISTRY_OS_PREFIXES) for s in systems)
+    tags = [c for c in classifiers if c.startswith(("Topic ::", "Intended Audience ::"))]
+    assert tags and {"comfyui", "ltx-2", "multi-gpu"} <= set(project["keywords"])
+    publishing = (REPO / "docs" / "publishing.md").read_text()
+    svg = (REPO / "docs" / "icon.svg").read_text()
+    width, height = (int(re.search(rf'<svg[^>]* {k}="(\d+)"', svg)[1]) for k in ("width", "height"))
+    assert width <= 800 and height <= 400  # the registry's largest icon
+    if comfy["Icon"]:
+        assert comfy["Icon"].startswith("https://") and comfy["Icon"].endswith("docs/icon.svg")
+    else:
+        assert "`[tool.comfy] Icon`: **set at publishing**" in publishing
+    urls = project.get("urls", {})
+    if urls:
+        assert urls["Repository"].startswith("https://")
+    else:
+        assert "`[project.urls]`: **set at publishing**" in publishing and "Repository" in publishing
+
+
+@pytest.mark.skipif(not os.environ.get("COMFY_CLI"), reason="set COMFY_CLI to a comfy-cli executable (installed in a "
+                    "separate venv: docs/publishing.md) to run the registry's own check")
+def test_the_registrys_own_check_passes(tmp_path):
+    """`comfy node validate` (the registry's check: pyproject.toml read as the registry reads it, its security lint)
+    on a copy of the tree, so its files never land in the checkout."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "build", "dist", "out",
+                                                             "*.egg-info", ".pytest_cache"))
+    out = _run(os.environ["COMFY_CLI"], "--skip-prompt", "--no-enable-telemetry", "node", "validate", cwd=str(src))
+    text = out.stdout + out.stderr  # comfy-cli prints its verdict on stderr
+    assert out.returncode == 0, text
+    assert "All validation checks passed successfully" in text
+    assert "Warning" not in text and "Security warnings" not in text
 
 
 def test_a_bad_choice_is_one_line_naming_the_choices():
