@@ -19,7 +19,8 @@ links the tiny LTX-2.0 models (`make_tiny`, seeds 0 and 1: two checkpoint files)
   `--config-every` prompts.
 - A CLI thread runs `python -m mgpu_backend generate` (the same tiny files, one CPU rank, 1 step) every
   `--cli-every` prompts on the same controller (it replaces the fleet; a prompt or a CLI run that meets the other's
-  job fails with the controller's `busy` message).
+  job fails with the controller's `busy` message); every other run in a quiet window (the clients pause until it
+  ends, after ComfyUI's queue drained), so that some meet an idle fleet.
 - Chaos: a random worker SIGKILLed every `--kill-worker-every` prompts, the controller SIGKILLed once (at 40 % of the
   prompts), ComfyUI SIGKILLed mid-job and started again once (at 70 %); prompts queued at that moment vanish with
   the server's in-memory queue and are counted `dropped by the restart`.
@@ -214,6 +215,7 @@ class Soak:
         self.t0 = time.monotonic()
         self.outcomes = Counter()
         self.kinds = Counter()
+        self.by_kind = Counter()  # "kind outcome" -> count
         self.failures: Counter = Counter()  # message kind -> count
         self.examples: dict[str, str] = {}
         self.cli = Counter()
@@ -224,6 +226,7 @@ class Soak:
         self.config_index = 0
         self.done = threading.Event()
         self.kill_milestones: set[int] = set()
+        self.quiet = threading.Event()  # set: the clients queue nothing (the CLI's quiet window)
         self.chaos_due = {"controller": int(args.prompts * 0.4), "restart": int(args.prompts * 0.7)}
 
     def now(self) -> float:
@@ -235,6 +238,8 @@ class Soak:
         print(f"  [{self.now():7.1f} s] {what}", flush=True)
 
     def take(self) -> int | None:
+        while self.quiet.is_set() and time.monotonic() < self.stop_at:  # a CLI run in a quiet window
+            time.sleep(0.2)
         with self.lock:
             if self.taken >= self.args.prompts or time.monotonic() > self.stop_at:
                 return None
@@ -246,6 +251,7 @@ class Soak:
     def record(self, outcome: str, kind: str, message: str | None = None) -> None:
         with self.lock:
             self.outcomes[outcome] += 1
+            self.by_kind[f"{kind} {outcome}"] += 1
             self.finished += 1
             if message is not None:
                 key = f"{outcome}: {message_kind(message)}"
@@ -418,15 +424,23 @@ class Soak:
             next_at += self.args.cli_every
             k += 1
             out = self.runtime / f"cli-{k}.mp4"
-            cmd = [self.args.cli_python, "-m", "mgpu_backend", "generate", "--prompt", "a red fox in snow", "--checkpoint", self.files[CHECKPOINTS[k % 2]],
-                   "--gemma", self.files[GEMMA], "--upscaler", self.files[UPSCALER], "--devices", "cpu:1",
-                   "--width", "64", "--height", "64", "--frames", "9", "--steps", "1", "--seed", str(k),
-                   "--output", str(out)]
-            self.event(f"CLI run {k} starts")
+            cmd = [self.args.cli_python, "-m", "mgpu_backend", "generate", "--prompt", "a red fox in snow",
+                   "--checkpoint", self.files[CHECKPOINTS[k % 2]], "--gemma", self.files[GEMMA],
+                   "--upscaler", self.files[UPSCALER], "--devices", "cpu:1", "--width", "64", "--height", "64",
+                   "--frames", "9", "--steps", "1", "--seed", str(k), "--output", str(out)]
+            quiet = k % 2 == 0  # every other run in a quiet window: the clients pause, ComfyUI's queue drains
+            if quiet:
+                self.quiet.set()
+                self.wait_queue_empty()
+            self.event(f"CLI run {k} starts" + (" (quiet window)" if quiet else ""))
             try:
                 p = subprocess.run(cmd, env={**self.env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                                    timeout=self.args.prompt_timeout_s)
             except subprocess.TimeoutExpired:
+                p = None
+            finally:
+                self.quiet.clear()
+            if p is None:
                 self.cli["hung"] += 1
                 self.event(f"CLI run {k} hung")
                 continue
@@ -442,6 +456,17 @@ class Soak:
                 self.cli_failures[key] += 1
                 self.examples.setdefault(f"cli {key}", msg[:600])
                 self.event(f"CLI run {k} failed: {msg[:200]}")
+
+    def wait_queue_empty(self, timeout_s: float = 300.0) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                q = get(self.server.url, "/queue")
+                if not q.get("queue_running") and not q.get("queue_pending"):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
 
     # ---- sampling ----------------------------------------------------------------------------------------------
 
@@ -627,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/soak_comfyui.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "comfyui": str(comfy_dir), "prompts_asked": args.prompts, "prompts_queued": soak.taken, "prompts_ended": ended,
         "seconds": round(seconds, 1), "prompt_kinds": dict(soak.kinds), "outcomes": dict(o),
+        "outcomes_by_kind": dict(sorted(soak.by_kind.items())),
         "failures_by_kind": dict(soak.failures.most_common()), "cli": dict(soak.cli),
         "cli_failures_by_kind": dict(soak.cli_failures.most_common()), "examples": soak.examples,
         "events": soak.events, "max_processes": max(counts, default=0), "process_bound": MAX_RANKS + 1,
@@ -638,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     say(f"prompts queued {soak.taken} of {args.prompts} in {seconds / 60:.1f} min; ended {ended}: "
         + ", ".join(f"{k} {v}" for k, v in sorted(o.items())) + f"  (kinds {dict(soak.kinds)})")
+    say("  by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(soak.by_kind.items())))
     say("failures by kind (numbers, ids, paths taken out):")
     for k, n in soak.failures.most_common():
         say(f"  {n:4d}  {k}")
@@ -649,8 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in soak.over[:5]:
         say(f"  over: {line}")
     for life in lives:
-        say(f"controller pid {life['pid']}: {life['from_s']:.0f}-{life['to_s']:.0f} s, {life['prompts']} prompts; RSS+swap "
-            f"first {life['rss_first_mib']} MiB, after {args.warmup} prompts {life.get('rss_start_mib')} MiB, end "
+        say(f"controller pid {life['pid']}: {life['from_s']:.0f}-{life['to_s']:.0f} s, {life['prompts']} prompts; "
+            f"RSS+swap first {life['rss_first_mib']} MiB, after {args.warmup} prompts {life.get('rss_start_mib')} MiB, end "
             f"{life['rss_end_mib']} MiB ({life['growth_percent']} %)")
     say(f"ComfyUI exits not asked for: {len(server.unasked_exits)} {server.unasked_exits}; alive at the end: "
         f"{server_alive_at_end}")
@@ -658,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         f"block(s) {leaked_shm[:5]}")
     say("chaos events: " + ", ".join(f"{t:.0f} s {what}" for t, what in soak.events
                                       if "CLI" not in what))
-    ok = (o["hung"] == 0 and unclear == 0 and not left and not leaked_shm and not soak.over
+    ok = (o["hung"] == 0 and soak.cli["hung"] == 0 and unclear == 0 and not left and not leaked_shm and not soak.over
           and not server.unasked_exits and server_alive_at_end and (growth is None or growth < 10.0))
     say("PASS" if ok else "FAIL")
     if args.out:
