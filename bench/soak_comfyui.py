@@ -660,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         "controller_lives": lives, "controller_rss_growth_percent": growth,
         "comfyui_unasked_exits": server.unasked_exits, "comfyui_alive_at_end": server_alive_at_end,
         "leaked_processes": left, "leaked_shm_files": leaked_shm,
-        "samples": [[t, n, f] for t, n, _, _, f in soak.samples],
+        "samples_columns": ["seconds", "pack processes", "prompts ended", "controller pid", "controller RSS+swap KiB"],
+        "samples": [[t, n, f, pid, rss] for t, n, pid, rss, f in soak.samples],
     }
     say(f"prompts queued {soak.taken} of {args.prompts} in {seconds / 60:.1f} min; ended {ended}: "
         + ", ".join(f"{k} {v}" for k, v in sorted(o.items())) + f"  (kinds {dict(soak.kinds)})")

@@ -147,7 +147,6 @@ def command_line(pid: int, limit: int = 80) -> str:
         return ""
 
 
-
 def pack_processes(env_mark: str | None = None) -> dict[int, str]:
     """pid -> "name: command line" of the pack's live processes (from /proc; empty off Linux): controllers and
     workers by the names they give themselves (`ltx2mgpu-ctl`, `ltx2mgpu-rankN`), the controller's module, or
@@ -180,6 +179,7 @@ def pack_processes(env_mark: str | None = None) -> dict[int, str]:
             continue
         out[pid] = f"{name}: {cmdline[:160]}"
     return out
+
 
 # ---- bounds ---------------------------------------------------------------------------------------------------------
 
