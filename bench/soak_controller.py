@@ -46,8 +46,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.soak_common import alive, descendants, leaked_blocks, rss_kib, shm_blocks  # noqa: E402
 from mgpu_backend.client import ControllerClient  # noqa: E402
-from mgpu_backend.frames import SHM_DIR  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
 from mgpu_backend.protocol import (ControllerError, FleetBusy, FleetConfig, FramesRequest, JobCancelled, JobSpec,  # noqa: E402
                                    NoopRequest, SampleRequest)
@@ -57,45 +57,6 @@ SP_VIDEO, AUDIO = (1, 128, 2, 2, 3), (1, 8, 5, 16)
 
 class JobTimeout(Exception):
     """No answer within the job timeout: the job is counted lost."""
-
-
-def rss_kib(pid: int) -> int:
-    """Resident plus swapped-out memory (VmRSS + VmSwap): on a machine under memory pressure RSS alone falls when
-    pages are swapped out, which is not the process shrinking."""
-    total = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmSwap:")):
-                total += int(line.split()[1])
-    return total
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc PPid links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def sample_payload(rng: random.Random) -> SampleRequest:
@@ -279,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(os.environ.get("LTX2_MGPU_CACHE") or Path.home() / ".cache" / "ltx2-multigpu")
     files = make_tiny(cache / "tiny-2.0-seed0", "2.0", seed=0)
     runtime = Path(tempfile.mkdtemp(prefix="ltx2-soak-"))
-    shm_before = set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
+    shm_before = shm_blocks()
     config = FleetConfig(devices=("cpu",) * args.world_size, checkpoint=str(files["checkpoint"]),
                          gemma=str(files["gemma"]), upscaler=str(files["upsampler"]), dtype="float32",
                          threads_per_worker=1, stall_timeout_s=60.0, init_timeout_s=120.0)
@@ -313,12 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     leaked_procs = sorted(p for p in watched if alive(p))
     for p in leaked_procs:
         os.kill(p, signal.SIGKILL)
-    shm_after = set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
-    # /dev/shm is shared with every other process of the machine: count the blocks our workers made
-    # (`frames.send_frames` names them ltx2mgpu-<worker pid>-<ns>) and anything else new, separately
-    ours = re.compile(r"ltx2mgpu-(\d+)-")
-    new_shm = sorted(shm_after - shm_before)
-    leaked_shm = [n for n in new_shm if (m := ours.match(n)) and int(m.group(1)) in soak.worker_pids]
+    # /dev/shm is shared with every other process of the machine: count the blocks our workers made and anything
+    # else new, separately
+    new_shm = sorted(shm_blocks() - shm_before)
+    leaked_shm = leaked_blocks(shm_before, soak.worker_pids)
     c = soak.counts
     rss_start = soak.rss_start or rss_launch
     growth = (rss_end - rss_start) / rss_start * 100

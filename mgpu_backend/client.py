@@ -131,9 +131,12 @@ class ControllerClient:
         self._conn = self._connect(start)
 
     def _try_connect(self):
+        """A connection to the controller, or None where none answers: no socket, a stale one (refused), or a
+        controller that died during the handshake (reset, or closed before the challenge: it was SIGKILLed or is
+        stopping)."""
         try:
             return _Connect(str(self.socket_path), family="AF_UNIX", authkey=self.key)
-        except (FileNotFoundError, ConnectionRefusedError):
+        except (FileNotFoundError, ConnectionError, EOFError):
             return None
 
     def _connect(self, start: bool):

@@ -157,6 +157,26 @@ class GenerateJob:
     stage2_loras: tuple
 
 
+def check_upscale_size(upsampler, grid: tuple[int, int, int]) -> None:
+    """Refuse a video latent of `grid` (frames, height, width) cells too small for the latent upscaler, before it
+    runs: its first GroupNorm (on the input size, `initial_norm`) normalizes each group over (channels per group) x
+    F x H x W values and needs at least 2 (torch raises "Expected more than 1 value per channel" inside the forward
+    otherwise). The released upscalers (1024 or 512 channels in 32 groups) take any latent; one with one channel per
+    group (the tiny test models) needs 2 cells. Raises ValidationError naming the size and the rule."""
+    norm = getattr(upsampler, "initial_norm", None)
+    if not isinstance(norm, torch.nn.GroupNorm):
+        return
+    per_group = norm.num_channels // norm.num_groups
+    cells = math.prod(grid)
+    if per_group * cells < 2:
+        need = math.ceil(2 / per_group)
+        raise V.ValidationError(
+            f"upscale: the video latent is {'x'.join(map(str, grid))} cells (frames x height x width): {cells} "
+            f"value(s) per group of the latent upscaler's first group norm ({norm.num_groups} groups of "
+            f"{per_group} channel(s)); it needs at least 2, so a latent of at least {need} cells (e.g. 2 latent "
+            f"frames = 9 frames, or 2 cells = 64 px in height or width)")
+
+
 class TwoStagePipeline:
     """Runs `GenerateRequest`s on loaded components and a Gemma encoder, in one process.
 
@@ -237,6 +257,7 @@ class TwoStagePipeline:
         upsampler = self.components.upsampler
         if upsampler is None:
             raise V.ValidationError("the two-stage pipeline needs a latent upscaler file (--upscaler)")
+        check_upscale_size(upsampler, tuple(video_latent.shape[2:]))
         vae = self.components.video_vae
         mean, std = vae.latents_mean.float().cpu(), vae.latents_std.float().cpu()
         param = next(upsampler.parameters())

@@ -147,6 +147,40 @@ def command_line(pid: int, limit: int = 80) -> str:
         return ""
 
 
+def pack_processes(env_mark: str | None = None) -> dict[int, str]:
+    """pid -> "name: command line" of the pack's live processes (from /proc; empty off Linux): controllers and
+    workers by the names they give themselves (`ltx2mgpu-ctl`, `ltx2mgpu-rankN`), the controller's module, or
+    multiprocessing's spawn entry (a worker still importing). env_mark ("NAME=value"): only processes with that
+    entry in their environment (the controllers and workers a test session or a soak started inherit it)."""
+    mark = env_mark.encode() if env_mark else None
+    out = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            name = process_name(pid)
+            if state == "Z" or not (name.startswith("ltx2mgpu-") or "mgpu_backend.controller" in cmdline
+                                      or "spawn_main" in cmdline):
+                continue
+            if mark is not None:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
+        except (OSError, IndexError):
+            continue
+        out[pid] = f"{name}: {cmdline[:160]}"
+    return out
+
+
 # ---- bounds ---------------------------------------------------------------------------------------------------------
 
 def _gib(n: float) -> str:

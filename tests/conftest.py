@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from mgpu_backend.models.tiny import build_tiny_modules, make_tiny
+from mgpu_backend.resources import pack_processes
 
 torch.set_num_threads(1)
 
@@ -85,26 +86,8 @@ def _environ(pid: int) -> bytes:
 
 
 def _pack_processes() -> dict[int, str]:
-    """pid -> "name: command line" of this session's live controllers and workers: by the names the pack gives them
-    (ltx2mgpu-ctl, ltx2mgpu-rankN), the controller's module, or multiprocessing's spawn entry (a worker still
-    importing)."""
-    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            name = (entry / "comm").read_text().strip()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == "Z" or not (name.startswith("ltx2mgpu-") or "mgpu_backend.controller" in cmdline
-                                  or "spawn_main" in cmdline):
-            continue
-        if mark in _environ(int(entry.name)).split(b"\0"):
-            out[int(entry.name)] = f"{name}: {cmdline[:160]}"
-    return out
+    """pid -> "name: command line" of this session's live controllers and workers (`resources.pack_processes`)."""
+    return pack_processes(f"{SESSION_MARK}={os.environ[SESSION_MARK]}")
 
 
 def _session_blocks(config) -> list[str]:

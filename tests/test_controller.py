@@ -258,6 +258,32 @@ def test_error_kinds_keep_their_wire_values():
     assert odd.details == {"rank": 1, "kind": "out_of_memory"}
 
 
+def test_a_controller_dying_during_the_handshake_is_no_controller(tmp_path):
+    """A listener that accepts and closes before the authentication challenge (a controller SIGKILLed while a client
+    connects: the soak through ComfyUI met it as a raw ConnectionResetError in SP Sampler) is "no controller
+    answers" — with start=True the client starts a new one — not an error from inside multiprocessing."""
+    import socket
+
+    runtime = P.ensure_private_dir(tmp_path / "rt")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(runtime / P.SOCKET_NAME))
+    listener.listen(4)
+
+    def accept_and_close():
+        conn, _ = listener.accept()
+        conn.close()
+
+    t = threading.Thread(target=accept_and_close, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(ControllerError, match="no controller answers") as info:
+            ControllerClient(runtime, start=False)
+        assert info.value.kind == P.ErrorKind.NOT_RUNNING
+        t.join(5)
+    finally:
+        listener.close()
+
+
 def test_the_controller_validates_a_checkpoint_without_diffusers(tiny_dir):
     """`check_config` (the controller's validation before any worker starts) reads the safetensors header and applies
     the degree rule: in a fresh process it refuses a bad degree and accepts a good one without importing diffusers

@@ -196,5 +196,9 @@ def test_default_tiling():
     small = default_tiling(8, (2, 4, 4), 5)
     assert small == TileCountConfig(height=DimensionTilingConfig(2, 2), width=DimensionTilingConfig(4, 0))
     make_tiles((2, 4, 4), small)
-    with pytest.raises(ValueError, match="1×4 latent grid cannot hold 2×4 tiles"):
-        default_tiling(8, (2, 1, 4), 5)
+    # a grid too small for the balanced split (issue 24): the squarest split of that count that fits, else fewer
+    # tiles, down to one
+    assert default_tiling(2, (1, 3, 1), 5) == TileCountConfig(height=DimensionTilingConfig(2, 1))
+    assert default_tiling(8, (2, 1, 4), 5) == TileCountConfig(width=DimensionTilingConfig(4, 0))
+    assert default_tiling(8, (2, 3, 2), 5) == TileCountConfig.spatial(3, 2, overlap=0)
+    assert default_tiling(4, (1, 1, 1), 5) == TileCountConfig()

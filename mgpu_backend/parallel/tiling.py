@@ -136,9 +136,19 @@ def fit_overlap(length: int, num_tiles: int, overlap: int) -> int:
 def default_tiling(world_size: int, grid: tuple[int, int, int], overlap: int) -> TileCountConfig:
     """The balanced spatial grid for `world_size` ranks (height gets the smaller factor), overlap fitted to the grid.
 
-    Raises ValueError when the grid is too small for that many tiles."""
-    h_tiles, w_tiles = balanced_tile_split(world_size)
-    if grid[1] < h_tiles or grid[2] < w_tiles:
-        raise ValueError(f"a {grid[1]}×{grid[2]} latent grid cannot hold {h_tiles}×{w_tiles} tiles")
-    return TileCountConfig(height=DimensionTilingConfig(h_tiles, fit_overlap(grid[1], h_tiles, overlap)),
-                           width=DimensionTilingConfig(w_tiles, fit_overlap(grid[2], w_tiles, overlap)))
+    A grid too small for that split (fewer cells on an axis than tiles: a latent 1-3 cells high or wide) gets the
+    squarest split of the same tile count that fits, else of the largest smaller count, down to one tile: every
+    size runs, as in one process (ranks without a tile wait for the blend, as when tiles < ranks)."""
+    for count in range(world_size, 0, -1):
+        h_tiles, w_tiles = balanced_tile_split(count)
+        pairs = sorted({(d, count // d) for d in range(1, count + 1) if count % d == 0},
+                       key=lambda p: (abs(p[0] - p[1]), p[0] > p[1]))
+        for ht, wt in [(h_tiles, w_tiles)] + pairs:
+            if grid[1] < ht or grid[2] < wt:
+                continue
+            try:
+                return TileCountConfig(height=DimensionTilingConfig(ht, fit_overlap(grid[1], ht, overlap)),
+                                       width=DimensionTilingConfig(wt, fit_overlap(grid[2], wt, overlap)))
+            except ValueError:  # no clean partition of unity on an axis: try fewer tiles
+                continue
+    raise ValueError(f"world_size={world_size}, grid={grid}: no tiling fits (a latent axis of 0 cells?)")
