@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu_backend import frames as frames_module  # noqa: E402
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import FleetConfig, FramesRequest, JobSpec, NoopRequest  # noqa: E402
+from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
+from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest  # noqa: E402
 
 
 def _clip(text: str) -> tuple[int, int, int, int]:

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.forward import ForwardReply, ForwardRequest  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import FleetConfig, JobSpec, NoopRequest  # noqa: E402
+from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
+from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest  # noqa: E402
 
 GRID = (16, 11, 20)  # 640×352×121: latent frames, height, width
 AUDIO_STEPS = 126  # ~5 s of audio latents

@@ -49,8 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.frames import SHM_DIR  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import (ControllerError, FleetBusy, FleetConfig, FramesRequest, JobCancelled, JobSpec,  # noqa: E402
-                                   NoopRequest, SampleRequest)
+from mgpu_backend.protocol.errors import ControllerError, FleetBusy, JobCancelled  # noqa: E402
+from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
+from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest  # noqa: E402
+from mgpu_backend.protocol.stage_requests import SampleRequest  # noqa: E402
 
 SP_VIDEO, AUDIO = (1, 128, 2, 2, 3), (1, 8, 5, 16)
 

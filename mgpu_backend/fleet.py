@@ -26,9 +26,12 @@ import torch.multiprocessing as mp
 
 from .frames import frames_ref, free_frames, remove_orphans
 from .parallel.degrees import top_sp_degree, valid_sp_degrees
-from .protocol import (JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPlan, FleetPolicy, JobCancelled,
-                       JobDone, JobFailed, JobProgress, JobSpec, JobStopped, Pickled, RunJob, StopWorker,
-                       WorkerInitError, WorkerMessage, WorkerReady, send_inline)
+from .protocol.errors import ControllerError, ErrorKind, JobCancelled
+from .protocol.fleet_config import FleetConfig, FleetPlan, FleetPolicy
+from .protocol.job_requests import JOB_STAGES, JobSpec
+from .protocol.transport import Pickled, send_inline
+from .protocol.worker_messages import (JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError,
+                                       WorkerMessage, WorkerReady)
 from .resources import FleetTooLarge, check_fleet, write_pid_file
 from .worker import clean_allocator_env, worker_main
 

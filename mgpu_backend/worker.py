@@ -18,8 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import (JOB_STAGES, FleetIdentity, FleetPolicy, JobDone, JobFailed, JobProgress, JobSpec,
-                       JobStopped, Pickled, RunJob, StopWorker, WorkerInitError, WorkerReady, send_inline)
+from .protocol.fleet_config import FleetIdentity, FleetPolicy
+from .protocol.job_requests import JOB_STAGES, JobSpec
+from .protocol.transport import Pickled, send_inline
+from .protocol.worker_messages import (JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError,
+                                       WorkerReady)
 from .validation import ValidationError
 
 # a worker's exit code when its controller is gone (it exits on its own, `bind_to_parent`)
@@ -261,7 +264,7 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
             if pickled and rank == 0:
                 result = Pickled.of(result)
             message = JobDone(spec.job_id, rank, result, loader.OPEN_COUNT)
-            if pickled:  # by value, like the payload (protocol.INLINE_JOBS); rank 0's reply is the only large one
+            if pickled:  # by value, like the payload (transport.INLINE_JOBS); rank 0's reply is the only large one
                 send_inline((conn,), message)
             else:
                 conn.send(message)

@@ -31,9 +31,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import protocol as P
+from mgpu_backend.protocol.stage_requests import SampleRequest
+from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, loads, send
 from mgpu_backend.client import ControllerClient
-from mgpu_backend.protocol import ControllerError, EncodeTextRequest, FleetBusy, JobSpec, NoopRequest
+from mgpu_backend.protocol.errors import ControllerError, FleetBusy
+from mgpu_backend.protocol.job_requests import EncodeTextRequest, JobSpec, NoopRequest
 from _procs import deadline, wait_gone
 from test_controller import _cli, short_runtime_dir, stop_controller, tiny_config
 
@@ -81,7 +83,7 @@ def noop() -> JobSpec:
     return JobSpec("noop", NoopRequest(steps=0))
 
 
-def sample_payload(mode: str, seed: int = 11) -> P.SampleRequest:
+def sample_payload(mode: str, seed: int = 11) -> SampleRequest:
     """A tiny stage job for the tiny 2.0 model (text width 64): stage-1-like (sequence parallel, from sigma 1) or
     stage-2-like (tiled, from sigma 0.6)."""
     g = torch.Generator().manual_seed(seed)
@@ -94,7 +96,7 @@ def sample_payload(mode: str, seed: int = 11) -> P.SampleRequest:
         payload.update(sigmas=torch.tensor([0.6, 0.3, 0.0]), audio_frozen=True)
     else:
         payload.update(sigmas=torch.tensor([1.0, 0.7, 0.4, 0.0]))
-    return P.SampleRequest(**payload)
+    return SampleRequest(**payload)
 
 
 class BusyLedger:
@@ -190,7 +192,7 @@ def test_back_to_back_jobs_from_two_clients_are_never_wrongly_refused(ctl, handl
 
 def test_a_silent_connection_holds_up_nobody_and_is_dropped(ctl, handle, runtime):
     silent = socket.socket(socket.AF_UNIX)
-    silent.connect(str(runtime / P.SOCKET_NAME))
+    silent.connect(str(runtime / SOCKET_NAME))
     try:
         silent.settimeout(HANDSHAKE_S + 30)
         assert silent.recv(4096), "no challenge"  # the controller is in this connection's handshake now
@@ -208,12 +210,12 @@ def test_a_silent_connection_holds_up_nobody_and_is_dropped(ctl, handle, runtime
 
 
 def _raw(runtime: Path):
-    return Client(str(runtime / P.SOCKET_NAME), family="AF_UNIX", authkey=(runtime / P.KEY_NAME).read_bytes())
+    return Client(str(runtime / SOCKET_NAME), family="AF_UNIX", authkey=(runtime / KEY_NAME).read_bytes())
 
 
 def _ask(conn, data: bytes) -> dict:
     conn.send_bytes(data)
-    return P.loads(conn.recv_bytes())
+    return loads(conn.recv_bytes())
 
 
 def test_unreadable_requests_are_answered_and_the_connection_kept(ctl, runtime):
@@ -239,7 +241,7 @@ def test_an_oversized_message_is_answered_and_the_controller_keeps_serving(ctl, 
     conn = _raw(runtime)
     try:  # the header of a 1 TiB message (multiprocessing's framing: -1, then an 8-byte length); no body
         os.write(conn.fileno(), struct.pack("!i", -1) + struct.pack("!Q", 1 << 40))
-        reply = P.loads(conn.recv_bytes())
+        reply = loads(conn.recv_bytes())
         assert reply["kind"] == "protocol" and "longer than the controller's limit" in reply["error"], reply
         with pytest.raises(EOFError):
             conn.recv_bytes()
@@ -440,7 +442,7 @@ def test_cli_refuses_bad_values_before_starting_anything(tiny_dir, tmp_path, mon
             assert cli.main(args) == 2, args
             err = capsys.readouterr().err.strip().splitlines()
             assert err[-1] == f"error: {needle}" or err[-1].startswith(f"error: {needle}"), (args, err)
-        assert not (runtime / P.SOCKET_NAME).exists(), "a controller was started for a refused command"
+        assert not (runtime / SOCKET_NAME).exists(), "a controller was started for a refused command"
         assert cli.main(["status"]) == 0 and capsys.readouterr().out.strip() == "no controller is running"
         assert not (tmp_path / "clip.mp4").exists()
     finally:
@@ -489,9 +491,9 @@ def test_a_job_whose_client_went_away_is_cancelled_not_run_for_nobody(ctl, handl
     the fleet busy for the remaining 7 minutes). The first progress event that cannot be delivered cancels it."""
     conn = _raw(runtime)
     job = JobSpec("noop", NoopRequest(steps=600, sleep_s=0.1))  # 60 s if run to the end
-    P.send(conn, {"op": "submit", "handle": handle, "job": job})
-    assert P.loads(conn.recv_bytes())["event"] == "accepted"
-    assert P.loads(conn.recv_bytes())["event"] == "progress"
+    send(conn, {"op": "submit", "handle": handle, "job": job})
+    assert loads(conn.recv_bytes())["event"] == "accepted"
+    assert loads(conn.recv_bytes())["event"] == "progress"
     conn.close()  # the client is gone
     other = ControllerClient(runtime, start=False)
     try:

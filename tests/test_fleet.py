@@ -37,7 +37,9 @@ from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
 from mgpu_backend.parallel.tiling import default_tiling
 from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
-from mgpu_backend.protocol import ControllerError, FleetConfig, FleetPlan, JobCancelled, JobSpec, NoopRequest
+from mgpu_backend.protocol.errors import ControllerError, JobCancelled
+from mgpu_backend.protocol.fleet_config import FleetConfig, FleetPlan
+from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
 from _procs import deadline, process_alive as _alive, wait_gone
 
 torch.set_num_threads(1)

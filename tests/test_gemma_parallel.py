@@ -439,7 +439,9 @@ def test_ranks_every_mode_equals_the_one_process_encode(files, reference, world)
 def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
     from mgpu_backend.fleet import Fleet
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.protocol import ControllerError, EncodeTextRequest, FleetConfig, JobSpec
+    from mgpu_backend.protocol.errors import ControllerError
+    from mgpu_backend.protocol.fleet_config import FleetConfig
+    from mgpu_backend.protocol.job_requests import EncodeTextRequest, JobSpec
 
     paths = tiny_dir["2.0"]
     projection = load_components(paths["checkpoint"], dtype=torch.float32).text_projection

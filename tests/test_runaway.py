@@ -23,7 +23,9 @@ import pytest
 from mgpu_backend import resources as R
 from mgpu_backend.client import ControllerClient, parse_devices
 from mgpu_backend.fleet import Fleet
-from mgpu_backend.protocol import ControllerError, ErrorKind, FleetConfig, JobSpec, NoopRequest
+from mgpu_backend.protocol.errors import ControllerError, ErrorKind
+from mgpu_backend.protocol.fleet_config import FleetConfig
+from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
 from mgpu_backend.worker import EXIT_PARENT_GONE
 from _procs import bound_child, deadline, process_alive, stop_controller, wait_gone
 

@@ -95,7 +95,7 @@ class PlanGroups:
 
 @dataclass(frozen=True)
 class PlanPolicy:
-    """A `protocol.FleetPolicy` applied to a fleet's groups (`ParallelPlan.set_policy`, per job): which groups a
+    """A `FleetPolicy` (protocol) applied to a fleet's groups (`ParallelPlan.set_policy`, per job): which groups a
     stage may use and how its split is chosen. Frozen: a new policy replaces the old one whole.
 
     sp_degree: the largest SP degree a stage may use; stage_degrees / pass_degrees: the SP degrees and guidance-pass
@@ -191,7 +191,7 @@ class ParallelPlan:
 
     def set_policy(self, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
                    guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> None:
-        """Apply a parallel policy (`protocol.FleetPolicy`'s fields; see `build_plan`) to this plan, on every rank
+        """Apply a parallel policy (`FleetPolicy`'s fields; see `build_plan`) to this plan, on every rank
         with the same values, between jobs: a new `PlanPolicy` choosing among the groups `build_plan` built, so no
         collective runs and nothing is reloaded; the report starts empty. Raises ValidationError (a degree the heads
         or the fleet do not allow) or ValueError (an unknown guidance-parallel mode) before anything changes."""
