@@ -6,6 +6,7 @@ the CLI `stop` and the mangled-import start use controllers of their own.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,13 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend.protocol.errors import ErrorKind
-from mgpu_backend.protocol.fleet_config import FleetIdentity, FleetPlan, FleetPolicy
-from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME
 from mgpu_backend.client import ControllerClient
-from mgpu_backend.protocol.errors import ControllerError, FleetBusy, JobCancelled
-from mgpu_backend.protocol.fleet_config import FleetConfig
+from mgpu_backend.protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
+from mgpu_backend.protocol.fleet_config import FleetConfig, FleetIdentity, FleetPlan, FleetPolicy
 from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest
+from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME
 from _procs import deadline, process_alive as _alive, wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
@@ -411,7 +410,8 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
     elsewhere = tmp_path / "comfyui-cwd"
     elsewhere.mkdir()
     config = tiny_config(tiny_dir)
-    config_json = json.dumps({**config.__dict__, "devices": list(config.devices)})
+    config_json = json.dumps({**dataclasses.asdict(config.identity), **dataclasses.asdict(config.policy),
+                              "devices": list(config.devices)})
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LTX2_MGPU_RUNTIME_DIR")}
     try:
         result = subprocess.run([sys.executable, "-c", MANGLED_CLIENT, str(REPO), str(runtime), config_json],

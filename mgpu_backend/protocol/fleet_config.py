@@ -4,7 +4,7 @@ answers with: `FleetPlan` (the split the fleet computed for a policy) and `Fleet
 Standard library only: the nodes build these without importing torch."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 DTYPES = ("float32", "bfloat16", "float16")
 GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = parallel/passes.py MODES (not imported: no torch here)
@@ -145,64 +145,53 @@ class FleetPolicy:
             raise ValueError(f"compile={self.compile!r}: must be True or False")
 
 
-_IDENTITY_FIELDS = tuple(f.name for f in fields(FleetIdentity))
-_POLICY_FIELDS = tuple(f.name for f in fields(FleetPolicy))
+_IDENTITY_FIELDS = frozenset(f.name for f in fields(FleetIdentity))
+_POLICY_FIELDS = frozenset(f.name for f in fields(FleetPolicy))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class FleetConfig:
     """What the CLI and the nodes ask for: a fleet identity (`FleetIdentity`: the processes and what they load) and a
-    policy (`FleetPolicy`: how jobs are split), as one flat value. The controller reuses a running fleet whenever
-    `identity` is unchanged and applies `policy` to each job; see the two classes for the fields.
+    policy (`FleetPolicy`: how jobs are split). The controller reuses a running fleet whenever `identity` is unchanged
+    and applies `policy` to each job; the two classes declare and check the fields.
 
-    Raises ValueError on construction when a field breaks its rule (both parts validate themselves).
+    Built from its parts, `FleetConfig(identity, policy)` (policy: `FleetPolicy()` when left out), or from their
+    fields as keywords, `FleetConfig(devices=…, checkpoint=…, gemma=…, sp_degree=2)`: each keyword goes to the part
+    that declares it (with a part given, it replaces that part's field; `dataclasses.replace` works so). A field
+    reads from its part: `config.devices` is `config.identity.devices`, `config.sp_degree` `config.policy.sp_degree`.
+
+    Raises TypeError for a keyword neither part declares or a part of another type; ValueError (naming the field, the
+    value and the rule) from the part whose rule a value breaks.
     """
 
-    devices: tuple[str, ...]
-    checkpoint: str
-    gemma: str | None
-    upscaler: str | None = None
-    video_vae: str | None = None
-    audio_vae: str | None = None
-    text_projection: str | None = None
-    dtype: str = "float32"
-    threads_per_worker: int = 1
-    init_timeout_s: float = 120.0
-    collective_timeout_s: float = 300.0
-    stall_timeout_s: float = 300.0
-    token_cap: int | None = 65536
-    sp_degree: int | None = None
-    min_tokens_per_rank: int | None = None
-    guidance_parallel: str = "auto"
-    compile: bool = False
-    sequence_parallel: bool = True
-    transformer_only: bool = False
-    gemma_mode: str = "replicated"
-    gemma_unload: bool = False
-    gemma_reserve_gib: float = 0.0
-    gemma_max_memory: tuple[tuple[str, str], ...] | None = None
-    weights: str = "replicated"
+    identity: FleetIdentity
+    policy: FleetPolicy
 
-    def __post_init__(self) -> None:
-        self.identity  # noqa: B018 - validates
-        self.policy  # noqa: B018
+    def __init__(self, identity: FleetIdentity | None = None, policy: FleetPolicy | None = None, **fields) -> None:
+        unknown = sorted(set(fields) - _IDENTITY_FIELDS - _POLICY_FIELDS)
+        if unknown:
+            raise TypeError(f"FleetConfig: unknown field(s) {', '.join(unknown)}: neither FleetIdentity nor "
+                            f"FleetPolicy has them")
+        for name, part, cls in (("identity", identity, FleetIdentity), ("policy", policy, FleetPolicy)):
+            if part is not None and not isinstance(part, cls):
+                raise TypeError(f"FleetConfig: {name}={type(part).__name__}: must be a {cls.__name__}")
+        own = {k: v for k, v in fields.items() if k in _IDENTITY_FIELDS}
+        identity = FleetIdentity(**own) if identity is None else replace(identity, **own) if own else identity
+        own = {k: v for k, v in fields.items() if k in _POLICY_FIELDS}
+        policy = FleetPolicy(**own) if policy is None else replace(policy, **own) if own else policy
+        object.__setattr__(self, "identity", identity)
+        object.__setattr__(self, "policy", policy)
 
-    @property
-    def identity(self) -> FleetIdentity:
-        return FleetIdentity(**{name: getattr(self, name) for name in _IDENTITY_FIELDS})
-
-    @property
-    def policy(self) -> FleetPolicy:
-        return FleetPolicy(**{name: getattr(self, name) for name in _POLICY_FIELDS})
-
-    @classmethod
-    def of(cls, identity: FleetIdentity, policy: FleetPolicy) -> FleetConfig:
-        return cls(**{name: getattr(identity, name) for name in _IDENTITY_FIELDS},
-                   **{name: getattr(policy, name) for name in _POLICY_FIELDS})
+    def __getattr__(self, name: str):
+        """A field of the identity or the policy (only called for names the config itself does not have)."""
+        part = "identity" if name in _IDENTITY_FIELDS else "policy" if name in _POLICY_FIELDS else None
+        if part is None or part not in self.__dict__:  # (unpickling looks names up before the parts are set)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.__dict__[part], name)
 
     @property
     def world_size(self) -> int:
-        return len(self.devices)
+        return self.identity.world_size
 
 
 @dataclass(frozen=True)
