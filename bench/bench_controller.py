@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         paths = make_tiny(Path(tmp) / "tiny", "2.0", seed=0)
         runtime = Path(tmp) / "rt"
         client = ControllerClient(runtime_dir=runtime)
-        print(f"controller pid {client.ping()['pid']} on {runtime / 'controller.sock'}")
+        print(f"controller pid {client.ping().pid} on {runtime / 'controller.sock'}")
         try:
             samples = []
             for _ in range(200):

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ltx2-bench-native-") as tmp:
         paths = make_tiny(Path(tmp) / "tiny", "2.3", seed=0)
         client = ControllerClient(runtime_dir=Path(tmp) / "rt")
-        pids = [client.ping()["pid"]]
+        pids = [client.ping().pid]
         inproc = _in_process(paths, tiny, tiny_cached, "cuda:0" if cuda else "cpu", compute, args.repeat)
         lines.append(f"in-process tiny forward (NativeEngine here, context cached) {inproc[0] * 1e3:8.2f} ms  "
                      f"(p90 {inproc[1] * 1e3:8.2f})")

@@ -161,7 +161,7 @@ class Soak:
 
         def on_accepted(event):
             with self.lock:
-                self.worker_pids.update(event["worker_pids"])
+                self.worker_pids.update(event.worker_pids)
 
         while True:
             with self.lock:
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                          threads_per_worker=1, stall_timeout_s=60.0, init_timeout_s=120.0)
     t0 = time.monotonic()
     first = ControllerClient(runtime)
-    controller_pid = first.ping()["pid"]
+    controller_pid = first.ping().pid
     rss_launch = rss_kib(controller_pid)
     handle = first.configure(config)
     first.close()

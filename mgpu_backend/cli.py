@@ -357,7 +357,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
               file=sys.stderr)
     progress, job = _Progress(), JobSpec("generate", request)
     try:
-        result = client.run(handle, job, on_event=lambda e: progress(e["stage"], e["step"], e["total"]))
+        result = client.run(handle, job, on_event=lambda e: progress(e.stage, e.step, e.total))
     except KeyboardInterrupt:
         client.cancel(job.job_id)
         raise

@@ -21,6 +21,8 @@ from . import frames as F
 from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetHandle
 from .protocol.job_requests import JobSpec
+from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, JobError, JobResult, Ping, Pong,
+                                Progress, Refused, Reply, Request, ShutdownFleet, Status, Stop, Submit)
 from .protocol.transport import (Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir, read_or_create_key,
                                  recv, send, wire_job)
 from .resources import Host, check_rank_count, cpu_cores
@@ -166,44 +168,47 @@ class ControllerClient:
     def close(self) -> None:
         self._conn.close()
 
-    def request(self, op: str, **fields) -> dict:
-        send(self._conn, {"op": op, **fields})
+    def request(self, message: Request) -> Reply:
+        """Send one request (not `Submit`: `run`) and read its reply. Raises FleetBusy / ControllerError when the
+        controller refuses it (`Refused`)."""
+        send(self._conn, message)
         reply = recv(self._conn)
-        if not reply.get("ok", False):
-            cls = FleetBusy if reply.get("kind") == ErrorKind.BUSY else ControllerError
-            raise cls(reply.get("error", "request failed"), kind=reply.get("kind", ErrorKind.ERROR))
+        if isinstance(reply, Refused):
+            cls = FleetBusy if reply.kind == ErrorKind.BUSY else ControllerError
+            raise cls(reply.message, kind=reply.kind)
         return reply
 
-    def ping(self) -> dict:
-        return self.request("ping")
+    def ping(self) -> Pong:
+        return self.request(Ping())
 
     def status(self) -> dict:
-        return self.request("status")
+        """The controller's and the fleet's state (`messages.StatusReply.status`)."""
+        return self.request(Status()).status
 
     def configure(self, config: FleetConfig) -> FleetHandle:
         """The fleet for `config` (reused when unchanged); `last_replaced` says which fleet a rebuild replaced."""
-        reply = self.request("configure", config=config)
-        self.last_replaced = reply.get("replaced")
-        return reply["handle"]
+        reply: Configured = self.request(Configure(config))
+        self.last_replaced = reply.replaced
+        return reply.handle
 
     def shutdown_fleet(self) -> dict:
         """Stop the fleet (the controller stays). Returns what was stopped: {"fleet", "clients", "job"}."""
-        return self.request("shutdown_fleet").get("stopped") or {}
+        return self.request(ShutdownFleet()).stopped or {}
 
     def stop(self) -> dict:
         """Stop the controller and its fleet. Returns what was stopped: {"fleet", "clients", "job"}."""
-        return self.request("stop").get("stopped") or {}
+        return self.request(Stop()).stopped or {}
 
     def cancel(self, job_id: str) -> None:
         """Cancel from another connection (this one is busy streaming the job)."""
         other = ControllerClient(self.runtime_dir, start=False)
         try:
-            other.request("cancel", job_id=job_id)
+            other.request(Cancel(job_id))
         finally:
             other.close()
 
-    def run(self, handle: FleetHandle, job: JobSpec, on_event: Callable[[dict], None] | None = None,
-            on_accepted: Callable[[dict], None] | None = None,
+    def run(self, handle: FleetHandle, job: JobSpec, on_event: Callable[[Progress], None] | None = None,
+            on_accepted: Callable[[Accepted], None] | None = None,
             cancel_requested: Callable[[], bool] | None = None, poll_s: float = 0.2) -> Any:
         """Submit a job and block until it ends, passing progress events to `on_event`.
 
@@ -213,7 +218,7 @@ class ControllerClient:
         Raises FleetBusy at once when another job runs; JobCancelled; ControllerError.
         """
         job = wire_job(job)
-        send(self._conn, {"op": "submit", "handle": handle, "job": job})
+        send(self._conn, Submit(handle, job))
         cancel_sent = False
 
         def maybe_cancel() -> bool:
@@ -231,20 +236,23 @@ class ControllerClient:
             while cancel_requested is not None and not self._conn.poll(poll_s):
                 cancel_sent = maybe_cancel()
             event = recv(self._conn)
-            kind = event["event"]
-            if kind == "busy":
-                raise FleetBusy(f"the fleet is busy with {event['running']}; try again when it is done",
-                                 kind=ErrorKind.BUSY)
-            if kind == "accepted":
+            if isinstance(event, Busy):
+                raise FleetBusy(f"the fleet is busy with {event.running}; try again when it is done",
+                                kind=ErrorKind.BUSY)
+            if isinstance(event, Accepted):
                 if on_accepted:
                     on_accepted(event)
-            elif kind == "progress":
+            elif isinstance(event, Progress):
                 if on_event:
                     on_event(event)
-            elif kind == "result":
-                result = event["result"]
+            elif isinstance(event, JobResult):
+                result = event.result
                 return result.load() if isinstance(result, Pickled) else F.receive_frames(result)
-            elif kind == "error":
-                cls = JobCancelled if event["kind"] == ErrorKind.CANCELLED else ControllerError
-                raise cls(event["message"], kind=event["kind"], fleet_lost=event["fleet_lost"],
-                          details=event.get("details"))
+            elif isinstance(event, JobError):
+                cls = JobCancelled if event.kind == ErrorKind.CANCELLED else ControllerError
+                raise cls(event.message, kind=event.kind, fleet_lost=event.fleet_lost, details=event.details)
+            elif isinstance(event, Refused):
+                raise ControllerError(event.message, kind=event.kind)
+            else:
+                raise ControllerError(f"unexpected message from the controller: {type(event).__name__}",
+                                      kind=ErrorKind.PROTOCOL)

@@ -32,6 +32,8 @@ from pathlib import Path
 from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
 from .protocol.job_requests import JobSpec
+from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, Done, JobError, JobResult, Ping, Pong,
+                                Progress, Refused, Request, ShutdownFleet, Status, StatusReply, Stop, Stopped, Submit)
 from .protocol.transport import (HANDSHAKE_TIMEOUT_S, MAX_MESSAGE_BYTES, SOCKET_NAME, default_runtime_dir,
                                  ensure_private_dir, loads, read_or_create_key, send)
 from . import resources as R
@@ -159,19 +161,18 @@ class Controller:
                     log.warning("%s: %s", client, request)
                     _send_quiet(conn, _protocol_error(request))
                     continue
-                op = request["op"]
-                if op == "submit":
+                if isinstance(request, Submit):
                     self._submit(conn, request, client)
                     continue
                 try:
-                    reply = self._simple(op, request, conn, client)
+                    reply = self._simple(request, conn, client)
                 except Exception as exc:  # noqa: BLE001 - a bug answering one request must not kill the connection
-                    log.exception("%s: %s failed", client, op)
-                    reply = {"ok": False, "error": f"{op} failed in the controller: {type(exc).__name__}: {exc}",
-                             "kind": ErrorKind.ERROR.value}
+                    log.exception("%s: %s failed", client, type(request).__name__)
+                    reply = Refused(f"{type(request).__name__} failed in the controller: {type(exc).__name__}: {exc}",
+                                    ErrorKind.ERROR.value)
                 if not _send_quiet(conn, reply):
                     return
-                if op == "stop":
+                if isinstance(request, Stop):
                     self.stopping.set()
                     # unblock accept(): connect once to ourselves (the handshake is in the new connection's thread)
                     with socket.socket(socket.AF_UNIX) as wake:
@@ -190,47 +191,48 @@ class Controller:
         with self.state_lock:
             return [c for k, c in self.clients.items() if k != id(conn)]
 
-    def _simple(self, op: str, request: dict, conn, client: str) -> dict:
-        if op == "ping":
-            return {"ok": True, "pid": os.getpid()}
-        if op == "status":
-            return {"ok": True, **self.status()}
-        if op == "configure":
-            config = request.get("config")
-            if not isinstance(config, FleetConfig):
-                return {"ok": False, "error": f"configure needs a FleetConfig, got {type(config).__name__}",
-                        "kind": ErrorKind.PROTOCOL.value}
+    def _simple(self, request: Request, conn, client: str):
+        """The reply to a request other than `Submit` (`messages.Reply`)."""
+        if isinstance(request, Ping):
+            return Pong(os.getpid())
+        if isinstance(request, Status):
+            return StatusReply(self.status())
+        if isinstance(request, Configure):
+            if not isinstance(request.config, FleetConfig):
+                return Refused(f"configure needs a FleetConfig, got {type(request.config).__name__}",
+                               ErrorKind.PROTOCOL.value)
             try:
-                handle, replaced = self.configure(config, client, self._others(conn))
-                return {"ok": True, "handle": handle, "replaced": replaced}
+                handle, replaced = self.configure(request.config, client, self._others(conn))
+                return Configured(handle, replaced)
             except ControllerError as exc:
-                return {"ok": False, "error": str(exc), "kind": exc.kind.value}
-        if op == "cancel":
+                return Refused(str(exc), exc.kind.value)
+        if isinstance(request, Cancel):
             with self.state_lock:
                 fleet = self.fleet
-                if fleet is not None and self.current_job is not None and self.current_job == request.get("job_id"):
+                if fleet is not None and self.current_job is not None and self.current_job == request.job_id:
                     fleet.cancel()
-                    return {"ok": True}
-            return {"ok": False, "error": f"no running job {request.get('job_id')!r}"}
-        if op in ("shutdown_fleet", "stop"):  # the workers are gone when the client hears back
-            what = "the controller" if op == "stop" else "the fleet"
-            stopped = {"fleet": self.fleet.describe() if self.fleet is not None and self.fleet.alive() else None,
-                       "clients": self._others(conn), "job": self.busy_with() if self.current_job else None}
-            self.stopped_by = f"{op} from {client}"
-            try:
-                if stopped["job"]:
-                    log.info("%s stops %s while %s runs (submitted by %s): cancelling it first", client, what,
-                             stopped["job"], self.current_client)
-                    with self.state_lock:
-                        if self.fleet is not None and self.current_kind is not None:
-                            self.fleet.cancel()  # it stops at its next step boundary, within the stop grace
-                self._shutdown_fleet(self.stopped_by)
-            finally:
-                if op != "stop":
-                    self.stopped_by = None
-            return {"ok": True, "stopped": stopped}
-        return {"ok": False, "error": f"unknown op {op!r} (known: ping, status, configure, submit, cancel, "
-                                      f"shutdown_fleet, stop)", "kind": ErrorKind.PROTOCOL.value}
+                    return Done()
+            return Refused(f"no running job {request.job_id!r}", ErrorKind.ERROR.value)
+        if not isinstance(request, (ShutdownFleet, Stop)):
+            return Refused(f"unknown request {type(request).__name__}", ErrorKind.PROTOCOL.value)
+        # the workers are gone when the client hears back
+        op = "stop" if isinstance(request, Stop) else "shutdown_fleet"
+        what = "the controller" if op == "stop" else "the fleet"
+        stopped = {"fleet": self.fleet.describe() if self.fleet is not None and self.fleet.alive() else None,
+                   "clients": self._others(conn), "job": self.busy_with() if self.current_job else None}
+        self.stopped_by = f"{op} from {client}"
+        try:
+            if stopped["job"]:
+                log.info("%s stops %s while %s runs (submitted by %s): cancelling it first", client, what,
+                         stopped["job"], self.current_client)
+                with self.state_lock:
+                    if self.fleet is not None and self.current_kind is not None:
+                        self.fleet.cancel()  # it stops at its next step boundary, within the stop grace
+            self._shutdown_fleet(self.stopped_by)
+        finally:
+            if op != "stop":
+                self.stopped_by = None
+        return Stopped(stopped)
 
     # ---- fleet --------------------------------------------------------------------------------------------------
 
@@ -342,8 +344,8 @@ class Controller:
                 self._teardown(self.fleet, why, graceful=self.fleet.alive())
                 self.fleet = None
 
-    def _submit(self, conn, request: dict, client: str) -> None:
-        handle, spec = request.get("handle"), request.get("job")
+    def _submit(self, conn, request: Submit, client: str) -> None:
+        handle, spec = request.handle, request.job
         if not isinstance(handle, FleetHandle) or not isinstance(spec, JobSpec):
             _send_quiet(conn, _protocol_error(f"submit needs a FleetHandle 'handle' and a JobSpec 'job', got "
                                               f"{type(handle).__name__} and {type(spec).__name__}"))
@@ -351,10 +353,10 @@ class Controller:
         t0 = time.monotonic()
         if not self.job_lock.acquire(blocking=False):
             running = self.busy_with()
-            _send_quiet(conn, {"event": "busy", "job_id": spec.job_id, "running": running})
+            _send_quiet(conn, Busy(spec.job_id, running))
             log.info("job %s %s from %s: refused, busy with %s", spec.job_id, spec.kind, client, running)
             return
-        final: dict | None = None
+        final: JobResult | JobError | None = None
         try:
             final = self._run_job(conn, handle, spec, client)
         except BaseException as exc:  # a bug: the client still gets an answer, the job lock is released
@@ -365,20 +367,20 @@ class Controller:
             with self.state_lock:
                 self.current_job = self.current_kind = self.current_client = None
             self.job_lock.release()
-        if final["event"] == "result":
+        if isinstance(final, JobResult):
             outcome = "done"
-        elif final["kind"] == ErrorKind.CANCELLED:
+        elif final.kind == ErrorKind.CANCELLED:
             outcome = "cancelled"
         else:
-            outcome = f"{final['kind']}{' (fleet lost)' if final['fleet_lost'] else ''}: {final['message']}"
+            outcome = f"{final.kind}{' (fleet lost)' if final.fleet_lost else ''}: {final.message}"
         # the job's line is in the log before its client has the answer
         log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
         # released first: a client submitting again the moment it reads this answer finds the fleet free
-        if not _send_quiet(conn, final) and final["event"] == "result":
-            free_frames(final["result"])  # the client went away: nobody will read (and unlink) the frames
+        if not _send_quiet(conn, final) and isinstance(final, JobResult):
+            free_frames(final.result)  # the client went away: nobody will read (and unlink) the frames
             log.info("job %s: its client had gone; its frames were freed", spec.job_id)
 
-    def _run_job(self, conn, handle: FleetHandle, spec: JobSpec, client: str) -> dict:
+    def _run_job(self, conn, handle: FleetHandle, spec: JobSpec, client: str) -> JobResult | JobError:
         """Run one job (the caller holds job_lock); returns its final event (result or error), not yet sent.
 
         The fleet's cancel flag is cleared when the job becomes current (under state_lock, as `cancel` checks it):
@@ -413,11 +415,10 @@ class Controller:
                     return _error(spec, str(exc), exc.kind, fleet_lost=True)
         if spec.fault and not self.test_faults:
             spec.fault = None
-        _send_quiet(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
-                           "worker_pids": list(fleet.pids)})
+        _send_quiet(conn, Accepted(spec.job_id, fleet.generation, tuple(fleet.pids)))
         gone: list[bool] = []
 
-        def forward_event(event: dict) -> None:
+        def forward_event(event: Progress) -> None:
             # a client that went away (killed, its terminal closed) reads nothing more: its job is cancelled at the
             # next step instead of holding the fleet, every other client told "busy", until it ends for nobody
             if not _send_quiet(conn, event) and not gone:
@@ -427,7 +428,7 @@ class Controller:
 
         try:
             result = fleet.run(spec, on_event=forward_event, policy=handle.config.policy)
-            return {"event": "result", "job_id": spec.job_id, "result": result}
+            return JobResult(spec.job_id, result)
         except ControllerError as exc:
             message = str(exc)
             stopped_by = self.stopped_by
@@ -468,22 +469,21 @@ def _peer(conn) -> str:
         return f"connection {id(conn):x}"
 
 
-def _parse(data: bytes) -> dict | str:
-    """A request dict with a string `op`, or the reason it is not one."""
+def _parse(data: bytes) -> Request | str:
+    """A request (`messages.Request`), or the reason it is not one."""
     try:
         request = loads(data)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is the sender's error
         return f"malformed message ({len(data)} bytes): cannot unpickle it ({type(exc).__name__}: {exc})"
-    if not isinstance(request, dict) or not isinstance(request.get("op"), str):
-        return (f"malformed request: expected a dict with a string 'op', got "
-                f"{type(request).__name__} {repr(request)[:80]}")
+    if not isinstance(request, Request):
+        return (f"malformed request: expected a request of protocol.messages (Ping, Status, Configure, Submit, "
+                f"Cancel, ShutdownFleet, Stop), got {type(request).__name__} {repr(request)[:80]}")
     return request
 
 
-def _protocol_error(message: str) -> dict:
-    """An answer both client paths read: a request reply (`ok`/`error`) and a job's final event (`event`)."""
-    return {"ok": False, "error": message, "event": "error", "job_id": None, "message": message,
-            "kind": ErrorKind.PROTOCOL.value, "fleet_lost": False, "details": {}}
+def _protocol_error(message: str) -> Refused:
+    """An answer both client paths read: a request's reply and a job's stream."""
+    return Refused(message, ErrorKind.PROTOCOL.value)
 
 
 def check_config(config: FleetConfig, freed_bytes: int = 0, memory: bool = True) -> None:
@@ -537,13 +537,12 @@ def _policy_change(old: FleetPolicy, new: FleetPolicy) -> str:
 
 
 def _error(spec: JobSpec, message: str, kind: ErrorKind, fleet_lost: bool = False,
-           details: dict | None = None) -> dict:
+           details: dict | None = None) -> JobError:
     """A job's final error event; `kind` travels as its plain string value."""
-    return {"event": "error", "job_id": spec.job_id, "message": message, "kind": ErrorKind(kind).value,
-            "fleet_lost": fleet_lost, "details": details or {}}
+    return JobError(spec.job_id, message, ErrorKind(kind).value, fleet_lost, details or {})
 
 
-def _send_quiet(conn, event: dict) -> bool:
+def _send_quiet(conn, event) -> bool:
     """Send; a client that went away is not an error here (False: gone; a running job's caller cancels it)."""
     try:
         send(conn, event)

@@ -66,14 +66,14 @@ class _Progress:
         self.key = None
         self.interrupted = False
 
-    def __call__(self, event: dict) -> None:
+    def __call__(self, event) -> None:  # a protocol.messages.Progress
         import comfy.model_management as mm
         import comfy.utils
 
-        total, step = int(event.get("total") or 0), int(event.get("step") or 0)
+        total, step = int(event.total or 0), int(event.step or 0)
         if total <= 0:
             return
-        key = (event.get("stage"), total)
+        key = (event.stage, total)
         try:
             if self.bar is None or key != self.key:
                 self.bar, self.key = comfy.utils.ProgressBar(total, node_id=self.node_id), key

@@ -105,13 +105,13 @@ def test_runtime_dir_socket_and_key_are_private(ctl, runtime):
 
 
 def test_wrong_auth_key_is_refused_and_controller_keeps_serving(ctl, runtime):
-    pid = ctl.ping()["pid"]
+    pid = ctl.ping().pid
     wrong = bytes(b ^ 0xFF for b in (runtime / KEY_NAME).read_bytes())
     for _ in range(2):
         with pytest.raises(AuthenticationError):
             Client(str(runtime / SOCKET_NAME), family="AF_UNIX", authkey=wrong)
-    assert ctl.ping()["pid"] == pid
-    assert ControllerClient(runtime, start=False).ping()["pid"] == pid
+    assert ctl.ping().pid == pid
+    assert ControllerClient(runtime, start=False).ping().pid == pid
 
 
 # ---- reattaching, busy, stale handles -------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_second_client_reattaches_to_the_same_controller_and_fleet(ctl, handle, 
     try:
         assert other.started_pid is None
         second = other.status()
-        assert second["pid"] == first["pid"] == ctl.ping()["pid"]
+        assert second["pid"] == first["pid"] == ctl.ping().pid
         assert second["fleet"]["generation"] == first["fleet"]["generation"] == handle.generation
         assert second["fleet"]["worker_pids"] == list(handle.worker_pids)
         # the same configuration from the second client reuses the fleet
@@ -196,7 +196,7 @@ def test_cli_status_shows_the_fleet(ctl, handle, runtime):
     result = _cli("status", env_extra={"LTX2_MGPU_RUNTIME_DIR": str(runtime)})
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
-    assert status["pid"] == ctl.ping()["pid"]
+    assert status["pid"] == ctl.ping().pid
     assert status["fleet"]["generation"] == handle.generation
     assert status["fleet"]["worker_pids"] == list(handle.worker_pids)
     assert status["fleet"]["open_counts"] == [2]  # checkpoint + upscaler, opened once
@@ -300,6 +300,29 @@ def test_policy_fields_are_checked_on_construction(tiny_dir):
         FleetPolicy(sp_degree=0)
 
 
+def test_a_config_is_its_identity_and_its_policy():
+    """`FleetConfig` declares no field of its own: keywords go to the part that declares them, a field reads from
+    its part, and `dataclasses.replace` changes one part; an unknown keyword or a part of another type is refused."""
+    identity = FleetIdentity(devices=("cpu", "cpu"), checkpoint="c.safetensors", gemma=None, dtype="bfloat16")
+    policy = FleetPolicy(sp_degree=2, compile=True)
+    config = FleetConfig(devices=("cpu", "cpu"), checkpoint="c.safetensors", gemma=None, dtype="bfloat16",
+                         sp_degree=2, compile=True)
+    assert config == FleetConfig(identity, policy) and config.identity == identity and config.policy == policy
+    assert (config.devices, config.dtype, config.sp_degree, config.compile, config.world_size) == (
+        ("cpu", "cpu"), "bfloat16", 2, True, 2)
+    assert [f.name for f in dataclasses.fields(FleetConfig)] == ["identity", "policy"]
+    assert FleetConfig(identity).policy == FleetPolicy()
+    changed = dataclasses.replace(config, gemma="g.safetensors", token_cap=None)
+    assert changed.identity == dataclasses.replace(identity, gemma="g.safetensors")
+    assert changed.policy == dataclasses.replace(policy, token_cap=None)
+    with pytest.raises(TypeError, match="unknown field.* speed"):
+        FleetConfig(identity, speed=2)
+    with pytest.raises(TypeError, match="policy=dict: must be a FleetPolicy"):
+        FleetConfig(identity, {"sp_degree": 2})
+    with pytest.raises(AttributeError, match="speed"):
+        config.speed  # noqa: B018
+
+
 def test_stale_handle_is_refused(ctl, handle, tiny_dir):
     """A handle from before a rebuild with another identity (here the threads per worker) is refused, saying so;
     the new handle works."""
@@ -358,7 +381,7 @@ def test_cli_stop_stops_controller_and_workers():
     try:
         assert _cli("status", env_extra=env).stdout.strip() == "no controller is running"
         client = ControllerClient(runtime_dir=runtime)
-        pid = client.ping()["pid"]
+        pid = client.ping().pid
         client.close()
         result = _cli("stop", env_extra=env)
         assert result.returncode == 0, result.stderr
@@ -389,7 +412,7 @@ MANGLED_CLIENT = textwrap.dedent("""
     fields["devices"] = tuple(fields["devices"])
     handle = client.configure(fleet_config.FleetConfig(**fields))
     out = client.run(handle, job_requests.JobSpec("noop", job_requests.NoopRequest(steps=1)))
-    print(json.dumps({"started_pid": client.started_pid, "pid": client.ping()["pid"],
+    print(json.dumps({"started_pid": client.started_pid, "pid": client.ping().pid,
                       "generation": handle.generation, "handle_class": type(handle).__module__,
                       "tensor": out["tensor"].tolist(), "plain_import": "mgpu_backend" in sys.modules}))
 """)

@@ -31,11 +31,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend.protocol.stage_requests import SampleRequest
-from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, loads, send
 from mgpu_backend.client import ControllerClient
 from mgpu_backend.protocol.errors import ControllerError, FleetBusy
 from mgpu_backend.protocol.job_requests import EncodeTextRequest, JobSpec, NoopRequest
+from mgpu_backend.protocol.messages import Accepted, Configure, Ping, Progress, Refused, Submit
+from mgpu_backend.protocol.stage_requests import SampleRequest
+from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, loads, send
 from _procs import deadline, wait_gone
 from test_controller import _cli, short_runtime_dir, stop_controller, tiny_config
 
@@ -198,7 +199,7 @@ def test_a_silent_connection_holds_up_nobody_and_is_dropped(ctl, handle, runtime
         assert silent.recv(4096), "no challenge"  # the controller is in this connection's handshake now
         other = ControllerClient(runtime, start=False)  # authenticates while the silent one waits
         try:
-            assert other.ping()["pid"] == ctl.ping()["pid"]
+            assert other.ping().pid == ctl.ping().pid
             assert torch.equal(other.run(handle, noop())["tensor"], torch.arange(4, dtype=torch.float32))
         finally:
             other.close()
@@ -213,7 +214,7 @@ def _raw(runtime: Path):
     return Client(str(runtime / SOCKET_NAME), family="AF_UNIX", authkey=(runtime / KEY_NAME).read_bytes())
 
 
-def _ask(conn, data: bytes) -> dict:
+def _ask(conn, data: bytes):
     conn.send_bytes(data)
     return loads(conn.recv_bytes())
 
@@ -224,15 +225,15 @@ def test_unreadable_requests_are_answered_and_the_connection_kept(ctl, runtime):
     conn = _raw(runtime)
     try:
         cases = [(b"\x80\x05not a pickle", "cannot unpickle it"),
-                 (pickle.dumps([1, 2]), "expected a dict with a string 'op', got list"),
-                 (pickle.dumps({"op": "fly"}), "unknown op 'fly'"),
-                 (pickle.dumps({"op": "submit"}), "submit needs a FleetHandle 'handle' and a JobSpec 'job'"),
-                 (pickle.dumps({"op": "configure", "config": 3}), "configure needs a FleetConfig, got int")]
+                 (pickle.dumps([1, 2]), "expected a request of protocol.messages"),
+                 (pickle.dumps({"op": "ping"}), "got dict"),  # the dicts of before are not requests
+                 (pickle.dumps(Submit(None, None)), "submit needs a FleetHandle 'handle' and a JobSpec 'job'"),
+                 (pickle.dumps(Configure(3)), "configure needs a FleetConfig, got int")]
         for data, needle in cases:
             reply = _ask(conn, data)
-            assert reply["ok"] is False and needle in reply["error"], reply
-            assert reply["kind"] == "protocol"
-        assert _ask(conn, pickle.dumps({"op": "ping"}))["pid"] == ctl.ping()["pid"]  # the same connection
+            assert isinstance(reply, Refused) and needle in reply.message, reply
+            assert reply.kind == "protocol"
+        assert _ask(conn, pickle.dumps(Ping())).pid == ctl.ping().pid  # the same connection
     finally:
         conn.close()
 
@@ -242,12 +243,12 @@ def test_an_oversized_message_is_answered_and_the_controller_keeps_serving(ctl, 
     try:  # the header of a 1 TiB message (multiprocessing's framing: -1, then an 8-byte length); no body
         os.write(conn.fileno(), struct.pack("!i", -1) + struct.pack("!Q", 1 << 40))
         reply = loads(conn.recv_bytes())
-        assert reply["kind"] == "protocol" and "longer than the controller's limit" in reply["error"], reply
+        assert reply.kind == "protocol" and "longer than the controller's limit" in reply.message, reply
         with pytest.raises(EOFError):
             conn.recv_bytes()
     finally:
         conn.close()
-    assert ControllerClient(runtime, start=False).ping()["pid"] == ctl.ping()["pid"]
+    assert ControllerClient(runtime, start=False).ping().pid == ctl.ping().pid
 
 
 # ---- messages that name their cause ---------------------------------------------------------------------------------
@@ -255,10 +256,10 @@ def test_an_oversized_message_is_answered_and_the_controller_keeps_serving(ctl, 
 def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     events = []
     ctl.run(handle, JobSpec("sample", sample_payload("sequence_parallel")), on_event=events.append)
-    assert {e["stage"] for e in events} == {"stage 1"}
+    assert {e.stage for e in events} == {"stage 1"}
     events.clear()
     ctl.run(handle, JobSpec("sample", sample_payload("tiled")), on_event=events.append)
-    assert {e["stage"] for e in events} == {"stage 2"}
+    assert {e.stage for e in events} == {"stage 2"}
     pids = ctl.status()["fleet"]["worker_pids"]
     for mode, name, stage in (("sequence_parallel", "video", "stage 1"), ("tiled", "noise_video", "stage 2")):
         bad = getattr(sample_payload(mode), name).clone()
@@ -275,7 +276,7 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     named = dataclasses.replace(sample_payload("sequence_parallel"), stage="refine")
     events.clear()
     ctl.run(handle, JobSpec("sample", named), on_event=events.append)
-    assert {e["stage"] for e in events} == {"refine"}
+    assert {e.stage for e in events} == {"refine"}
     assert ctl.status()["fleet"]["worker_pids"] == pids  # bad input keeps the fleet
 
 
@@ -491,9 +492,9 @@ def test_a_job_whose_client_went_away_is_cancelled_not_run_for_nobody(ctl, handl
     the fleet busy for the remaining 7 minutes). The first progress event that cannot be delivered cancels it."""
     conn = _raw(runtime)
     job = JobSpec("noop", NoopRequest(steps=600, sleep_s=0.1))  # 60 s if run to the end
-    send(conn, {"op": "submit", "handle": handle, "job": job})
-    assert loads(conn.recv_bytes())["event"] == "accepted"
-    assert loads(conn.recv_bytes())["event"] == "progress"
+    send(conn, Submit(handle, job))
+    assert isinstance(loads(conn.recv_bytes()), Accepted)
+    assert isinstance(loads(conn.recv_bytes()), Progress)
     conn.close()  # the client is gone
     other = ControllerClient(runtime, start=False)
     try:

@@ -168,7 +168,7 @@ def ctl():
         else:
             os.environ["LTX2_MGPU_TEST_FAULTS"] = saved
     assert client.started_pid is not None
-    pid = client.ping()["pid"]
+    pid = client.ping().pid
     yield client
     workers = []
     try:  # a fresh connection: the module's may be mid-stream after a failed test
@@ -198,7 +198,7 @@ def run(ctl, handle, job: JobSpec, on_event=None, on_accepted=None) -> dict:
 
 def generate(ctl, handle, req: GenerateRequest, events: list | None = None) -> dict:
     out = run(ctl, handle, JobSpec("generate", req),
-              on_event=(lambda e: events.append((e["stage"], e["step"], e["total"]))) if events is not None else None)
+              on_event=(lambda e: events.append((e.stage, e.step, e.total))) if events is not None else None)
     return out
 
 
@@ -310,8 +310,8 @@ def test_cancel_mid_job_keeps_fleet_and_weights(ctl, files):
     events, cancel_errors = [], []
 
     def on_event(event):
-        events.append((event["stage"], event["step"]))
-        if event["stage"] == "stage 1":
+        events.append((event.stage, event.step))
+        if event.stage == "stage 1":
             stage1.set()
 
     def canceller():
@@ -431,7 +431,7 @@ def test_sigkill_of_a_worker_mid_job(ctl, files):
     killed = []
 
     def on_event(event):
-        if event["stage"] == "stage 1" and not killed:
+        if event.stage == "stage 1" and not killed:
             os.kill(victim, signal.SIGKILL)
             killed.append(event)
 

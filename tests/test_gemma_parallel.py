@@ -464,7 +464,7 @@ def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
         (tensor, extra), = r["conditioning"][1]
         assert torch.equal(tensor, r["embeds"][1]) and extra["unprocessed_ltxav_embeds"] is True
         assert extra["frame_rate"] == 25.0 and extra["pooled_output"] is None
-        assert [e["stage"] for e in events] == ["text"]
+        assert [e.stage for e in events] == ["text"]
         # the fleet's default mode
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=prompts[::-1])), events.append)
         assert r["report"]["cache_hits"] == 3 and r["forwards_per_rank"] == [3, 0]

@@ -455,7 +455,7 @@ def ctl():
 
     runtime = Path(tempfile.mkdtemp(prefix="ltx2-lora-"))
     client = ControllerClient(runtime_dir=runtime)
-    pid = client.ping()["pid"]
+    pid = client.ping().pid
     yield client
     workers = []
     try:

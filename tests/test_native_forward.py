@@ -377,7 +377,7 @@ def test_fleet_jobs(golden):
 
     runtime = Path(tempfile.mkdtemp(prefix="ltx2-native-"))
     client = ControllerClient(runtime_dir=runtime)
-    pid = client.ping()["pid"]
+    pid = client.ping().pid
     workers = []
     try:
         config = FleetConfig(devices=("cpu", "cpu"), checkpoint=golden.checkpoint, gemma=golden.gemma,

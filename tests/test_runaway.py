@@ -341,7 +341,7 @@ def test_a_signal_while_a_fleet_starts_ends_its_workers(tiny_dir, tmp_path):
     runtime = short_runtime_dir()
     try:
         client = ControllerClient(runtime_dir=runtime)
-        controller = client.ping()["pid"]
+        controller = client.ping().pid
         errors = []
 
         def configure():
