@@ -155,10 +155,10 @@ class WorkerState:
         self.apply_policy(policy)
 
     def apply_policy(self, policy: FleetPolicy) -> None:
-        """Make `policy` this rank's (every rank gets the same one with the same job): the plan's degree cap, token
-        minimum, guidance-parallel mode and token cap (`ParallelPlan.set_policy`, no collective), and the compiled or
-        eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError for a degree
-        the heads or the fleet do not allow, before anything changes."""
+        """Make `policy` this rank's (every rank gets the same one with the same job): the plan's part of it
+        (`ParallelPlan.apply`: degree cap, token minimum, guidance-parallel mode, token cap; no collective) and the
+        compiled or eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError
+        for a degree the heads or the fleet do not allow, before anything changes."""
         if policy == self.policy:
             return
         if policy.compile and self.sharding is not None:
@@ -166,8 +166,7 @@ class WorkerState:
                                   "as they run (FSDP hooks), which the compiled blocks do not run; use replicated "
                                   "weights to compile")
         if self.plan is not None:
-            self.plan.set_policy(sp_degree=policy.sp_degree, min_tokens_per_rank=policy.min_tokens_per_rank,
-                                 guidance_parallel=policy.guidance_parallel, token_cap=policy.token_cap)
+            self.plan.apply(policy)
         if self.policy is None or policy.compile != self.policy.compile:
             from .compile import compile_blocks, uncompile_blocks
 

@@ -189,6 +189,13 @@ class ParallelPlan:
     def sp_forward(self) -> SequenceParallelTransformer | None:
         return self.groups.stages[self.policy.sp_degree].forward
 
+    def apply(self, policy) -> None:
+        """Apply a job's `FleetPolicy` (protocol.fleet_config): its fields that split the stages, through
+        `set_policy`. A policy field the plan reads is passed on here (and nowhere else: the worker hands the policy
+        over whole)."""
+        self.set_policy(sp_degree=policy.sp_degree, min_tokens_per_rank=policy.min_tokens_per_rank,
+                        guidance_parallel=policy.guidance_parallel, token_cap=policy.token_cap)
+
     def set_policy(self, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
                    guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> None:
         """Apply a parallel policy (`FleetPolicy`'s fields; see `build_plan`) to this plan, on every rank
