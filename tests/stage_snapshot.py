@@ -78,7 +78,10 @@ def _as_request(payload: dict):
     try:
         from mgpu_backend.protocol.stage_requests import SampleRequest
     except ImportError:
-        return dict(payload)
+        try:  # a tree from before protocol/ was split by concern
+            from mgpu_backend.protocol import SampleRequest
+        except ImportError:
+            return dict(payload)
     return SampleRequest(**payload)
 
 
