@@ -9,8 +9,9 @@ job cleared) BEFORE its result or error is sent, so a client that submits again 
 is never refused as busy with the job that just ended.
 
 Every connection has its own thread, from the auth handshake on: the handshake has a deadline
-(`protocol.transport.HANDSHAKE_TIMEOUT_S`), so a process that connects and never answers holds up nobody. A message that
-cannot be read is answered with an error (`kind` "protocol") and the controller keeps serving.
+(`protocol.transport.HANDSHAKE_TIMEOUT_S`), so a process that connects and never answers holds up nobody. A message
+that cannot be read is answered with an error (`messages.Refused`, kind "protocol") and the controller keeps serving.
+Requests, replies and a job's events are the frozen messages of `protocol/messages.py`.
 
 The log (`controller.log` in the runtime directory) has one line per job (id, kind, client, seconds, outcome) and
 one per fleet start or teardown (generation, devices, load seconds, why).
