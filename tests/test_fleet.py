@@ -388,7 +388,7 @@ def _next_job_on_new_fleet(ctl, files, handle, lost: dict) -> None:
     accepted = []
     out = run(ctl, handle, JobSpec("generate", request(files)), on_accepted=accepted.append)
     now = fleet_status(ctl)
-    assert now["generation"] == lost["generation"] + 1 == accepted[0]["generation"]
+    assert now["generation"] == lost["generation"] + 1 == accepted[0].generation
     assert not set(now["worker_pids"]) & set(lost["worker_pids"])
     assert wait_gone(lost["worker_pids"]), "workers of the lost fleet still run"
     assert_same(out, w2_fresh(ctl, files), "next job on the new fleet")

@@ -270,7 +270,7 @@ def test_workers_outlive_the_connection_that_started_them(runtime, tiny_dir):
         wait_for(lambda: len(second.status()["clients"]) == others, "the first connection's thread to end", poll=0.2)
         accepted = []
         second.run(handle, JobSpec("noop", NoopRequest(steps=1)), on_accepted=accepted.append)
-        assert accepted[0]["worker_pids"] == list(handle.worker_pids)
+        assert list(accepted[0].worker_pids) == list(handle.worker_pids)
         assert all(process_alive(p) for p in handle.worker_pids)
     finally:
         second.close()
