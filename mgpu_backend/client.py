@@ -176,7 +176,18 @@ class ControllerClient:
         if isinstance(reply, Refused):
             cls = FleetBusy if reply.kind == ErrorKind.BUSY else ControllerError
             raise cls(reply.message, kind=reply.kind)
+        if not isinstance(reply, Reply):
+            raise self._unexpected(reply)
         return reply
+
+    def _unexpected(self, message) -> ControllerError:
+        """The error for a message that is not of `protocol.messages`: a dict is the answer of a controller started
+        by an older version of the pack (its requests were dicts), still running."""
+        older = (" — a controller started by an older version of the pack answers there: stop that process (`python "
+                 f"-m mgpu_backend.controller --runtime-dir {self.runtime_dir}`) and retry" if isinstance(message, dict)
+                 else "")
+        return ControllerError(f"unexpected message from the controller on {self.socket_path}: "
+                               f"{type(message).__name__}{older}", kind=ErrorKind.PROTOCOL)
 
     def ping(self) -> Pong:
         return self.request(Ping())
@@ -254,5 +265,4 @@ class ControllerClient:
             elif isinstance(event, Refused):
                 raise ControllerError(event.message, kind=event.kind)
             else:
-                raise ControllerError(f"unexpected message from the controller: {type(event).__name__}",
-                                      kind=ErrorKind.PROTOCOL)
+                raise self._unexpected(event)

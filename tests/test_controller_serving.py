@@ -36,7 +36,7 @@ from mgpu_backend.protocol.errors import ControllerError, FleetBusy
 from mgpu_backend.protocol.job_requests import EncodeTextRequest, JobSpec, NoopRequest
 from mgpu_backend.protocol.messages import Accepted, Configure, Ping, Progress, Refused, Submit
 from mgpu_backend.protocol.stage_requests import SampleRequest
-from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, loads, send
+from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, loads, read_or_create_key, send
 from _procs import deadline, wait_gone
 from test_controller import _cli, short_runtime_dir, stop_controller, tiny_config
 
@@ -236,6 +236,33 @@ def test_unreadable_requests_are_answered_and_the_connection_kept(ctl, runtime):
         assert _ask(conn, pickle.dumps(Ping())).pid == ctl.ping().pid  # the same connection
     finally:
         conn.close()
+
+
+def test_a_controller_of_an_older_version_is_named_not_misread():
+    """A controller started by an older pack (its replies were dicts) still listening: the client says so and how to
+    stop it, instead of failing on a reply it cannot read."""
+    from multiprocessing.connection import Listener
+
+    runtime = short_runtime_dir()
+    listener = Listener(str(runtime / SOCKET_NAME), family="AF_UNIX", authkey=read_or_create_key(runtime))
+
+    def serve():
+        with listener.accept() as conn:
+            conn.recv_bytes()
+            send(conn, {"ok": True, "pid": 1})
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    client = ControllerClient(runtime, start=False)
+    try:
+        with pytest.raises(ControllerError, match="older version of the pack") as info:
+            client.ping()
+        assert info.value.kind == "protocol" and str(runtime) in str(info.value)
+    finally:
+        client.close()
+        server.join(5)
+        listener.close()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_an_oversized_message_is_answered_and_the_controller_keeps_serving(ctl, runtime):
