@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu_backend import frames as frames_module  # noqa: E402
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import FleetConfig, FramesRequest, JobSpec, NoopRequest  # noqa: E402
+from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
+from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest  # noqa: E402
 
 
 def _clip(text: str) -> tuple[int, int, int, int]:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         paths = make_tiny(Path(tmp) / "tiny", "2.0", seed=0)
         runtime = Path(tmp) / "rt"
         client = ControllerClient(runtime_dir=runtime)
-        print(f"controller pid {client.ping()['pid']} on {runtime / 'controller.sock'}")
+        print(f"controller pid {client.ping().pid} on {runtime / 'controller.sock'}")
         try:
             samples = []
             for _ in range(200):

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.forward import ForwardReply, ForwardRequest  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import FleetConfig, JobSpec, NoopRequest  # noqa: E402
+from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
+from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest  # noqa: E402
 
 GRID = (16, 11, 20)  # 640×352×121: latent frames, height, width
 AUDIO_STEPS = 126  # ~5 s of audio latents
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ltx2-bench-native-") as tmp:
         paths = make_tiny(Path(tmp) / "tiny", "2.3", seed=0)
         client = ControllerClient(runtime_dir=Path(tmp) / "rt")
-        pids = [client.ping()["pid"]]
+        pids = [client.ping().pid]
         inproc = _in_process(paths, tiny, tiny_cached, "cuda:0" if cuda else "cpu", compute, args.repeat)
         lines.append(f"in-process tiny forward (NativeEngine here, context cached) {inproc[0] * 1e3:8.2f} ms  "
                      f"(p90 {inproc[1] * 1e3:8.2f})")

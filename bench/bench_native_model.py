@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu_backend import forward as F  # noqa: E402
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import FleetConfig, JobSpec  # noqa: E402
+from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
+from mgpu_backend.protocol.job_requests import JobSpec  # noqa: E402
 from nodes import native_forward as NF  # noqa: E402
 
 B, FRAMES, H, W, AUDIO = 2, 16, 11, 20, 121  # 640×352×121 at 25 fps: latent 16×11×20, 121 audio latents

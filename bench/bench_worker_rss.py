@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import FleetConfig  # noqa: E402
+from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
 
 
 def status_mib(pid: int) -> dict[str, int]:

@@ -49,8 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.soak_common import alive, descendants, leaked_blocks, rss_kib, shm_blocks  # noqa: E402
 from mgpu_backend.client import ControllerClient  # noqa: E402
 from mgpu_backend.models.tiny import make_tiny  # noqa: E402
-from mgpu_backend.protocol import (ControllerError, FleetBusy, FleetConfig, FramesRequest, JobCancelled, JobSpec,  # noqa: E402
-                                   NoopRequest, SampleRequest)
+from mgpu_backend.protocol.errors import ControllerError, FleetBusy, JobCancelled  # noqa: E402
+from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
+from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest  # noqa: E402
+from mgpu_backend.protocol.stage_requests import SampleRequest  # noqa: E402
 
 SP_VIDEO, AUDIO = (1, 128, 2, 2, 3), (1, 8, 5, 16)
 
@@ -120,7 +122,7 @@ class Soak:
 
         def on_accepted(event):
             with self.lock:
-                self.worker_pids.update(event["worker_pids"])
+                self.worker_pids.update(event.worker_pids)
 
         while True:
             with self.lock:
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                          threads_per_worker=1, stall_timeout_s=60.0, init_timeout_s=120.0)
     t0 = time.monotonic()
     first = ControllerClient(runtime)
-    controller_pid = first.ping()["pid"]
+    controller_pid = first.ping().pid
     rss_launch = rss_kib(controller_pid)
     handle = first.configure(config)
     first.close()

@@ -331,7 +331,8 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     """Run the job on the background controller's fleet (started on demand, reused by later calls)."""
     from .client import ControllerClient, parse_devices
     from .controller import check_config
-    from .protocol import FleetConfig, JobSpec
+    from .protocol.fleet_config import FleetConfig
+    from .protocol.job_requests import JobSpec
 
     request, files = _request_and_files(args, paths)
     devices = parse_devices(args.devices if args.devices is not None else "all", args.world_size)
@@ -356,7 +357,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
               file=sys.stderr)
     progress, job = _Progress(), JobSpec("generate", request)
     try:
-        result = client.run(handle, job, on_event=lambda e: progress(e["stage"], e["step"], e["total"]))
+        result = client.run(handle, job, on_event=lambda e: progress(e.stage, e.step, e.total))
     except KeyboardInterrupt:
         client.cancel(job.job_id)
         raise
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command in ("status", "stop"):
             from .client import ControllerClient
-            from .protocol import ControllerError
+            from .protocol.errors import ControllerError
 
             try:
                 client = ControllerClient(start=False)
@@ -435,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # engine and fleet errors: the message, not a traceback from deep in the fleet
         from .models.loader import CheckpointError
-        from .protocol import ControllerError, ErrorKind
+        from .protocol.errors import ControllerError, ErrorKind
 
         if isinstance(exc, ControllerError):
             print(f"error: {exc}", file=sys.stderr)

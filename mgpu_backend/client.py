@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from . import frames as F
-from . import protocol as P
+from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
+from .protocol.fleet_config import FleetConfig, FleetHandle
+from .protocol.job_requests import JobSpec
+from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, JobError, JobResult, Ping, Pong,
+                                Progress, Refused, Reply, Request, ShutdownFleet, Status, Stop, Submit)
+from .protocol.transport import (Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir, read_or_create_key,
+                                 recv, send, wire_job)
 from .resources import Host, check_rank_count, cpu_cores
 
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the directory that holds `mgpu_backend`
@@ -86,7 +92,7 @@ def import_root(runtime_dir: Path) -> Path:
     """
     if os.name != "posix":
         return PACKAGE_PARENT
-    root = P.ensure_private_dir(runtime_dir / "pythonpath")
+    root = ensure_private_dir(runtime_dir / "pythonpath")
     link = root / "mgpu_backend"
     target = PACKAGE_PARENT / "mgpu_backend"
     if not (link.is_symlink() and Path(os.readlink(link)) == target):
@@ -122,9 +128,9 @@ class ControllerClient:
     """
 
     def __init__(self, runtime_dir: Path | None = None, start: bool = True):
-        self.runtime_dir = P.ensure_private_dir(Path(runtime_dir) if runtime_dir else P.default_runtime_dir())
-        self.socket_path = self.runtime_dir / P.SOCKET_NAME
-        self.key = P.read_or_create_key(self.runtime_dir)
+        self.runtime_dir = ensure_private_dir(Path(runtime_dir) if runtime_dir else default_runtime_dir())
+        self.socket_path = self.runtime_dir / SOCKET_NAME
+        self.key = read_or_create_key(self.runtime_dir)
         self.started_pid: int | None = None
         # what the last `configure` replaced (the old fleet's `describe()` + "clients" connected), or None
         self.last_replaced: dict | None = None
@@ -143,66 +149,80 @@ class ControllerClient:
         conn = self._try_connect()
         if conn is not None or not start:
             if conn is None:
-                raise P.ControllerError(f"no controller answers on {self.socket_path}",
-                                        kind=P.ErrorKind.NOT_RUNNING)
+                raise ControllerError(f"no controller answers on {self.socket_path}",
+                                      kind=ErrorKind.NOT_RUNNING)
             return conn
         proc = _launch(self.runtime_dir, self.runtime_dir / "controller.log")
         self.started_pid = proc.pid
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise P.ControllerError(f"the controller exited with code {proc.returncode} at start; see "
-                                        f"{self.runtime_dir / 'controller.log'}", kind=P.ErrorKind.START_FAILED)
+                raise ControllerError(f"the controller exited with code {proc.returncode} at start; see "
+                                      f"{self.runtime_dir / 'controller.log'}", kind=ErrorKind.START_FAILED)
             conn = self._try_connect()
             if conn is not None:
                 return conn
             time.sleep(0.1)
         proc.kill()  # it never listened: not left running behind the error
         proc.wait(5)
-        raise P.ControllerError(f"the controller (pid {proc.pid}) did not answer within {START_TIMEOUT_S:g} s and was "
-                                f"killed; see {self.runtime_dir / 'controller.log'}", kind=P.ErrorKind.START_FAILED)
+        raise ControllerError(f"the controller (pid {proc.pid}) did not answer within {START_TIMEOUT_S:g} s and was "
+                              f"killed; see {self.runtime_dir / 'controller.log'}", kind=ErrorKind.START_FAILED)
 
     def close(self) -> None:
         self._conn.close()
 
-    def request(self, op: str, **fields) -> dict:
-        P.send(self._conn, {"op": op, **fields})
-        reply = P.recv(self._conn)
-        if not reply.get("ok", False):
-            cls = P.FleetBusy if reply.get("kind") == P.ErrorKind.BUSY else P.ControllerError
-            raise cls(reply.get("error", "request failed"), kind=reply.get("kind", P.ErrorKind.ERROR))
+    def request(self, message: Request) -> Reply:
+        """Send one request (not `Submit`: `run`) and read its reply. Raises FleetBusy / ControllerError when the
+        controller refuses it (`Refused`)."""
+        send(self._conn, message)
+        reply = recv(self._conn)
+        if isinstance(reply, Refused):
+            cls = FleetBusy if reply.kind == ErrorKind.BUSY else ControllerError
+            raise cls(reply.message, kind=reply.kind)
+        if not isinstance(reply, Reply):
+            raise self._unexpected(reply)
         return reply
 
-    def ping(self) -> dict:
-        return self.request("ping")
+    def _unexpected(self, message) -> ControllerError:
+        """The error for a message that is not of `protocol.messages`: a dict is the answer of a controller started
+        by an older version of the pack (its requests were dicts), still running."""
+        older = (" — a controller started by an older version of the pack answers there: stop that process (`python "
+                 f"-m mgpu_backend.controller --runtime-dir {self.runtime_dir}`) and retry" if isinstance(message, dict)
+                 else "")
+        return ControllerError(f"unexpected message from the controller on {self.socket_path}: "
+                               f"{type(message).__name__}{older}", kind=ErrorKind.PROTOCOL)
+
+    def ping(self) -> Pong:
+        return self.request(Ping())
 
     def status(self) -> dict:
-        return self.request("status")
+        """The controller's and the fleet's state (`messages.StatusReply.status`)."""
+        return self.request(Status()).status
 
-    def configure(self, config: P.FleetConfig) -> P.FleetHandle:
+    def configure(self, config: FleetConfig) -> FleetHandle:
         """The fleet for `config` (reused when unchanged); `last_replaced` says which fleet a rebuild replaced."""
-        reply = self.request("configure", config=config)
-        self.last_replaced = reply.get("replaced")
-        return reply["handle"]
+        reply: Configured = self.request(Configure(config))
+        self.last_replaced = reply.replaced
+        return reply.handle
 
     def shutdown_fleet(self) -> dict:
         """Stop the fleet (the controller stays). Returns what was stopped: {"fleet", "clients", "job"}."""
-        return self.request("shutdown_fleet").get("stopped") or {}
+        return self.request(ShutdownFleet()).stopped or {}
 
     def stop(self) -> dict:
         """Stop the controller and its fleet. Returns what was stopped: {"fleet", "clients", "job"}."""
-        return self.request("stop").get("stopped") or {}
+        return self.request(Stop()).stopped or {}
 
     def cancel(self, job_id: str) -> None:
         """Cancel from another connection (this one is busy streaming the job)."""
         other = ControllerClient(self.runtime_dir, start=False)
         try:
-            other.request("cancel", job_id=job_id)
+            other.request(Cancel(job_id))
         finally:
             other.close()
 
-    def run(self, handle: P.FleetHandle, job: P.JobSpec, on_event: Callable[[dict], None] | None = None,
-            on_accepted: Callable[[dict], None] | None = None,
+    def run(self, handle: FleetHandle, job: JobSpec, on_event: Callable[[Progress], None] | None = None,
+            on_accepted: Callable[[Accepted], None] | None = None,
             cancel_requested: Callable[[], bool] | None = None, poll_s: float = 0.2) -> Any:
         """Submit a job and block until it ends, passing progress events to `on_event`.
 
@@ -211,8 +231,8 @@ class ControllerClient:
         Returns the job's result with shared-memory frames already copied into a tensor (and the block freed).
         Raises FleetBusy at once when another job runs; JobCancelled; ControllerError.
         """
-        job = P.wire_job(job)
-        P.send(self._conn, {"op": "submit", "handle": handle, "job": job})
+        job = wire_job(job)
+        send(self._conn, Submit(handle, job))
         cancel_sent = False
 
         def maybe_cancel() -> bool:
@@ -221,7 +241,7 @@ class ControllerClient:
             try:
                 self.cancel(job.job_id)
                 return True
-            except P.ControllerError:  # not started yet: try again at the next check
+            except ControllerError:  # not started yet: try again at the next check
                 return False
 
         while True:
@@ -229,21 +249,23 @@ class ControllerClient:
             cancel_sent = maybe_cancel()
             while cancel_requested is not None and not self._conn.poll(poll_s):
                 cancel_sent = maybe_cancel()
-            event = P.recv(self._conn)
-            kind = event["event"]
-            if kind == "busy":
-                raise P.FleetBusy(f"the fleet is busy with {event['running']}; try again when it is done",
-                                 kind=P.ErrorKind.BUSY)
-            if kind == "accepted":
+            event = recv(self._conn)
+            if isinstance(event, Busy):
+                raise FleetBusy(f"the fleet is busy with {event.running}; try again when it is done",
+                                kind=ErrorKind.BUSY)
+            if isinstance(event, Accepted):
                 if on_accepted:
                     on_accepted(event)
-            elif kind == "progress":
+            elif isinstance(event, Progress):
                 if on_event:
                     on_event(event)
-            elif kind == "result":
-                result = event["result"]
-                return result.load() if isinstance(result, P.Pickled) else F.receive_frames(result)
-            elif kind == "error":
-                cls = P.JobCancelled if event["kind"] == P.ErrorKind.CANCELLED else P.ControllerError
-                raise cls(event["message"], kind=event["kind"], fleet_lost=event["fleet_lost"],
-                          details=event.get("details"))
+            elif isinstance(event, JobResult):
+                result = event.result
+                return result.load() if isinstance(result, Pickled) else F.receive_frames(result)
+            elif isinstance(event, JobError):
+                cls = JobCancelled if event.kind == ErrorKind.CANCELLED else ControllerError
+                raise cls(event.message, kind=event.kind, fleet_lost=event.fleet_lost, details=event.details)
+            elif isinstance(event, Refused):
+                raise ControllerError(event.message, kind=event.kind)
+            else:
+                raise self._unexpected(event)

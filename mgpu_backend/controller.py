@@ -9,8 +9,9 @@ job cleared) BEFORE its result or error is sent, so a client that submits again 
 is never refused as busy with the job that just ended.
 
 Every connection has its own thread, from the auth handshake on: the handshake has a deadline
-(`protocol.HANDSHAKE_TIMEOUT_S`), so a process that connects and never answers holds up nobody. A message that
-cannot be read is answered with an error (`kind` "protocol") and the controller keeps serving.
+(`protocol.transport.HANDSHAKE_TIMEOUT_S`), so a process that connects and never answers holds up nobody. A message
+that cannot be read is answered with an error (`messages.Refused`, kind "protocol") and the controller keeps serving.
+Requests, replies and a job's events are the frozen messages of `protocol/messages.py`.
 
 The log (`controller.log` in the runtime directory) has one line per job (id, kind, client, seconds, outcome) and
 one per fleet start or teardown (generation, devices, load seconds, why).
@@ -29,7 +30,13 @@ from dataclasses import fields
 from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
-from . import protocol as P
+from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
+from .protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
+from .protocol.job_requests import JobSpec
+from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, Done, JobError, JobResult, Ping, Pong,
+                                Progress, Refused, Request, ShutdownFleet, Status, StatusReply, Stop, Stopped, Submit)
+from .protocol.transport import (HANDSHAKE_TIMEOUT_S, MAX_MESSAGE_BYTES, SOCKET_NAME, default_runtime_dir,
+                                 ensure_private_dir, loads, read_or_create_key, send)
 from . import resources as R
 from .frames import free_frames, remove_orphans
 from .fleet import Fleet, next_generation
@@ -39,9 +46,9 @@ log = logging.getLogger("ltx2_mgpu.controller")
 
 class Controller:
     def __init__(self, runtime_dir: Path):
-        self.runtime_dir = P.ensure_private_dir(runtime_dir)
-        self.key = P.read_or_create_key(self.runtime_dir)
-        self.socket_path = self.runtime_dir / P.SOCKET_NAME
+        self.runtime_dir = ensure_private_dir(runtime_dir)
+        self.key = read_or_create_key(self.runtime_dir)
+        self.socket_path = self.runtime_dir / SOCKET_NAME
         self.fleet: Fleet | None = None
         self.fleet_lock = threading.Lock()  # guards configure / run / shutdown of the fleet
         self.job_lock = threading.Lock()  # held while a job runs (busy check)
@@ -110,7 +117,7 @@ class Controller:
         read. Raises AuthenticationError (wrong key), OSError (timeout, client gone), EOFError."""
         sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket, to set its receive timeout
         try:
-            seconds = P.HANDSHAKE_TIMEOUT_S
+            seconds = HANDSHAKE_TIMEOUT_S
             timeout = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
@@ -139,15 +146,15 @@ class Controller:
         try:
             while True:
                 try:
-                    data = conn.recv_bytes(P.MAX_MESSAGE_BYTES)
+                    data = conn.recv_bytes(MAX_MESSAGE_BYTES)
                 except EOFError:
                     return
                 except OSError as exc:
                     if exc.errno is None:  # "bad message length": over the limit; its bytes are still unread
                         log.warning("%s sent a message over %d bytes: closing its connection", client,
-                                    P.MAX_MESSAGE_BYTES)
+                                    MAX_MESSAGE_BYTES)
                         _send_quiet(conn, _protocol_error(f"message refused: longer than the controller's limit "
-                                                          f"of {P.MAX_MESSAGE_BYTES} bytes (set "
+                                                          f"of {MAX_MESSAGE_BYTES} bytes (set "
                                                           f"LTX2_MGPU_MAX_MESSAGE_BYTES); the connection is closed"))
                     return
                 request = _parse(data)
@@ -155,19 +162,18 @@ class Controller:
                     log.warning("%s: %s", client, request)
                     _send_quiet(conn, _protocol_error(request))
                     continue
-                op = request["op"]
-                if op == "submit":
+                if isinstance(request, Submit):
                     self._submit(conn, request, client)
                     continue
                 try:
-                    reply = self._simple(op, request, conn, client)
+                    reply = self._simple(request, conn, client)
                 except Exception as exc:  # noqa: BLE001 - a bug answering one request must not kill the connection
-                    log.exception("%s: %s failed", client, op)
-                    reply = {"ok": False, "error": f"{op} failed in the controller: {type(exc).__name__}: {exc}",
-                             "kind": P.ErrorKind.ERROR.value}
+                    log.exception("%s: %s failed", client, type(request).__name__)
+                    reply = Refused(f"{type(request).__name__} failed in the controller: {type(exc).__name__}: {exc}",
+                                    ErrorKind.ERROR.value)
                 if not _send_quiet(conn, reply):
                     return
-                if op == "stop":
+                if isinstance(request, Stop):
                     self.stopping.set()
                     # unblock accept(): connect once to ourselves (the handshake is in the new connection's thread)
                     with socket.socket(socket.AF_UNIX) as wake:
@@ -186,47 +192,48 @@ class Controller:
         with self.state_lock:
             return [c for k, c in self.clients.items() if k != id(conn)]
 
-    def _simple(self, op: str, request: dict, conn, client: str) -> dict:
-        if op == "ping":
-            return {"ok": True, "pid": os.getpid()}
-        if op == "status":
-            return {"ok": True, **self.status()}
-        if op == "configure":
-            config = request.get("config")
-            if not isinstance(config, P.FleetConfig):
-                return {"ok": False, "error": f"configure needs a FleetConfig, got {type(config).__name__}",
-                        "kind": P.ErrorKind.PROTOCOL.value}
+    def _simple(self, request: Request, conn, client: str):
+        """The reply to a request other than `Submit` (`messages.Reply`)."""
+        if isinstance(request, Ping):
+            return Pong(os.getpid())
+        if isinstance(request, Status):
+            return StatusReply(self.status())
+        if isinstance(request, Configure):
+            if not isinstance(request.config, FleetConfig):
+                return Refused(f"configure needs a FleetConfig, got {type(request.config).__name__}",
+                               ErrorKind.PROTOCOL.value)
             try:
-                handle, replaced = self.configure(config, client, self._others(conn))
-                return {"ok": True, "handle": handle, "replaced": replaced}
-            except P.ControllerError as exc:
-                return {"ok": False, "error": str(exc), "kind": exc.kind.value}
-        if op == "cancel":
+                handle, replaced = self.configure(request.config, client, self._others(conn))
+                return Configured(handle, replaced)
+            except ControllerError as exc:
+                return Refused(str(exc), exc.kind.value)
+        if isinstance(request, Cancel):
             with self.state_lock:
                 fleet = self.fleet
-                if fleet is not None and self.current_job is not None and self.current_job == request.get("job_id"):
+                if fleet is not None and self.current_job is not None and self.current_job == request.job_id:
                     fleet.cancel()
-                    return {"ok": True}
-            return {"ok": False, "error": f"no running job {request.get('job_id')!r}"}
-        if op in ("shutdown_fleet", "stop"):  # the workers are gone when the client hears back
-            what = "the controller" if op == "stop" else "the fleet"
-            stopped = {"fleet": self.fleet.describe() if self.fleet is not None and self.fleet.alive() else None,
-                       "clients": self._others(conn), "job": self.busy_with() if self.current_job else None}
-            self.stopped_by = f"{op} from {client}"
-            try:
-                if stopped["job"]:
-                    log.info("%s stops %s while %s runs (submitted by %s): cancelling it first", client, what,
-                             stopped["job"], self.current_client)
-                    with self.state_lock:
-                        if self.fleet is not None and self.current_kind is not None:
-                            self.fleet.cancel()  # it stops at its next step boundary, within the stop grace
-                self._shutdown_fleet(self.stopped_by)
-            finally:
-                if op != "stop":
-                    self.stopped_by = None
-            return {"ok": True, "stopped": stopped}
-        return {"ok": False, "error": f"unknown op {op!r} (known: ping, status, configure, submit, cancel, "
-                                      f"shutdown_fleet, stop)", "kind": P.ErrorKind.PROTOCOL.value}
+                    return Done()
+            return Refused(f"no running job {request.job_id!r}", ErrorKind.ERROR.value)
+        if not isinstance(request, (ShutdownFleet, Stop)):
+            return Refused(f"unknown request {type(request).__name__}", ErrorKind.PROTOCOL.value)
+        # the workers are gone when the client hears back
+        op = "stop" if isinstance(request, Stop) else "shutdown_fleet"
+        what = "the controller" if op == "stop" else "the fleet"
+        stopped = {"fleet": self.fleet.describe() if self.fleet is not None and self.fleet.alive() else None,
+                   "clients": self._others(conn), "job": self.busy_with() if self.current_job else None}
+        self.stopped_by = f"{op} from {client}"
+        try:
+            if stopped["job"]:
+                log.info("%s stops %s while %s runs (submitted by %s): cancelling it first", client, what,
+                         stopped["job"], self.current_client)
+                with self.state_lock:
+                    if self.fleet is not None and self.current_kind is not None:
+                        self.fleet.cancel()  # it stops at its next step boundary, within the stop grace
+            self._shutdown_fleet(self.stopped_by)
+        finally:
+            if op != "stop":
+                self.stopped_by = None
+        return Stopped(stopped)
 
     # ---- fleet --------------------------------------------------------------------------------------------------
 
@@ -262,13 +269,13 @@ class Controller:
             self.last_failure = self.lost_reason = death
             log.warning("fleet generation %d lost: %s", fleet.generation, death)
 
-    def _start_fleet(self, config: P.FleetConfig, why: str) -> Fleet:
+    def _start_fleet(self, config: FleetConfig, why: str) -> Fleet:
         """Start a fleet (caller holds fleet_lock) and log it. Raises ControllerError (fleet_lost)."""
         t0 = time.monotonic()
         generation = next_generation()
         try:
             fleet = Fleet(config, generation, pid_dir=self.pid_dir)
-        except P.ControllerError as exc:
+        except ControllerError as exc:
             log.warning("fleet generation %d failed to start after %.1f s (%s) on %s: %s", generation,
                         time.monotonic() - t0, why, ",".join(config.devices), exc)
             raise
@@ -284,8 +291,8 @@ class Controller:
         log.info("fleet generation %d torn down (%s): %d rank(s) on %s, in %.1f s", fleet.generation, why,
                  fleet.world_size, ",".join(fleet.config.devices), time.monotonic() - t0)
 
-    def configure(self, config: P.FleetConfig, client: str = "a client",
-                  others: list[str] | None = None) -> tuple[P.FleetHandle, dict | None]:
+    def configure(self, config: FleetConfig, client: str = "a client",
+                  others: list[str] | None = None) -> tuple[FleetHandle, dict | None]:
         """Reuse the running fleet when its identity (`FleetConfig.identity`: model files, devices, dtype, …) is
         unchanged — whatever the policy, which the returned handle carries to each of its jobs (no worker restarts,
         no file is read again by a worker) — else (re)build it. Refused while a job runs.
@@ -294,9 +301,9 @@ class Controller:
         clients connected at the time (`clients`). Raises ControllerError ("validation") for a configuration that
         cannot work (`check_config`), before anything running is touched."""
         if not self.job_lock.acquire(blocking=False):
-            raise P.FleetBusy(f"the fleet is busy with {self.busy_with()}; try again when it ends (a cancelled "
-                              f"job stops at its next denoising step; a first compiled job finishes compiling "
-                              f"first)", kind=P.ErrorKind.BUSY)
+            raise FleetBusy(f"the fleet is busy with {self.busy_with()}; try again when it ends (a cancelled "
+                            f"job stops at its next denoising step; a first compiled job finishes compiling "
+                            f"first)", kind=ErrorKind.BUSY)
         try:
             with self.state_lock:
                 self.current_job = f"starting a {config.world_size}-rank fleet"  # what status / busy answers show
@@ -312,7 +319,7 @@ class Controller:
                     if config.policy != fleet.config.policy:
                         log.info("fleet generation %d kept for %s: a policy change only (%s)", fleet.generation,
                                  client, _policy_change(fleet.config.policy, config.policy))
-                    return P.FleetHandle(fleet.generation, config, fleet.pids, fleet.plan_for(config.policy)), None
+                    return FleetHandle(fleet.generation, config, fleet.pids, fleet.plan_for(config.policy)), None
                 replaced = None
                 if fleet is not None:
                     if fleet.alive():
@@ -323,8 +330,8 @@ class Controller:
                         self._teardown(fleet, "lost", graceful=False)
                     self.fleet = None
                 self.fleet = self._start_fleet(config, f"configure from {client}")
-                return (P.FleetHandle(self.fleet.generation, config, self.fleet.pids,
-                                      self.fleet.plan_for(config.policy)), replaced)
+                return (FleetHandle(self.fleet.generation, config, self.fleet.pids,
+                                    self.fleet.plan_for(config.policy)), replaced)
         finally:
             with self.state_lock:
                 self.current_job = self.current_client = None
@@ -338,43 +345,43 @@ class Controller:
                 self._teardown(self.fleet, why, graceful=self.fleet.alive())
                 self.fleet = None
 
-    def _submit(self, conn, request: dict, client: str) -> None:
-        handle, spec = request.get("handle"), request.get("job")
-        if not isinstance(handle, P.FleetHandle) or not isinstance(spec, P.JobSpec):
+    def _submit(self, conn, request: Submit, client: str) -> None:
+        handle, spec = request.handle, request.job
+        if not isinstance(handle, FleetHandle) or not isinstance(spec, JobSpec):
             _send_quiet(conn, _protocol_error(f"submit needs a FleetHandle 'handle' and a JobSpec 'job', got "
                                               f"{type(handle).__name__} and {type(spec).__name__}"))
             return
         t0 = time.monotonic()
         if not self.job_lock.acquire(blocking=False):
             running = self.busy_with()
-            _send_quiet(conn, {"event": "busy", "job_id": spec.job_id, "running": running})
+            _send_quiet(conn, Busy(spec.job_id, running))
             log.info("job %s %s from %s: refused, busy with %s", spec.job_id, spec.kind, client, running)
             return
-        final: dict | None = None
+        final: JobResult | JobError | None = None
         try:
             final = self._run_job(conn, handle, spec, client)
         except BaseException as exc:  # a bug: the client still gets an answer, the job lock is released
             log.exception("job %s failed in the controller", spec.job_id)
             final = _error(spec, f"the controller failed running the job: {type(exc).__name__}: {exc}",
-                           P.ErrorKind.ERROR)
+                           ErrorKind.ERROR)
         finally:
             with self.state_lock:
                 self.current_job = self.current_kind = self.current_client = None
             self.job_lock.release()
-        if final["event"] == "result":
+        if isinstance(final, JobResult):
             outcome = "done"
-        elif final["kind"] == P.ErrorKind.CANCELLED:
+        elif final.kind == ErrorKind.CANCELLED:
             outcome = "cancelled"
         else:
-            outcome = f"{final['kind']}{' (fleet lost)' if final['fleet_lost'] else ''}: {final['message']}"
+            outcome = f"{final.kind}{' (fleet lost)' if final.fleet_lost else ''}: {final.message}"
         # the job's line is in the log before its client has the answer
         log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
         # released first: a client submitting again the moment it reads this answer finds the fleet free
-        if not _send_quiet(conn, final) and final["event"] == "result":
-            free_frames(final["result"])  # the client went away: nobody will read (and unlink) the frames
+        if not _send_quiet(conn, final) and isinstance(final, JobResult):
+            free_frames(final.result)  # the client went away: nobody will read (and unlink) the frames
             log.info("job %s: its client had gone; its frames were freed", spec.job_id)
 
-    def _run_job(self, conn, handle: P.FleetHandle, spec: P.JobSpec, client: str) -> dict:
+    def _run_job(self, conn, handle: FleetHandle, spec: JobSpec, client: str) -> JobResult | JobError:
         """Run one job (the caller holds job_lock); returns its final event (result or error), not yet sent.
 
         The fleet's cancel flag is cleared when the job becomes current (under state_lock, as `cancel` checks it):
@@ -387,7 +394,7 @@ class Controller:
         if fleet is not None and fleet.alive() and fleet.identity != handle.config.identity:
             return _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was rebuilt "
                                 f"with another configuration (generation {fleet.generation}); load the checkpoint "
-                                f"again", P.ErrorKind.STALE_HANDLE)
+                                f"again", ErrorKind.STALE_HANDLE)
         # a live fleet of the handle's identity serves it (under the handle's policy), also one rebuilt after a
         # failure (generation + 1): the model is the same. A lost fleet is started again with the handle's config.
         if fleet is None or not fleet.alive():
@@ -404,16 +411,15 @@ class Controller:
                     fleet = self._start_fleet(handle.config, f"job {spec.job_id} from {client}; {why}")
                     with self.state_lock:
                         self.fleet = fleet
-                except P.ControllerError as exc:
+                except ControllerError as exc:
                     self.last_failure = str(exc)
                     return _error(spec, str(exc), exc.kind, fleet_lost=True)
         if spec.fault and not self.test_faults:
             spec.fault = None
-        _send_quiet(conn, {"event": "accepted", "job_id": spec.job_id, "generation": fleet.generation,
-                           "worker_pids": list(fleet.pids)})
+        _send_quiet(conn, Accepted(spec.job_id, fleet.generation, tuple(fleet.pids)))
         gone: list[bool] = []
 
-        def forward_event(event: dict) -> None:
+        def forward_event(event: Progress) -> None:
             # a client that went away (killed, its terminal closed) reads nothing more: its job is cancelled at the
             # next step instead of holding the fleet, every other client told "busy", until it ends for nobody
             if not _send_quiet(conn, event) and not gone:
@@ -423,13 +429,13 @@ class Controller:
 
         try:
             result = fleet.run(spec, on_event=forward_event, policy=handle.config.policy)
-            return {"event": "result", "job_id": spec.job_id, "result": result}
-        except P.ControllerError as exc:
+            return JobResult(spec.job_id, result)
+        except ControllerError as exc:
             message = str(exc)
             stopped_by = self.stopped_by
-            if stopped_by is not None and (exc.fleet_lost or isinstance(exc, P.JobCancelled)):
+            if stopped_by is not None and (exc.fleet_lost or isinstance(exc, JobCancelled)):
                 return _error(spec, f"the fleet was stopped while this job ran ({stopped_by}): the job did not "
-                                    f"finish", P.ErrorKind.FLEET_STOPPED, fleet_lost=True)
+                                    f"finish", ErrorKind.FLEET_STOPPED, fleet_lost=True)
             if exc.fleet_lost:
                 self.last_failure = self.lost_reason = message
                 log.warning("fleet generation %d lost during job %s: %s", fleet.generation, spec.job_id, message)
@@ -464,25 +470,24 @@ def _peer(conn) -> str:
         return f"connection {id(conn):x}"
 
 
-def _parse(data: bytes) -> dict | str:
-    """A request dict with a string `op`, or the reason it is not one."""
+def _parse(data: bytes) -> Request | str:
+    """A request (`messages.Request`), or the reason it is not one."""
     try:
-        request = P.loads(data)
+        request = loads(data)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is the sender's error
         return f"malformed message ({len(data)} bytes): cannot unpickle it ({type(exc).__name__}: {exc})"
-    if not isinstance(request, dict) or not isinstance(request.get("op"), str):
-        return (f"malformed request: expected a dict with a string 'op', got "
-                f"{type(request).__name__} {repr(request)[:80]}")
+    if not isinstance(request, Request):
+        return (f"malformed request: expected a request of protocol.messages (Ping, Status, Configure, Submit, "
+                f"Cancel, ShutdownFleet, Stop), got {type(request).__name__} {repr(request)[:80]}")
     return request
 
 
-def _protocol_error(message: str) -> dict:
-    """An answer both client paths read: a request reply (`ok`/`error`) and a job's final event (`event`)."""
-    return {"ok": False, "error": message, "event": "error", "job_id": None, "message": message,
-            "kind": P.ErrorKind.PROTOCOL.value, "fleet_lost": False, "details": {}}
+def _protocol_error(message: str) -> Refused:
+    """An answer both client paths read: a request's reply and a job's stream."""
+    return Refused(message, ErrorKind.PROTOCOL.value)
 
 
-def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = True) -> None:
+def check_config(config: FleetConfig, freed_bytes: int = 0, memory: bool = True) -> None:
     """Checks that need only file headers and the host, before any worker starts (so a running fleet is not torn
     down for a configuration that cannot work): the host can run the fleet (`resources.check_fleet`: ranks, GPUs,
     cores; host memory unless memory=False, with `freed_bytes` given back by a fleet this one replaces), the
@@ -500,15 +505,15 @@ def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = Tru
                        ("video_vae", config.video_vae), ("audio_vae", config.audio_vae),
                        ("text_projection", config.text_projection)):
         if path and Path(path).is_dir():
-            raise P.ControllerError(f"{what}: {path} is a directory, not a file: give the .safetensors file in it",
-                                    kind=P.ErrorKind.VALIDATION)
+            raise ControllerError(f"{what}: {path} is a directory, not a file: give the .safetensors file in it",
+                                  kind=ErrorKind.VALIDATION)
     try:  # sizes only (no file is opened): a checkpoint larger than the host's memory is not even mapped
         if memory:
             R.check_fleet(config, freed_bytes=freed_bytes)
         else:
             R.check_rank_count(config.devices, config.threads_per_worker)
     except R.FleetTooLarge as exc:
-        raise P.ControllerError(str(exc), kind=P.ErrorKind.VALIDATION) from None
+        raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
     try:
         header = SafetensorsFile(config.checkpoint)
         transformer_prefix(header)
@@ -523,26 +528,25 @@ def check_config(config: P.FleetConfig, freed_bytes: int = 0, memory: bool = Tru
                                       "as they run, which compiled blocks do not do; use replicated weights to "
                                       "compile")
     except (ValidationError, CheckpointError, FileNotFoundError) as exc:
-        raise P.ControllerError(str(exc), kind=P.ErrorKind.VALIDATION) from None
+        raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
 
 
-def _policy_change(old: P.FleetPolicy, new: P.FleetPolicy) -> str:
+def _policy_change(old: FleetPolicy, new: FleetPolicy) -> str:
     """"sp_degree None -> 2, compile False -> True" for the log."""
-    return ", ".join(f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}" for f in fields(P.FleetPolicy)
+    return ", ".join(f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}" for f in fields(FleetPolicy)
                      if getattr(old, f.name) != getattr(new, f.name))
 
 
-def _error(spec: P.JobSpec, message: str, kind: P.ErrorKind, fleet_lost: bool = False,
-           details: dict | None = None) -> dict:
+def _error(spec: JobSpec, message: str, kind: ErrorKind, fleet_lost: bool = False,
+           details: dict | None = None) -> JobError:
     """A job's final error event; `kind` travels as its plain string value."""
-    return {"event": "error", "job_id": spec.job_id, "message": message, "kind": P.ErrorKind(kind).value,
-            "fleet_lost": fleet_lost, "details": details or {}}
+    return JobError(spec.job_id, message, ErrorKind(kind).value, fleet_lost, details or {})
 
 
-def _send_quiet(conn, event: dict) -> bool:
+def _send_quiet(conn, event) -> bool:
     """Send; a client that went away is not an error here (False: gone; a running job's caller cancels it)."""
     try:
-        P.send(conn, event)
+        send(conn, event)
         return True
     except OSError:
         return False
@@ -554,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     R.set_process_name("ltx2mgpu-ctl")
-    controller = Controller(Path(args.runtime_dir) if args.runtime_dir else P.default_runtime_dir())
+    controller = Controller(Path(args.runtime_dir) if args.runtime_dir else default_runtime_dir())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, controller.on_signal)
     controller.serve()

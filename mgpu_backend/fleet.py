@@ -26,9 +26,13 @@ import torch.multiprocessing as mp
 
 from .frames import frames_ref, free_frames, remove_orphans
 from .parallel.degrees import top_sp_degree, valid_sp_degrees
-from .protocol import (JOB_STAGES, ControllerError, ErrorKind, FleetConfig, FleetPlan, FleetPolicy, JobCancelled,
-                       JobDone, JobFailed, JobProgress, JobSpec, JobStopped, Pickled, RunJob, StopWorker,
-                       WorkerInitError, WorkerMessage, WorkerReady, send_inline)
+from .protocol.errors import ControllerError, ErrorKind, JobCancelled
+from .protocol.fleet_config import FleetConfig, FleetPlan, FleetPolicy
+from .protocol.job_requests import JOB_STAGES, JobSpec
+from .protocol.messages import Progress
+from .protocol.transport import Pickled, send_inline
+from .protocol.worker_messages import (JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError,
+                                       WorkerMessage, WorkerReady)
 from .resources import FleetTooLarge, check_fleet, write_pid_file
 from .worker import clean_allocator_env, worker_main
 
@@ -37,7 +41,7 @@ ERROR_GRACE_S = 10.0
 # how long a fleet gets to stop cleanly before its workers are killed
 STOP_GRACE_S = 10.0
 
-EventFn = Callable[[dict], None]
+EventFn = Callable[[Progress], None]
 
 log = logging.getLogger("ltx2_mgpu.fleet")
 
@@ -323,8 +327,7 @@ class Fleet:
             for rank, message in self._receive(timeout=1.0):
                 if isinstance(message, JobProgress):
                     self._stage = (message.stage, message.step, message.total)
-                    on_event({"event": "progress", "job_id": spec.job_id, "stage": message.stage,
-                              "step": message.step, "total": message.total})
+                    on_event(Progress(spec.job_id, message.stage, message.step, message.total))
                     last_progress = time.monotonic()
                 elif isinstance(message, JobDone):
                     results[rank] = message.result

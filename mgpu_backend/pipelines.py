@@ -30,7 +30,7 @@ from .models.loader import LTX2Components
 from .parallel.decode import check_decodable, decode_tiles, decode_untiled, is_diffusion_decoder
 from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
 from .parallel.tiling import TileCountConfig, default_tiling, make_tiles, split_axis
-from .protocol import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
+from .protocol.job_requests import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
 from .semantics import REFERENCE
 from .stage import (CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageResult, StageSpec, TiledRunner,
                     run_stage)

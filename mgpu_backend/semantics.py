@@ -16,7 +16,7 @@ two recipes it reproduces differ in a handful of rules, each a field of `Semanti
 
 Code asks the record (`spec.semantics.mask_rule`, `semantics.qk_eps`, …); it never compares a semantics' name. A new
 difference is a field here, its two values, and the one place that reads it.
-The wire format (`protocol.SampleRequest.semantics`, the CLI) carries the name; `semantics_named` resolves it.
+The wire format (`SampleRequest.semantics`, the CLI) carries the name; `semantics_named` resolves it.
 """
 from __future__ import annotations
 

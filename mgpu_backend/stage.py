@@ -37,10 +37,10 @@ from .model_forward import qk_eps, qk_norms
 from .parallel.tiling import TileCountConfig
 from .semantics import ALL as ALL_SEMANTICS
 from .semantics import Semantics, semantics_named
-# ComfyGuides is re-exported: the request's guides, defined with the requests in protocol.py
-from .protocol import STAGE_NOISE_DEVICES, STAGE_SAMPLERS, STAGE_SEMANTICS, ComfyGuides  # noqa: F401
+# ComfyGuides is re-exported: the request's guides, defined with the requests in protocol/stage_requests.py
+from .protocol.stage_requests import ComfyGuides, STAGE_NOISE_DEVICES, STAGE_SAMPLERS, STAGE_SEMANTICS  # noqa: F401
 
-SEMANTICS = STAGE_SEMANTICS  # ("reference", "comfyui"): the sample request's semantics (protocol.py)
+SEMANTICS = STAGE_SEMANTICS  # ("reference", "comfyui"): the sample request's semantics (protocol/stage_requests.py)
 SAMPLERS = STAGE_SAMPLERS  # ("euler", "euler_ancestral")
 NOISE_DEVICES = STAGE_NOISE_DEVICES  # ("cpu", "cuda"): where ComfyUI samples
 NOISE_LAYOUTS = ("packed", "comfyui")

@@ -18,8 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .protocol import (JOB_STAGES, FleetIdentity, FleetPolicy, JobDone, JobFailed, JobProgress, JobSpec,
-                       JobStopped, Pickled, RunJob, StopWorker, WorkerInitError, WorkerReady, send_inline)
+from .protocol.fleet_config import FleetIdentity, FleetPolicy
+from .protocol.job_requests import JOB_STAGES, JobSpec
+from .protocol.transport import Pickled, send_inline
+from .protocol.worker_messages import (JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError,
+                                       WorkerReady)
 from .validation import ValidationError
 
 # a worker's exit code when its controller is gone (it exits on its own, `bind_to_parent`)
@@ -152,10 +155,10 @@ class WorkerState:
         self.apply_policy(policy)
 
     def apply_policy(self, policy: FleetPolicy) -> None:
-        """Make `policy` this rank's (every rank gets the same one with the same job): the plan's degree cap, token
-        minimum, guidance-parallel mode and token cap (`ParallelPlan.set_policy`, no collective), and the compiled or
-        eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError for a degree
-        the heads or the fleet do not allow, before anything changes."""
+        """Make `policy` this rank's (every rank gets the same one with the same job): the plan's part of it
+        (`ParallelPlan.apply`: degree cap, token minimum, guidance-parallel mode, token cap; no collective) and the
+        compiled or eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError
+        for a degree the heads or the fleet do not allow, before anything changes."""
         if policy == self.policy:
             return
         if policy.compile and self.sharding is not None:
@@ -163,8 +166,7 @@ class WorkerState:
                                   "as they run (FSDP hooks), which the compiled blocks do not run; use replicated "
                                   "weights to compile")
         if self.plan is not None:
-            self.plan.set_policy(sp_degree=policy.sp_degree, min_tokens_per_rank=policy.min_tokens_per_rank,
-                                 guidance_parallel=policy.guidance_parallel, token_cap=policy.token_cap)
+            self.plan.apply(policy)
         if self.policy is None or policy.compile != self.policy.compile:
             from .compile import compile_blocks, uncompile_blocks
 
@@ -261,7 +263,7 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
             if pickled and rank == 0:
                 result = Pickled.of(result)
             message = JobDone(spec.job_id, rank, result, loader.OPEN_COUNT)
-            if pickled:  # by value, like the payload (protocol.INLINE_JOBS); rank 0's reply is the only large one
+            if pickled:  # by value, like the payload (transport.INLINE_JOBS); rank 0's reply is the only large one
                 send_inline((conn,), message)
             else:
                 conn.send(message)

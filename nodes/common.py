@@ -12,7 +12,9 @@ from typing import Any
 
 from comfy_api.latest import io
 
-from ..mgpu_backend import protocol as P
+from ..mgpu_backend.protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
+from ..mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle
+from ..mgpu_backend.protocol.job_requests import JobSpec
 from .native_types import UnsupportedInput
 
 log = logging.getLogger("ltx2_mgpu.nodes")
@@ -33,15 +35,15 @@ def fleet_input(tooltip: str = "The fleet from Load Checkpoint (MGPU): which wor
     return Fleet.Input("fleet", tooltip=tooltip)
 
 
-def check_handle(handle: Any) -> P.FleetHandle:
-    if not isinstance(handle, P.FleetHandle) and type(handle).__name__ != "FleetHandle":
+def check_handle(handle: Any) -> FleetHandle:
+    if not isinstance(handle, FleetHandle) and type(handle).__name__ != "FleetHandle":
         raise NodeError(f"fleet input: expected a fleet from Load Checkpoint (MGPU), got {type(handle).__name__}")
     return handle
 
 
 def client(start: bool = True):
     """A connection to the controller (started with ComfyUI's Python when none answers). The runtime directory is
-    `protocol.default_runtime_dir()` ($LTX2_MGPU_RUNTIME_DIR overrides)."""
+    `protocol.transport.default_runtime_dir()` ($LTX2_MGPU_RUNTIME_DIR overrides)."""
     from ..mgpu_backend.client import ControllerClient
 
     return ControllerClient(start=start)
@@ -64,14 +66,14 @@ class _Progress:
         self.key = None
         self.interrupted = False
 
-    def __call__(self, event: dict) -> None:
+    def __call__(self, event) -> None:  # a protocol.messages.Progress
         import comfy.model_management as mm
         import comfy.utils
 
-        total, step = int(event.get("total") or 0), int(event.get("step") or 0)
+        total, step = int(event.total or 0), int(event.step or 0)
         if total <= 0:
             return
-        key = (event.get("stage"), total)
+        key = (event.stage, total)
         try:
             if self.bar is None or key != self.key:
                 self.bar, self.key = comfy.utils.ProgressBar(total, node_id=self.node_id), key
@@ -89,7 +91,7 @@ class _Progress:
 FLEET_JOB_HEADROOM_BYTES = 8 * 1024 ** 3
 
 
-def make_room_on_fleet_devices(config: P.FleetConfig) -> None:
+def make_room_on_fleet_devices(config: FleetConfig) -> None:
     """Unload ComfyUI's own models from the fleet's GPUs when one of them is short of free memory (the workers are
     other processes: ComfyUI cannot see what they need, so it must not keep its models there)."""
     import torch
@@ -106,9 +108,9 @@ def make_room_on_fleet_devices(config: P.FleetConfig) -> None:
         mm.soft_empty_cache()
 
 
-def run_job(handle: P.FleetHandle, kind: str, payload: Any, *, node_id: str | None = None,
+def run_job(handle: FleetHandle, kind: str, payload: Any, *, node_id: str | None = None,
             what: str = "job", progress: bool = True,
-            on_handle: Callable[[P.FleetHandle], None] | None = None) -> Any:
+            on_handle: Callable[[FleetHandle], None] | None = None) -> Any:
     """Run one job on the fleet: progress into ComfyUI's bar, ComfyUI's interrupt cancels it (every rank stops at
     the next step boundary and the fleet stays), engine errors become NodeError with the engine's message.
 
@@ -129,25 +131,25 @@ def run_job(handle: P.FleetHandle, kind: str, payload: Any, *, node_id: str | No
             _interrupt()
         try:
             c = client()
-        except P.ControllerError as exc:
+        except ControllerError as exc:
             raise NodeError(f"{what}: the multi-GPU controller could not be reached: {exc}") from None
         try:
-            return c.run(handle, P.JobSpec(kind, payload), on_event=progress if show_progress else None,
+            return c.run(handle, JobSpec(kind, payload), on_event=progress if show_progress else None,
                          cancel_requested=progress.cancel_requested)
-        except P.JobCancelled:
+        except JobCancelled:
             log.info("%s: cancelled by an interrupt", what)
             if mm.processing_interrupted():
                 _interrupt()
             raise mm.InterruptProcessingException() from None
-        except P.FleetBusy as exc:
+        except FleetBusy as exc:
             raise NodeError(f"{what}: {exc} (another client — a CLI run or a second ComfyUI — is using the fleet; "
                             f"queue again when it is done)") from None
-        except P.ControllerError as exc:
-            if exc.kind == P.ErrorKind.STALE_HANDLE and attempt == 1:
+        except ControllerError as exc:
+            if exc.kind == ErrorKind.STALE_HANDLE and attempt == 1:
                 log.info("%s: %s — configuring the fleet again from the handle", what, exc)
                 try:
                     handle = c.configure(handle.config)
-                except P.ControllerError as exc2:
+                except ControllerError as exc2:
                     raise NodeError(f"{what}: reloading the fleet failed: {exc2}") from None
                 if on_handle is not None:
                     on_handle(handle)

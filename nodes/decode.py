@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..mgpu_backend import protocol as P
+from ..mgpu_backend.protocol.stage_requests import DecodeRequest
 from .common import CATEGORY, fleet_input, guard, run_job
 from .native_types import frames_to_image, split_latent, waveform_to_audio
 from .upscale import tile_config
@@ -41,8 +41,8 @@ class DistributedDecodeMGPU(io.ComfyNode):
     def execute(cls, fleet, latent, tiles_height, tiles_width, overlap) -> io.NodeOutput:
         with guard(NAME):
             parts = split_latent(latent)
-            request = P.DecodeRequest(video=parts.video, audio=parts.audio,
-                                      tiles=tile_config(tiles_height, tiles_width, overlap), overlap=int(overlap))
+            request = DecodeRequest(video=parts.video, audio=parts.audio,
+                                    tiles=tile_config(tiles_height, tiles_width, overlap), overlap=int(overlap))
             result = run_job(fleet, "decode", request, node_id=cls.hidden.unique_id, what=NAME)
             images = frames_to_image(result["frames"])
             audio = waveform_to_audio(result.get("audio"), result.get("sample_rate"))

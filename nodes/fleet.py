@@ -6,13 +6,14 @@ import time
 
 from comfy_api.latest import io, ui
 
-from ..mgpu_backend import protocol as P
+from ..mgpu_backend.protocol.errors import ControllerError
+from ..mgpu_backend.protocol.fleet_config import FleetHandle
 from .common import CATEGORY, NodeError, check_handle, client, fleet_input
 
 ACTIONS = ("status", "shut down")
 
 
-def format_status(status: dict, handle: P.FleetHandle | None = None) -> str:
+def format_status(status: dict, handle: FleetHandle | None = None) -> str:
     lines = [f"controller pid {status.get('pid')} ({status.get('socket')})"]
     fleet = status.get("fleet")
     if fleet is None:
@@ -61,7 +62,7 @@ class FleetMGPU(io.ComfyNode):
         handle = check_handle(fleet)
         try:
             c = client(start=False)
-        except P.ControllerError:
+        except ControllerError:
             text = "no controller running (the next MGPU job starts it)"
             return io.NodeOutput(text, ui=ui.PreviewText(text))
         try:
@@ -71,7 +72,7 @@ class FleetMGPU(io.ComfyNode):
                 text += format_status(c.status(), handle)
             else:
                 text = format_status(c.status(), handle)
-        except P.ControllerError as exc:
+        except ControllerError as exc:
             raise NodeError(f"Fleet (MGPU): {exc}") from None
         finally:
             c.close()

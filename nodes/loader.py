@@ -6,7 +6,8 @@ import os
 import folder_paths
 from comfy_api.latest import io, ui
 
-from ..mgpu_backend import protocol as P
+from ..mgpu_backend.protocol.errors import ControllerError
+from ..mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, WEIGHT_MODES
 from ..mgpu_backend.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
 
@@ -105,13 +106,13 @@ WEIGHT_MODES_TOOLTIP = ("The transformer's weights over the GPUs: replicated = e
 
 
 def _weights_input():
-    return io.Combo.Input("weights", options=list(P.WEIGHT_MODES), default="replicated", optional=True,
+    return io.Combo.Input("weights", options=list(WEIGHT_MODES), default="replicated", optional=True,
                           tooltip=WEIGHT_MODES_TOOLTIP)
 
 
-def describe_plan(handle: P.FleetHandle) -> str:
+def describe_plan(handle: FleetHandle) -> str:
     """The node's text: the fleet and the split it computed for this handle's policy (`handle.plan`, a
-    `protocol.FleetPlan`: nothing is re-derived here), the weights and the free memory."""
+    `protocol.fleet_config.FleetPlan`: nothing is re-derived here), the weights and the free memory."""
     cfg = handle.config
     w = cfg.world_size
     backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
@@ -218,7 +219,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
             devs = parse_devices(devices, world_size or None)
             dtype = weight_dtype if weight_dtype != "auto" else (
                 "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32")
-            config = P.FleetConfig(
+            config = FleetConfig(
                 devices=devs, checkpoint=_resolve(checkpoint, "checkpoints", "diffusion_models"),
                 gemma=_resolve_gemma(gemma), upscaler=_optional(upscaler, UPSCALER_FOLDER),
                 video_vae=_optional(video_vae, "vae", "checkpoints"),
@@ -231,7 +232,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                     handle = c.configure(config)
                 finally:
                     c.close()
-            except P.ControllerError as exc:
+            except ControllerError as exc:
                 raise NodeError(f"Load Checkpoint (MGPU): {exc}") from None
             plan = describe_plan(handle)
             try:
@@ -250,7 +251,7 @@ MODEL_TOOLTIP = ("A native ComfyUI MODEL (ComfyUI's own LTX-AV model) whose tran
                  "runs sequence-parallel on the fleet's ranks. No weights are loaded in ComfyUI.")
 
 
-def _native_model(handle: P.FleetHandle, what: str):
+def _native_model(handle: FleetHandle, what: str):
     from .native_model import fleet_model
 
     try:
@@ -298,15 +299,15 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             dtype = "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32"
             path = _resolve(unet_name, "diffusion_models", "checkpoints")
             # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
-            config = P.FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
-                                   transformer_only=True, weights=weights)
+            config = FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
+                                 transformer_only=True, weights=weights)
             try:
                 c = client()
                 try:
                     handle = c.configure(config)
                 finally:
                     c.close()
-            except P.ControllerError as exc:
+            except ControllerError as exc:
                 raise NodeError(f"{what}: {exc}") from None
             model = _native_model(handle, what)
             plan = describe_plan(handle)

@@ -298,16 +298,16 @@ def split_conditioning(cond: Any, what: str = "conditioning", allow: tuple[str, 
 def guides_payload(pos: Conditioning, neg: Conditioning | None,
                    video_mask: torch.Tensor | None = None):
     """LTXVAddGuide's keyframe_idxs / guide_attention_entries and LTXVReferenceAudio's ref_audio from the
-    conditioning -> the sample request's `guides`, a `protocol.ComfyGuides` (None without them). ComfyUI passes each conditioning's own values to
+    conditioning -> the sample request's `guides`, a `protocol.stage_requests.ComfyGuides` (None without them). ComfyUI passes each conditioning's own values to
     its forward; the fleet runs one set for every pass, so positive and negative must carry the same (as those nodes
     make them). `video_mask` (`LatentParts.video_mask`): sent as the forward's `denoise_mask` when it has IC-LoRA's
     −1 cells (their tokens are dropped). Raises UnsupportedInput naming what does not fit."""
     try:  # inside ComfyUI the pack is one package (mangled name); tests import `nodes` and `mgpu_backend` top-level
         from ..mgpu_backend import forward as F
-        from ..mgpu_backend import protocol as P
+        from ..mgpu_backend.protocol.stage_requests import ComfyGuides
     except ImportError:
         from mgpu_backend import forward as F
-        from mgpu_backend import protocol as P
+        from mgpu_backend.protocol.stage_requests import ComfyGuides
 
     def of(c):
         return {k: c.extras.get(k) for k in GUIDE_CONDITIONING_KEYS if c.extras.get(k) is not None}
@@ -335,10 +335,10 @@ def guides_payload(pos: Conditioning, neg: Conditioning | None,
         ref = ref["tokens"]
     kf = found.get("keyframe_idxs")
     dropped = video_mask is not None and kf is not None and bool((video_mask < 0).any())
-    return P.ComfyGuides(keyframe_idxs=None if kf is None else kf.detach().cpu(),
-                         guide_attention_entries=tuple(entries),
-                         ref_audio_tokens=None if ref is None else ref.detach().float().cpu(),
-                         denoise_mask=video_mask if dropped else None)
+    return ComfyGuides(keyframe_idxs=None if kf is None else kf.detach().cpu(),
+                       guide_attention_entries=tuple(entries),
+                       ref_audio_tokens=None if ref is None else ref.detach().float().cpu(),
+                       denoise_mask=video_mask if dropped else None)
 
 
 def _same(a, b) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io, ui
 
-from ..mgpu_backend import protocol as P
+from ..mgpu_backend.protocol.stage_requests import SampleRequest
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
 from .lora import loras_input, loras_payload
 from .native_types import (GUIDE_CONDITIONING_KEYS, audio_frames_for, comfy_nested, frame_rate_of, guides_payload,
@@ -143,7 +143,7 @@ class SPSamplerMGPU(io.ComfyNode):
             if (video_g.uses_uncond or audio_g.uses_uncond) and neg is None:
                 raise NodeError(f"{NAME}: a CFG scale is not 1 but no negative conditioning is connected (connect "
                                 f"one, or set video_cfg and audio_cfg to 1)")
-            request = P.SampleRequest(
+            request = SampleRequest(
                 positive=pos.embeds, negative=None if neg is None else neg.embeds,
                 video=video, audio=audio, video_mask=parts.video_mask, audio_mask=parts.audio_mask,
                 semantics="comfyui", guides=guides,

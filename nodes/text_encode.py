@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..mgpu_backend import protocol as P
+from ..mgpu_backend.protocol.job_requests import DEFAULT_NEGATIVE_PROMPT, EncodeTextRequest
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
 from .native_types import DEFAULT_FRAME_RATE, make_conditioning
 
@@ -33,7 +33,7 @@ class TextEncodeMGPU(io.ComfyNode):
                 fleet_input(),
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="What the clip shows and sounds like."),
-                io.String.Input("negative_prompt", multiline=True, default=P.DEFAULT_NEGATIVE_PROMPT,
+                io.String.Input("negative_prompt", multiline=True, default=DEFAULT_NEGATIVE_PROMPT,
                                 tooltip="What to steer away from (used by CFG in the SP Sampler). Default: the "
                                         "reference pipeline's negative prompt."),
                 io.Combo.Input("mode", options=list(MODES), default="fleet default",
@@ -54,8 +54,8 @@ class TextEncodeMGPU(io.ComfyNode):
     @classmethod
     def execute(cls, fleet, prompt, negative_prompt, mode, frame_rate) -> io.NodeOutput:
         with guard("Text Encode (MGPU)"):
-            payload = P.EncodeTextRequest(prompts=(prompt, negative_prompt),
-                                          mode=None if mode == "fleet default" else mode, frame_rate=float(frame_rate))
+            payload = EncodeTextRequest(prompts=(prompt, negative_prompt),
+                                        mode=None if mode == "fleet default" else mode, frame_rate=float(frame_rate))
             result = run_job(fleet, "encode_text", payload, node_id=cls.hidden.unique_id, what="Text Encode (MGPU)")
             embeds = result.get("embeds") if isinstance(result, dict) else None
             if not embeds or len(embeds) != 2:

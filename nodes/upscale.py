@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io, ui
 
-from ..mgpu_backend import protocol as P
+from ..mgpu_backend.protocol.stage_requests import SampleRequest, UpscaleRequest
 from .common import CATEGORY, NodeError, check_handle, fleet_input, guard, run_job
 from .lora import loras_input, loras_payload
 from .native_types import (audio_frames_for, comfy_nested, frame_rate_of, join_latent, sigmas_tensor,
@@ -103,7 +103,7 @@ class TDPUpscaleMGPU(io.ComfyNode):
                     raise NodeError(f"{NAME}: upscale is on but the fleet has no latent upscaler: choose one in "
                                     f"Load Checkpoint (MGPU) (models/latent_upscale_models/), or pass an already "
                                     f"upscaled latent with upscale off")
-                video = run_job(fleet, "upscale", P.UpscaleRequest(video), node_id=cls.hidden.unique_id,
+                video = run_job(fleet, "upscale", UpscaleRequest(video), node_id=cls.hidden.unique_id,
                                 what=f"{NAME} (latent upscale)")["video"]
                 video_mask = None  # as ComfyUI's LTXVLatentUpsampler: the mask does not survive a resize
             # the stage-1 audio object itself goes back out (frozen: never re-noised, denoised or averaged)
@@ -120,7 +120,7 @@ class TDPUpscaleMGPU(io.ComfyNode):
             else:
                 noise_video, _ = split_noise(noise.generate_noise({"samples": video}), video.shape)
             schedule = sigmas_tensor(sigmas) if sigmas is not None else torch.tensor(S.TDP_STAGE2_SIGMAS)
-            request = P.SampleRequest(
+            request = SampleRequest(
                 positive=pos.embeds, negative=None, video=video, audio=audio, video_mask=video_mask,
                 noise_video=noise_video,
                 noise_audio=torch.zeros_like(audio) if frozen else noise_audio.float(), sigmas=schedule,

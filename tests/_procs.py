@@ -51,7 +51,7 @@ def stop_controller(runtime) -> None:
     """Stop the controller of the runtime directory `runtime` if one answers there, and make sure it and its workers
     are gone (killed if a stop does not end them)."""
     from mgpu_backend.client import ControllerClient
-    from mgpu_backend.protocol import ControllerError
+    from mgpu_backend.protocol.errors import ControllerError
 
     pids = []
     try:

@@ -159,11 +159,11 @@ class LocalComfyTransport:
 
 
 def fleet_transport(nm, path: str, world_size: int, gemma: str | None):
-    from ltx2_multigpu.mgpu_backend import protocol as P
+    from ltx2_multigpu.mgpu_backend.protocol.fleet_config import FleetConfig
     from ltx2_multigpu.mgpu_backend.client import ControllerClient
 
-    config = P.FleetConfig(devices=("cpu",) * world_size, checkpoint=path, gemma=gemma, gemma_unload=True,
-                           dtype="float32")
+    config = FleetConfig(devices=("cpu",) * world_size, checkpoint=path, gemma=gemma, gemma_unload=True,
+                         dtype="float32")
     c = ControllerClient()
     try:
         handle = c.configure(config)

@@ -73,12 +73,15 @@ def _payloads() -> dict:
 
 
 def _as_request(payload: dict):
-    """The tree's form of a "sample" payload: a `protocol.SampleRequest` where the tree has one, else the dict the
+    """The tree's form of a "sample" payload: a `SampleRequest` where the tree has one, else the dict the
     older jobs read (`semantics` given to the old code too: it only had "reference")."""
     try:
-        from mgpu_backend.protocol import SampleRequest
+        from mgpu_backend.protocol.stage_requests import SampleRequest
     except ImportError:
-        return dict(payload)
+        try:  # a tree from before protocol/ was split by concern
+            from mgpu_backend.protocol import SampleRequest
+        except ImportError:
+            return dict(payload)
     return SampleRequest(**payload)
 
 

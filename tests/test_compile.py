@@ -44,7 +44,7 @@ def _compile_rank(rank: int, world: int, files: dict) -> dict:
     out["compiled_again"] = _forward(sp, kwargs)
     out["graph_breaks"] = C.graph_breaks()
     # the fleet's policy switch (a job with compile off, then on again) on this resident transformer
-    from mgpu_backend.protocol import FleetPolicy
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.worker import WorkerState
 
     blocks = components.transformer.transformer_blocks

@@ -6,6 +6,7 @@ the CLI `stop` and the mangled-import start use controllers of their own.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,10 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import protocol as P
 from mgpu_backend.client import ControllerClient
-from mgpu_backend.protocol import (ControllerError, FleetBusy, FleetConfig, FramesRequest, JobCancelled, JobSpec,
-                                   NoopRequest)
+from mgpu_backend.protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
+from mgpu_backend.protocol.fleet_config import FleetConfig, FleetIdentity, FleetPlan, FleetPolicy
+from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest
+from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME
 from _procs import deadline, process_alive as _alive, wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,20 +98,20 @@ def _cli(*args, env_extra=None, cwd=REPO) -> subprocess.CompletedProcess:
 
 def test_runtime_dir_socket_and_key_are_private(ctl, runtime):
     assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o700
-    assert stat.S_IMODE(os.stat(runtime / P.SOCKET_NAME).st_mode) == 0o600
-    assert stat.S_ISSOCK(os.stat(runtime / P.SOCKET_NAME).st_mode)
-    assert stat.S_IMODE(os.stat(runtime / P.KEY_NAME).st_mode) == 0o600
-    assert len((runtime / P.KEY_NAME).read_bytes()) == 32
+    assert stat.S_IMODE(os.stat(runtime / SOCKET_NAME).st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(runtime / SOCKET_NAME).st_mode)
+    assert stat.S_IMODE(os.stat(runtime / KEY_NAME).st_mode) == 0o600
+    assert len((runtime / KEY_NAME).read_bytes()) == 32
 
 
 def test_wrong_auth_key_is_refused_and_controller_keeps_serving(ctl, runtime):
-    pid = ctl.ping()["pid"]
-    wrong = bytes(b ^ 0xFF for b in (runtime / P.KEY_NAME).read_bytes())
+    pid = ctl.ping().pid
+    wrong = bytes(b ^ 0xFF for b in (runtime / KEY_NAME).read_bytes())
     for _ in range(2):
         with pytest.raises(AuthenticationError):
-            Client(str(runtime / P.SOCKET_NAME), family="AF_UNIX", authkey=wrong)
-    assert ctl.ping()["pid"] == pid
-    assert ControllerClient(runtime, start=False).ping()["pid"] == pid
+            Client(str(runtime / SOCKET_NAME), family="AF_UNIX", authkey=wrong)
+    assert ctl.ping().pid == pid
+    assert ControllerClient(runtime, start=False).ping().pid == pid
 
 
 # ---- reattaching, busy, stale handles -------------------------------------------------------------------------------
@@ -120,7 +122,7 @@ def test_second_client_reattaches_to_the_same_controller_and_fleet(ctl, handle, 
     try:
         assert other.started_pid is None
         second = other.status()
-        assert second["pid"] == first["pid"] == ctl.ping()["pid"]
+        assert second["pid"] == first["pid"] == ctl.ping().pid
         assert second["fleet"]["generation"] == first["fleet"]["generation"] == handle.generation
         assert second["fleet"]["worker_pids"] == list(handle.worker_pids)
         # the same configuration from the second client reuses the fleet
@@ -194,7 +196,7 @@ def test_cli_status_shows_the_fleet(ctl, handle, runtime):
     result = _cli("status", env_extra={"LTX2_MGPU_RUNTIME_DIR": str(runtime)})
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
-    assert status["pid"] == ctl.ping()["pid"]
+    assert status["pid"] == ctl.ping().pid
     assert status["fleet"]["generation"] == handle.generation
     assert status["fleet"]["worker_pids"] == list(handle.worker_pids)
     assert status["fleet"]["open_counts"] == [2]  # checkpoint + upscaler, opened once
@@ -209,7 +211,7 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
                   init_timeout_s=90.0, compile=True)
     new = ctl.configure(tiny_config(tiny_dir, **policy))
     assert new.config.identity == handle.config.identity and new.config.policy != handle.config.policy
-    assert handle.plan == P.FleetPlan(1, 8, 1, (1,)) and new.plan == P.FleetPlan(1, 8, 1, (1,), set_by_policy=True)
+    assert handle.plan == FleetPlan(1, 8, 1, (1,)) and new.plan == FleetPlan(1, 8, 1, (1,), set_by_policy=True)
     assert (new.generation, new.worker_pids) == (handle.generation, handle.worker_pids)
     assert ctl.last_replaced is None
     for h in (new, handle):
@@ -221,7 +223,7 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
     assert status["policy"]["sp_degree"] is None  # the last job ran under the first handle's policy
     with pytest.raises(ControllerError, match="degree 2 is not possible") as info:
         ctl.configure(tiny_config(tiny_dir, sp_degree=2))
-    assert info.value.kind == "validation" and info.value.kind is P.ErrorKind.VALIDATION
+    assert info.value.kind == "validation" and info.value.kind is ErrorKind.VALIDATION
     assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
     assert ctl.status()["fleet"]["plan"] == {"world_size": 1, "heads": 8, "sp_degree": 1, "valid_degrees": (1,),
                                              "set_by_policy": False, "sequence_parallel": True}
@@ -236,25 +238,25 @@ def test_the_plan_in_the_handle_follows_the_fleets_heads_and_the_policy():
     from mgpu_backend.fleet import Fleet
 
     fleet = SimpleNamespace(heads=8, world_size=3, identity=SimpleNamespace(sequence_parallel=True))
-    assert Fleet.plan_for(fleet, P.FleetPolicy()) == P.FleetPlan(3, 8, 2, (1, 2))
-    assert Fleet.plan_for(fleet, P.FleetPolicy(sp_degree=1)) == P.FleetPlan(3, 8, 1, (1, 2), set_by_policy=True)
+    assert Fleet.plan_for(fleet, FleetPolicy()) == FleetPlan(3, 8, 2, (1, 2))
+    assert Fleet.plan_for(fleet, FleetPolicy(sp_degree=1)) == FleetPlan(3, 8, 1, (1, 2), set_by_policy=True)
     whole = SimpleNamespace(heads=8, world_size=3, identity=SimpleNamespace(sequence_parallel=False))
-    assert Fleet.plan_for(whole, P.FleetPolicy()) == P.FleetPlan(3, 8, 1, (1,), sequence_parallel=False)
+    assert Fleet.plan_for(whole, FleetPolicy()) == FleetPlan(3, 8, 1, (1,), sequence_parallel=False)
 
 
 def test_error_kinds_keep_their_wire_values():
     """`ErrorKind` is a str enum: a member equals, hashes and prints as the string the nodes and clients compare with, and a
     `ControllerError` built from a wire string has the member; an unknown kind (another controller version's) keeps
     the message: the generic kind, the original named in `details`."""
-    assert P.ErrorKind.STALE_HANDLE == "stale_handle" and f"{P.ErrorKind.BUSY}" == "busy" == str(P.ErrorKind.BUSY)
-    assert "busy" in {P.ErrorKind.BUSY} and {"validation": 1}[P.ErrorKind.VALIDATION] == 1
-    assert {k.value for k in P.ErrorKind} == {"validation", "job_error", "cancelled", "busy", "stale_handle",
+    assert ErrorKind.STALE_HANDLE == "stale_handle" and f"{ErrorKind.BUSY}" == "busy" == str(ErrorKind.BUSY)
+    assert "busy" in {ErrorKind.BUSY} and {"validation": 1}[ErrorKind.VALIDATION] == 1
+    assert {k.value for k in ErrorKind} == {"validation", "job_error", "cancelled", "busy", "stale_handle",
                                                "fleet_lost", "fleet_stopped", "protocol", "start_failed",
                                                "not_running", "error"}
     exc = ControllerError("x", kind="cancelled")
-    assert exc.kind is P.ErrorKind.CANCELLED and ControllerError("y").kind is P.ErrorKind.ERROR
+    assert exc.kind is ErrorKind.CANCELLED and ControllerError("y").kind is ErrorKind.ERROR
     odd = ControllerError("out of memory on rank 1", kind="out_of_memory", details={"rank": 1})
-    assert str(odd) == "out of memory on rank 1" and odd.kind is P.ErrorKind.ERROR
+    assert str(odd) == "out of memory on rank 1" and odd.kind is ErrorKind.ERROR
     assert odd.details == {"rank": 1, "kind": "out_of_memory"}
 
 
@@ -292,7 +294,8 @@ def test_the_controller_validates_a_checkpoint_without_diffusers(tiny_dir):
     code = textwrap.dedent(f"""
         import sys
         from mgpu_backend.controller import check_config
-        from mgpu_backend.protocol import ControllerError, FleetConfig
+        from mgpu_backend.protocol.errors import ControllerError
+        from mgpu_backend.protocol.fleet_config import FleetConfig
         config = dict(devices=("cpu",) * 4, checkpoint={str(files["checkpoint"])!r}, gemma=None)
         try:
             check_config(FleetConfig(**config, sp_degree=3))
@@ -318,9 +321,32 @@ def test_policy_fields_are_checked_on_construction(tiny_dir):
     with pytest.raises(ValueError, match="dtype='float8'"):
         tiny_config(tiny_dir, dtype="float8")
     with pytest.raises(ValueError, match="gemma_mode='split'"):
-        P.FleetIdentity(devices=("cpu",), checkpoint="c.safetensors", gemma=None, gemma_mode="split")
+        FleetIdentity(devices=("cpu",), checkpoint="c.safetensors", gemma=None, gemma_mode="split")
     with pytest.raises(ValueError, match="sp_degree=0"):
-        P.FleetPolicy(sp_degree=0)
+        FleetPolicy(sp_degree=0)
+
+
+def test_a_config_is_its_identity_and_its_policy():
+    """`FleetConfig` declares no field of its own: keywords go to the part that declares them, a field reads from
+    its part, and `dataclasses.replace` changes one part; an unknown keyword or a part of another type is refused."""
+    identity = FleetIdentity(devices=("cpu", "cpu"), checkpoint="c.safetensors", gemma=None, dtype="bfloat16")
+    policy = FleetPolicy(sp_degree=2, compile=True)
+    config = FleetConfig(devices=("cpu", "cpu"), checkpoint="c.safetensors", gemma=None, dtype="bfloat16",
+                         sp_degree=2, compile=True)
+    assert config == FleetConfig(identity, policy) and config.identity == identity and config.policy == policy
+    assert (config.devices, config.dtype, config.sp_degree, config.compile, config.world_size) == (
+        ("cpu", "cpu"), "bfloat16", 2, True, 2)
+    assert [f.name for f in dataclasses.fields(FleetConfig)] == ["identity", "policy"]
+    assert FleetConfig(identity).policy == FleetPolicy()
+    changed = dataclasses.replace(config, gemma="g.safetensors", token_cap=None)
+    assert changed.identity == dataclasses.replace(identity, gemma="g.safetensors")
+    assert changed.policy == dataclasses.replace(policy, token_cap=None)
+    with pytest.raises(TypeError, match="unknown field.* speed"):
+        FleetConfig(identity, speed=2)
+    with pytest.raises(TypeError, match="policy=dict: must be a FleetPolicy"):
+        FleetConfig(identity, {"sp_degree": 2})
+    with pytest.raises(AttributeError, match="speed"):
+        config.speed  # noqa: B018
 
 
 def test_stale_handle_is_refused(ctl, handle, tiny_dir):
@@ -381,13 +407,13 @@ def test_cli_stop_stops_controller_and_workers():
     try:
         assert _cli("status", env_extra=env).stdout.strip() == "no controller is running"
         client = ControllerClient(runtime_dir=runtime)
-        pid = client.ping()["pid"]
+        pid = client.ping().pid
         client.close()
         result = _cli("stop", env_extra=env)
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == "controller stopped; no fleet was loaded", result.stdout
         assert wait_gone([pid]), "the controller still runs after stop"
-        assert not (runtime / P.SOCKET_NAME).exists()
+        assert not (runtime / SOCKET_NAME).exists()
         assert _cli("status", env_extra=env).stdout.strip() == "no controller is running"
     finally:
         stop_controller(runtime)
@@ -405,13 +431,14 @@ MANGLED_CLIENT = textwrap.dedent("""
     sys.modules[name] = pack
     spec.loader.exec_module(pack)
     client_mod = importlib.import_module(name + ".mgpu_backend.client")
-    protocol = importlib.import_module(name + ".mgpu_backend.protocol")
+    fleet_config = importlib.import_module(name + ".mgpu_backend.protocol.fleet_config")
+    job_requests = importlib.import_module(name + ".mgpu_backend.protocol.job_requests")
     client = client_mod.ControllerClient(runtime_dir=runtime)
     fields = json.loads(config_json)
     fields["devices"] = tuple(fields["devices"])
-    handle = client.configure(protocol.FleetConfig(**fields))
-    out = client.run(handle, protocol.JobSpec("noop", protocol.NoopRequest(steps=1)))
-    print(json.dumps({"started_pid": client.started_pid, "pid": client.ping()["pid"],
+    handle = client.configure(fleet_config.FleetConfig(**fields))
+    out = client.run(handle, job_requests.JobSpec("noop", job_requests.NoopRequest(steps=1)))
+    print(json.dumps({"started_pid": client.started_pid, "pid": client.ping().pid,
                       "generation": handle.generation, "handle_class": type(handle).__module__,
                       "tensor": out["tensor"].tolist(), "plain_import": "mgpu_backend" in sys.modules}))
 """)
@@ -432,7 +459,8 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
     elsewhere = tmp_path / "comfyui-cwd"
     elsewhere.mkdir()
     config = tiny_config(tiny_dir)
-    config_json = json.dumps({**config.__dict__, "devices": list(config.devices)})
+    config_json = json.dumps({**dataclasses.asdict(config.identity), **dataclasses.asdict(config.policy),
+                              "devices": list(config.devices)})
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LTX2_MGPU_RUNTIME_DIR")}
     try:
         result = subprocess.run([sys.executable, "-c", MANGLED_CLIENT, str(REPO), str(runtime), config_json],
@@ -442,7 +470,7 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
         assert info["started_pid"] == info["pid"]
         # objects come back under the caller's (mangled) module name, even where the plain package is importable
         # too (CI installs it editable): two copies of one class would break the caller's isinstance checks
-        assert info["handle_class"] == "custom_nodes_ltx2_multigpu_0x5f3a.mgpu_backend.protocol"
+        assert info["handle_class"] == "custom_nodes_ltx2_multigpu_0x5f3a.mgpu_backend.protocol.fleet_config"
         if not _editable_install():
             assert info["plain_import"] is False
         assert info["tensor"] == [0.0, 1.0, 2.0, 3.0]

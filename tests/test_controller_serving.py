@@ -31,9 +31,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import protocol as P
 from mgpu_backend.client import ControllerClient
-from mgpu_backend.protocol import ControllerError, EncodeTextRequest, FleetBusy, JobSpec, NoopRequest
+from mgpu_backend.protocol.errors import ControllerError, FleetBusy
+from mgpu_backend.protocol.job_requests import EncodeTextRequest, JobSpec, NoopRequest
+from mgpu_backend.protocol.messages import Accepted, Configure, Ping, Progress, Refused, Submit
+from mgpu_backend.protocol.stage_requests import SampleRequest
+from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, loads, read_or_create_key, send
 from _procs import deadline, wait_gone
 from test_controller import _cli, short_runtime_dir, stop_controller, tiny_config
 
@@ -81,7 +84,7 @@ def noop() -> JobSpec:
     return JobSpec("noop", NoopRequest(steps=0))
 
 
-def sample_payload(mode: str, seed: int = 11) -> P.SampleRequest:
+def sample_payload(mode: str, seed: int = 11) -> SampleRequest:
     """A tiny stage job for the tiny 2.0 model (text width 64): stage-1-like (sequence parallel, from sigma 1) or
     stage-2-like (tiled, from sigma 0.6)."""
     g = torch.Generator().manual_seed(seed)
@@ -94,7 +97,7 @@ def sample_payload(mode: str, seed: int = 11) -> P.SampleRequest:
         payload.update(sigmas=torch.tensor([0.6, 0.3, 0.0]), audio_frozen=True)
     else:
         payload.update(sigmas=torch.tensor([1.0, 0.7, 0.4, 0.0]))
-    return P.SampleRequest(**payload)
+    return SampleRequest(**payload)
 
 
 class BusyLedger:
@@ -190,13 +193,13 @@ def test_back_to_back_jobs_from_two_clients_are_never_wrongly_refused(ctl, handl
 
 def test_a_silent_connection_holds_up_nobody_and_is_dropped(ctl, handle, runtime):
     silent = socket.socket(socket.AF_UNIX)
-    silent.connect(str(runtime / P.SOCKET_NAME))
+    silent.connect(str(runtime / SOCKET_NAME))
     try:
         silent.settimeout(HANDSHAKE_S + 30)
         assert silent.recv(4096), "no challenge"  # the controller is in this connection's handshake now
         other = ControllerClient(runtime, start=False)  # authenticates while the silent one waits
         try:
-            assert other.ping()["pid"] == ctl.ping()["pid"]
+            assert other.ping().pid == ctl.ping().pid
             assert torch.equal(other.run(handle, noop())["tensor"], torch.arange(4, dtype=torch.float32))
         finally:
             other.close()
@@ -208,12 +211,12 @@ def test_a_silent_connection_holds_up_nobody_and_is_dropped(ctl, handle, runtime
 
 
 def _raw(runtime: Path):
-    return Client(str(runtime / P.SOCKET_NAME), family="AF_UNIX", authkey=(runtime / P.KEY_NAME).read_bytes())
+    return Client(str(runtime / SOCKET_NAME), family="AF_UNIX", authkey=(runtime / KEY_NAME).read_bytes())
 
 
-def _ask(conn, data: bytes) -> dict:
+def _ask(conn, data: bytes):
     conn.send_bytes(data)
-    return P.loads(conn.recv_bytes())
+    return loads(conn.recv_bytes())
 
 
 def test_unreadable_requests_are_answered_and_the_connection_kept(ctl, runtime):
@@ -222,30 +225,57 @@ def test_unreadable_requests_are_answered_and_the_connection_kept(ctl, runtime):
     conn = _raw(runtime)
     try:
         cases = [(b"\x80\x05not a pickle", "cannot unpickle it"),
-                 (pickle.dumps([1, 2]), "expected a dict with a string 'op', got list"),
-                 (pickle.dumps({"op": "fly"}), "unknown op 'fly'"),
-                 (pickle.dumps({"op": "submit"}), "submit needs a FleetHandle 'handle' and a JobSpec 'job'"),
-                 (pickle.dumps({"op": "configure", "config": 3}), "configure needs a FleetConfig, got int")]
+                 (pickle.dumps([1, 2]), "expected a request of protocol.messages"),
+                 (pickle.dumps({"op": "ping"}), "got dict"),  # the dicts of before are not requests
+                 (pickle.dumps(Submit(None, None)), "submit needs a FleetHandle 'handle' and a JobSpec 'job'"),
+                 (pickle.dumps(Configure(3)), "configure needs a FleetConfig, got int")]
         for data, needle in cases:
             reply = _ask(conn, data)
-            assert reply["ok"] is False and needle in reply["error"], reply
-            assert reply["kind"] == "protocol"
-        assert _ask(conn, pickle.dumps({"op": "ping"}))["pid"] == ctl.ping()["pid"]  # the same connection
+            assert isinstance(reply, Refused) and needle in reply.message, reply
+            assert reply.kind == "protocol"
+        assert _ask(conn, pickle.dumps(Ping())).pid == ctl.ping().pid  # the same connection
     finally:
         conn.close()
+
+
+def test_a_controller_of_an_older_version_is_named_not_misread():
+    """A controller started by an older pack (its replies were dicts) still listening: the client says so and how to
+    stop it, instead of failing on a reply it cannot read."""
+    from multiprocessing.connection import Listener
+
+    runtime = short_runtime_dir()
+    listener = Listener(str(runtime / SOCKET_NAME), family="AF_UNIX", authkey=read_or_create_key(runtime))
+
+    def serve():
+        with listener.accept() as conn:
+            conn.recv_bytes()
+            send(conn, {"ok": True, "pid": 1})
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    client = ControllerClient(runtime, start=False)
+    try:
+        with pytest.raises(ControllerError, match="older version of the pack") as info:
+            client.ping()
+        assert info.value.kind == "protocol" and str(runtime) in str(info.value)
+    finally:
+        client.close()
+        server.join(5)
+        listener.close()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_an_oversized_message_is_answered_and_the_controller_keeps_serving(ctl, runtime):
     conn = _raw(runtime)
     try:  # the header of a 1 TiB message (multiprocessing's framing: -1, then an 8-byte length); no body
         os.write(conn.fileno(), struct.pack("!i", -1) + struct.pack("!Q", 1 << 40))
-        reply = P.loads(conn.recv_bytes())
-        assert reply["kind"] == "protocol" and "longer than the controller's limit" in reply["error"], reply
+        reply = loads(conn.recv_bytes())
+        assert reply.kind == "protocol" and "longer than the controller's limit" in reply.message, reply
         with pytest.raises(EOFError):
             conn.recv_bytes()
     finally:
         conn.close()
-    assert ControllerClient(runtime, start=False).ping()["pid"] == ctl.ping()["pid"]
+    assert ControllerClient(runtime, start=False).ping().pid == ctl.ping().pid
 
 
 # ---- messages that name their cause ---------------------------------------------------------------------------------
@@ -253,10 +283,10 @@ def test_an_oversized_message_is_answered_and_the_controller_keeps_serving(ctl, 
 def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     events = []
     ctl.run(handle, JobSpec("sample", sample_payload("sequence_parallel")), on_event=events.append)
-    assert {e["stage"] for e in events} == {"stage 1"}
+    assert {e.stage for e in events} == {"stage 1"}
     events.clear()
     ctl.run(handle, JobSpec("sample", sample_payload("tiled")), on_event=events.append)
-    assert {e["stage"] for e in events} == {"stage 2"}
+    assert {e.stage for e in events} == {"stage 2"}
     pids = ctl.status()["fleet"]["worker_pids"]
     for mode, name, stage in (("sequence_parallel", "video", "stage 1"), ("tiled", "noise_video", "stage 2")):
         bad = getattr(sample_payload(mode), name).clone()
@@ -273,7 +303,7 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     named = dataclasses.replace(sample_payload("sequence_parallel"), stage="refine")
     events.clear()
     ctl.run(handle, JobSpec("sample", named), on_event=events.append)
-    assert {e["stage"] for e in events} == {"refine"}
+    assert {e.stage for e in events} == {"refine"}
     assert ctl.status()["fleet"]["worker_pids"] == pids  # bad input keeps the fleet
 
 
@@ -440,7 +470,7 @@ def test_cli_refuses_bad_values_before_starting_anything(tiny_dir, tmp_path, mon
             assert cli.main(args) == 2, args
             err = capsys.readouterr().err.strip().splitlines()
             assert err[-1] == f"error: {needle}" or err[-1].startswith(f"error: {needle}"), (args, err)
-        assert not (runtime / P.SOCKET_NAME).exists(), "a controller was started for a refused command"
+        assert not (runtime / SOCKET_NAME).exists(), "a controller was started for a refused command"
         assert cli.main(["status"]) == 0 and capsys.readouterr().out.strip() == "no controller is running"
         assert not (tmp_path / "clip.mp4").exists()
     finally:
@@ -489,9 +519,9 @@ def test_a_job_whose_client_went_away_is_cancelled_not_run_for_nobody(ctl, handl
     the fleet busy for the remaining 7 minutes). The first progress event that cannot be delivered cancels it."""
     conn = _raw(runtime)
     job = JobSpec("noop", NoopRequest(steps=600, sleep_s=0.1))  # 60 s if run to the end
-    P.send(conn, {"op": "submit", "handle": handle, "job": job})
-    assert P.loads(conn.recv_bytes())["event"] == "accepted"
-    assert P.loads(conn.recv_bytes())["event"] == "progress"
+    send(conn, Submit(handle, job))
+    assert isinstance(loads(conn.recv_bytes()), Accepted)
+    assert isinstance(loads(conn.recv_bytes()), Progress)
     conn.close()  # the client is gone
     other = ControllerClient(runtime, start=False)
     try:

@@ -37,7 +37,9 @@ from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
 from mgpu_backend.parallel.tiling import default_tiling
 from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
-from mgpu_backend.protocol import ControllerError, FleetConfig, FleetPlan, JobCancelled, JobSpec, NoopRequest
+from mgpu_backend.protocol.errors import ControllerError, JobCancelled
+from mgpu_backend.protocol.fleet_config import FleetConfig, FleetPlan
+from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
 from _procs import deadline, process_alive as _alive, wait_gone
 
 torch.set_num_threads(1)
@@ -166,7 +168,7 @@ def ctl():
         else:
             os.environ["LTX2_MGPU_TEST_FAULTS"] = saved
     assert client.started_pid is not None
-    pid = client.ping()["pid"]
+    pid = client.ping().pid
     yield client
     workers = []
     try:  # a fresh connection: the module's may be mid-stream after a failed test
@@ -196,7 +198,7 @@ def run(ctl, handle, job: JobSpec, on_event=None, on_accepted=None) -> dict:
 
 def generate(ctl, handle, req: GenerateRequest, events: list | None = None) -> dict:
     out = run(ctl, handle, JobSpec("generate", req),
-              on_event=(lambda e: events.append((e["stage"], e["step"], e["total"]))) if events is not None else None)
+              on_event=(lambda e: events.append((e.stage, e.step, e.total))) if events is not None else None)
     return out
 
 
@@ -308,8 +310,8 @@ def test_cancel_mid_job_keeps_fleet_and_weights(ctl, files):
     events, cancel_errors = [], []
 
     def on_event(event):
-        events.append((event["stage"], event["step"]))
-        if event["stage"] == "stage 1":
+        events.append((event.stage, event.step))
+        if event.stage == "stage 1":
             stage1.set()
 
     def canceller():
@@ -386,7 +388,7 @@ def _next_job_on_new_fleet(ctl, files, handle, lost: dict) -> None:
     accepted = []
     out = run(ctl, handle, JobSpec("generate", request(files)), on_accepted=accepted.append)
     now = fleet_status(ctl)
-    assert now["generation"] == lost["generation"] + 1 == accepted[0]["generation"]
+    assert now["generation"] == lost["generation"] + 1 == accepted[0].generation
     assert not set(now["worker_pids"]) & set(lost["worker_pids"])
     assert wait_gone(lost["worker_pids"]), "workers of the lost fleet still run"
     assert_same(out, w2_fresh(ctl, files), "next job on the new fleet")
@@ -429,7 +431,7 @@ def test_sigkill_of_a_worker_mid_job(ctl, files):
     killed = []
 
     def on_event(event):
-        if event["stage"] == "stage 1" and not killed:
+        if event.stage == "stage 1" and not killed:
             os.kill(victim, signal.SIGKILL)
             killed.append(event)
 

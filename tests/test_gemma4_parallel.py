@@ -18,7 +18,7 @@ from mgpu_backend.models.gemma import load_gemma, read_gemma_header
 from mgpu_backend.models.text_projection import TextProjection, load_bundled_projection
 from mgpu_backend.models.tiny_gemma4 import write_tiny_gemma4
 from mgpu_backend.parallel import gemma as G
-from mgpu_backend.protocol import EncodeTextRequest
+from mgpu_backend.protocol.job_requests import EncodeTextRequest
 from mgpu_backend.validation import ValidationError
 
 torch.set_num_threads(1)

@@ -439,7 +439,9 @@ def test_ranks_every_mode_equals_the_one_process_encode(files, reference, world)
 def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
     from mgpu_backend.fleet import Fleet
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.protocol import ControllerError, EncodeTextRequest, FleetConfig, JobSpec
+    from mgpu_backend.protocol.errors import ControllerError
+    from mgpu_backend.protocol.fleet_config import FleetConfig
+    from mgpu_backend.protocol.job_requests import EncodeTextRequest, JobSpec
 
     paths = tiny_dir["2.0"]
     projection = load_components(paths["checkpoint"], dtype=torch.float32).text_projection
@@ -462,7 +464,7 @@ def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
         (tensor, extra), = r["conditioning"][1]
         assert torch.equal(tensor, r["embeds"][1]) and extra["unprocessed_ltxav_embeds"] is True
         assert extra["frame_rate"] == 25.0 and extra["pooled_output"] is None
-        assert [e["stage"] for e in events] == ["text"]
+        assert [e.stage for e in events] == ["text"]
         # the fleet's default mode
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=prompts[::-1])), events.append)
         assert r["report"]["cache_hits"] == 3 and r["forwards_per_rank"] == [3, 0]

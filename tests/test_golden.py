@@ -135,8 +135,8 @@ def native_inputs(spec: dict, case: dict, first_frame: torch.Tensor | None):
 
 def sp_sampler_payload(latent, positive, negative, noise, sigmas, cfg: float, sampler: str, seed: int):
     """What SP Sampler (MGPU).execute sends the fleet (nodes/sampler.py), for CFG only (stg 0, rescale 0, modality 1):
-    a `protocol.SampleRequest`."""
-    from mgpu_backend.protocol import SampleRequest
+    a `protocol.stage_requests.SampleRequest`."""
+    from mgpu_backend.protocol.stage_requests import SampleRequest
     from mgpu_backend.sampling import GuidanceParams
 
     parts = NT.split_latent(latent)

@@ -399,7 +399,7 @@ def _fleet_config_from_cli(paths, monkeypatch, *options: str):
 def test_fleet_config_cli_and_controller(paths, monkeypatch):
     """`--guidance-parallel` reaches FleetConfig (the worker hands it to build_plan); the controller refuses an
     unknown mode when the config is built, before anything is sent."""
-    from mgpu_backend.protocol import FleetConfig
+    from mgpu_backend.protocol.fleet_config import FleetConfig
 
     config = _fleet_config_from_cli(paths, monkeypatch, "--devices", "cpu:2", "--guidance-parallel", "on")
     assert config.guidance_parallel == "on"
@@ -411,7 +411,7 @@ def test_fleet_config_cli_and_controller(paths, monkeypatch):
 def test_min_tokens_per_rank_and_compile_flags_reach_the_fleet_config(paths, monkeypatch):
     """`--min-tokens-per-rank N` alone sends the run to a fleet with that override, `--compile` sets
     FleetConfig.compile; a negative minimum is refused when the config is built, before anything is sent."""
-    from mgpu_backend.protocol import FleetConfig
+    from mgpu_backend.protocol.fleet_config import FleetConfig
 
     config = _fleet_config_from_cli(paths, monkeypatch, "--min-tokens-per-rank", "0", "--compile")
     assert config.min_tokens_per_rank == 0 and config.compile is True

@@ -2,7 +2,7 @@
 relative and absolute — are read with `ast` (nothing is imported or executed) and checked against the layers:
 
 - `nodes/` (the only ComfyUI-aware layer) imports from `mgpu_backend` only the request / contract modules:
-  `client`, `protocol`, `forward` (the native MODEL's request contract), `stage_params` (guidance, sigma
+  `client`, `protocol` (its modules), `forward` (the native MODEL's request contract), `stage_params` (guidance, sigma
   schedules, tile counts) and `resources` (the host's limits and links, standard library only) — never `sampling`,
   `parallel`, `lora`, `models` or any other engine module;
 - `mgpu_backend` never imports `nodes`, `comfy*`, `folder_paths`, `server` or `comfy_api`;
@@ -95,12 +95,12 @@ def _rule_broken(importer: str, imported: str) -> str | None:
         return f"kernels/ is imported only through {KERNELS_DOOR}"
     if within(importer, ("kernels",)) and within(imported, ("mgpu_backend",) + COMFYUI_MODULES):
         return "kernels/ never imports mgpu_backend, nodes or ComfyUI"
-    if within(importer, ("nodes",)) and within(imported, ("mgpu_backend",)) and imported not in NODES_MAY_IMPORT:
+    if within(importer, ("nodes",)) and within(imported, ("mgpu_backend",)) and not within(imported, NODES_MAY_IMPORT):
         return f"nodes/ imports from mgpu_backend only {', '.join(sorted(NODES_MAY_IMPORT))}"
     if within(importer, ("mgpu_backend",)) and within(imported, COMFYUI_MODULES):
         return "mgpu_backend never imports nodes or ComfyUI"
-    if importer in CONTRACT_MAY_IMPORT and within(imported, ("mgpu_backend",)) and imported != "mgpu_backend" \
-            and imported not in CONTRACT_MAY_IMPORT:
+    if within(importer, CONTRACT_MAY_IMPORT) and within(imported, ("mgpu_backend",)) and imported != "mgpu_backend" \
+            and not within(imported, CONTRACT_MAY_IMPORT):
         return f"a contract module imports from mgpu_backend only {', '.join(sorted(CONTRACT_MAY_IMPORT))}"
     if within(importer, BELOW_THE_FLEET) and within(imported, FLEET_MODULES):
         return "models/ and parallel/ never import the controller, client, worker or fleet"
@@ -224,6 +224,9 @@ def test_the_reader_sees_every_kind_of_import(tmp_path, monkeypatch):
                                     "mgpu_backend.parallel.tiling", "mgpu_backend.sampling"])
     assert _rule_broken("nodes.x", "mgpu_backend.parallel.tiling")
     assert _rule_broken("nodes.x", "mgpu_backend.protocol") is None
+    assert _rule_broken("nodes.x", "mgpu_backend.protocol.fleet_config") is None
+    assert _rule_broken("mgpu_backend.protocol.stage_requests", "mgpu_backend.stage_params") is None
+    assert _rule_broken("mgpu_backend.protocol.stage_requests", "mgpu_backend.sampling")
     assert _rule_broken("mgpu_backend.fleet", "folder_paths")
     assert _rule_broken("mgpu_backend.parallel.plan", "mgpu_backend.worker")
     assert _rule_broken("mgpu_backend.parallel.tiled", "kernels.all2all")

@@ -46,7 +46,7 @@ from mgpu_backend.lora import LoRAError, LoRAFuser, LoRAReport, assign_owners, r
 from mgpu_backend.models import loader
 from mgpu_backend.models.fp8 import FP8Linear
 from mgpu_backend.models.tiny import write_tiny_lora
-from mgpu_backend.protocol import SampleRequest
+from mgpu_backend.protocol.stage_requests import SampleRequest
 
 torch.set_num_threads(1)
 
@@ -451,11 +451,11 @@ def test_switching_lora_sets_never_rereads_the_checkpoint(files, world, weights)
 @pytest.fixture(scope="module")
 def ctl():
     from mgpu_backend.client import ControllerClient
-    from mgpu_backend.protocol import ControllerError
+    from mgpu_backend.protocol.errors import ControllerError
 
     runtime = Path(tempfile.mkdtemp(prefix="ltx2-lora-"))
     client = ControllerClient(runtime_dir=runtime)
-    pid = client.ping()["pid"]
+    pid = client.ping().pid
     yield client
     workers = []
     try:
@@ -475,7 +475,7 @@ def ctl():
 
 
 def _config(files, world: int, dtype: str = "bfloat16"):
-    from mgpu_backend.protocol import FleetConfig
+    from mgpu_backend.protocol.fleet_config import FleetConfig
 
     return FleetConfig(devices=("cpu",) * world, checkpoint=files["checkpoint"], gemma=files["gemma"],
                        upscaler=files["upscaler"], dtype=dtype, threads_per_worker=1, init_timeout_s=120.0,
@@ -483,7 +483,8 @@ def _config(files, world: int, dtype: str = "bfloat16"):
 
 
 def test_worker_fleet_switches_lora_sets_without_reloading(ctl, files):
-    from mgpu_backend.protocol import ControllerError, JobSpec
+    from mgpu_backend.protocol.errors import ControllerError
+    from mgpu_backend.protocol.job_requests import JobSpec
 
     handle = ctl.configure(_config(files, 2))
     before = ctl.status()["fleet"]
@@ -515,7 +516,7 @@ def test_generate_with_user_lora_on_both_stages(ctl, files, capsys):
     from mgpu_backend.models.gemma import load_gemma
     from mgpu_backend.parallel.tiling import default_tiling
     from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
-    from mgpu_backend.protocol import JobSpec
+    from mgpu_backend.protocol.job_requests import JobSpec
 
     grid = (2, 4, 4)
     base = dict(prompt="a red fox in fresh snow", width=128, height=128, frames=9, fps=24.0, steps=2, seed=5,

@@ -371,11 +371,13 @@ def test_fleet_jobs(golden):
     """preprocess_text with cache keys, then forwards that leave the context on the fleet, a miss, and a refusal
     that keeps the fleet — through the real controller and two worker processes (W = 2)."""
     from mgpu_backend.client import ControllerClient
-    from mgpu_backend.protocol import ControllerError, FleetConfig, JobSpec
+    from mgpu_backend.protocol.errors import ControllerError
+    from mgpu_backend.protocol.fleet_config import FleetConfig
+    from mgpu_backend.protocol.job_requests import JobSpec
 
     runtime = Path(tempfile.mkdtemp(prefix="ltx2-native-"))
     client = ControllerClient(runtime_dir=runtime)
-    pid = client.ping()["pid"]
+    pid = client.ping().pid
     workers = []
     try:
         config = FleetConfig(devices=("cpu", "cpu"), checkpoint=golden.checkpoint, gemma=golden.gemma,

@@ -185,7 +185,7 @@ def test_a_fleet_without_gemma_has_no_text_service_check():
     """Load Diffusion Model (MGPU) configures a fleet without Gemma (`FleetConfig.gemma=None`, unloaded): the
     worker's text service then holds no encoder and checks no projection against a Gemma it does not have."""
     from mgpu_backend.parallel.gemma import TextEncoderService
-    from mgpu_backend.protocol import FleetConfig
+    from mgpu_backend.protocol.fleet_config import FleetConfig
 
     config = FleetConfig(devices=("cpu",), checkpoint="ltx.safetensors", gemma=None, gemma_unload=True)
     svc = TextEncoderService.for_fleet(config, 0, torch.device("cpu"), projection=object())

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from mgpu_backend import protocol as P
+from mgpu_backend.protocol.stage_requests import ComfyGuides
 from nodes import native_types as NT
 
 
@@ -301,7 +301,7 @@ def test_guides_travel_from_the_conditioning_to_the_sample_job():
     pos = NT.split_conditioning(_guided(kf, ref=ref), "positive", allow=NT.GUIDE_CONDITIONING_KEYS)
     neg = NT.split_conditioning(_guided(kf, ref=ref), "negative", allow=NT.GUIDE_CONDITIONING_KEYS)
     g = NT.guides_payload(pos, neg)
-    assert isinstance(g, P.ComfyGuides)
+    assert isinstance(g, ComfyGuides)
     assert torch.equal(g.keyframe_idxs, kf) and torch.equal(g.ref_audio_tokens, ref)
     (entry,) = g.guide_attention_entries
     assert entry.pre_filter_count == 4 and entry.strength == 0.7 and entry.needs_bias

@@ -179,7 +179,8 @@ def test_explicit_sp_degree_the_heads_do_not_allow_is_refused_before_any_worker(
     naming the valid degrees; the CLI prints the message (no traceback) and exits 2."""
     from mgpu_backend import cli
     from mgpu_backend.controller import check_config
-    from mgpu_backend.protocol import ControllerError, FleetConfig
+    from mgpu_backend.protocol.errors import ControllerError
+    from mgpu_backend.protocol.fleet_config import FleetConfig
 
     config = FleetConfig(devices=("cpu",) * 4, checkpoint=paths["checkpoint"], gemma=paths["gemma"], sp_degree=3)
     with pytest.raises(ControllerError, match=r"degree 3 is not possible with 8 attention heads on 4 rank\(s\).*"
@@ -203,7 +204,8 @@ def test_a_bad_checkpoint_is_refused_before_the_running_fleet_is_torn_down(paths
     from safetensors.torch import save_file
 
     from mgpu_backend.controller import check_config
-    from mgpu_backend.protocol import ControllerError, FleetConfig
+    from mgpu_backend.protocol.errors import ControllerError
+    from mgpu_backend.protocol.fleet_config import FleetConfig
 
     other = tmp_path / "other.safetensors"
     save_file({"model.layers.0.weight": torch.zeros(2, 2)}, str(other))

@@ -23,7 +23,9 @@ import pytest
 from mgpu_backend import resources as R
 from mgpu_backend.client import ControllerClient, parse_devices
 from mgpu_backend.fleet import Fleet
-from mgpu_backend.protocol import ControllerError, ErrorKind, FleetConfig, JobSpec, NoopRequest
+from mgpu_backend.protocol.errors import ControllerError, ErrorKind
+from mgpu_backend.protocol.fleet_config import FleetConfig
+from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
 from mgpu_backend.worker import EXIT_PARENT_GONE
 from _procs import bound_child, deadline, process_alive, stop_controller, wait_gone
 
@@ -268,7 +270,7 @@ def test_workers_outlive_the_connection_that_started_them(runtime, tiny_dir):
         wait_for(lambda: len(second.status()["clients"]) == others, "the first connection's thread to end", poll=0.2)
         accepted = []
         second.run(handle, JobSpec("noop", NoopRequest(steps=1)), on_accepted=accepted.append)
-        assert accepted[0]["worker_pids"] == list(handle.worker_pids)
+        assert list(accepted[0].worker_pids) == list(handle.worker_pids)
         assert all(process_alive(p) for p in handle.worker_pids)
     finally:
         second.close()
@@ -339,7 +341,7 @@ def test_a_signal_while_a_fleet_starts_ends_its_workers(tiny_dir, tmp_path):
     runtime = short_runtime_dir()
     try:
         client = ControllerClient(runtime_dir=runtime)
-        controller = client.ping()["pid"]
+        controller = client.ping().pid
         errors = []
 
         def configure():

@@ -204,7 +204,7 @@ def test_sharded_policy_refusals():
     assert SEQUENCE.with_sharded_weights().weights == SHARDED
     with pytest.raises(ValueError, match="batch rows spread over ranks cannot run with sharded weights"):
         ROWS.with_sharded_weights()
-    from mgpu_backend.protocol import FleetIdentity
+    from mgpu_backend.protocol.fleet_config import FleetIdentity
 
     with pytest.raises(ValueError, match="weights='fsdp': choose one of replicated, sharded"):
         FleetIdentity(devices=("cpu",), checkpoint="x.safetensors", gemma=None, weights="fsdp")

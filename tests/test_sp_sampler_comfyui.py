@@ -78,7 +78,7 @@ def _inputs(case: dict) -> dict:
 
 
 def _payload(case: dict, x: dict, semantics: str = "comfyui"):
-    from mgpu_backend.protocol import ComfyGuides, SampleRequest
+    from mgpu_backend.protocol.stage_requests import ComfyGuides, SampleRequest
     from mgpu_backend.sampling import GuidanceParams
 
     g = GuidanceParams(cfg_scale=case["cfg"], stg_scale=case["stg"], stg_blocks=(1,), modality_scale=case["modality"])

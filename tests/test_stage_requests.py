@@ -1,4 +1,4 @@
-"""The stage jobs' requests (`protocol.SampleRequest`, `UpscaleRequest`, `DecodeRequest`; issue 17 Build 2): frozen,
+"""The stage jobs' requests (`SampleRequest`, `UpscaleRequest`, `DecodeRequest`; issue 17 Build 2): frozen,
 validated on construction with errors naming the field, the value and the rule; the jobs refuse any other payload by
 name; and a request built under ComfyUI's mangled import of the pack reads back as this package's classes (the
 controller's unpickler), its value types included."""
@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mgpu_backend import protocol as P
+from mgpu_backend.protocol.stage_requests import ComfyGuides, DecodeRequest, SampleRequest, UpscaleRequest
+from mgpu_backend.protocol.transport import loads
 from mgpu_backend.forward import GuideAttentionEntry
 from mgpu_backend.stage_params import TileCountConfig
 from mgpu_backend.validation import ValidationError
@@ -25,12 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 VIDEO, AUDIO = (1, 128, 2, 3, 4), (1, 8, 5, 16)
 
 
-def _sample(**overrides) -> P.SampleRequest:
+def _sample(**overrides) -> SampleRequest:
     args = dict(positive=torch.zeros(1, 7, 64), video=torch.zeros(VIDEO), audio=torch.zeros(AUDIO),
                 noise_video=torch.zeros(VIDEO), noise_audio=torch.zeros(AUDIO), sigmas=torch.tensor([1.0, 0.5, 0.0]),
                 fps=24.0)
     args.update(overrides)
-    return P.SampleRequest(**args)
+    return SampleRequest(**args)
 
 
 def test_a_sample_request_is_frozen_and_normalises_what_it_holds():
@@ -77,22 +78,22 @@ def test_a_bad_sample_request_is_refused_on_construction_by_name(overrides, word
 
 
 def test_upscale_decode_and_guides_check_themselves():
-    assert P.UpscaleRequest(torch.zeros(VIDEO)).video.shape == VIDEO
+    assert UpscaleRequest(torch.zeros(VIDEO)).video.shape == VIDEO
     with pytest.raises(ValueError, match=r"upscale: video latent of shape \(1, 128, 3, 4\): expected"):
-        P.UpscaleRequest(torch.zeros(1, 128, 3, 4))
-    d = P.DecodeRequest(torch.zeros(VIDEO), tiles=TileCountConfig.spatial(1, 2, 1))
+        UpscaleRequest(torch.zeros(1, 128, 3, 4))
+    d = DecodeRequest(torch.zeros(VIDEO), tiles=TileCountConfig.spatial(1, 2, 1))
     assert (d.audio, d.overlap, d.seed) == (None, 2, 0)
     for kwargs, words in (({"audio": torch.zeros(1, 2, 5, 16)}, "audio latent of shape (1, 2, 5, 16)"),
                           ({"overlap": -2}, "overlap=-2: must be a non-negative integer"),
                           ({"seed": "7"}, "seed='7'"), ({"tiles": "2x2"}, "tiles='2x2'")):
         with pytest.raises(ValueError) as info:
-            P.DecodeRequest(torch.zeros(VIDEO), **kwargs)
+            DecodeRequest(torch.zeros(VIDEO), **kwargs)
         assert str(info.value).startswith("decode: ") and words in str(info.value), str(info.value)
     entry = GuideAttentionEntry(pre_filter_count=12, strength=0.7)
-    assert P.ComfyGuides(guide_attention_entries=[entry]).guide_attention_entries == (entry,)
-    assert P.ComfyGuides().empty and not P.ComfyGuides(keyframe_idxs=torch.zeros(1, 3, 4, 2)).empty
+    assert ComfyGuides(guide_attention_entries=[entry]).guide_attention_entries == (entry,)
+    assert ComfyGuides().empty and not ComfyGuides(keyframe_idxs=torch.zeros(1, 3, 4, 2)).empty
     with pytest.raises(ValueError, match="guides: guide_attention_entries holds \\['dict'\\]"):
-        P.ComfyGuides(guide_attention_entries=({"pre_filter_count": 12},))
+        ComfyGuides(guide_attention_entries=({"pre_filter_count": 12},))
 
 
 @pytest.mark.parametrize("kind,job", [("sample", "run_sample"), ("upscale", "run_upscale"), ("decode", "run_decode")])
@@ -114,27 +115,28 @@ MANGLED = textwrap.dedent("""
     sys.modules[name] = pack
     spec.loader.exec_module(pack)
     import torch
-    P = importlib.import_module(name + ".mgpu_backend.protocol")
+    R = importlib.import_module(name + ".mgpu_backend.protocol.stage_requests")
+    J = importlib.import_module(name + ".mgpu_backend.protocol.job_requests")
     SP = importlib.import_module(name + ".mgpu_backend.stage_params")
     F = importlib.import_module(name + ".mgpu_backend.forward")
     g = SP.GuidanceParams(cfg_scale=3.0, stg_scale=1.0, stg_blocks=(0,))
-    guides = P.ComfyGuides(keyframe_idxs=torch.arange(24.0).reshape(1, 3, 4, 2),
+    guides = R.ComfyGuides(keyframe_idxs=torch.arange(24.0).reshape(1, 3, 4, 2),
                            guide_attention_entries=(F.GuideAttentionEntry(pre_filter_count=12, strength=0.7),))
     v, a = (1, 128, 2, 3, 4), (1, 8, 5, 16)
-    sample = P.SampleRequest(positive=torch.ones(1, 7, 64), video=torch.full(v, 2.0), audio=torch.zeros(a),
+    sample = R.SampleRequest(positive=torch.ones(1, 7, 64), video=torch.full(v, 2.0), audio=torch.zeros(a),
                              noise_video=torch.zeros(v), noise_audio=torch.zeros(a), sigmas=[1.0, 0.5, 0.0], fps=24.0,
                              video_guidance=g, stg_blocks="auto", tiles=SP.TileCountConfig.spatial(1, 2, 1),
                              guides=guides, loras=[("x.safetensors", 0.5)], semantics="comfyui")
-    jobs = [P.JobSpec("sample", sample), P.JobSpec("upscale", P.UpscaleRequest(torch.zeros(v))),
-            P.JobSpec("decode", P.DecodeRequest(torch.zeros(v), audio=torch.zeros(a), overlap=1))]
+    jobs = [J.JobSpec("sample", sample), J.JobSpec("upscale", R.UpscaleRequest(torch.zeros(v))),
+            J.JobSpec("decode", R.DecodeRequest(torch.zeros(v), audio=torch.zeros(a), overlap=1))]
     assert "mgpu_backend" not in sys.modules
     sys.stdout.buffer.write(pickle.dumps(jobs, protocol=pickle.HIGHEST_PROTOCOL))
 """)
 
 
 def test_requests_built_under_comfyuis_mangled_import_read_back_as_this_packages_classes(tmp_path):
-    """The client inside ComfyUI pickles `<mangled>.mgpu_backend.protocol.SampleRequest` (and its GuidanceParams,
-    TileCountConfig, ComfyGuides, GuideAttentionEntry); the controller's unpickler (`protocol.loads`) must find this
+    """The client inside ComfyUI pickles `<mangled>…protocol.stage_requests.SampleRequest` (and its GuidanceParams,
+    TileCountConfig, ComfyGuides, GuideAttentionEntry); the controller's unpickler (`transport.loads`) must find this
     package's classes, so the job's `isinstance` check holds."""
     from mgpu_backend import forward, stage_params
 
@@ -142,11 +144,11 @@ def test_requests_built_under_comfyuis_mangled_import_read_back_as_this_packages
                           env={"PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert b"custom_nodes_ltx2_multigpu_0x5f3a.mgpu_backend.protocol" in proc.stdout  # really the mangled names
-    sample, upscale, decode = (job.payload for job in P.loads(proc.stdout))
-    assert type(sample) is P.SampleRequest and type(upscale) is P.UpscaleRequest and type(decode) is P.DecodeRequest
+    sample, upscale, decode = (job.payload for job in loads(proc.stdout))
+    assert type(sample) is SampleRequest and type(upscale) is UpscaleRequest and type(decode) is DecodeRequest
     assert type(sample.video_guidance) is stage_params.GuidanceParams and sample.video_guidance.cfg_scale == 3.0
     assert type(sample.tiles) is stage_params.TileCountConfig and sample.tiles.width.num_tiles == 2
-    assert type(sample.guides) is P.ComfyGuides
+    assert type(sample.guides) is ComfyGuides
     assert type(sample.guides.guide_attention_entries[0]) is forward.GuideAttentionEntry
     assert torch.equal(sample.video, torch.full(VIDEO, 2.0)) and sample.sigmas.tolist() == [1.0, 0.5, 0.0]
     assert (sample.stg_blocks, sample.loras, sample.semantics) == ("auto", (("x.safetensors", 0.5),), "comfyui")

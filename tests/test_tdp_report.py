@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from mgpu_backend.protocol import SampleRequest
+from mgpu_backend.protocol.stage_requests import SampleRequest
 from mgpu_backend.parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
 from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig, make_tiles
 

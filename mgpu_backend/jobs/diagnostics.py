@@ -6,7 +6,7 @@ import time
 import torch
 
 from ..frames import send_frames
-from ..protocol import FramesRequest, NoopRequest
+from ..protocol.job_requests import FramesRequest, NoopRequest
 from . import register
 
 

@@ -1,6 +1,6 @@
 """Stage-level jobs for the ComfyUI nodes: sample one stage, upscale the latent, decode.
 
-Each job takes its kind's frozen request (`protocol.SampleRequest`, `UpscaleRequest`, `DecodeRequest`: built and
+Each job takes its kind's frozen request (`SampleRequest`, `UpscaleRequest`, `DecodeRequest`: built and
 validated by `nodes/`, no ComfyUI types) and refuses any other payload by name. Latents are in model space (what
 ComfyUI's LATENT holds for LTX-2): video `[1, 128, F, H, W]`, audio `[1, 8, T, 16]`. What a request cannot check
 alone — against the loaded model and the fleet, and NaN / Inf values — is checked here, on every rank, before any
@@ -15,7 +15,7 @@ import torch
 from .. import latents as L
 from .. import sampling as S
 from ..lora import read_loras
-from ..protocol import DecodeRequest, SampleRequest, UpscaleRequest
+from ..protocol.stage_requests import DecodeRequest, SampleRequest, UpscaleRequest
 from ..semantics import semantics_named
 from ..stage import SamplerSpec, StageSpec, TiledRunner, stage_contexts
 from ..validation import ValidationError
@@ -77,7 +77,7 @@ def _check_finite_inputs(stage: str, tensors: dict) -> None:
 
 @register("sample")
 def run_sample(state, request: SampleRequest, ctx) -> dict:
-    """One denoising stage: `request` is a `protocol.SampleRequest` (its fields and rules are documented there).
+    """One denoising stage: `request` is a `SampleRequest` (its fields and rules are documented there).
 
     LoRAs are fused into every rank's transformer for this job — each rank computes its share and the fused layers
     are broadcast — and restored after it, exactly, without reading the checkpoint.
@@ -157,7 +157,7 @@ def run_sample(state, request: SampleRequest, ctx) -> dict:
 
 @register("upscale")
 def run_upscale(state, request: UpscaleRequest, ctx) -> dict:
-    """2× spatial latent upscale of the `protocol.UpscaleRequest`'s `video` `[1, 128, F, H, W]` with the fleet's
+    """2× spatial latent upscale of the `UpscaleRequest`'s `video` `[1, 128, F, H, W]` with the fleet's
     upscaler (same on every rank). Returns on rank 0 `{"video": [1, 128, F, 2H, 2W]}`."""
     r = _request(request, UpscaleRequest, "upscale")
     video = r.video.float()
@@ -168,7 +168,7 @@ def run_upscale(state, request: UpscaleRequest, ctx) -> dict:
 
 @register("decode")
 def run_decode(state, request: DecodeRequest, ctx) -> dict:
-    """Decode a `protocol.DecodeRequest`: `video` (model space) in tiles over the fleet (`tiles`: TileCountConfig or
+    """Decode a `DecodeRequest`: `video` (model space) in tiles over the fleet (`tiles`: TileCountConfig or
     None for the balanced default; one rank: untiled) and `audio` once on rank 0.
 
     Returns on rank 0: frames through shared memory, `audio` waveform `[C, S]` and `sample_rate` (None without an

@@ -1,13 +1,13 @@
 """Text encoding as a job: prompts -> ComfyUI CONDITIONING on the fleet (parallel/gemma.py, DESIGN.md §3, §7)."""
 from __future__ import annotations
 
-from ..protocol import EncodeTextRequest
+from ..protocol.job_requests import EncodeTextRequest
 from . import register
 
 
 @register("encode_text")
 def run_encode_text(state, request, ctx) -> dict:
-    """`request`: a `protocol.EncodeTextRequest` (prompts, Gemma mode or None for the fleet's, unload or None for the
+    """`request`: a `EncodeTextRequest` (prompts, Gemma mode or None for the fleet's, unload or None for the
     fleet's, frame_rate or None).
 
     Returns (rank 0): {"embeds": [[1, T_i, C] float32 per prompt, valid tokens only], "conditioning": [ComfyUI

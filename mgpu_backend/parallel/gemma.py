@@ -451,7 +451,7 @@ class TextEncoderService:
 
     @classmethod
     def for_fleet(cls, config, rank: int, device, projection, family=None) -> TextEncoderService:
-        """The service of one worker from its `protocol.FleetConfig` (collective: every rank calls it; creates the
+        """The service of one worker from its `FleetConfig` (collective: every rank calls it; creates the
         gloo group on GPU fleets). Gemma is loaded here in the configured mode unless `gemma_unload` is set.
         `projection` None with a Gemma 4 file: the projection bundled in it (LTX-2.5); `family`: the checkpoint's
         model family, checked against the Gemma file. No Gemma (a transformer-only fleet: the native MODEL of Load

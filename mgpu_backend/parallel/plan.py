@@ -95,7 +95,7 @@ class PlanGroups:
 
 @dataclass(frozen=True)
 class PlanPolicy:
-    """A `protocol.FleetPolicy` applied to a fleet's groups (`ParallelPlan.set_policy`, per job): which groups a
+    """A `FleetPolicy` (protocol) applied to a fleet's groups (`ParallelPlan.set_policy`, per job): which groups a
     stage may use and how its split is chosen. Frozen: a new policy replaces the old one whole.
 
     sp_degree: the largest SP degree a stage may use; stage_degrees / pass_degrees: the SP degrees and guidance-pass
@@ -189,9 +189,16 @@ class ParallelPlan:
     def sp_forward(self) -> SequenceParallelTransformer | None:
         return self.groups.stages[self.policy.sp_degree].forward
 
+    def apply(self, policy) -> None:
+        """Apply a job's `FleetPolicy` (protocol.fleet_config): its fields that split the stages, through
+        `set_policy`. A policy field the plan reads is passed on here (and nowhere else: the worker hands the policy
+        over whole)."""
+        self.set_policy(sp_degree=policy.sp_degree, min_tokens_per_rank=policy.min_tokens_per_rank,
+                        guidance_parallel=policy.guidance_parallel, token_cap=policy.token_cap)
+
     def set_policy(self, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
                    guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> None:
-        """Apply a parallel policy (`protocol.FleetPolicy`'s fields; see `build_plan`) to this plan, on every rank
+        """Apply a parallel policy (`FleetPolicy`'s fields; see `build_plan`) to this plan, on every rank
         with the same values, between jobs: a new `PlanPolicy` choosing among the groups `build_plan` built, so no
         collective runs and nothing is reloaded; the report starts empty. Raises ValidationError (a degree the heads
         or the fleet do not allow) or ValueError (an unknown guidance-parallel mode) before anything changes."""

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.loader import WeightBytes
-from ..protocol import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.weights` (re-exported)
+from ..protocol.fleet_config import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.weights` (re-exported)
 
 GiB = 2 ** 30
 

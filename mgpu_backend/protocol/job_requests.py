@@ -1,0 +1,107 @@
+"""A job as the client submits it (`JobSpec`: its kind and its payload) and the payloads of the small jobs:
+`EncodeTextRequest` (Text Encode (MGPU)), `NoopRequest` and `FramesRequest` (diagnostics). The stage jobs' requests
+are in `stage_requests.py`; the CLI's and the native MODEL's in `pipelines.GenerateRequest` and `forward.py`."""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from .fleet_config import GEMMA_MODES
+
+# what each job kind is doing before its first progress event (error, worker-death and stall reports name it)
+JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "upscale", "decode": "decode",
+              "encode_text": "text encoding", "noop": "noop", "frames": "frames hand-back"}
+
+
+@dataclass
+class JobSpec:
+    """One job. `kind` selects the worker function ("generate"); `payload` is its input (e.g. GenerateRequest).
+
+    `fault` injects a failure for tests (honoured only when the controller runs with LTX2_MGPU_TEST_FAULTS=1):
+    `{"rank": r, "stage": "stage 1", "step": k, "kind": "crash" | "stall" | "error" | "error_all" | "reread"}`.
+    """
+
+    kind: str
+    payload: Any
+    job_id: str = field(default_factory=lambda: secrets.token_hex(6))
+    fault: dict | None = None
+
+
+DEFAULT_NEGATIVE_PROMPT = (
+    "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, grainy "
+    "texture, poor lighting, flickering, motion blur, distorted proportions, unnatural skin tones, deformed facial "
+    "features, asymmetrical face, missing facial features, extra limbs, disfigured hands, wrong hand count, "
+    "artifacts around text, inconsistent perspective, camera shake, incorrect depth of field, background too sharp, "
+    "background clutter, distracting reflections, harsh shadows, inconsistent lighting direction, color banding, "
+    "cartoonish rendering, 3D CGI look, unrealistic materials, uncanny valley effect, incorrect ethnicity, wrong "
+    "gender, exaggerated expressions, wrong gaze direction, mismatched lip sync, silent or muted audio, distorted "
+    "voice, robotic voice, echo, background noise, off-sync audio, incorrect dialogue, added dialogue, repetitive "
+    "speech, jittery movement, awkward pauses, incorrect timing, unnatural transitions, inconsistent framing, tilted "
+    "camera, flat lighting, inconsistent tone, cinematic oversaturation, stylized filters, or AI artifacts."
+)  # reference DEFAULT_NEGATIVE_PROMPT (ltx_pipelines/utils/constants.py)
+
+
+@dataclass(frozen=True)
+class EncodeTextRequest:
+    """The "encode_text" job (jobs/text.py): prompts -> ComfyUI CONDITIONING on the fleet.
+
+    prompts: one or more prompts (a single string is taken as one).
+    mode: Gemma's layout for this job (`GEMMA_MODES`); None = the fleet's `FleetIdentity.gemma_mode` (another mode
+        reloads Gemma).
+    unload: free Gemma after this encode; None = the fleet's `FleetIdentity.gemma_unload`.
+    frame_rate: frames per second written into the conditioning (None: not written).
+
+    Raises ValueError (naming the field, the value and the rule) on construction.
+    """
+
+    prompts: tuple[str, ...]
+    mode: str | None = None
+    unload: bool | None = None
+    frame_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        prompts = (self.prompts,) if isinstance(self.prompts, str) else self.prompts
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"encode_text: 'prompts' must be a non-empty list of strings, got {self.prompts!r:.120}")
+        object.__setattr__(self, "prompts", tuple(prompts))
+        if self.mode is not None and self.mode not in GEMMA_MODES:
+            raise ValueError(f"encode_text: mode={self.mode!r}: choose one of {', '.join(GEMMA_MODES)} or None (the "
+                             f"fleet's)")
+        if self.unload is not None and not isinstance(self.unload, bool):
+            raise ValueError(f"encode_text: unload={self.unload!r} must be True, False or None (the fleet's)")
+        if self.frame_rate is not None and (isinstance(self.frame_rate, bool) or not isinstance(
+                self.frame_rate, (int, float)) or self.frame_rate <= 0):
+            raise ValueError(f"encode_text: frame_rate={self.frame_rate!r} must be a positive number")
+
+
+@dataclass(frozen=True)
+class NoopRequest:
+    """The "noop" job (jobs/diagnostics.py: controller overhead, busy / cancel tests): `steps` synchronized,
+    cancellable steps of `sleep_s` seconds each; a `[4]` float32 tensor back. `carry` travels with the job and is
+    not read (transport benchmarks). Raises ValueError on construction for a negative or non-integer count."""
+
+    steps: int = 0
+    sleep_s: float = 0.0
+    carry: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"noop: steps={self.steps!r} must be a non-negative integer")
+        if isinstance(self.sleep_s, bool) or not isinstance(self.sleep_s, (int, float)) or self.sleep_s < 0:
+            raise ValueError(f"noop: sleep_s={self.sleep_s!r} must be a non-negative number of seconds")
+
+
+@dataclass(frozen=True)
+class FramesRequest:
+    """The "frames" job (jobs/diagnostics.py: the frame hand-back benchmark): rank 0 hands back float32 frames of
+    `shape` `[F, H, W, 3]` (frame i filled with i / F) through shared memory (`frames.py`). Raises ValueError on
+    construction for a shape that is not four non-negative integers."""
+
+    shape: tuple[int, int, int, int]
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.shape, (tuple, list)) or len(self.shape) != 4
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.shape)):
+            raise ValueError(f"frames: shape={self.shape!r} must be four non-negative integers [F, H, W, 3]")
+        object.__setattr__(self, "shape", tuple(self.shape))

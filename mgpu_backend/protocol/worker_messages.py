@@ -1,0 +1,98 @@
+"""Fleet <-> worker messages (each worker's pipe; `multiprocessing.Connection` pickles them): `RunJob` /
+`StopWorker` to the workers; `WorkerReady` / `WorkerInitError` once, then per job `JobProgress` (rank 0) and one of
+`JobDone`, `JobStopped`, `JobFailed`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .fleet_config import FleetPolicy
+from .job_requests import JobSpec
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """Fleet -> every worker: run `spec` under `policy` (`WorkerState.apply_policy` first; no process restarts)."""
+
+    spec: JobSpec
+    policy: FleetPolicy
+
+
+@dataclass(frozen=True)
+class StopWorker:
+    """Fleet -> worker: leave the job loop, destroy the process group and exit."""
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Worker -> fleet, once: the process group is up and the weights are loaded. `open_count`: checkpoint opens so
+    far (`models.loader.OPEN_COUNT`); `load_seconds`: from joining the group to ready; `heads`: the loaded
+    transformer's attention heads (the SP degree must divide them; `FleetPlan`)."""
+
+    rank: int
+    pid: int
+    open_count: int
+    load_seconds: float
+    heads: int
+
+
+@dataclass(frozen=True)
+class WorkerInitError:
+    """Worker -> fleet, instead of `WorkerReady`: the start failed (`error` = "Type: message")."""
+
+    rank: int
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """Rank 0 -> fleet: `step` of `total` steps of `stage` done (forwarded to the client as a progress event)."""
+
+    job_id: str
+    stage: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """Worker -> fleet: the job ended on this rank; `result` is rank 0's answer (other ranks send `{}`).
+    `open_count` is this rank's `models.loader.OPEN_COUNT` after the job (a re-read checkpoint shows in status)."""
+
+    job_id: str
+    rank: int
+    result: Any
+    open_count: int
+
+
+@dataclass(frozen=True)
+class JobStopped:
+    """Worker -> fleet: the job was cancelled on this rank before `step` of `stage` (every rank stops at the same
+    step boundary)."""
+
+    job_id: str
+    rank: int
+    stage: str
+    step: int
+    open_count: int
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """Worker -> fleet: the job raised on this rank during `step` of `stage`. `error_type` is the exception's class
+    name, `message` its text; `bad_input`: a ValidationError / FileNotFoundError (refused before work: reported as
+    kind "validation")."""
+
+    job_id: str
+    rank: int
+    error_type: str
+    message: str
+    stage: str
+    step: int
+    bad_input: bool
+    traceback: str
+    open_count: int
+
+
+WorkerMessage = WorkerReady | WorkerInitError | JobProgress | JobDone | JobStopped | JobFailed
