@@ -623,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     # stop everything; then count what is left
     server.stop()
     from mgpu_backend.client import ControllerClient
-    from mgpu_backend.protocol import ControllerError
+    from mgpu_backend.protocol.errors import ControllerError
     try:
         c = ControllerClient(runtime, start=False)
         c.stop()

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from mgpu_backend import protocol as P
+from mgpu_backend.protocol import stage_requests as P
 from mgpu_backend.validation import ValidationError
 
 torch.set_num_threads(1)
