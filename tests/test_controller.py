@@ -27,7 +27,7 @@ from mgpu_backend.client import ControllerClient
 from mgpu_backend.protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetIdentity, FleetPlan, FleetPolicy
 from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest
-from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME
+from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, ensure_private_dir
 from _procs import deadline, process_alive as _alive, wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
@@ -266,9 +266,9 @@ def test_a_controller_dying_during_the_handshake_is_no_controller(tmp_path):
     answers" — with start=True the client starts a new one — not an error from inside multiprocessing."""
     import socket
 
-    runtime = P.ensure_private_dir(tmp_path / "rt")
+    runtime = ensure_private_dir(tmp_path / "rt")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(runtime / P.SOCKET_NAME))
+    listener.bind(str(runtime / SOCKET_NAME))
     listener.listen(4)
 
     def accept_and_close():
@@ -280,7 +280,7 @@ def test_a_controller_dying_during_the_handshake_is_no_controller(tmp_path):
     try:
         with pytest.raises(ControllerError, match="no controller answers") as info:
             ControllerClient(runtime, start=False)
-        assert info.value.kind == P.ErrorKind.NOT_RUNNING
+        assert info.value.kind == ErrorKind.NOT_RUNNING
         t.join(5)
     finally:
         listener.close()
