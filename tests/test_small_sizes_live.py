@@ -1,6 +1,7 @@
 """Small and odd latent sizes through a live ComfyUI 0.33 (issue 24, item 5): ComfyUI's own sampler on its native
 MODEL against the same graph on the pack's MGPU MODEL (2 CPU ranks), and SP Sampler (MGPU) against that graph, at
-grids one to three cells wide or high, one latent frame, and a frame count that is not 8k + 1.
+the smallest grids ComfyUI makes (two and three cells wide or high), one latent frame, odd token counts and a frame
+count that is not 8k + 1.
 
 Run as tests/test_comfyui_live.py (its docstring: the server and the tiny models); this module reuses its graph
 builder (`native_model_graph`: CFGGuider 3 + SamplerCustomAdvanced + euler over 4 sigmas) and its fixtures.
@@ -19,13 +20,15 @@ from test_comfyui_live import (NATIVE_MODEL_ATOL, _latents, _test_nodes_or_skip,
 
 pytestmark = pytest.mark.comfyui
 
-# (width, height, length) in pixels / frames -> latent grid (frames, height, width): every size ComfyUI's
-# EmptyLTXVLatentVideo accepts (width / height in steps of 32, any length ≥ 1)
+# (width, height, length) in pixels / frames -> latent grid (frames, height, width): the smallest sizes ComfyUI's
+# EmptyLTXVLatentVideo accepts (width / height ≥ 64 in steps of 32: two cells; any length ≥ 1). One-cell grids
+# cannot be made by its nodes; tests/test_small_stages.py takes them.
 SIZES = {
-    "1x1x1": (32, 32, 1),     # one token: one latent frame, one cell
-    "3x1x2": (32, 96, 13),    # one cell wide, 13 frames (not 8k + 1: ComfyUI takes (13 - 1) // 8 + 1 = 2 frames)
-    "1x3x3": (96, 32, 17),    # one cell high, 3 latent frames
+    "2x2x1": (64, 64, 1),     # one latent frame, 4 tokens
+    "3x3x1": (96, 96, 1),     # 9 tokens: odd, padded over 2 ranks
+    "2x3x2": (64, 96, 13),    # 13 frames (not 8k + 1: ComfyUI takes (13 - 1) // 8 + 1 = 2 latent frames)
     "2x2x2": (64, 64, 9),     # 8 tokens, divisible by 2 ranks
+    "3x2x3": (96, 64, 17),    # 3 latent frames, 18 tokens
 }
 
 
