@@ -1,8 +1,9 @@
 """The shipped UI workflows (`workflows/*.json`) in ComfyUI's own frontend, in headless Chromium.
 
 How it runs: `tests/frontend/driver.cjs` (Node.js + playwright-core, Debian's Chromium; nothing downloaded) opens the
-live server's frontend (ComfyUI 0.20.1 serves frontend 1.43.18), loads each workflow with `app.loadGraphData` as a
-drag-and-drop does, and reads back what the frontend reports: its error overlay ("Some nodes are missing…",
+live server's frontend (ComfyUI 0.33 serves frontend 1.49.6, the `comfyui-frontend-package` of its requirements;
+0.20.1 served 1.43.18), loads each workflow (the pack's own and the swapped official templates) with
+`app.loadGraphData` as a drag-and-drop does, and reads back what the frontend reports: its error overlay ("Some nodes are missing…",
 "N required models are missing"), node types it does not know, required inputs without a link or value (checked
 against the server's node definitions), the API prompt `app.graphToPrompt()` would queue, and a screenshot.
 
@@ -29,6 +30,9 @@ from frontend import workflows as W
 from test_comfyui_live import URL, _get, server, tiny_models  # noqa: F401 - fixtures shared with the live tests
 
 NAMES = sorted(W.SPEC)
+# ComfyUI's own LTX templates with the minimal swap (tests/templates/make_workflows.py); their API twins are what
+# tests/test_templates_live.py queues on the tiny models
+SWAPPED = sorted(p.stem for p in W.WORKFLOWS.glob("comfyui-*.json"))
 SHOTS = Path(tempfile.gettempdir()) / "ltx2-mgpu-frontend"
 
 
@@ -104,6 +108,9 @@ def frontend(server, tiny_models):  # noqa: F811 - the fixtures imported above
         for slot in node.get("inputs", []):
             if slot.get("link") == dropped[0]:
                 slot["link"] = None
+    for name in SWAPPED:
+        tasks.append({"kind": "check", "name": f"{name}:swapped", "workflow": json.loads(
+            (W.WORKFLOWS / f"{name}.json").read_text()), "screenshot": str(SHOTS / f"{name}.png")})
     tasks.append({"kind": "check", "name": "control:bogus-node", "workflow": bogus})
     tasks.append({"kind": "check", "name": "control:missing-link", "workflow": unlinked})
     out: dict = {"_controls": {}}
@@ -161,6 +168,24 @@ def test_frontend_queues_the_api_twin(frontend, name):
         assert prompt[node_id]["class_type"] == node["class_type"]
         assert prompt[node_id]["inputs"] == node["inputs"], (name, node_id)
         assert prompt[node_id]["_meta"]["title"] == node["_meta"]["title"], (name, node_id)
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", SWAPPED)
+def test_swapped_template_opens_and_queues_its_api_twin(frontend, name):
+    """A swapped official template (subgraphs, Load Diffusion Model (MGPU) instead of ComfyUI's loader) in this
+    frontend: no unknown node type, no required input without a link or value, no page error, no missing-nodes
+    error (its released model files may be missing on the test server); `app.graphToPrompt()` flattens it into
+    exactly its API twin (workflows/api/), the graph tests/test_templates_live.py queues."""
+    r = frontend[name]["swapped"]
+    assert r["unknown_types"] == [] and r["missing_inputs"] == [] and r["page_errors"] == [], r
+    assert not [t for t in r["errors_text"] if "nodes are missing" in t.lower()], r["errors_text"]
+    twin = json.loads((W.WORKFLOWS / "api" / f"{name}.json").read_text())
+    prompt = r["prompt"]
+    assert set(prompt) == set(twin), sorted(set(prompt) ^ set(twin))
+    for node_id, node in twin.items():
+        assert prompt[node_id]["class_type"] == node["class_type"], (name, node_id)
+        assert prompt[node_id]["inputs"] == node["inputs"], (name, node_id, prompt[node_id]["inputs"])
 
 
 @pytest.mark.comfyui
