@@ -34,7 +34,7 @@ import torch
 
 from ..mgpu_backend import forward as F
 from . import native_forward as NF
-from .native_patches import refuse_patcher_features
+from .native_patches import refuse_core_multigpu, refuse_patcher_features
 from .native_types import UnsupportedInput
 
 log = logging.getLogger("ltx2_mgpu.nodes")
@@ -282,6 +282,7 @@ def build_native_model(path: str, transport: Transport, name: str = ""):
     import comfy.model_detection as md
     import comfy.model_management as mm
     import comfy.model_patcher
+    import comfy.patcher_extension as pe
     import comfy.utils
     from comfy import model_base
 
@@ -318,7 +319,52 @@ def build_native_model(path: str, transport: Transport, name: str = ""):
     model.state_dict_for_saving = _refuse_saving
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=load_device,
                                                offload_device=mm.unet_offload_device(), size=1)
+    # core's reload factory (ModelPatcher.deepclone_multigpu: Select Model Device onto another device, MultiGPU CFG
+    # Split): another weightless proxy on the same transport; CFG Split is then refused by name when sampling
+    patcher.cached_patcher_init = (build_native_model, (path, transport, name))
+    patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "ltx2_mgpu", _refuse_before_sampling)
     return patcher
+
+
+def _refuse_before_sampling(executor, *args, **kwargs):
+    """OUTER_SAMPLE wrapper (runs in `CFGGuider.sample` before ComfyUI loads models or builds the sampler's state):
+    what the fleet cannot honour fails here, naming it, instead of at the first forward."""
+    guider = executor.class_obj
+    patcher = guider.model_patcher
+    try:
+        refuse_patcher_features(patcher)
+        refuse_core_multigpu(patcher, guider.model_options, _model_links_into_running_node())
+    except UnsupportedInput as exc:
+        from .common import NodeError
+
+        raise NodeError(f"MGPU model: {exc}") from None
+    return executor(*args, **kwargs)
+
+
+def _model_links_into_running_node() -> set[str]:
+    """Class types of the nodes on the running prompt's `model` / `guider` links into the node executing now (the
+    sampler), from the server's queue; empty outside a server (a script driving ComfyUI's nodes)."""
+    try:
+        from comfy_execution.utils import get_executing_context
+        from server import PromptServer
+    except ImportError:
+        return set()
+    context = get_executing_context()
+    queue = getattr(getattr(PromptServer, "instance", None), "prompt_queue", None)
+    if context is None or queue is None:
+        return set()
+    running, _ = (getattr(queue, "get_current_queue_volatile", None) or queue.get_current_queue)()
+    prompt = next((item[2] for item in running if item[1] == context.prompt_id), None) or {}
+    classes, todo, seen = set(), [str(context.node_id)], set()
+    while todo:
+        node = prompt.get(todo.pop(), {})
+        for name in ("model", "guider"):
+            link = node.get("inputs", {}).get(name)
+            if isinstance(link, list) and len(link) == 2 and str(link[0]) in prompt and str(link[0]) not in seen:
+                seen.add(str(link[0]))
+                classes.add(prompt[str(link[0])].get("class_type"))
+                todo.append(str(link[0]))
+    return classes
 
 
 def fleet_model(path: str, handle, name: str = ""):

@@ -11,9 +11,9 @@ A native MODEL from Load Diffusion Model (MGPU) has no weights in ComfyUI: its t
   attention replacements and patches (`patches_replace`, `patches`, `optimized_attention_override` in
   `transformer_options`), object patches inside the transformer (`diffusion_model.*`; the wrapper's own, e.g.
   ModelSamplingLTXV's `model_sampling`, apply in ComfyUI as usual), weight wrappers, hook-scheduled patches
-  (`hook_patches`), ComfyUI's multi-GPU clones, model merges (`ModelMergeSimple` and friends add another model's
-  weights as patches), LoRA variants other than plain LoRA (LoCon mid weights, DoRA, LoHa, LoKr, …),
-  `strength_model` != 1, offsets and patch functions, and ControlNet (a `control` argument).
+  (`hook_patches`), ComfyUI core's MultiGPU CFG Split (`refuse_core_multigpu`), model merges (`ModelMergeSimple`
+  and friends add another model's weights as patches), LoRA variants other than plain LoRA (LoCon mid weights,
+  DoRA, LoHa, LoKr, …), `strength_model` != 1, offsets and patch functions, and ControlNet (a `control` argument).
 """
 from __future__ import annotations
 
@@ -119,10 +119,35 @@ def refuse_patcher_features(patcher: Any) -> None:
         raise UnsupportedInput("hook-scheduled weight patches (Create Hook LoRA / hook keyframes) are not supported "
                                "by the MGPU model; use LoraLoaderModelOnly")
     model_options = getattr(patcher, "model_options", None) or {}
-    if model_options.get("multigpu_clones"):
-        raise UnsupportedInput("ComfyUI's own multi-GPU model clones (MultiGPU nodes) would deep-copy the model onto "
-                               "other GPUs; the MGPU model already runs its transformer on the fleet's devices")
+    refuse_core_multigpu(patcher, model_options)
     refuse_transformer_options(model_options.get("transformer_options", {}))
+
+
+# ComfyUI core's "MultiGPU CFG Split" (comfy_extras/nodes_multigpu.py, ComfyUI >= 0.33)
+CORE_CFG_SPLIT = "MultiGPU_WorkUnits"
+CFG_SPLIT_REFUSAL = (
+    "ComfyUI's MultiGPU CFG Split (MultiGPU_WorkUnits) cannot be used with the MGPU model: it would clone the model "
+    "onto other GPUs to run cond and uncond there, but the MGPU model's transformer already runs on the fleet, which "
+    "splits the guidance passes (cond / uncond / STG / modality) of every step over its GPUs and the tokens of each "
+    "pass (sequence parallel). Remove the node; to use more GPUs, give the MGPU loader more devices")
+
+
+def refuse_core_multigpu(patcher: Any, model_options: dict | None = None, upstream_classes=()) -> None:
+    """Raise UnsupportedInput (CFG_SPLIT_REFUSAL) when ComfyUI core's MultiGPU CFG Split was applied to the model.
+
+    What core sets (ComfyUI 0.33, `comfy.multigpu.create_multigpu_deepclones`), any one of which is enough:
+    additional models under the key "multigpu" on the patcher (one clone per extra device), those clones flagged
+    `is_multigpu_base_clone`, `model_options["multigpu_options"]`, and on the guider's per-run copy of the options
+    `model_options["multigpu_clones"]`. On a host with one device core sets none of them (the node only clones the
+    patcher), so `upstream_classes` — the class types on the running prompt's model links into the sampler — names
+    the node there."""
+    model_options = model_options if model_options is not None else (getattr(patcher, "model_options", None) or {})
+    extra = getattr(patcher, "get_additional_models_with_key", None)
+    marked = (bool(extra("multigpu")) if callable(extra) else False) \
+        or bool(getattr(patcher, "is_multigpu_base_clone", False)) \
+        or bool(model_options.get("multigpu_options")) or bool(model_options.get("multigpu_clones"))
+    if marked or CORE_CFG_SPLIT in upstream_classes:
+        raise UnsupportedInput(CFG_SPLIT_REFUSAL)
 
 
 def _holds_something(value) -> bool:

@@ -245,6 +245,17 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
     if case == "refuse_attn_patch":
         model = model.clone()
         model.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))
+    if case == "refuse_cfg_split":  # core's MultiGPU CFG Split on a host of two devices (the second one: `meta`)
+        import comfy.model_management as mm
+        import comfy.multigpu
+
+        real = mm.get_all_torch_devices
+        mm.get_all_torch_devices = lambda exclude_current=False: [torch.device("cpu"), torch.device("meta")]
+        try:  # core reloads the model through the patcher's cached_patcher_init and marks the clone
+            model = comfy.multigpu.create_multigpu_deepclones(model, 2, reuse_loaded=True)
+        finally:
+            mm.get_all_torch_devices = real
+        assert [m.load_device.type for m in model.get_additional_models_with_key("multigpu")] == ["meta"]
     if case == "refuse_save":
         import comfy.sd
 
@@ -289,7 +300,8 @@ def run_case(case: str, model, vae, width: int, lora_path: str | None):
 REFERENCE = {}  # "native": the native MODEL (the second model of a merge)
 TRANSPORT = {}  # "t": the MGPU model's transport (the local one can play a fleet restart)
 REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
-            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint"}
+            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint",
+            "refuse_cfg_split": "MultiGPU CFG Split (MultiGPU_WorkUnits)"}
 
 CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora", "lora_stack",
          "connector_lora", "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling",

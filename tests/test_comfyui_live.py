@@ -737,6 +737,57 @@ def test_mgpu_model_refuses_a_block_replacement_by_name(server, tiny_models):
     assert _get("/system_stats")
 
 
+def _core_multigpu_nodes_or_skip():
+    if "MultiGPU_WorkUnits" not in _get("/object_info/MultiGPU_WorkUnits"):
+        pytest.skip("this ComfyUI has no core multi-GPU nodes (ComfyUI >= 0.33: comfy_extras/nodes_multigpu.py)")
+
+
+@pytest.mark.parametrize("sampler", ["SamplerCustomAdvanced", "KSampler"])
+def test_mgpu_model_refuses_core_cfg_split_by_name(server, tiny_models, sampler):
+    """ComfyUI core's MultiGPU CFG Split (MultiGPU_WorkUnits) after the MGPU MODEL: the sampler node fails naming it
+    and what to use instead, before ComfyUI's sampling starts (the pack's OUTER_SAMPLE check: no inner_sample in the
+    traceback). On this one-device host core leaves no mark on the model: the node is found on the prompt's model
+    links (tests/test_native_model_comfyui.py covers core's marks on a host of two devices)."""
+    _test_nodes_or_skip()
+    _core_multigpu_nodes_or_skip()
+    g = native_model_graph("mgpu", int.from_bytes(os.urandom(4), "little"), f"ltx2-mgpu-split-{uuid.uuid4().hex[:8]}")
+    g["45"] = {"class_type": "MultiGPU_WorkUnits", "inputs": {"model": g["8"]["inputs"]["model"], "max_gpus": 2}}
+    g["8"]["inputs"]["model"] = ["45", 0]
+    if sampler == "KSampler":
+        g["11"] = {"class_type": "KSampler", "inputs": {
+            "model": ["45", 0], "seed": 1, "steps": 2, "cfg": 3.0, "sampler_name": "euler", "scheduler": "simple",
+            "positive": ["2", 0], "negative": ["2", 1], "latent_image": ["6", 0], "denoise": 1.0}}
+    err = _error_of(wait(queue(g)))
+    message = err["exception_message"]
+    assert err["node_type"] == sampler, err
+    assert "MGPU model" in message and "MultiGPU CFG Split (MultiGPU_WorkUnits)" in message, message
+    assert "guidance passes" in message and "give the MGPU loader more devices" in message, message
+    assert not any("inner_sample" in line for line in err["traceback"]), err["traceback"]
+    assert _get("/system_stats")
+
+
+def test_core_device_select_nodes_beside_the_mgpu_model(server, tiny_models):
+    """ComfyUI core's Select Model Device ("cpu") on the MGPU MODEL and Select VAE Device ("default") on the
+    checkpoint's VAE, decoding the sampled video: the graph completes and its latents equal the same graph without
+    the two nodes (the MODEL's ComfyUI side only moves inputs; its transformer stays on the fleet)."""
+    _test_nodes_or_skip()
+    _core_multigpu_nodes_or_skip()
+    seed = int.from_bytes(os.urandom(4), "little")
+    tag = uuid.uuid4().hex[:8]
+    plain = _latents(wait(queue(native_model_graph("mgpu", seed, f"ltx2-mgpu-devsel-{tag}/plain"))))
+    g = native_model_graph("mgpu", seed, f"ltx2-mgpu-devsel-{tag}/selected")
+    g["46"] = {"class_type": "SelectModelDevice", "inputs": {"model": g["8"]["inputs"]["model"], "device": "cpu"}}
+    g["8"]["inputs"]["model"] = ["46", 0]
+    g["47"] = {"class_type": "SelectVAEDevice", "inputs": {"vae": ["1", 2], "device": "default"}}
+    g["48"] = {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["47", 0]}}
+    g["49"] = {"class_type": "PreviewImage", "inputs": {"images": ["48", 0]}}
+    entry = wait(queue(g))
+    selected = _latents(entry)
+    assert entry["outputs"]["49"]["images"], entry["outputs"]
+    for modality in ("video", "audio"):
+        assert float((selected[modality] - plain[modality]).abs().max()) <= NATIVE_MODEL_ATOL
+
+
 def test_interrupt_stops_a_sampling_on_the_mgpu_model_and_the_next_prompt_runs(server, tiny_models):
     """ComfyUI's interrupt during a long sampling on the MGPU MODEL stops it (between forwards, or cancelling the
     forward job on the fleet); the same fleet then runs the next prompt."""

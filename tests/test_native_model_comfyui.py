@@ -14,8 +14,8 @@ latents. Two transports behind the same proxy:
 - `fleet`: the pack's fleet, W = 1, 2, 4 CPU ranks on a 27-token video (not divisible by 2 or 4), configured as
   Load Diffusion Model (MGPU) does (no Gemma), when the engine has the forward job (mgpu_backend/jobs/forward.py);
   equal to float tolerance (measured ≤ 7.6e-6, max |latent| ~6).
-Refused features (SkipLayerGuidanceDiT's block replacement, an attention patch, ModelMergeSimple) fail with a message
-naming them.
+Refused features (SkipLayerGuidanceDiT's block replacement, an attention patch, ModelMergeSimple, core's MultiGPU
+CFG Split on a host of two devices — the second one faked as `meta`) fail with a message naming them.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ SAMPLE_CASES = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality",
                 "lora_stack", "t2v_after_lora", "long126", "model_sampling", "easycache", "restart_mid_sampling",
                 "ksampler")
 REFUSALS = {"refuse_slg": "patches_replace", "refuse_attn_patch": "attention / block patches",
-            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint"}
+            "refuse_merge": "model merge", "refuse_save": "saving a checkpoint",
+            "refuse_cfg_split": "MultiGPU CFG Split (MultiGPU_WorkUnits)"}
 LOCAL_ATOL = 1e-6  # measured 0.0: the same ComfyUI module computes both
 FLEET_ATOL = 1e-4  # the engine's transformer vs ComfyUI's over 4 steps; measured ≤ 7.6e-6 at W = 2 (max |x| ~6)
 

@@ -177,8 +177,25 @@ def test_patcher_features_that_need_the_transformer_in_process_are_refused():
         NP.refuse_patcher_features(_patcher(model_options={"transformer_options": {"patches_replace": {"dit": {1: 2}},
                                                                                    "patches": {}}}))
     NP.refuse_transformer_options({"patches_replace": {"dit": {}}, "patches": {"attn1_patch": []}})  # nothing set
-    with pytest.raises(UnsupportedInput, match="multi-GPU model clones"):
-        NP.refuse_patcher_features(_patcher(model_options={"transformer_options": {}, "multigpu_clones": {"a": 1}}))
+
+
+def test_core_multigpu_cfg_split_is_refused_through_what_core_sets():
+    """ComfyUI core's MultiGPU CFG Split, by each mark core 0.33 leaves (comfy/multigpu.py), and by its class in the
+    prompt's model links where it leaves none (a host with one device)."""
+    plain = _patcher(additional_models={}, is_multigpu_base_clone=False)
+    plain.get_additional_models_with_key = lambda key: list(plain.additional_models.get(key, []))
+    NP.refuse_patcher_features(plain)
+    NP.refuse_core_multigpu(plain, upstream_classes={"CFGGuider", "LoraLoaderModelOnly"})
+    clones = _patcher(additional_models={"multigpu": [object()]})
+    clones.get_additional_models_with_key = lambda key: list(clones.additional_models.get(key, []))
+    marked = [clones, _patcher(is_multigpu_base_clone=True),
+              _patcher(model_options={"transformer_options": {}, "multigpu_options": {"cuda:1": {}}}),
+              _patcher(model_options={"transformer_options": {}, "multigpu_clones": {"cuda:0": 1}})]
+    for patcher in marked:
+        with pytest.raises(UnsupportedInput, match=r"MultiGPU CFG Split \(MultiGPU_WorkUnits\).*fleet"):
+            NP.refuse_patcher_features(patcher)
+    with pytest.raises(UnsupportedInput, match="give the MGPU loader more devices"):
+        NP.refuse_core_multigpu(plain, upstream_classes={"CFGGuider", "MultiGPU_WorkUnits"})
 
 
 def test_a_fleet_without_gemma_has_no_text_service_check():

@@ -141,6 +141,12 @@ async function check(page, task) {
                                      { skipAssetScans: task.scan === false });
     }, task);
     await page.waitForTimeout(2500);  // the missing-model / missing-media pipelines run after the load resolves
+    // frontend >= 1.49 shows a summary ("3 errors found" / "Missing node: X") and lists the errors on "View details"
+    const details = page.getByText('View details', { exact: true });
+    if (await details.count()) {
+      await details.first().click();
+      await page.waitForTimeout(1000);
+    }
     const report = await page.evaluate(async () => {
       const app = window.app, LG = window.LiteGraph;
       const unknown = app.graph.nodes.filter(n => !(n.type in LG.registered_node_types)).map(n => n.type);
@@ -159,7 +165,8 @@ async function check(page, task) {
       }
       const { output } = await app.graphToPrompt();
       const text = document.body.innerText;
-      const m = text.match(/(\d+)\s+ERRORS?\b/);
+      // 1.43: "N ERRORS" in the overlay; 1.49: "K nodes — N errors" in the details panel
+      const m = text.match(/(\d+)\s+ERRORS?\b/) || text.match(/\u2014\s*(\d+)\s+errors?\b/i);
       const lines = text.split('\n').map(s => s.trim()).filter(s => /missing|error|invalid|not found/i.test(s));
       return { unknown_types: unknown, missing_inputs: missingInputs, prompt: output,
                error_count: m ? Number(m[1]) : 0, errors_text: lines, node_count: app.graph.nodes.length };
