@@ -115,7 +115,7 @@ class FleetPolicy:
     init_timeout_s: how long a fleet start may take (used when the controller starts a fleet for this policy).
     stall_timeout_s: a job with no step progress for this long is declared hung and the fleet torn down.
     compile: regional torch.compile of the transformer blocks (mgpu_backend/compile.py): the first job at each size
-        pays the compile, later jobs run faster (README, "compile"). Switching it off restores the eager blocks
+        pays the compile, later jobs run faster (docs/cli.md, "compile"). Switching it off restores the eager blocks
         (`compile.uncompile_blocks`; dynamo keeps its cache for a later switch on).
 
     Raises ValueError (naming the field, the value and the rule) on construction.
