@@ -264,6 +264,8 @@ class Int8Linear(FP8Linear):
         last_path: "int8" (W8A8) or "dequantize" (fused LoRA) in the last eager call; None before the first.
     """
 
+    QUANT_FORMAT = "int8"
+
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
                  convrot_group: int | None = None, per_row_scale: bool = False):
         nn.Module.__init__(self)
@@ -282,8 +284,6 @@ class Int8Linear(FP8Linear):
         self.last_path: str | None = None  # for `fp8.compute_report`, like FP8Linear's
         self.last_reason: str | None = None
         self.input_act: str | None = None  # "gelu_tanh" once `fold_gelu` moved a FeedForward's GELU in here
-
-    QUANT_FORMAT = "int8"
 
     def int8_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`weight` (default: this layer's) as int8: the bytes of a sharded layer's float8 view reinterpreted."""

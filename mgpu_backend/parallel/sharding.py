@@ -12,8 +12,8 @@ Before a block runs, FSDP all-gathers its full weights on every rank; after it, 
 - **Any dtype**: bf16 / fp32 parameters, fp8 (e4m3fn / e5m2) and int8 weights stay in their dtype in the shards
   (FSDP2 all-gathers a unit whose parameters mix dtypes as bytes). int8 weights are held as float8_e4m3fn views of
   the same bytes (`_bytes_as_float`: FSDP2 up to torch 2.11 creates every sharded parameter with requires_grad=True,
-  which integer tensors refuse — pytorch#177844); `Int8Linear.int8_weight` views them back, no value converted; per-tensor and per-row scales are buffers and stay
-  whole, as do the embeddings, the projections in and out and the AdaLN embedders outside the blocks (~4 % of the
+  which integer tensors refuse — pytorch#177844); `Int8Linear.int8_weight` views them back, no value converted.
+  Per-tensor and per-row scales are buffers and stay whole, as do the embeddings, the projections in and out and the AdaLN embedders outside the blocks (~4 % of the
   22B transformer). The text connectors' blocks are sharded too: they run on every rank.
 - **Lockstep**: every rank must run every block in the same order (each gather is a collective). Hence the plan of a
   sharded fleet (`ParallelPlan.set_policy`): every forward runs sequence parallel over all ranks, never on a
