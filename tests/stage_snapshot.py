@@ -133,9 +133,13 @@ def _rank_main(rank: int, world: int, rendezvous: str, paths: dict, image: str, 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         result = _run(rank, world, paths, image, mode)
+        dist.barrier()  # every rank finished its collectives before any tears the group down (gloo aborts else)
     finally:
         dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter teardown, as tests/_dist.py does; the result is on disk
 
 
 def _spawn(world: int, paths: dict, image: str, mode: str) -> dict:
