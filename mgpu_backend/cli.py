@@ -13,6 +13,8 @@ from pathlib import Path
 
 from .models.families import NAMES as FAMILY_NAMES
 
+DEFAULT_BUSY_WAIT_S = 3600.0  # how long a fleet run waits for another client's job (--busy-wait)
+BUSY_RETRY_S = 2.0
 DEMO_PROMPT = "A red fox runs through fresh snow at dawn, its breath steaming; birds call in the distance."
 
 
@@ -101,6 +103,10 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
                    help="run a guided stage's guidance passes (cond, uncond, perturbed, isolated) on different ranks "
                         "instead of sequence parallel: auto (default: on GPUs when the cost model predicts it "
                         "faster), on, off; fleet runs only")
+    p.add_argument("--busy-wait", type=float, default=None, metavar="SECONDS",
+                   help="when the fleet is busy with another client's job (ComfyUI, another CLI run), wait up to "
+                        f"this long for it, retrying every {BUSY_RETRY_S:g} s (0: fail at once); fleet runs only "
+                        f"(default: {DEFAULT_BUSY_WAIT_S:g})")
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -168,7 +174,7 @@ class _Progress:
 def on_fleet(args: argparse.Namespace) -> bool:
     """A fleet option given: the job runs on the background controller's fleet, else in this process."""
     return any(getattr(args, name, None) is not None for name in
-               ("devices", "world_size", "sp_degree", "guidance_parallel", "min_tokens_per_rank", "weights"))
+               ("devices", "world_size", "sp_degree", "guidance_parallel", "min_tokens_per_rank", "weights", "busy_wait"))
 
 
 def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
@@ -332,8 +338,13 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     from .client import ControllerClient, parse_devices
     from .controller import check_config
     from .protocol.fleet_config import FleetConfig
+    from .protocol.errors import FleetBusy
     from .protocol.job_requests import JobSpec
+    from .validation import ValidationError
 
+    wait_s = DEFAULT_BUSY_WAIT_S if args.busy_wait is None else args.busy_wait
+    if not 0 <= wait_s < float("inf"):
+        raise ValidationError(f"--busy-wait must be a number of seconds >= 0, got {wait_s}")
     request, files = _request_and_files(args, paths)
     devices = parse_devices(args.devices if args.devices is not None else "all", args.world_size)
     on_gpu = devices[0].startswith("cuda")
@@ -348,16 +359,29 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     # host memory, knowing what a running fleet would give back)
     check_config(config, memory=False)
     client = ControllerClient()
-    t = time.perf_counter()
-    handle = client.configure(config)
-    configure_time = time.perf_counter() - t
-    replaced = client.last_replaced
-    if replaced:  # another configuration was loaded (maybe by ComfyUI): say what this run replaced
-        print(f"note: {describe_stopped({'fleet': replaced, 'clients': replaced['clients']}, 'replaced')}",
-              file=sys.stderr)
     progress, job = _Progress(), JobSpec("generate", request)
+    deadline, configure_time, waiting = time.monotonic() + wait_s, 0.0, False
     try:
-        result = client.run(handle, job, on_event=lambda e: progress(e.stage, e.step, e.total))
+        while True:  # another client's job (ComfyUI, a second CLI run): wait for it, then configure and run
+            try:
+                t = time.perf_counter()
+                handle = client.configure(config)
+                configure_time = time.perf_counter() - t
+                replaced = client.last_replaced
+                if replaced:  # another configuration was loaded (maybe by ComfyUI): say what this run replaced
+                    print(f"note: {describe_stopped({'fleet': replaced, 'clients': replaced['clients']}, 'replaced')}",
+                          file=sys.stderr)
+                result = client.run(handle, job, on_event=lambda e: progress(e.stage, e.step, e.total))
+                break
+            except FleetBusy as exc:
+                if wait_s == 0:
+                    raise
+                if time.monotonic() + BUSY_RETRY_S > deadline:
+                    raise FleetBusy(f"{exc} (waited {wait_s:g} s: --busy-wait)", kind=exc.kind) from None
+                if not waiting:
+                    print(f"note: {exc}: waiting up to {wait_s:g} s (--busy-wait)", file=sys.stderr)
+                    waiting = True
+                time.sleep(BUSY_RETRY_S)
     except KeyboardInterrupt:
         client.cancel(job.job_id)
         raise

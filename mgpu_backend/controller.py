@@ -448,7 +448,7 @@ class Controller:
         """What the fleet is doing, for busy answers: "a generate job (id)", or "starting a N-rank fleet"."""
         kind, job = self.current_kind, self.current_job
         if kind is not None:
-            return f"a {kind} job ({job})"
+            return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} job ({job})"
         return job or "another job"
 
 

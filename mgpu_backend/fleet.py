@@ -308,7 +308,7 @@ class Fleet:
         for i in range(2 * self.world_size):
             self.heartbeat[i] = 0.0
         self._stage = None
-        self._job_stage = JOB_STAGES.get(spec.kind, f"a {spec.kind} job")
+        self._job_stage = JOB_STAGES.get(spec.kind, f"{'an' if spec.kind[:1] in 'aeiou' else 'a'} {spec.kind} job")
         positions: dict[int, tuple[str, int]] = {}
         if isinstance(spec.payload, Pickled):  # a client's small INLINE_JOBS payload: by value to every rank
             send_inline(self.conns, RunJob(spec, policy))

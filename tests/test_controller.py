@@ -401,6 +401,54 @@ def test_cli_policy_change_runs_on_the_same_fleet(tiny_dir, tmp_path):
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+def test_cli_waits_for_another_clients_job_then_runs(tiny_dir, tmp_path):
+    """A CLI `generate` while another client's job runs: `--busy-wait 0` fails at once naming that job (exit 2);
+    the default waits (saying so on stderr), then configures and runs once the other job has ended."""
+    runtime = short_runtime_dir()
+    env = {"LTX2_MGPU_RUNTIME_DIR": str(runtime), "PYTHONPATH": str(REPO)}
+    files = tiny_dir["2.0"]
+    base = ["generate", "--checkpoint", str(files["checkpoint"]), "--gemma", str(files["gemma"]), "--upscaler",
+            str(files["upsampler"]), "--prompt", "a fox", "--width", "128", "--height", "128", "--frames", "9",
+            "--steps", "1", "--devices", "cpu:1"]
+    other = ControllerClient(runtime_dir=runtime)
+    job = JobSpec("noop", NoopRequest(steps=2400, sleep_s=0.05))  # ~2 min unless cancelled
+    started, outcome = threading.Event(), {}
+
+    def first():
+        try:
+            other.run(other.configure(tiny_config(tiny_dir)), job, on_event=lambda e: started.set())
+        except Exception as exc:  # noqa: BLE001 (handed to the main thread)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert started.wait(60), "the other client's job did not start"
+        at_once = _cli(*base, "--busy-wait", "0", "--output", str(tmp_path / "no.mp4"), env_extra=env)
+        assert at_once.returncode == 2, at_once.stderr
+        assert f"busy with a noop job ({job.job_id})" in at_once.stderr and "waiting" not in at_once.stderr
+        assert not (tmp_path / "no.mp4").exists()
+        waiting = subprocess.Popen([sys.executable, "-m", "mgpu_backend", *base, "--output", str(tmp_path / "a.mp4")],
+                                   cwd=REPO, env={**os.environ, **env}, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   text=True)
+        lines = []
+        while not any(line.startswith("note: the fleet is busy") for line in lines):  # before any progress bar
+            lines.append(waiting.stderr.readline())
+            assert lines[-1], f"the CLI ended without waiting: {lines}"
+        assert f"busy with a noop job ({job.job_id})" in lines[-1] and "waiting up to 3600 s" in lines[-1], lines
+        assert waiting.poll() is None
+        ControllerClient(runtime, start=False).cancel(job.job_id)
+        out, err = waiting.communicate(timeout=240)
+        assert waiting.returncode == 0, err
+        assert (tmp_path / "a.mp4").stat().st_size > 0
+        thread.join(60)
+        assert isinstance(outcome.get("error"), JobCancelled), outcome
+    finally:
+        other.close()
+        stop_controller(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 def test_cli_stop_stops_controller_and_workers():
     runtime = short_runtime_dir()
     env = {"LTX2_MGPU_RUNTIME_DIR": str(runtime)}

@@ -120,7 +120,7 @@ class TiledTransformer:
     def describe(self) -> str:
         drift = (", ".join(f"{d:.3g}" for d in self.drift) if self.drift
                  else "n/a (no token is covered by two tiles)")
-        return (f"{len(self.tiles)} tiles ({'×'.join(str(a.num_tiles) for a in self.tiling.axes)}) over "
+        return (f"{len(self.tiles)} tile{'s' if len(self.tiles) != 1 else ''} ({'×'.join(str(a.num_tiles) for a in self.tiling.axes)}) over "
                 f"{self.world_size} ranks; rank {self.rank}: tiles {[t.index for t in self.my_tiles]}\n"
                 f"tile drift per forward (RMS difference of overlapping tiles before blending / their mean): "
                 f"{drift}\nblend weights normalized: "
