@@ -528,14 +528,15 @@ def summary(results: dict, refs: dict, tally: M.FlopTally, scale: float, log, re
                 any_rows = next(iter(ran.values()))
                 c = any_rows.get(stage)
                 if c:
-                    est = refs[stage] * c["items"] * scale * (c["full"] / c["steps"] if stage == "stage 1" else 1)
-                    cell = f"{est:.2f} ({refs[stage] * 1000:.0f} ms × {c['items']})"
+                    forwards = c["items"] * (c["full"] / c["steps"] if stage == "stage 1" else 1)
+                    est = refs[stage] * forwards * scale
+                    cell = f"{est:.2f} ({refs[stage] * 1000:.0f} ms × {forwards:g})"
             line += f" {cell:>22}"
         log(line)
     cells = ["refused" if r is None else f"{sum(c['scaled'] for c in r.values()):.2f}" for r in results.values()]
     log(f"{'total':<13}" + "".join(f" {c:>26}" for c in cells))
     if reference:
-        log("reference column: ltx-core's LTXModel forward (bf16, eager, same weights) at the stage's shape × the "
+        log("reference column: ltx-core's LTXModel forward (compute dtype, eager, same weights) at the stage's shape × the "
             "stage's unbatched forward count (scaled like the others); ltx-core's whole pipeline is not run (its "
             "1.0.0 Gemma path does not run on transformers 5, DESIGN.md §2)")
 
@@ -594,6 +595,8 @@ def run_ltx25(args, modes, device, dtype, log) -> dict:
         kw = ltx25_inputs(model, args.frames, w, h, args.fps, args.text_tokens, device, dtype)
         batches[stage] = TokenBatch.from_diffusers(model.config, **kw)
     tally = M.FlopTally(FL.TransformerShape.of(model.config))
+    if args.reference:
+        log("reference: no column — ltx-core 1.0.0 (Lightricks' reference) cannot run LTX-2.5 (DESIGN.md §2)")
     results = {}
     for mode in modes:
         try:

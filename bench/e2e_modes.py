@@ -167,19 +167,22 @@ def convert_blocks(transformer, kind: str, dtype: torch.dtype) -> int:
     a block with int8 layers already (the GELU fold is one-way: int8 is the last mode)."""
     if kind not in ("fp8", "int8"):
         raise ValueError(f"convert_blocks: kind {kind!r} is not 'fp8' or 'int8'")
-    layers = [(name, m) for name, m in transformer.transformer_blocks.named_modules()
-              if isinstance(m, (nn.Linear, F8.FP8Linear))]
-    if any(isinstance(m, Q.Int8Linear) for _, m in layers):
+    blocks = transformer.transformer_blocks
+    found = [(name, m) for name, m in blocks.named_modules() if isinstance(m, (nn.Linear, F8.FP8Linear))]
+    if any(isinstance(m, Q.Int8Linear) for _, m in found):
         raise ValueError("convert_blocks: the blocks already hold int8 layers (int8 runs last)")
     group = Q.DEFAULT_CONVROT_GROUP
-    if any(m.in_features % group for _, m in layers):
+    if any(m.in_features % group for _, m in found):
         from mgpu_backend.models.tiny import TINY_CONVROT_GROUP
 
         group = TINY_CONVROT_GROUP
+    names = [name for name, _ in found]
+    del found  # no reference to the old layers outlives their replacement: one layer's two copies at a time
     device = next(transformer.parameters()).device
-    for name, old in layers:
+    for name in names:
         parent_path, _, child = name.rpartition(".")
-        parent = transformer.transformer_blocks.get_submodule(parent_path)
+        parent = blocks.get_submodule(parent_path)
+        old = getattr(parent, child)
         w = _float_weight(old)
         bias = None if old.bias is None else old.bias.detach().to(dtype)
         with torch.device(device):
@@ -201,7 +204,7 @@ def convert_blocks(transformer, kind: str, dtype: torch.dtype) -> int:
     if kind == "int8":
         Q.fold_gelu(transformer.transformer_blocks)
     G.graphs_of(transformer).clear()
-    return len(layers)
+    return len(names)
 
 
 # ---- entering / leaving a mode -------------------------------------------------------------------------------------
@@ -237,7 +240,11 @@ def enter_mode(mode: str, transformer, device: torch.device, dtype: torch.dtype)
     elif mode == "fp8":
         n = convert_blocks(transformer, "fp8", dtype)
         F8.set_compute("on")
-        F8.check_compute(transformer, device, dtype)
+        try:
+            F8.check_compute(transformer, device, dtype)
+        except ValueError as exc:
+            F8.set_compute("auto")
+            raise ModeRefused(f"fp8: refused — {exc}") from None
         notes.append(f"fp8: {n} block Linears quantized to per-tensor e4m3 from the current weights; fp8 compute "
                      "forced on (torch._scaled_mm, dynamic per-row activation scales); attention stays "
                      f"{str(dtype)[6:]}")

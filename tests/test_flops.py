@@ -191,6 +191,9 @@ def test_dense_peaks():
     assert F.dense_peak("NVIDIA L40S", "fp8").tflops == 733.0
     unknown = F.dense_peak("NVIDIA A100-SXM4-80GB", "fp8")
     assert unknown.tflops is None and unknown.fraction(1e15) is None and "no fp8" in unknown.reason
+    for name in ("NVIDIA H200 NVL", "NVIDIA H100 NVL", "NVIDIA GH200 480GB"):  # not the SXM figure by a substring
+        assert F.dense_peak(name, torch.bfloat16).tflops is None
+    assert F.dense_peak("NVIDIA GeForce RTX 5090", torch.bfloat16).tflops is None
     cpu = F.dense_peak("cpu", torch.float32)
     assert cpu.tflops is None and "not in the dense-peak table" in cpu.describe()
     assert F.dense_peak("NVIDIA H200", "bf16").fraction(494.7e12) == pytest.approx(0.5)

@@ -256,26 +256,28 @@ def linear_flops_per_video_token(shape: TransformerShape) -> int:
 # TFLOP/s (TOPS for int8) of the tensor cores without sparsity, per data-sheet product; matmul dtype -> peak.
 # Sources (vendor data sheets; their starred figures are 2:4 sparse = 2 × these):
 #   H100 SXM / H200 (SXM): NVIDIA H100 Tensor Core GPU data sheet and H200 data sheet — BF16 / FP16 1,979*, FP8 3,958*,
-#     INT8 3,958* TOPS, TF32 989* -> dense 989.4 / 1,978.9 / 1,978.9 / 494.7.
-#   H100 PCIe: same H100 data sheet, PCIe column — BF16 1,513*, FP8 3,026*, INT8 3,026* -> 756.5 / 1,513 / 1,513.
-#   H100 NVL / H200 NVL: H100 NVL column and H200 data sheet NVL column — BF16 1,671*, FP8 3,341*, INT8 3,341*
-#     -> 835.5 / 1,670.5 / 1,670.5.
+#     INT8 3,958* TOPS, TF32 989* -> dense 989.4 / 1,978.9 / 1,978.9 / 494.7 (the Hopper whitepaper's dense table:
+#     989.4 / 1,978.9).
+#   H100 PCIe: H100 data sheet, PCIe column — BF16 1,513*, FP8 3,026*, INT8 3,026* -> 756.5 / 1,513 / 1,513.
 #   A100 (SXM and PCIe, 40 / 80 GB): NVIDIA A100 data sheet — BF16 312 (624*), INT8 624 (1,248*) TOPS, TF32 156; no FP8.
 #   L40S: NVIDIA L40S data sheet — BF16 362.05 (733*), FP8 733 (1,466*), INT8 733 (1,466*).
 #   L40: NVIDIA L40 data sheet — BF16 181.05 (362.1*), FP8 362 (724*), INT8 362 (724*).
-#   RTX 4090: NVIDIA Ada Lovelace GPU architecture whitepaper (v2.1), Appendix table "GeForce RTX 4090" — peak
-#     FP16 / BF16 tensor TFLOPS with FP32 accumulate 165.2 (330.4*), FP8 with FP32 accumulate 330.3 (660.6*),
-#     INT8 660.6 (1,321.2*) TOPS. PyTorch's bf16 / fp8 GEMMs accumulate in FP32, so these (not the FP16-accumulate
-#     figures) are the peaks.
-# Not in the table (no data-sheet figure checked this session): RTX 5090, B200 and others -> "unknown".
+#   RTX 4090: NVIDIA Ada Lovelace GPU architecture whitepaper, appendix table "GeForce RTX 4090" — peak FP16 / BF16
+#     tensor TFLOPS with FP32 accumulate 165.2 (330.4*), FP8 with FP32 accumulate 330.3 (660.6*), INT8 660.6
+#     (1,321.2*) TOPS. PyTorch's bf16 / fp8 GEMMs accumulate in FP32, so these (not the FP16-accumulate figures)
+#     are the peaks.
+# Listed with no figure (names that would otherwise match a row above; not checked against a data sheet this
+# session): H100 NVL, H200 NVL, GH200. Not listed at all (-> unknown): RTX 5090, B200, and every other device.
+_HOPPER_SXM = {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "int8": 1978.9, "tf32": 494.7}
 DENSE_PEAKS_TFLOPS: tuple[tuple[tuple[str, ...], str, dict[str, float]], ...] = (
-    # (substrings the device name must all contain, lower case), product, {dtype: dense TFLOP/s}
-    (("h200", "nvl"), "H200 NVL", {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "int8": 1670.5}),
-    (("h200",), "H200 SXM", {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "int8": 1978.9, "tf32": 494.7}),
-    (("h100", "nvl"), "H100 NVL", {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "int8": 1670.5}),
+    # (substrings the lower-case device name must all contain, product, {dtype: dense TFLOP/s}); first match wins
+    (("gh200",), "GH200", {}),
+    (("h200", "nvl"), "H200 NVL", {}),
+    (("h200",), "H200 SXM", _HOPPER_SXM),
+    (("h100", "nvl"), "H100 NVL", {}),
     (("h100", "pcie"), "H100 PCIe", {"bf16": 756.5, "fp16": 756.5, "fp8": 1513.0, "int8": 1513.0}),
-    (("h100", "hbm3"), "H100 SXM", {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "int8": 1978.9, "tf32": 494.7}),
-    (("h100", "sxm"), "H100 SXM", {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "int8": 1978.9, "tf32": 494.7}),
+    (("h100", "hbm3"), "H100 SXM", _HOPPER_SXM),  # "NVIDIA H100 80GB HBM3": the SXM5 board
+    (("h100", "sxm"), "H100 SXM", _HOPPER_SXM),
     (("a100",), "A100", {"bf16": 312.0, "fp16": 312.0, "int8": 624.0, "tf32": 156.0}),
     (("l40s",), "L40S", {"bf16": 362.05, "fp16": 362.05, "fp8": 733.0, "int8": 733.0}),
     (("l40",), "L40", {"bf16": 181.05, "fp16": 181.05, "fp8": 362.0, "int8": 362.0}),
@@ -317,6 +319,8 @@ def dense_peak(device_name: str, dtype: Any) -> Peak:
     name = device_name.lower()
     for needles, product, peaks in DENSE_PEAKS_TFLOPS:
         if all(x in name for x in needles):
+            if not peaks:
+                return Peak(device_name, key, product, None, f"no data-sheet figure for {product} in the table")
             if key not in peaks:
                 return Peak(device_name, key, product, None, f"{product} has no {key} figure in the table")
             return Peak(device_name, key, product, peaks[key])
