@@ -474,7 +474,7 @@ def run_two_stage(args, modes, device, dtype, log) -> dict:
 
     meta = tiny_transformer_metadata("2.0") if args.tiny else dict(LTX2_19B, num_layers=blocks)
     results, refs = {}, None
-    for i, mode in enumerate(modes):
+    for mode in modes:
         if args.reference and refs is None and mode in ("fp8", "int8"):
             refs = reference_times(meta, components.transformer, pipeline.tally, device, dtype, log)
         try:
@@ -506,7 +506,7 @@ def summary(results: dict, refs: dict, tally: M.FlopTally, scale: float, log, re
         return
     log()
     log("modes side by side (scaled s; transformer stages: s / TFLOP/s / fraction of the mode's dense peak)")
-    header = f"{'stage':<13}" + "".join(f" {m:>26}" for m in results)  # noqa: PERF102
+    header = f"{'stage':<13}" + "".join(f" {m:>26}" for m in results)
     if reference:
         header += f" {'reference (ltx-core)':>22}"
     log(header)
