@@ -280,7 +280,11 @@ def nonfinite(bad: list) -> int:
 
 def reference_times(meta: dict, transformer, tally: M.FlopTally, device, dtype, log) -> dict[str, float]:
     """Seconds of one ltx-core `LTXModel` forward (same weights, bf16, eager) at each transformer stage's shape
-    (the first forward's row 0); {} with a printed reason when ltx-core cannot be loaded."""
+    (the first forward's row 0); {} with a printed reason when ltx-core cannot be loaded or no bf16 mode ran yet."""
+    if not tally.shapes:
+        log("reference: not run — it is timed at the shapes a bf16 mode (eager / default / compiled) ran before the "
+            "quantized ones, and none did")
+        return {}
     try:
         from bench_sp import build_reference, reference_call
 
