@@ -175,12 +175,13 @@ def _int8_path(args: argparse.Namespace, files: dict, dtype, device) -> tuple[st
     import types
 
     from .models.loader import int8_path_for
+    from .parallel.sharding import ACTIVATION_RESERVE_BYTES
 
     identity = types.SimpleNamespace(
         checkpoint=files["checkpoint"], video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
         upscaler=files.get("upscaler"), text_projection=files.get("text_projection"), transformer_only=False,
         weights="replicated", world_size=1, int8_compute=getattr(args, "int8_compute", None) or "auto")
-    return int8_path_for(identity, dtype, device)
+    return int8_path_for(identity, dtype, device, ACTIVATION_RESERVE_BYTES)
 
 
 def on_fleet(args: argparse.Namespace) -> bool:

@@ -117,7 +117,9 @@ class WorkerState:
         sharded = identity.weights == "sharded"
         # the int8 path (FleetIdentity.int8_compute), and on CUDA this GPU's free memory against what this rank will
         # hold, before any weight
-        self.int8_compute, int8_reason = loader.int8_path_for(identity, dtype, device)
+        from .parallel.sharding import ACTIVATION_RESERVE_BYTES
+
+        self.int8_compute, int8_reason = loader.int8_path_for(identity, dtype, device, ACTIVATION_RESERVE_BYTES)
         if device.type == "cuda":
             from .parallel.sharding import check_fits
 

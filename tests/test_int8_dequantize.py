@@ -128,10 +128,10 @@ def test_report_says_which_path_ran(files):
     assert "int8_compute='dequantize'" in line
     layers = int(line.split("(")[1].split(" layers")[0])
     assert layers == sum(isinstance(m, Q.Int8Linear) for m in _load(files["int8"]).transformer.modules()) > 0
-    w8 = _load(files["int8"], "w8a8", reason="auto: on CPU W8A8 (ComfyUI's result)").transformer
+    w8 = _load(files["int8"], "w8a8", reason="auto: on CPU, ComfyUI's result").transformer
     av_forward(w8)
     line = compute_report(w8)
-    assert line.startswith(f"int8 compute: int8 W8A8 on {layers} layers (") and "auto: on CPU" in line
+    assert line.startswith(f"int8 compute: int8 W8A8 (auto: on CPU, ComfyUI's result); {layers} layers: W8A8, ")
     bf16 = _load(files["bf16"]).transformer
     av_forward(bf16)
     assert compute_report(bf16) is None  # no int8 layers: no line
@@ -159,7 +159,7 @@ def test_resolve_rules():
     assert mode == "w8a8" and "44.0 GiB dequantized" in why and "40.0 GiB free" in why
     assert r("auto", device_type="cuda", weights="sharded", free_bytes=139 * GiB, **kw)[0] == "w8a8"
     assert r("auto", device_type="cpu", weights="replicated", free_bytes=None, **kw) == \
-        ("w8a8", "auto: on CPU W8A8 (ComfyUI's result)")
+        ("w8a8", "auto: on CPU, ComfyUI's result")
     assert r("w8a8", device_type="cuda", weights="replicated", free_bytes=139 * GiB, **kw)[0] == "w8a8"
     assert r("dequantize", device_type="cpu", weights="replicated", free_bytes=None, **kw)[0] == "dequantize"
     assert r("dequantize", device_type="cuda", weights="replicated", free_bytes=47 * GiB, **kw)[0] == "dequantize"
@@ -209,3 +209,21 @@ def test_cli_flag():
     assert args.int8_compute == "dequantize"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--int8-compute", "int4"])
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "auto"])
+def test_fleet_status_says_which_path_ran(files, mode):
+    """A real one-rank CPU fleet on the int8 file: the status (`Fleet.describe`, what the controller's status and
+    Fleet (MGPU) show) names the path rank 0 took."""
+    from mgpu_backend.fleet import Fleet
+
+    config = FleetConfig(devices=("cpu",), checkpoint=str(files["int8"]), gemma=None, transformer_only=True,
+                         gemma_unload=True, int8_compute=mode, init_timeout_s=120.0)
+    fleet = Fleet(config, generation=1)
+    try:
+        status = fleet.describe()["int8_compute"]
+    finally:
+        fleet.shutdown()
+    want = ("int8 dequantized to float32 at load (" if mode == "dequantize"
+            else "int8 W8A8 (auto: on CPU, ComfyUI's result)")
+    assert status.startswith(want), status

@@ -287,8 +287,8 @@ def compute_report(module: nn.Module) -> str | None:
     if int8:
         layers = [m for m in layers if m.last_path != "int8"]
         line = f"int8 compute: {len(int8)} int8 layers {int8[0].last_reason}"
-        if note:  # int8 W8A8 (why: the fleet option int8_compute)
-            line = f"int8 compute: int8 W8A8 on {len(int8)} layers ({int8[0].last_reason}; {note})"
+        if note:  # "int8 W8A8 (why: the fleet option int8_compute)"
+            line = f"int8 compute: {note}; {len(int8)} layers: {int8[0].last_reason}"
         rest = compute_report_of(layers)
         return line if rest is None else f"{line}; {rest}"
     rest = compute_report_of(layers)

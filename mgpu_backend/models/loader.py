@@ -326,13 +326,13 @@ def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
     return WeightBytes(blocks, rest)
 
 
-def int8_path_for(identity, dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+def int8_path_for(identity, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0) -> tuple[str, str]:
     """The int8 path ("w8a8" or "dequantize") and its reason for a rank of a fleet (`FleetIdentity`, its compute
     `dtype`, the rank's `device`), from the fleet option `identity.int8_compute` (`quant.resolve_int8_compute`: on
-    CUDA against this GPU's free memory, `torch.cuda.mem_get_info`, with `parallel/sharding.ACTIVATION_RESERVE_BYTES`
-    kept for one forward). Header reads only. ("w8a8", "") for files without int8 layers. Raises ValidationError for
-    "dequantize" when the dequantized weights would not fit (naming the sizes)."""
-    from ..parallel.sharding import ACTIVATION_RESERVE_BYTES
+    CUDA against this GPU's free memory, `torch.cuda.mem_get_info`, with `reserve_bytes` kept for one forward: the
+    worker passes `parallel/sharding.ACTIVATION_RESERVE_BYTES`). Header reads only. ("w8a8", "") for files without
+    int8 layers. Raises ValidationError for "dequantize" when the dequantized weights would not fit (naming the
+    sizes)."""
     from ..validation import ValidationError
 
     files = (identity.checkpoint,) if identity.transformer_only else (
@@ -347,7 +347,7 @@ def int8_path_for(identity, dtype: torch.dtype, device: torch.device) -> tuple[s
             identity.int8_compute, device_type=device.type, weights=identity.weights,
             int8_bytes=as_int8.per_rank(identity.weights, identity.world_size),
             dequantized_bytes=dequantized.per_rank(identity.weights, identity.world_size), free_bytes=free,
-            reserve_bytes=ACTIVATION_RESERVE_BYTES)
+            reserve_bytes=reserve_bytes)
     except ValueError as exc:
         raise ValidationError(f"{device}: {exc}") from None
 

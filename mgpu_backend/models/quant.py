@@ -445,7 +445,7 @@ def resolve_int8_compute(mode: str, *, device_type: str, weights: str, int8_byte
     if weights == "sharded":
         return "w8a8", "auto: sharded weights keep int8 resident"
     if device_type != "cuda":
-        return "w8a8", "auto: on CPU W8A8 (ComfyUI's result)"
+        return "w8a8", "auto: on CPU, ComfyUI's result"
     if not fits:
         return "w8a8", f"auto: not dequantized, {sizes}, {free}"
     return "dequantize", (f"auto: W8A8 measured slower than bf16 on the H200 (bench/results/int8_h200.txt); {sizes}, "
@@ -453,8 +453,8 @@ def resolve_int8_compute(mode: str, *, device_type: str, weights: str, int8_byte
 
 
 def apply_int8_compute(modules, mode: str, reason: str) -> int:
-    """At load: `dequantize_int8_linears` on each module when `mode` is "dequantize"; with "w8a8" record the reason on
-    each module holding int8 layers (`int8_compute_note`, read by `fp8.compute_report`). Returns the layers
+    """At load: `dequantize_int8_linears` on each module when `mode` is "dequantize"; with "w8a8" record "int8 W8A8
+    (reason)" on each module holding int8 layers (`int8_compute_note`, read by `fp8.compute_report`). Returns the layers
     dequantized. `modules`: the transformer and its text connectors (None entries skipped)."""
     done = 0
     for module in modules:
@@ -463,7 +463,7 @@ def apply_int8_compute(modules, mode: str, reason: str) -> int:
         if mode == "dequantize":
             done += dequantize_int8_linears(module, reason)
         elif any(isinstance(m, Int8Linear) for m in module.modules()):
-            module.int8_compute_note = reason
+            module.int8_compute_note = PATH_W8A8 + (f" ({reason})" if reason else "")
     return done
 
 
