@@ -144,3 +144,52 @@ def test_tiny_auto_tiling_equals_the_explicit_tiled_decode_bit_for_bit(tiny_vae,
     monkeypatch.setattr(D, "free_decode_bytes", lambda device: D.DECODE_MARGIN_BYTES)
     with pytest.raises(ValidationError, match="no tiling of up to 64 tiles fits"):
         TwoStagePipeline.decode_video(pipe, latent, 0, None, overlap=1)
+
+
+def _two_rank_decode(rank: int, world: int, vae_path: str, frees: list[int]) -> dict:
+    """Rank `rank` of a W = 2 gloo group: the pipeline's decode with this rank's injected free memory; the ranks must
+    agree on the tiles (the smallest free memory of the two decides) and decode them together."""
+    from mgpu_backend.parallel import decode as D2
+    from mgpu_backend.pipelines import TwoStagePipeline as TSP
+
+    vae = load_diffusion_vae(vae_path, torch.float32).decoder
+    D2.free_decode_bytes = lambda device: frees[rank]
+    plan = types.SimpleNamespace(world_size=world, rank=rank,
+                                 decode=lambda v, x, t, temb=None: D2.decode_tiles(v, x, t, temb, None, world, rank))
+    fake = types.SimpleNamespace(components=types.SimpleNamespace(video_vae=vae), plan=plan)
+    fake._fit_decode = lambda *a: TSP._fit_decode(fake, *a)
+    latent = torch.randn(1, 128, 2, 3, 5, generator=torch.Generator().manual_seed(0))
+    frames, report = TSP.decode_video(fake, latent, 0, TileCountConfig.spatial(1, 2, overlap=1), overlap=1)
+    # the same ranks decoding the 2×2 tiles explicitly
+    pixels, _ = D2.decode_tiles(vae, denormalize(vae, latent.float()), default_tiling(4, (2, 3, 5), 1), None, None,
+                                world, rank)
+    explicit = None if pixels is None else (
+        ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous())
+    return {"frames": frames, "report": report, "explicit": explicit}
+
+
+def test_two_ranks_agree_on_the_automatic_tiles(tmp_path):
+    """gloo W = 2: rank 1 has less free memory than the 1×2 tiles need, rank 0 plenty: both take rank 1's figure
+    (one all-reduce MIN), decode the same four tiles round-robin, and rank 0's frames equal the same ranks' explicit
+    2×2 decode bit for bit (and the one-process decode of those tiles to 1e-6·(1 + |ref|): the blend's fp32 sum
+    reassociated over ranks where 3-4 tiles overlap, as in test_diffusion_decode.py)."""
+    from _dist import run_ranks
+
+    path = str(write_tiny_diffusion_vae(tmp_path / "vae.safetensors", 0))
+    grid = (2, 3, 5)
+    two = D.diffusion_decode_peak_bytes(grid, D._largest_tile(grid, TileCountConfig.spatial(1, 2, overlap=1)), 4)
+    short = two + D.DECODE_MARGIN_BYTES - 1
+    results = run_ranks(_two_rank_decode, 2, path, [100 * GiB, short])
+    # 1×3 keeps a 3-cell-wide tile (widths 3, 2, 2: no smaller than 1×2's), so the smallest that fits is 2×2
+    want = default_tiling(4, grid, 1)
+    assert (want.height.num_tiles, want.width.num_tiles) == (2, 2)
+    for r in results:
+        assert r["report"]["auto_tiling"].startswith("tiled 2×2 automatically: 1×2 tiles need ~")
+    assert results[0]["report"]["tiles"] == [0, 2] and results[1]["report"]["tiles"] == [1, 3]
+    assert results[1]["frames"] is None and results[1]["explicit"] is None
+    assert torch.equal(results[0]["frames"], results[0]["explicit"])
+    vae = load_diffusion_vae(path, torch.float32).decoder
+    latent = torch.randn(1, 128, *grid, generator=torch.Generator().manual_seed(0))
+    pixels, _ = D.decode_tiles(vae, denormalize(vae, latent), want)
+    explicit = ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous()
+    assert ((results[0]["frames"] - explicit).abs() <= 1e-6 * (1 + explicit.abs())).all()
