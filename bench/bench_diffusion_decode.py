@@ -10,7 +10,10 @@ reduce onto rank 0 (the reduce is not run here; its size is printed); with W = 4
 assigns tiles) the busiest rank's sum. Columns: `max tile`, `sum tiles` (total work), `W=T` / `W=4` simulated
 seconds and their speedups over the untiled decode (`×`; `-` when the untiled decode ran out of memory), and
 `×tiled` = (sum tiles + blend) / (W=T): the speedup over decoding the same tiles in one process (the result the
-distributed decode equals). Peak memory: the largest tile's (or the untiled) peak.
+distributed decode equals). Peak memory: the largest tile's (or the untiled) peak; `est GiB`: what
+`parallel/decode.py diffusion_decode_peak_bytes` predicts for it (the fit through the untiled peaks at 1280×704×121
+and 1920×1088×121; for tiles, the tile's activations plus the whole noise canvas, without the fp32 blend
+accumulator this bench does not hold while decoding) — the check of the estimate that auto-tiles the decode.
 
 Anchor: vLLM-Omni's tiled patch-parallel decode of this decoder on 4×H200: 6.57 s → 1.90 s.
 
@@ -38,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mgpu_backend.models.diffusion_decoder import (DiffusionDecoderConfig, build_decoder,  # noqa: E402
                                                    decode_vae_space, noise_canvas)
 from mgpu_backend.ops import neighborhood  # noqa: E402
-from mgpu_backend.parallel.decode import SPATIAL  # noqa: E402
+from mgpu_backend.parallel.decode import (BLEND_BYTES_PER_PIXEL, SPATIAL,  # noqa: E402
+                                          diffusion_decode_peak_bytes)
 from mgpu_backend.parallel.tiling import axis_weights, split_axis  # noqa: E402
 
 REAL = DiffusionDecoderConfig()  # the defaults are ComfyUI's LTX_24_VAE_CONFIG decoder (the released model's shape)
@@ -150,7 +154,7 @@ def main() -> None:
           f"{config.stage_kernels} + {config.stage5_kernel}; overlap {args.overlap} cells; "
           f"anchor vLLM-Omni 4×H200 6.57 → 1.90 s (3.46×)")
     print(f"{'size':>16} {'tiles':>5} {'max tile s':>10} {'sum s':>8} {'blend s':>8} {'W=T s':>8} {'×':>6} "
-          f"{'×tiled':>6} {'W=' + str(args.ranks) + ' s':>8} {'×':>6} {'peak GiB':>9} {'reduce MB':>9}")
+          f"{'×tiled':>6} {'W=' + str(args.ranks) + ' s':>8} {'×':>6} {'peak GiB':>9} {'est GiB':>8} {'reduce MB':>9}")
     for size in sizes.split(","):
         width, height, frames = (int(v) for v in size.split("x"))
         grid = ((frames - 1) // 8 + 1, height // SPATIAL, width // SPATIAL)
@@ -184,8 +188,13 @@ def main() -> None:
             ratio = lambda t: f"{untiled / t:6.2f}" if untiled else f"{'-':>6}"  # noqa: E731
             reduce_mb = 4 * math.prod(out_shape) / 2**20 if len(tiles) > 1 else 0.0
             tiled_ratio = (sum(times) + blend) / w_t
+            largest = (max(h1 - h0 for h0, h1 in h_spans), max(w1 - w0 for w0, w1 in w_spans))
+            est = diffusion_decode_peak_bytes(grid, None if len(tiles) == 1 else largest, dtype.itemsize)
+            if len(tiles) > 1:  # this bench holds no blend accumulator while it decodes
+                est -= BLEND_BYTES_PER_PIXEL * math.prod(out_shape[2:])
             print(f"{size:>16} {spec:>5} {max(times):10.3f} {sum(times):8.3f} {blend:8.3f} {w_t:8.3f} {ratio(w_t)} "
-                  f"{tiled_ratio:6.2f} {w_r:8.3f} {ratio(w_r)} {peak:9.1f} {reduce_mb:9.0f}", flush=True)
+                  f"{tiled_ratio:6.2f} {w_r:8.3f} {ratio(w_r)} {peak:9.1f} {est / 2**30:8.1f} {reduce_mb:9.0f}",
+                  flush=True)
         del z, canvas
 
 
