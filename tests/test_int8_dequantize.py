@@ -227,3 +227,20 @@ def test_fleet_status_says_which_path_ran(files, mode):
     want = ("int8 dequantized to float32 at load (" if mode == "dequantize"
             else "int8 W8A8 (auto: on CPU, ComfyUI's result)")
     assert status.startswith(want), status
+
+
+def test_cli_in_process_resolution(files):
+    """`generate --int8-compute` without a fleet: resolved for this process's device as a rank resolves it."""
+    import argparse
+
+    from mgpu_backend.cli import _int8_path
+
+    cpu = torch.device("cpu")
+    for flag, want in ((None, "w8a8"), ("auto", "w8a8"), ("w8a8", "w8a8"), ("dequantize", "dequantize")):
+        args = argparse.Namespace(int8_compute=flag)
+        mode, why = _int8_path(args, {"checkpoint": str(files["int8"]), "upscaler": None}, torch.float32, cpu)
+        assert mode == want and why, (flag, mode, why)
+    # a file without int8 layers: nothing to choose
+    assert _int8_path(argparse.Namespace(int8_compute="dequantize"), {"checkpoint": str(files["bf16"]),
+                                                                       "upscaler": None}, torch.float32, cpu) == \
+        ("w8a8", "")
