@@ -243,7 +243,11 @@ def _finish(args, frames, audio, sample_rate, timings, lora_reports, extra_timin
     for report in rank_reports or []:
         decode = report.get("decode", {})
         print(f"  rank {report['rank']}: stage 2: {report.get('stage 2')}; decode tiles {decode.get('tiles')} "
-              f"in {decode.get('seconds', 0.0):.3f} s")
+              f"in {decode.get('seconds', 0.0):.3f} s" + (f" ({decode['auto_tiling']})" if decode.get("auto_tiling")
+                                                         else ""))
+        for line in report.get("speed", []) if report.get("rank", 0) == 0 else []:
+            if line.startswith("int8 compute"):  # which int8 path ran (--int8-compute)
+                print(f"  {line}")
     print(f"wrote {args.output}")
     return timings
 
