@@ -10,7 +10,10 @@ reduce onto rank 0 (the reduce is not run here; its size is printed); with W = 4
 assigns tiles) the busiest rank's sum. Columns: `max tile`, `sum tiles` (total work), `W=T` / `W=4` simulated
 seconds and their speedups over the untiled decode (`×`; `-` when the untiled decode ran out of memory), and
 `×tiled` = (sum tiles + blend) / (W=T): the speedup over decoding the same tiles in one process (the result the
-distributed decode equals). Peak memory: the largest tile's (or the untiled) peak.
+distributed decode equals). Peak memory: the largest tile's (or the untiled) peak; `est GiB`: what
+`parallel/decode.py diffusion_decode_peak_bytes` predicts for it (the fit through the untiled peaks at 1280×704×121
+and 1920×1088×121; for tiles, the tile's activations plus the whole noise canvas, without the fp32 blend
+accumulator this bench does not hold while decoding) — the check of the estimate that auto-tiles the decode.
 
 Anchor: vLLM-Omni's tiled patch-parallel decode of this decoder on 4×H200: 6.57 s → 1.90 s.
 
@@ -22,6 +25,12 @@ when its CUDA backend loads, else Triton or eager — printed), built directly i
     python bench/bench_diffusion_decode.py                                   # one H200, the default table
     python bench/bench_diffusion_decode.py --sizes 1920x1088x121 --tiles 1x1,2x2,2x4,4x4
     python bench/bench_diffusion_decode.py --tiny --device cpu               # CPU smoke check (tiny config)
+    python bench/bench_diffusion_decode.py --auto-free 40 --sizes 1920x1088x121   # never out of memory: see below
+
+`--auto-free GIB`: instead of the table, hold GPU memory so that about GIB GiB stay free, then decode each size the
+way a job does (`TwoStagePipeline.decode_video`: the estimate against the free memory, automatic tiling when it
+would not fit) and print the tiling it chose, its note, the seconds and the measured peak — or the out-of-memory
+error it must never hit.
 """
 from __future__ import annotations
 
@@ -38,7 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mgpu_backend.models.diffusion_decoder import (DiffusionDecoderConfig, build_decoder,  # noqa: E402
                                                    decode_vae_space, noise_canvas)
 from mgpu_backend.ops import neighborhood  # noqa: E402
-from mgpu_backend.parallel.decode import SPATIAL  # noqa: E402
+from mgpu_backend.parallel.decode import (BLEND_BYTES_PER_PIXEL, SPATIAL,  # noqa: E402
+                                          diffusion_decode_peak_bytes)
 from mgpu_backend.parallel.tiling import axis_weights, split_axis  # noqa: E402
 
 REAL = DiffusionDecoderConfig()  # the defaults are ComfyUI's LTX_24_VAE_CONFIG decoder (the released model's shape)
@@ -119,6 +129,43 @@ def blend_seconds(shape, h_spans, w_spans, overlap, device) -> float:
     return time.perf_counter() - start
 
 
+def auto_free(model, sizes: str, free_gib: float, overlap: int, device: torch.device, config) -> None:
+    """Hold memory so that ~`free_gib` GiB stay free on `device`, then decode each size through the pipeline's
+    `decode_video` (its automatic tiling) and print what it did."""
+    import types
+
+    from mgpu_backend.parallel import decode as D
+    from mgpu_backend.pipelines import TwoStagePipeline
+
+    if device.type != "cuda":
+        raise SystemExit("--auto-free needs a CUDA device (the free memory is probed there)")
+    fake = types.SimpleNamespace(components=types.SimpleNamespace(video_vae=model), plan=None)
+    fake._fit_decode = lambda *a: TwoStagePipeline._fit_decode(fake, *a)
+    for size in sizes.split(","):
+        width, height, frames = (int(v) for v in size.split("x"))
+        grid = ((frames - 1) // 8 + 1, height // SPATIAL, width // SPATIAL)
+        latent = torch.randn(1, config.in_channels, *grid)
+        _peak_reset(device)
+        free = D.free_decode_bytes(device)
+        hold = max(0, int(free - free_gib * 2**30))
+        blocker = torch.empty(hold, dtype=torch.uint8, device=device) if hold else None
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        try:
+            _, report = TwoStagePipeline.decode_video(fake, latent, 0, None, overlap)
+            _sync(device)
+            outcome = (f"{report.get('auto_tiling') or 'untiled (fits)'}; {time.perf_counter() - start:.2f} s, "
+                       f"peak {(torch.cuda.max_memory_allocated(device) - base) / 2**30:.1f} GiB above the held "
+                       f"memory")
+        except torch.OutOfMemoryError as exc:
+            outcome = f"OUT OF MEMORY (must not happen): {str(exc).splitlines()[0]}"
+        except Exception as exc:  # noqa: BLE001  (a refusal: nothing fits)
+            outcome = f"refused: {exc}"
+        print(f"{size}: {free / 2**30:.1f} GiB free, ~{free_gib:g} GiB left free -> {outcome}", flush=True)
+        del blocker
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1280x704x121,1920x1088x121", help="WxHxFRAMES, comma-separated")
@@ -129,6 +176,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--tiny", action="store_true", help="tiny config (smoke check), default sizes 256x192x17")
     ap.add_argument("--warmup", type=int, default=1, help="untimed decodes of the first tile before timing")
+    ap.add_argument("--auto-free", type=float, default=None, metavar="GIB",
+                    help="leave about GIB GiB free and decode as a job does (automatic tiling); see the docstring")
     args = ap.parse_args()
 
     from diffusers.utils import logging as diffusers_logging
@@ -149,8 +198,11 @@ def main() -> None:
     print(f"# config: stages {config.stage_channels}, depths {config.stage_depths}, kernels "
           f"{config.stage_kernels} + {config.stage5_kernel}; overlap {args.overlap} cells; "
           f"anchor vLLM-Omni 4×H200 6.57 → 1.90 s (3.46×)")
+    if args.auto_free is not None:
+        auto_free(model, sizes, args.auto_free, args.overlap, device, config)
+        return
     print(f"{'size':>16} {'tiles':>5} {'max tile s':>10} {'sum s':>8} {'blend s':>8} {'W=T s':>8} {'×':>6} "
-          f"{'×tiled':>6} {'W=' + str(args.ranks) + ' s':>8} {'×':>6} {'peak GiB':>9} {'reduce MB':>9}")
+          f"{'×tiled':>6} {'W=' + str(args.ranks) + ' s':>8} {'×':>6} {'peak GiB':>9} {'est GiB':>8} {'reduce MB':>9}")
     for size in sizes.split(","):
         width, height, frames = (int(v) for v in size.split("x"))
         grid = ((frames - 1) // 8 + 1, height // SPATIAL, width // SPATIAL)
@@ -184,8 +236,13 @@ def main() -> None:
             ratio = lambda t: f"{untiled / t:6.2f}" if untiled else f"{'-':>6}"  # noqa: E731
             reduce_mb = 4 * math.prod(out_shape) / 2**20 if len(tiles) > 1 else 0.0
             tiled_ratio = (sum(times) + blend) / w_t
+            largest = (max(h1 - h0 for h0, h1 in h_spans), max(w1 - w0 for w0, w1 in w_spans))
+            est = diffusion_decode_peak_bytes(grid, None if len(tiles) == 1 else largest, dtype.itemsize)
+            if len(tiles) > 1:  # this bench holds no blend accumulator while it decodes
+                est -= BLEND_BYTES_PER_PIXEL * math.prod(out_shape[2:])
             print(f"{size:>16} {spec:>5} {max(times):10.3f} {sum(times):8.3f} {blend:8.3f} {w_t:8.3f} {ratio(w_t)} "
-                  f"{tiled_ratio:6.2f} {w_r:8.3f} {ratio(w_r)} {peak:9.1f} {reduce_mb:9.0f}", flush=True)
+                  f"{tiled_ratio:6.2f} {w_r:8.3f} {ratio(w_r)} {peak:9.1f} {est / 2**30:8.1f} {reduce_mb:9.0f}",
+                  flush=True)
         del z, canvas
 
 

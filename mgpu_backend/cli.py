@@ -94,6 +94,11 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks: the first job at a size pays the compile, later "
                         "jobs on the same fleet run faster")
+    p.add_argument("--int8-compute", choices=("auto", "w8a8", "dequantize"), default=None,
+                   help="an int8(-convrot) transformer file: w8a8 (int8 weights resident, ComfyUI's result), "
+                        "dequantize (weights dequantized to the compute dtype at load: bf16 speed, 2x their memory; "
+                        "refused when they would not fit the GPU or with --weights sharded) or auto (default: on "
+                        "CUDA dequantize when it fits, else w8a8; on CPU w8a8)")
     p.add_argument("--min-tokens-per-rank", type=int, default=None, metavar="N",
                    help="split a stage over fewer ranks when it has fewer than N video tokens per rank (0: always "
                         "every rank); default: on GPUs the cost model picks each stage's split")
@@ -171,6 +176,20 @@ class _Progress:
             self.bar = None
 
 
+def _int8_path(args: argparse.Namespace, files: dict, dtype, device) -> tuple[str, str]:
+    """`--int8-compute` resolved for this process's device (`models.loader.int8_path_for`, as a fleet rank does)."""
+    import types
+
+    from .models.loader import int8_path_for
+    from .parallel.sharding import ACTIVATION_RESERVE_BYTES
+
+    identity = types.SimpleNamespace(
+        checkpoint=files["checkpoint"], video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
+        upscaler=files.get("upscaler"), text_projection=files.get("text_projection"), transformer_only=False,
+        weights="replicated", world_size=1, int8_compute=getattr(args, "int8_compute", None) or "auto")
+    return int8_path_for(identity, dtype, device, ACTIVATION_RESERVE_BYTES)
+
+
 def on_fleet(args: argparse.Namespace) -> bool:
     """A fleet option given: the job runs on the background controller's fleet, else in this process."""
     return any(getattr(args, name, None) is not None for name in
@@ -192,9 +211,11 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     t = time.perf_counter()
+    int8_mode, int8_reason = _int8_path(args, files, dtype, device)
     components = load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=dtype, device=device,
                                  video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
-                                 text_projection=files.get("text_projection"), text_encoder=files["gemma"])
+                                 text_projection=files.get("text_projection"), text_encoder=files["gemma"],
+                                 int8_compute=int8_mode, int8_reason=int8_reason)
     if args.compile:
         from .compile import compile_blocks
 
@@ -228,7 +249,11 @@ def _finish(args, frames, audio, sample_rate, timings, lora_reports, extra_timin
     for report in rank_reports or []:
         decode = report.get("decode", {})
         print(f"  rank {report['rank']}: stage 2: {report.get('stage 2')}; decode tiles {decode.get('tiles')} "
-              f"in {decode.get('seconds', 0.0):.3f} s")
+              f"in {decode.get('seconds', 0.0):.3f} s" + (f" ({decode['auto_tiling']})" if decode.get("auto_tiling")
+                                                         else ""))
+        for line in report.get("speed", []) if report.get("rank", 0) == 0 else []:
+            if line.startswith("int8 compute"):  # which int8 path ran (--int8-compute)
+                print(f"  {line}")
     print(f"wrote {args.output}")
     return timings
 
@@ -354,7 +379,8 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
     config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree,
                          compile=args.compile, guidance_parallel=args.guidance_parallel or "auto",
-                         min_tokens_per_rank=args.min_tokens_per_rank, weights=args.weights or "replicated", **files)
+                         min_tokens_per_rank=args.min_tokens_per_rank, weights=args.weights or "replicated",
+                         int8_compute=args.int8_compute or "auto", **files)
     # headers and rank counts: a bad degree or file is refused before a controller is started (the controller checks
     # host memory, knowing what a running fleet would give back)
     check_config(config, memory=False)

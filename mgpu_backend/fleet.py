@@ -92,6 +92,7 @@ class Fleet:
         self.open_counts: list[int] = [0] * self.world_size
         self.load_seconds = 0.0
         self.heads: int | None = None  # the loaded transformer's attention heads (`WorkerReady`)
+        self.int8_compute: str | None = None  # the int8 path rank 0 took (`WorkerReady.int8_compute`), for status
         self.lost: str | None = None
         # frames blocks handed to clients lately (theirs to unlink); any other block of this fleet's workers left in
         # /dev/shm at teardown is an orphan (e.g. written by rank 0 of a job another rank's death ended)
@@ -158,6 +159,8 @@ class Fleet:
                     self.open_counts[rank] = message.open_count
                     self.load_seconds = max(self.load_seconds, message.load_seconds)
                     self.heads = message.heads
+                    if rank == 0:
+                        self.int8_compute = getattr(message, "int8_compute", None)
                 elif isinstance(message, WorkerInitError):
                     self._fail(f"rank {rank} failed to start: {message.error}",
                                details={"traceback": message.traceback})
@@ -232,7 +235,7 @@ class Fleet:
         """The fleet for status answers and for saying what a stop or a rebuild replaces."""
         return {"generation": self.generation, "devices": list(self.config.devices), "worker_pids": list(self.pids),
                 "checkpoint": self.config.checkpoint, "weights": self.config.weights,
-                "load_seconds": self.load_seconds,
+                "load_seconds": self.load_seconds, "int8_compute": self.int8_compute,
                 "policy": dataclasses.asdict(self.policy), "plan": dataclasses.asdict(self.plan_for(self.policy))}
 
     def shutdown(self, graceful: bool = True) -> None:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from . import latents as L
 from . import sampling as S
@@ -266,15 +267,24 @@ class TwoStagePipeline:
             x = upsampler(x).float().cpu()
         return L.normalize_latents(x, mean, std)
 
-    def decode_video(self, video_latent: torch.Tensor, seed: int = 0, tiling: TileCountConfig | None = None
-                     ) -> tuple[torch.Tensor | None, dict]:
+    def decode_video(self, video_latent: torch.Tensor, seed: int = 0, tiling: TileCountConfig | None = None,
+                     overlap: int = 2) -> tuple[torch.Tensor | None, dict]:
         """`[1, 128, F', H', W']` model-space latent -> (frames `[F, H, W, 3]` float32 0..1, report).
 
         With `tiling`: the spatial tiles are decoded round-robin over the plan's ranks (or all here in one process)
         and blended; the frames exist on rank 0 only (None elsewhere). The LTX-2.5 diffusion decoder ignores `seed`:
-        its noise is ComfyUI's fixed seed 0 (`models/diffusion_decoder.py`)."""
+        its noise is ComfyUI's fixed seed 0 (`models/diffusion_decoder.py`).
+
+        Never out of memory on a GPU (the diffusion decoder): its peak is estimated from the latent shape
+        (`parallel.decode.diffusion_decode_peak_bytes`) against the smallest free memory of the ranks that decode;
+        when it would not fit, the smallest balanced tiling (`overlap` latent cells) that fits is used instead,
+        and the report says so (`report["auto_tiling"]`, e.g. "tiled 2×2 automatically: untiled needs ~85 GiB, 60
+        GiB free"); the result is then the tiled decode's. Raises ValidationError when no tiling fits."""
         vae = self.components.video_vae
         param = next(vae.parameters())
+        auto_note = None
+        if is_diffusion_decoder(vae):
+            tiling, auto_note = self._fit_decode(vae, tuple(video_latent.shape[2:]), tiling, overlap)
         if is_diffusion_decoder(vae):  # de-normalized in the VAE's dtype, as ComfyUI's `un_normalize`
             x = denormalize(vae, video_latent.float())
         else:
@@ -292,12 +302,33 @@ class TwoStagePipeline:
                 pixels, report = self.plan.decode(vae, x, tiling, temb)
             else:
                 pixels, report = decode_tiles(vae, x, tiling, temb)
-            if pixels is None:
-                return None, report
         else:
             pixels = decode_untiled(vae, x, temb)
             report = {"tiles": "untiled", "seconds": time.perf_counter() - start}
+        if auto_note is not None:
+            report["auto_tiling"] = auto_note
+        if pixels is None:
+            return None, report
         return ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(), report
+
+    def _fit_decode(self, vae, grid: tuple[int, int, int], tiling: TileCountConfig | None, overlap: int
+                    ) -> tuple[TileCountConfig | None, str | None]:
+        """`parallel.decode.fit_decode_tiling` against the smallest free memory over the decoding ranks (one
+        all-reduce when the plan has several: every rank must choose the same tiles)."""
+        from .parallel import decode as D
+
+        param = next(vae.parameters())
+        free = D.free_decode_bytes(param.device)
+        ranks = self.plan.world_size if self.plan is not None else 1
+        if ranks > 1:
+            t = torch.tensor([free if free is not None else -1], dtype=torch.int64,
+                             device=param.device if param.device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            free = None if int(t) < 0 else int(t)
+        try:
+            return D.fit_decode_tiling(grid, tiling, free, overlap, param.element_size())
+        except ValueError as exc:
+            raise V.ValidationError(str(exc)) from None
 
     def decode_audio(self, audio_latent: torch.Tensor) -> tuple[torch.Tensor, int]:
         """`[1, 8, T, 16]` model-space audio latent -> (waveform `[C, S]` float32, sample rate)."""
@@ -351,7 +382,8 @@ class TwoStagePipeline:
 
         t = time.perf_counter()
         video_latent = L.unpack_video(result2.video, job.frames, job.h2, job.w2)
-        frames, report["decode"] = self.decode_video(video_latent, request.seed, job.decode_tiling)
+        frames, report["decode"] = self.decode_video(video_latent, request.seed, job.decode_tiling,
+                                                     request.decode_overlap)
         timings["decode video"] = time.perf_counter() - t
         t = time.perf_counter()
         audio_latent = L.unpack_audio(audio1)

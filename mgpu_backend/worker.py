@@ -115,23 +115,30 @@ class WorkerState:
         dtype = getattr(torch, identity.dtype)
         self.config, self.rank, self.device, self.dtype = identity, rank, device, dtype
         sharded = identity.weights == "sharded"
-        if device.type == "cuda":  # this GPU's free memory against what this rank will hold, before any weight
+        # the int8 path (FleetIdentity.int8_compute), and on CUDA this GPU's free memory against what this rank will
+        # hold, before any weight
+        from .parallel.sharding import ACTIVATION_RESERVE_BYTES
+
+        self.int8_compute, int8_reason = loader.int8_path_for(identity, dtype, device, ACTIVATION_RESERVE_BYTES)
+        if device.type == "cuda":
             from .parallel.sharding import check_fits
 
             files = (identity.checkpoint,) if identity.transformer_only else (
                 identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
-            sizes = loader.weight_bytes(files, dtype, transformer_only=identity.transformer_only)
+            sizes = loader.weight_bytes(files, dtype, transformer_only=identity.transformer_only,
+                                        int8_dequantized=self.int8_compute == "dequantize")
             check_fits(str(device), torch.cuda.mem_get_info(device)[0], sizes, identity.weights, identity.world_size)
         # sharded weights: loaded as a memory map on the host, then each rank moves only its shards to the device
         load_device = torch.device("cpu") if sharded else device
         if identity.transformer_only:
             self.components = loader.load_components(identity.checkpoint, dtype=dtype, device=load_device,
-                                                     transformer_only=True)
+                                                     transformer_only=True, int8_compute=self.int8_compute,
+                                                     int8_reason=int8_reason)
         else:
             self.components = loader.load_components(
                 identity.checkpoint, video_vae=identity.video_vae, audio_vae=identity.audio_vae,
                 text_projection=identity.text_projection, upsampler=identity.upscaler, text_encoder=identity.gemma,
-                dtype=dtype, device=load_device)
+                dtype=dtype, device=load_device, int8_compute=self.int8_compute, int8_reason=int8_reason)
         self.sharding = None
         if sharded:
             from .parallel.sharding import shard_transformer
@@ -231,7 +238,8 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
         state = WorkerState(config, policy, rank, device)
         dist.barrier()
         heads = int(state.components.transformer.config.num_attention_heads)
-        conn.send(WorkerReady(rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0, heads))
+        conn.send(WorkerReady(rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0, heads,
+                              getattr(state.components.transformer, "int8_compute_note", None) or None))
     except Exception as exc:  # reported to the controller, which tears the fleet down
         conn.send(WorkerInitError(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return

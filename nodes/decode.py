@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..mgpu_backend.protocol.stage_requests import DecodeRequest
-from .common import CATEGORY, fleet_input, guard, run_job
+from .common import CATEGORY, fleet_input, guard, log, run_job
 from .native_types import frames_to_image, split_latent, waveform_to_audio
 from .upscale import tile_config
 
@@ -44,6 +44,9 @@ class DistributedDecodeMGPU(io.ComfyNode):
             request = DecodeRequest(video=parts.video, audio=parts.audio,
                                     tiles=tile_config(tiles_height, tiles_width, overlap), overlap=int(overlap))
             result = run_job(fleet, "decode", request, node_id=cls.hidden.unique_id, what=NAME)
+            note = (result.get("report") or {}).get("auto_tiling")
+            if note:  # the diffusion decoder would not have fit: tiled automatically (parallel/decode.py)
+                log.warning("%s: %s", NAME, note)
             images = frames_to_image(result["frames"])
             audio = waveform_to_audio(result.get("audio"), result.get("sample_rate"))
         return io.NodeOutput(images, audio)

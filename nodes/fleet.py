@@ -22,6 +22,8 @@ def format_status(status: dict, handle: FleetHandle | None = None) -> str:
         lines.append(f"fleet generation {fleet['generation']}: {len(fleet['devices'])} rank(s) on "
                      f"{', '.join(fleet['devices'])}; workers {', '.join(map(str, fleet['worker_pids']))}")
         lines.append(f"checkpoint {fleet.get('checkpoint')} (loaded in {fleet.get('load_seconds') or 0:.1f} s)")
+        if fleet.get("int8_compute"):  # which path the int8 file's layers take (FleetIdentity.int8_compute)
+            lines.append(f"int8 compute: {fleet['int8_compute']}")
         if handle is not None and fleet["generation"] != handle.generation:
             lines.append(f"this handle is of generation {handle.generation} (the fleet was rebuilt since)")
     processes = status.get("processes") or []

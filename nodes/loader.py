@@ -7,7 +7,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..mgpu_backend.protocol.errors import ControllerError
-from ..mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, WEIGHT_MODES
+from ..mgpu_backend.protocol.fleet_config import INT8_COMPUTE_MODES, WEIGHT_MODES, FleetConfig, FleetHandle
 from ..mgpu_backend.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
 
@@ -110,6 +110,20 @@ def _weights_input():
                           tooltip=WEIGHT_MODES_TOOLTIP)
 
 
+INT8_COMPUTE_TOOLTIP = ("How an int8(-convrot) transformer file computes (ComfyUI's LTX-2.5 templates load one): "
+                        "w8a8 = int8 weights resident, activations quantized per token (ComfyUI's own result); "
+                        "dequantize = weights dequantized to bf16 at load as ComfyUI dequantizes them (bf16 speed - "
+                        "W8A8 measured slower on an H200 - and twice their memory; refused when they would not fit "
+                        "the GPU, or with sharded weights); auto = dequantize on GPUs when it fits, else w8a8 (CPU: "
+                        "w8a8). The fleet status and each job report say which path ran. Changing it restarts the "
+                        "fleet.")
+
+
+def _int8_input():
+    return io.Combo.Input("int8_compute", options=list(INT8_COMPUTE_MODES), default="auto", optional=True,
+                          tooltip=INT8_COMPUTE_TOOLTIP)
+
+
 def describe_plan(handle: FleetHandle) -> str:
     """The node's text: the fleet and the split it computed for this handle's policy (`handle.plan`, a
     `protocol.fleet_config.FleetPlan`: nothing is re-derived here), the weights and the free memory."""
@@ -202,6 +216,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                                          "faster on GPUs. Changing it keeps the fleet (turning it off restores the "
                                          "eager blocks)."),
                 _weights_input(),
+                _int8_input(),
             ],
             outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
                                                                 "generation)."),
@@ -212,7 +227,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
     @classmethod
     def execute(cls, checkpoint, gemma, upscaler, devices, world_size, weight_dtype, video_vae=NONE,
                 audio_vae=NONE, text_projection=NONE, sp_degree=0, compile=False,
-                weights="replicated") -> io.NodeOutput:
+                weights="replicated", int8_compute="auto") -> io.NodeOutput:
         from ..mgpu_backend.client import parse_devices
 
         with guard("Load Checkpoint (MGPU)"):
@@ -225,7 +240,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 video_vae=_optional(video_vae, "vae", "checkpoints"),
                 audio_vae=_optional(audio_vae, "vae", "checkpoints"),
                 text_projection=_optional(text_projection, "text_encoders", "checkpoints"), dtype=dtype,
-                sp_degree=sp_degree or None, compile=bool(compile), weights=weights)
+                sp_degree=sp_degree or None, compile=bool(compile), weights=weights, int8_compute=int8_compute)
             try:
                 c = client()
                 try:
@@ -282,6 +297,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
                                        "checkpoint (only its transformer is loaded on the fleet)."),
                 *_device_inputs(),
                 _weights_input(),
+                _int8_input(),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip=MODEL_TOOLTIP),
                      Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet, for the other MGPU "
@@ -290,7 +306,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, devices, world_size, weights="replicated") -> io.NodeOutput:
+    def execute(cls, unet_name, devices, world_size, weights="replicated", int8_compute="auto") -> io.NodeOutput:
         from ..mgpu_backend.client import parse_devices
 
         what = "Load Diffusion Model (MGPU)"
@@ -300,7 +316,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             path = _resolve(unet_name, "diffusion_models", "checkpoints")
             # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
             config = FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
-                                 transformer_only=True, weights=weights)
+                                 transformer_only=True, weights=weights, int8_compute=int8_compute)
             try:
                 c = client()
                 try:

@@ -183,7 +183,7 @@ def run_decode(state, request: DecodeRequest, ctx) -> dict:
     _check_finite_inputs("decode", {"video latent": video, "audio latent": r.audio})
     ranks = pipe.plan.world_size if pipe.plan is not None else 1
     tiling = pipe.resolve_tiling(r.tiles, ranks, tuple(video.shape[2:]), int(r.overlap), "decode tiles")
-    frames, report = pipe.decode_video(video, int(r.seed), tiling)
+    frames, report = pipe.decode_video(video, int(r.seed), tiling, int(r.overlap))
     if ctx.rank != 0:
         return {}
     waveform, sample_rate = None, None

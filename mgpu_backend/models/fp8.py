@@ -278,15 +278,23 @@ class FP8Linear(nn.Module):
 
 def compute_report(module: nn.Module) -> str | None:
     """One line for a job report: how many `FP8Linear`s of `module` ran on the fp8 tensor cores in their last
-    eager call and why the others did not (None when the module has no FP8Linear that ran eagerly yet)."""
+    eager call and why the others did not (None when the module has no FP8Linear that ran eagerly yet); for an int8
+    file, which path ran: "int8 W8A8 …" or "int8 dequantized to bf16 at load …" (`models.quant.apply_int8_compute`
+    recorded it on `module` as `int8_compute_note`)."""
+    note = getattr(module, "int8_compute_note", None)
     layers = [m for m in module.modules() if isinstance(m, FP8Linear) and m.last_path is not None]
     int8 = [m for m in layers if m.last_path == "int8"]  # models.quant.Int8Linear computed W8A8
     if int8:
         layers = [m for m in layers if m.last_path != "int8"]
         line = f"int8 compute: {len(int8)} int8 layers {int8[0].last_reason}"
+        if note:  # "int8 W8A8 (why: the fleet option int8_compute)"
+            line = f"int8 compute: {note}; {len(int8)} layers: {int8[0].last_reason}"
         rest = compute_report_of(layers)
         return line if rest is None else f"{line}; {rest}"
-    return compute_report_of(layers)
+    rest = compute_report_of(layers)
+    if note and "dequantized" in note:
+        return f"int8 compute: {note}" + ("" if rest is None else f"; {rest}")
+    return rest
 
 
 def compute_report_of(layers: list["FP8Linear"]) -> str | None:

@@ -289,10 +289,13 @@ class WeightBytes:
         return self.blocks + self.rest
 
 
-def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False) -> WeightBytes:
+def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
+                 int8_dequantized: bool = False) -> WeightBytes:
     """The bytes the ranks will hold of these files (header reads only): a `WeightBytes` with the
     transformer's and text connectors' block tensors apart. Floating tensors count in `dtype`, fp8 / int8 weights
-    and their scales as stored. `transformer_only`: only the transformer's keys of the first file."""
+    and their scales as stored. `transformer_only`: only the transformer's keys of the first file.
+    `int8_dequantized`: int8 weights count in `dtype` and their scales not at all (the fleet option
+    `int8_compute="dequantize"`, `quant.dequantize_int8_linears`)."""
     blocks = rest = 0
     for i, path in enumerate(dict.fromkeys(p for p in paths if p)):
         file = _open(path)
@@ -302,18 +305,51 @@ def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False) -> W
                 break
             prefix = transformer_prefix(file)
             keys = file.keys_under(prefix) if prefix else keys
+        key_set = set(file.keys)
         for key in keys:
             if key.endswith("." + quant.COMFY_QUANT_SUFFIX):  # a format marker, not held
                 continue
             stored = file.tensor_dtype(key)
             keep = kept_as_stored(stored, key)
             size = stored.itemsize if keep or not stored.is_floating_point else dtype.itemsize
+            if int8_dequantized and stored == torch.int8:
+                size = dtype.itemsize
+            elif int8_dequantized and key.endswith(SCALE_SUFFIX) and \
+                    key[: -len(SCALE_SUFFIX)] + quant.COMFY_QUANT_SUFFIX in key_set and \
+                    file.tensor_dtype(key[: -len(SCALE_SUFFIX)] + "weight") == torch.int8:
+                size = 0  # the int8 layer's scale: gone with the int8 weight
             n = math.prod(file.tensor_shape(key)) * size
             if "transformer_blocks." in key or "transformer_1d_blocks." in key:  # the connectors' blocks
                 blocks += n
             else:
                 rest += n
     return WeightBytes(blocks, rest)
+
+
+def int8_path_for(identity, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0) -> tuple[str, str]:
+    """The int8 path ("w8a8" or "dequantize") and its reason for a rank of a fleet (`FleetIdentity`, its compute
+    `dtype`, the rank's `device`), from the fleet option `identity.int8_compute` (`quant.resolve_int8_compute`: on
+    CUDA against this GPU's free memory, `torch.cuda.mem_get_info`, with `reserve_bytes` kept for one forward: the
+    worker passes `parallel/sharding.ACTIVATION_RESERVE_BYTES`). Header reads only. ("w8a8", "") for files without
+    int8 layers. Raises ValidationError for "dequantize" when the dequantized weights would not fit (naming the
+    sizes)."""
+    from ..validation import ValidationError
+
+    files = (identity.checkpoint,) if identity.transformer_only else (
+        identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
+    as_int8 = weight_bytes(files, dtype, transformer_only=identity.transformer_only)
+    dequantized = weight_bytes(files, dtype, transformer_only=identity.transformer_only, int8_dequantized=True)
+    if as_int8 == dequantized:
+        return "w8a8", ""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    try:
+        return quant.resolve_int8_compute(
+            identity.int8_compute, device_type=device.type, weights=identity.weights,
+            int8_bytes=as_int8.per_rank(identity.weights, identity.world_size),
+            dequantized_bytes=dequantized.per_rank(identity.weights, identity.world_size), free_bytes=free,
+            reserve_bytes=reserve_bytes)
+    except ValueError as exc:
+        raise ValidationError(f"{device}: {exc}") from None
 
 
 def _component_prefix(file: SafetensorsFile, prefix: str, marker_keys: tuple[str, ...], what: str) -> str:
@@ -579,7 +615,8 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
                     audio_vae: str | Path | None = None, text_projection: str | Path | None = None,
                     upsampler: str | Path | None = None, text_encoder: str | Path | None = None,
                     dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                    transformer_only: bool = False) -> LTX2Components:
+                    transformer_only: bool = False, int8_compute: str = "w8a8",
+                    int8_reason: str = "") -> LTX2Components:
     """Load every component of an LTX-2 / LTX-2.3 / LTX-2.5 model, slot by slot of its family's component table.
 
     Args:
@@ -595,6 +632,9 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
             float32).
         transformer_only: load the transformer and its text connectors only (every other field None; the other
             file arguments must be None): what the native MODEL's fleet needs.
+        int8_compute: the resolved int8 path ("w8a8" or "dequantize": `quant.resolve_int8_compute` picks it from the
+            fleet option): "dequantize" replaces the int8 layers of the transformer and connectors by bf16 / fp32
+            Linears on `device` after the move (`quant.dequantize_int8_linears`); `int8_reason` goes in the report.
     Raises: FileNotFoundError, CheckpointError (family, metadata, strict key mismatch), each naming the file;
         ValueError when `transformer_only` is given other files.
     """
@@ -608,10 +648,10 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
     transformer, video_connector, audio_connector, meta = load_transformer(main, dtype)
     family = detect_family(meta, main.keys, transformer_prefix(main))
     if transformer_only:
-        return LTX2Components(family=family, transformer=transformer, video_connector=video_connector,
-                              audio_connector=audio_connector, text_projection=None, video_vae=None, audio_vae=None,
-                              vocoder=None, config=main.config(),
-                              sources={"checkpoint": str(main.path)}).to(device)
+        return _int8_path(LTX2Components(family=family, transformer=transformer, video_connector=video_connector,
+                                         audio_connector=audio_connector, text_projection=None, video_vae=None,
+                                         audio_vae=None, vocoder=None, config=main.config(),
+                                         sources={"checkpoint": str(main.path)}).to(device), int8_compute, int8_reason)
     given = {"video_vae": video_vae, "audio_vae": audio_vae, "upsampler": upsampler}
     opened: dict[str, SafetensorsFile | None] = {"transformer": main}
     for slot, path in given.items():
@@ -647,4 +687,15 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
                  **({"upsampler": str(opened["upsampler"].path)} if opened["upsampler"] is not None else {})},
     )
     components.audio_vae, components.vocoder = load_audio_vae_and_vocoder(opened["audio_vae"], dtype)
-    return components.to(device)
+    return _int8_path(components.to(device), int8_compute, int8_reason)
+
+
+def _int8_path(components: LTX2Components, mode: str, reason: str) -> LTX2Components:
+    """The int8 layers of the transformer and connectors on their path (`quant.apply_int8_compute`), after the move
+    to the device (the float32 dequantization runs there, one layer at a time)."""
+    if mode not in ("w8a8", "dequantize"):
+        raise ValueError(f"int8_compute={mode!r}: the loader takes a resolved path, 'w8a8' or 'dequantize' "
+                         f"(quant.resolve_int8_compute resolves 'auto')")
+    quant.apply_int8_compute((components.transformer, components.video_connector, components.audio_connector), mode,
+                             reason)
+    return components

@@ -53,6 +53,16 @@ faithful fallback rather than W8A16 because ComfyUI cannot load an int8 file at 
 only result to be equal to is comfy-kitchen's.
 
 Other formats (`nvfp4`, `mxfp8`, `convrot_w4a4`, `asym_w4a8_int8`) are refused by name.
+
+Dequantized at load (the fleet option `int8_compute`, `FleetIdentity`): "w8a8" keeps the int8 weights resident and
+computes as above; "dequantize" replaces every `Int8Linear` by a plain `nn.Linear` in the compute dtype at load
+(`dequantize_int8_linears`), its weight the one ComfyUI dequantizes (`QuantizedTensor.dequantize()` ->
+`comfy_kitchen.dequantize_int8_convrot_weight_dtype`: `q.float() · scale` in float32, rotated back group-wise by Hᵀ
+in float32, cast to the compute dtype once; `dequantize_weight_like_comfyui`), and the FeedForward GELU folded into
+the down projection moves back in front of it. The layer then computes x · deq(W)ᵀ in the compute dtype (W8A16 from
+weights made once): closer to the bf16 file than ComfyUI's W8A8 result, 2× the resident bytes of those weights, and
+on the H200 as fast as a bf16 file (bench/results/int8_h200.txt: W8A8 1.03-3.69× the bf16 time per layer). "auto"
+(`resolve_int8_compute`) takes "dequantize" on CUDA when the dequantized weights fit the GPU, else "w8a8".
 """
 from __future__ import annotations
 
@@ -316,6 +326,145 @@ class Int8Linear(FP8Linear):
         act = f", input_act={self.input_act}" if self.input_act else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight=int8{rot}{act}, "
                 f"compute={self.compute_dtype}")
+
+
+# ---- int8 dequantized at load (the fleet option `int8_compute`) ------------------------------------------------------
+
+INT8_LOAD_MODES = ("auto", "w8a8", "dequantize")  # = protocol/fleet_config.py INT8_COMPUTE_MODES (no torch there)
+PATH_W8A8 = "int8 W8A8"
+PATH_DEQUANTIZED = "int8 dequantized to {dtype} at load"
+_KITCHEN_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's dequantize codes
+
+
+def dequantize_weight_like_comfyui(q: torch.Tensor, scale: torch.Tensor, group: int | None,
+                                   dtype: torch.dtype) -> torch.Tensor:
+    """The weight ComfyUI dequantizes from an `int8_tensorwise` layer (comfy-kitchen `TensorWiseINT8Layout.dequantize`):
+    `q.float() · scale` in float32, rotated back by Hᵀ group-wise in float32 when `group` (ConvRot), cast to `dtype`.
+
+    Args: q `[out, in]` int8; scale float32 0-d or `[out, 1]`; group: ConvRot group size or None; dtype: output.
+    Through comfy-kitchen's own op when it is installed (`dequantize_int8_convrot_weight_dtype` /
+    `dequantize_int8_simple_dtype`, the backend ComfyUI would use), else `dequantize_int8` (the same float32 steps;
+    tested bit-equal to comfy-kitchen's eager backend). Returns `[out, in]` in `dtype`.
+    """
+    if kitchen_op() is not None and dtype in _KITCHEN_DTYPE_CODE:
+        ops = torch.ops.comfy_kitchen
+        if group is not None:
+            out = ops.dequantize_int8_convrot_weight_dtype(q, scale, group, _KITCHEN_DTYPE_CODE[dtype])
+        else:
+            out = ops.dequantize_int8_simple_dtype(q, scale, _KITCHEN_DTYPE_CODE[dtype])
+        return out.to(dtype)
+    return dequantize_int8(q, scale, group).to(dtype)
+
+
+def dequantize_int8_linears(module: nn.Module, reason: str = "") -> int:
+    """Replace every `Int8Linear` of `module` by an `nn.Linear` in its compute dtype on the same device, its weight
+    `dequantize_weight_like_comfyui` (made one layer at a time, so the peak is the dequantized weights plus one
+    layer's float32 copy), and put back the FeedForward GELU `fold_gelu` moved into a down projection (same state-dict
+    keys as a bf16 file). Records `int8_compute_note` on `module` for the job report (`fp8.compute_report`).
+
+    Returns the number of layers replaced. Raises ValueError naming a layer that has a fused LoRA (dequantize before
+    any LoRA is fused) or whose weight is sharded over ranks (a float8 view: dequantize before sharding).
+    """
+    from diffusers.models.activations import GELU
+
+    layers = [(name, m) for name, m in module.named_modules() if isinstance(m, Int8Linear)]
+    for name, m in layers:
+        if m.fused_weight is not None:
+            raise ValueError(f"{name}: a LoRA is fused into this int8 layer; dequantize at load, before fusing")
+        if m.weight.dtype != torch.int8:
+            raise ValueError(f"{name}: the int8 weight is sharded ({m.weight.dtype} view); dequantize before "
+                             f"sharding (int8_compute='dequantize' is refused with sharded weights)")
+    for m in list(module.modules()):  # the GELU back in front of each int8 down projection it was folded into
+        net = getattr(m, "net", None)
+        if (isinstance(net, nn.ModuleList) and len(net) == 3 and isinstance(net[0], GeluProjection)
+                and isinstance(net[2], Int8Linear) and net[2].input_act == "gelu_tanh"):
+            proj = net[0].proj
+            with torch.device("meta"):
+                gelu = GELU(proj.in_features, proj.out_features, approximate="tanh", bias=proj.bias is not None)
+            gelu.proj = proj
+            net[0] = gelu
+            net[2].input_act = None
+    dtype, names = None, [name for name, _ in layers]
+    del layers  # each int8 weight is freed as its layer is replaced (the peak: one layer more than the result)
+    for name in names:
+        m = module.get_submodule(name)
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        with torch.device("meta"):
+            linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=m.compute_dtype)
+        linear.weight = nn.Parameter(dequantize_weight_like_comfyui(m.int8_weight(), m.weight_scale, m.convrot_group,
+                                                                    m.compute_dtype), requires_grad=False)
+        if m.bias is not None:
+            linear.bias = nn.Parameter(m.bias.detach().to(m.compute_dtype), requires_grad=False)
+        setattr(parent, child, linear.eval())
+        dtype = m.compute_dtype
+        del m
+    if names:
+        what = PATH_DEQUANTIZED.format(dtype=str(dtype).replace("torch.", ""))
+        module.int8_compute_note = f"{what} ({len(names)} layers{'; ' + reason if reason else ''})"
+    return len(names)
+
+
+def resolve_int8_compute(mode: str, *, device_type: str, weights: str, int8_bytes: int, dequantized_bytes: int,
+                         free_bytes: int | None, reserve_bytes: int = 0) -> tuple[str, str]:
+    """The int8 path a rank takes for the fleet option `int8_compute` (`INT8_LOAD_MODES`): `("w8a8" | "dequantize",
+    why)`.
+
+    Args:
+        mode: "auto", "w8a8" or "dequantize".
+        device_type: "cuda" or "cpu" (the rank's device).
+        weights: "replicated" or "sharded" (`FleetIdentity.weights`).
+        int8_bytes / dequantized_bytes: what this rank would hold (bytes) with the int8 weights resident / dequantized
+            to the compute dtype (`loader.weight_bytes(..., int8_dequantized=...)`, per rank).
+        free_bytes: the GPU's free memory (bytes); None on CPU (host memory is not probed: no check).
+        reserve_bytes: kept free for one forward beside the weights (`parallel/sharding.ACTIVATION_RESERVE_BYTES`).
+    Rules: "w8a8" always; "dequantize" with sharded weights is refused (ValueError: the memory mode keeps int8), on
+    CUDA refused when `dequantized_bytes + reserve_bytes > free_bytes` (ValueError naming the sizes); "auto": sharded
+    -> "w8a8"; CPU -> "w8a8" (ComfyUI's result, what the CPU tests compare with; no CPU speed table); CUDA ->
+    "dequantize" when it fits (W8A8 measured slower than bf16 in 7 of 8 layer shapes on the H200,
+    bench/results/int8_h200.txt), else "w8a8".
+    """
+    gib = 2 ** 30
+    if mode not in INT8_LOAD_MODES:
+        raise ValueError(f"int8_compute={mode!r}: choose one of {', '.join(INT8_LOAD_MODES)}")
+    sizes = (f"the weights need {dequantized_bytes / gib:.1f} GiB dequantized (+ {reserve_bytes / gib:.0f} GiB for "
+             f"one forward) against {int8_bytes / gib:.1f} GiB as int8")
+    free = "" if free_bytes is None else f"{free_bytes / gib:.1f} GiB free"
+    fits = free_bytes is None or dequantized_bytes + reserve_bytes <= free_bytes
+    if mode == "w8a8":
+        return "w8a8", "int8_compute='w8a8'"
+    if mode == "dequantize":
+        if weights == "sharded":
+            raise ValueError("int8_compute='dequantize' with sharded weights: the memory mode keeps the int8 weights "
+                             "(dequantizing doubles what each GPU holds); use replicated weights or "
+                             "int8_compute='w8a8' / 'auto'")
+        if not fits:
+            raise ValueError(f"int8_compute='dequantize': {free} on this GPU, {sizes}; use int8_compute='auto' or "
+                             f"'w8a8' (int8 resident), or free the GPU")
+        return "dequantize", "int8_compute='dequantize'" + (f": {sizes}, {free}" if free else "")
+    if weights == "sharded":
+        return "w8a8", "auto: sharded weights keep int8 resident"
+    if device_type != "cuda":
+        return "w8a8", "auto: on CPU, ComfyUI's result"
+    if not fits:
+        return "w8a8", f"auto: not dequantized, {sizes}, {free}"
+    return "dequantize", (f"auto: W8A8 measured slower than bf16 on the H200 (bench/results/int8_h200.txt); {sizes}, "
+                          f"{free}")
+
+
+def apply_int8_compute(modules, mode: str, reason: str) -> int:
+    """At load: `dequantize_int8_linears` on each module when `mode` is "dequantize"; with "w8a8" record "int8 W8A8
+    (reason)" on each module holding int8 layers (`int8_compute_note`, read by `fp8.compute_report`). Returns the layers
+    dequantized. `modules`: the transformer and its text connectors (None entries skipped)."""
+    done = 0
+    for module in modules:
+        if module is None:
+            continue
+        if mode == "dequantize":
+            done += dequantize_int8_linears(module, reason)
+        elif any(isinstance(m, Int8Linear) for m in module.modules()):
+            module.int8_compute_note = PATH_W8A8 + (f" ({reason})" if reason else "")
+    return done
 
 
 class GeluProjection(nn.Module):

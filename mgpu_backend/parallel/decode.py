@@ -107,6 +107,114 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
     return out, report
 
 
+# ---- the diffusion decoder's memory: estimate, and tile automatically rather than run out of memory ----------------
+
+GiB = 2 ** 30
+# Measured peaks of the untiled LTX-2.5 diffusion decode, one H200, bf16, random full-size weights (ComfyUI's
+# LTX_24_VAE_CONFIG decoder), 121 frames (`bench/bench_diffusion_decode.py`, `torch.cuda.max_memory_allocated`:
+# weights + the whole noise canvas + the decode's activations; figures of issue 27): (output pixels F'·H·W, bytes)
+MEASURED_UNTILED_PEAKS = ((121 * 704 * 1280, 37 * GiB), (121 * 1088 * 1920, 85 * GiB))
+(_P1, _M1), (_P2, _M2) = MEASURED_UNTILED_PEAKS
+PEAK_BYTES_PER_PIXEL = (_M2 - _M1) / (_P2 - _P1)  # ≈ 358.6 B per output pixel (bf16)
+PEAK_BASE_BYTES = _M1 - PEAK_BYTES_PER_PIXEL * _P1  # ≈ 0.58 GiB: about the decoder's bf16 weights
+CANVAS_BYTES_PER_PIXEL = 3  # the noise canvas x_t: 3 channels, in the decoder dtype (× its itemsize)
+BLEND_BYTES_PER_PIXEL = 12  # the tiled decode's float32 accumulator `[1, 3, F', H, W]` on every rank
+DECODE_MARGIN_BYTES = 2 * GiB  # kept free beside the estimate (allocator fragmentation, the final float copy)
+MAX_AUTO_TILES = 64
+
+
+def diffusion_decode_peak_bytes(grid: tuple[int, int, int], tile: tuple[int, int] | None = None,
+                                itemsize: int = 2) -> int:
+    """Estimated peak device bytes of an LTX-2.5 diffusion decode of a latent grid `(F, H, W)` (latent cells), whole
+    (`tile` None) or as one rank decoding tiles of at most `tile` = (h, w) latent cells each.
+
+    The fit: peak = base + b · P, P = output pixels ((F-1)·8+1) · 32H · 32W, through the two measured untiled peaks
+    (`MEASURED_UNTILED_PEAKS`: 37 GiB at 1280×704×121, 85 GiB at 1920×1088×121, bf16, one H200): b ≈ 358.6 B/pixel,
+    base ≈ 0.58 GiB (about the decoder's weights). Two points, two parameters: an exact fit, linear in the pixels
+    (the decoder is local: activations scale with the tokens); other sizes are predictions. A tiled rank holds the
+    whole noise canvas (included in the fit for the whole video) and the float32 blend accumulator besides its
+    tile's activations: base + b · P_tile + canvas · (P − P_tile) + 12 · P. `itemsize`: the decoder dtype's bytes
+    (2 for bf16, the fit; 4 for float32 doubles the activation and canvas terms — not measured).
+    """
+    f, h, w = grid
+    frames = (f - 1) * 8 + 1
+    pixels = frames * h * w * SPATIAL * SPATIAL
+    scale = itemsize / 2
+    act = (PEAK_BYTES_PER_PIXEL - CANVAS_BYTES_PER_PIXEL * 2) * scale  # the fit's per-pixel term less the canvas
+    canvas = CANVAS_BYTES_PER_PIXEL * itemsize
+    if tile is None:
+        return int(PEAK_BASE_BYTES + (act + canvas) * pixels)
+    tile_pixels = frames * min(tile[0], h) * min(tile[1], w) * SPATIAL * SPATIAL
+    return int(PEAK_BASE_BYTES + act * tile_pixels + canvas * pixels + BLEND_BYTES_PER_PIXEL * pixels)
+
+
+def _largest_tile(grid: tuple[int, int, int], tiling: TileCountConfig) -> tuple[int, int]:
+    h = max(e - s for s, e in split_axis(grid[1], tiling.height.num_tiles, tiling.height.overlap))
+    w = max(e - s for s, e in split_axis(grid[2], tiling.width.num_tiles, tiling.width.overlap))
+    return h, w
+
+
+def _tile_label(tiling: TileCountConfig | None) -> str:
+    return "untiled" if tiling is None else f"{tiling.height.num_tiles}×{tiling.width.num_tiles}"
+
+
+def fit_decode_tiling(grid: tuple[int, int, int], tiling: TileCountConfig | None, free_bytes: int | None,
+                      overlap: int, itemsize: int = 2) -> tuple[TileCountConfig | None, str | None]:
+    """The decode's tiling made to fit `free_bytes` (an LTX-2.5 diffusion decode; `diffusion_decode_peak_bytes`).
+
+    Args:
+        grid: latent `(F, H, W)`.
+        tiling: the tiling the job would use (None: untiled, one rank); tiles go round-robin over the ranks, each
+            rank decodes one at a time, so a rank's peak is its largest tile's.
+        free_bytes: the smallest free device memory over the ranks that decode (None: not probed, e.g. CPU: nothing
+            changes).
+        overlap: latent cells of overlap for new tiles (the job's decode overlap).
+    Returns `(tiling, note)`: unchanged and None when the estimate plus `DECODE_MARGIN_BYTES` fits; else the
+    smallest balanced grid (`tiling.default_tiling`, more tiles than before) that fits, and the note for the job's
+    report, e.g. "tiled 2×2 automatically: untiled needs ~85 GiB, 60 GiB free".
+    Raises ValueError naming the sizes when no grid of up to `MAX_AUTO_TILES` tiles fits.
+    """
+    from .tiling import default_tiling
+
+    if free_bytes is None:
+        return tiling, None
+
+    def need(t: TileCountConfig | None) -> int:
+        if t is None or t.height.num_tiles * t.width.num_tiles == 1:
+            return diffusion_decode_peak_bytes(grid, None, itemsize)
+        return diffusion_decode_peak_bytes(grid, _largest_tile(grid, t), itemsize)
+
+    now = need(tiling)
+    if now + DECODE_MARGIN_BYTES <= free_bytes:
+        return tiling, None
+    count = 1 if tiling is None else tiling.height.num_tiles * tiling.width.num_tiles
+    what = "untiled" if count == 1 else f"{_tile_label(tiling)} tiles"
+    for n in range(count + 1, MAX_AUTO_TILES + 1):
+        try:
+            candidate = default_tiling(n, grid, overlap)
+        except ValueError:
+            continue
+        if candidate.height.num_tiles * candidate.width.num_tiles <= count:
+            continue  # the grid is too small for n tiles: default_tiling fell back to fewer
+        if need(candidate) + DECODE_MARGIN_BYTES <= free_bytes:
+            return candidate, (f"tiled {_tile_label(candidate)} automatically: {what} "
+                               f"{'needs' if count == 1 else 'need'} ~{now / GiB:.0f} GiB, "
+                               f"{free_bytes / GiB:.0f} GiB free (estimated ~{need(candidate) / GiB:.0f} GiB "
+                               f"tiled)")
+    raise ValueError(f"decode: the diffusion decoder needs ~{now / GiB:.1f} GiB {what} and no tiling of up to "
+                     f"{MAX_AUTO_TILES} tiles fits the {free_bytes / GiB:.1f} GiB free (less "
+                     f"{DECODE_MARGIN_BYTES / GiB:.0f} GiB margin): free the GPU or decode a shorter clip")
+
+
+def free_decode_bytes(device: torch.device) -> int | None:
+    """Device memory a decode can use now: the driver's free bytes plus what PyTorch's caching allocator holds
+    unused (`memory_reserved - memory_allocated`); None off CUDA (host memory is not probed)."""
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0]
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def is_diffusion_decoder(vae) -> bool:
     """True for the LTX-2.5 diffusion decoder (`LTX2VideoDiffusionDecoderModel`), False for the conv VAE."""
     from diffusers import LTX2VideoDiffusionDecoderModel

@@ -10,6 +10,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = parallel/passes.py MODES (not imported: no torch here)
 GEMMA_MODES = ("replicated", "batch_parallel", "sharded")  # = parallel/gemma.py MODES
 WEIGHT_MODES = ("replicated", "sharded")  # the transformer's weights over the ranks (parallel/sharding.py)
+INT8_COMPUTE_MODES = ("auto", "w8a8", "dequantize")  # = models/quant.py INT8_LOAD_MODES
 
 
 def _positive(what: str, value, integer: bool = False, allow_none: bool = False) -> None:
@@ -51,6 +52,12 @@ class FleetIdentity:
         transformer: the latency mode) or "sharded" (each rank holds 1/W of every block layer, FSDP2, gathered layer by
         layer as it runs: the memory mode for GPUs that cannot hold a replica; every forward then runs sequence
         parallel over all ranks, and the world size must divide the attention heads — parallel/sharding.py).
+    int8_compute: how an int8(-convrot) transformer file computes (`INT8_COMPUTE_MODES`, models/quant.py
+        `resolve_int8_compute`): "w8a8" (int8 weights resident, activations quantized per token: ComfyUI's result),
+        "dequantize" (the weights dequantized to `dtype` at load, as ComfyUI dequantizes them: bf16 speed, 2× those
+        weights' memory; refused at start, naming the sizes, when they would not fit the GPU, and here with sharded
+        weights) or "auto" (CUDA: "dequantize" when it fits, else "w8a8"; CPU and sharded weights: "w8a8"). Files
+        without int8 layers ignore it.
 
     Raises ValueError (naming the field, the value and the rule) on construction.
     """
@@ -72,10 +79,17 @@ class FleetIdentity:
     gemma_reserve_gib: float = 0.0
     gemma_max_memory: tuple[tuple[str, str], ...] | None = None
     weights: str = "replicated"
+    int8_compute: str = "auto"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights={self.weights!r}: choose one of {', '.join(WEIGHT_MODES)}")
+        if self.int8_compute not in INT8_COMPUTE_MODES:
+            raise ValueError(f"int8_compute={self.int8_compute!r}: choose one of {', '.join(INT8_COMPUTE_MODES)}")
+        if self.int8_compute == "dequantize" and self.weights == "sharded":
+            raise ValueError("int8_compute='dequantize' with weights='sharded': the memory mode keeps the int8 "
+                             "weights (dequantizing doubles what each GPU holds); use weights='replicated', or "
+                             "int8_compute='w8a8' / 'auto'")
         if (not isinstance(self.devices, tuple) or not self.devices
                 or not all(isinstance(d, str) and d for d in self.devices)):
             raise ValueError(f"devices={self.devices!r}: must be a non-empty tuple of device names, one per rank "

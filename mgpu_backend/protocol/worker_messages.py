@@ -27,13 +27,15 @@ class StopWorker:
 class WorkerReady:
     """Worker -> fleet, once: the process group is up and the weights are loaded. `open_count`: checkpoint opens so
     far (`models.loader.OPEN_COUNT`); `load_seconds`: from joining the group to ready; `heads`: the loaded
-    transformer's attention heads (the SP degree must divide them; `FleetPlan`)."""
+    transformer's attention heads (the SP degree must divide them; `FleetPlan`); `int8_compute`: which path the
+    transformer's int8 layers take ("int8 W8A8 …" / "int8 dequantized to bfloat16 at load …"; None: no int8 layers)."""
 
     rank: int
     pid: int
     open_count: int
     load_seconds: float
     heads: int
+    int8_compute: str | None = None
 
 
 @dataclass(frozen=True)
