@@ -246,7 +246,9 @@ class ControllerClient:
                 return self._run(wired, None, *args)
             try:
                 return self._run(wired, lanes, *args)
-            except FleetBusy:  # no rank saw the lane: it is kept as it is
+            except FleetBusy:  # no rank saw the lane: a new one (still named) is dropped, not left named
+                if lane.named:
+                    lanes.drop()
                 raise
             except ControllerError as exc:
                 lane.unlink()  # every rank has mapped it (the controller unlinks it too)
