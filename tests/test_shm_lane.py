@@ -239,3 +239,35 @@ def test_no_lane_is_left_when_a_client_dies_during_its_job_or_the_fleet_stops(fl
         client.run(handle, JobSpec("noop", NoopRequest()))  # the fleet serves on
         client.shutdown_fleet()
         assert _all_lanes() - before == set() and _lanes_of(os.getpid()) == []
+
+
+def test_a_rank_stalled_during_a_lane_job_is_named_and_the_next_forward_works(tiny_dir, monkeypatch):
+    """A rank that stalls during a job whose tensors are in a lane (the noop, with the test fault switch): the
+    client gets the fleet's stall error naming the rank; the next forward runs on a new fleet; no lane is left."""
+    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.protocol.fleet_config import FleetConfig
+
+    monkeypatch.setenv("LTX2_MGPU_TEST_FAULTS", "1")  # inherited by the controller started here
+    runtime = short_runtime_dir()
+    try:
+        with deadline(300, "stalled rank test"):
+            client = ControllerClient(runtime_dir=runtime)
+            files = tiny_dir["2.3"]
+            handle = client.configure(FleetConfig(devices=("cpu", "cpu"), checkpoint=str(files["checkpoint"]),
+                                                  gemma=None, dtype="float32", threads_per_worker=1,
+                                                  transformer_only=True, init_timeout_s=180.0,
+                                                  collective_timeout_s=120.0, stall_timeout_s=5.0))
+            stall = {"rank": 1, "stage": "noop", "step": 1, "kind": "stall"}
+            with pytest.raises(ControllerError, match=r"no progress for 5 s: rank 1 stalled") as info:
+                client.run(handle, JobSpec("noop", NoopRequest(steps=3, carry=torch.randn(256, 1024)), fault=stall))
+            assert info.value.fleet_lost
+            assert _lanes_of(os.getpid()) == []
+            reply = client.run(handle, JobSpec("forward", _request(1)))
+            assert isinstance(reply, ForwardReply) and reply.video.shape == (2, 128, *GRID)
+            client.close()
+    finally:
+        stop_controller(runtime)
+        import shutil
+
+        shutil.rmtree(runtime, ignore_errors=True)
+    assert _lanes_of(os.getpid()) == []
