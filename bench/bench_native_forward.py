@@ -15,6 +15,8 @@ What is measured (CPU ranks, gloo, float32; one client connection, the fleet alr
   steps, B = 2; its context is [2, 1024, 96]): wall time per call at the client, the fleet's own forward time
   (`ForwardReply.seconds`, rank 0) and their difference, the round trip's overhead (request + reply transport,
   controller, unpacking) — context shipped vs cached.
+- `ForwardMiss`: the tiny request through the "forward" job with cache keys the fleet does not hold: answered before
+  any compute — the request's transport and the job's wrapper, with a small reply.
 - `in-process`: the same forward (same request, context cached) on a `NativeEngine` in this process on the same
   device — what ComfyUI would pay with the transformer in its own process; `overhead vs in-process` is the round
   trip minus it (the issue's definition), `overhead vs fleet` the round trip minus the fleet's own forward time.
@@ -203,6 +205,15 @@ def main(argv: list[str] | None = None) -> None:
                         rows.append(f"W={world}  {path:4s} transport, {label:38s} {med * 1e3:8.2f} ms  "
                                     f"(p90 {p90 * 1e3:8.2f})")
                 client.run(handle, JobSpec("forward", tiny))  # stores the rows under their keys
+                # the real-size request through the forward job, answered `ForwardMiss` before any compute (keys the
+                # fleet does not hold): the request's transport and the job's wrapper, with a small reply
+                miss = dataclasses.replace(tiny_cached, context_keys=("missing-0", "missing-1"))
+                timed = _timed_paths(client, lambda _: client.run(handle, JobSpec("forward", miss)), transports,
+                                     args.repeat)
+                for path in transports:
+                    med, p90 = _stats(timed[path])
+                    rows.append(f"W={world}  {path:4s} forward job answered ForwardMiss (request, no compute) "
+                                f"{med * 1e3:8.2f} ms  (p90 {p90 * 1e3:8.2f})")
                 for label, req in (("context shipped", tiny), ("context cached", tiny_cached)):
                     fleet: dict[str, list[float]] = {p: [] for p in transports}
 
