@@ -109,6 +109,13 @@ def test_over_the_size_limit_or_switched_off_takes_the_old_path(monkeypatch):
     lanes = shm_lane.ClientLanes()
     wired = wire_job(JobSpec("noop", NoopRequest(carry=torch.randn(1024, 1024))), lanes)  # 4 MiB
     assert isinstance(wired.payload, Pickled) and wired.payload.lane is None and lanes.lane is None
+    monkeypatch.setattr(shm_lane, "LANE_MAX_BYTES", 512 << 20)
+    monkeypatch.setattr(shm_lane, "shm_free", lambda: 60 << 20)  # a small /dev/shm: a lane up to 15 MiB
+    big = wire_job(JobSpec("noop", NoopRequest(carry=torch.randn(2048, 1024))), lanes)  # 8 + 8 MiB: too large
+    assert isinstance(big.payload, NoopRequest) and lanes.lane is None  # over 8 MiB by value too: torch's shm files
+    small = wire_job(JobSpec("noop", NoopRequest(carry=torch.randn(1024, 1024))), lanes)  # 4 + 4 MiB
+    assert small.payload.lane is not None
+    lanes.drop()
     stage = JobSpec("frames", {"x": torch.randn(64, 1024)})
     assert wire_job(stage, lanes) is stage
     monkeypatch.setenv("LTX2_MGPU_SHM_LANE", "0")

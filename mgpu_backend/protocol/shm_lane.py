@@ -43,7 +43,8 @@ LANE_TAG = "-lane-"  # a lane's name: f"ltx2mgpu-{pid}{LANE_TAG}{token}" (the fr
 PREFIX = "ltx2mgpu-"
 # tensors smaller than this travel by value (their copy costs less than the bookkeeping)
 LANE_MIN_TENSOR_BYTES = int(os.environ.get("LTX2_MGPU_LANE_MIN_BYTES", 16 << 10))
-# the largest lane a client makes (request + reply regions); a request that needs more takes the old path
+# the largest lane a client makes (request + reply regions; and at most a quarter of /dev/shm's free room, `shm_free`);
+# a request that needs more takes the old path
 LANE_MAX_BYTES = int(os.environ.get("LTX2_MGPU_LANE_MAX_BYTES", 512 << 20))
 ALIGN = 64
 ATTACHED_MAX = 2  # lanes a rank keeps mapped (one per client process, the newest first)
@@ -66,6 +67,17 @@ class LaneRef:
 
 def supported() -> bool:
     return os.path.isdir(SHM_DIR)
+
+
+def shm_free() -> int:
+    """Bytes free in /dev/shm (0 without it). A lane takes at most a quarter of them: a small /dev/shm (Docker's
+    64 MB default) stays for the frames hand-back and NCCL, and its first, context-shipping forward takes the old
+    path."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def align(n: int) -> int:
@@ -248,7 +260,7 @@ class ClientLanes:
         holds = lane is not None and lane.ref.request_bytes >= request_bytes
         if holds and lane.ref.size - lane.ref.request_bytes >= reply_bytes:
             return lane
-        if self.failed or not supported() or request_bytes + reply_bytes > LANE_MAX_BYTES:
+        if self.failed or not supported() or request_bytes + reply_bytes > min(LANE_MAX_BYTES, shm_free() // 4):
             return lane if holds else None
         remove_dead_lanes()
         try:
