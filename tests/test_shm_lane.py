@@ -133,6 +133,54 @@ def test_dead_clients_lanes_are_removed():
     assert not os.path.exists(os.path.join(shm_lane.SHM_DIR, name))
 
 
+def _client_without_controller(runtime: Path, outcomes: list):
+    """A `ControllerClient` whose `_run` (the socket exchange) answers from `outcomes`: an exception to raise or a
+    result (its payload as the ranks would read it, to check what was sent)."""
+    from mgpu_backend.client import ControllerClient
+
+    client = object.__new__(ControllerClient)
+    client.runtime_dir, client.shm_lane = runtime, True
+    sent = []
+
+    def fake_run(job, lanes, *args):
+        sent.append(job)
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return job.payload.load() if isinstance(job.payload, Pickled) else job.payload
+
+    client._run = fake_run
+    return client, sent
+
+
+def test_client_drops_the_lane_on_busy_on_a_lost_connection_and_resends_by_value_when_it_is_missing(tmp_path):
+    """A new lane refused as busy is dropped (its name never left); a lost connection drops the lane; `LaneMissing`
+    on the ranks: the lane dropped and the job sent again by value, its result returned."""
+    from mgpu_backend.protocol.errors import FleetBusy
+
+    carry = torch.randn(256, 1024)
+    job = JobSpec("noop", NoopRequest(carry=carry))
+    lanes = shm_lane.client_lanes(str(tmp_path))
+    client, sent = _client_without_controller(tmp_path, [FleetBusy("busy", kind="busy")])
+    with pytest.raises(FleetBusy):
+        client.run(None, job)
+    assert sent[0].payload.lane is not None and lanes.lane is None and _lanes_of(os.getpid()) == []
+    client, sent = _client_without_controller(tmp_path, [EOFError("the controller went away")])
+    with pytest.raises(EOFError):
+        client.run(None, job)
+    assert lanes.lane is None and _lanes_of(os.getpid()) == []
+    missing = ControllerError("LaneMissing: gone", kind="job_error", details={"error_type": "LaneMissing"})
+    client, sent = _client_without_controller(tmp_path, [missing, "by value"])
+    out = client.run(None, job)
+    assert [j.payload.lane is not None for j in sent] == [True, False]  # the lane, then by value
+    assert torch.equal(out.carry, carry) and lanes.lane is None and _lanes_of(os.getpid()) == []
+    client, sent = _client_without_controller(tmp_path, [None])
+    client.run(None, job)  # a new lane again
+    assert sent[0].payload.lane is not None and lanes.lane is not None
+    lanes.drop()
+    assert _lanes_of(os.getpid()) == []
+
+
 # ---- through the controller and a W = 2 fleet ---------------------------------------------------------------------
 
 def _request(seed: int) -> ForwardRequest:
