@@ -6,7 +6,7 @@ process and mapped once by it and by every rank that runs one of its jobs; it is
 faults after the first one), and replaced by a larger one when a request does not fit. Two regions:
 
     [0, request_bytes)        the request's tensors, written by the client (`transport.Pickled.of(obj, lane)`)
-    [request_bytes, size)     the reply's tensors, written by rank 0 (`Pickled.of(result, lane, reply=True)`)
+    [request_bytes, size)     the reply's tensors, written by rank 0 (`payload.reply(result)`)
 
 Only the tensor bytes go there (CPU tensors of at least `LANE_MIN_TENSOR_BYTES`, 64-byte aligned); the pickle,
 with the tensors' offsets, dtypes and shapes (`LaneRef` + a few KB), still travels the ordinary way: client ->
@@ -25,7 +25,8 @@ the controller (`unlink_lane`, whatever the outcome) and by the client (on that 
 live on unnamed until the processes drop them. A client killed before its first lane job reached a rank leaves a
 name whose pid is dead: `remove_dead_lanes` (run by the controller when it starts and at each fleet teardown, and by
 a client before it makes a lane) unlinks it. `/dev/shm` room is reserved when a lane is made (`posix_fallocate`,
-never a SIGBUS later): no room -> no lane (the jobs take the old path). Off Linux (no /dev/shm) there are no lanes.
+never a SIGBUS later), and a lane takes at most a quarter of the free room (`shm_free`) and `LANE_MAX_BYTES`: no room
+-> no lane (the jobs take the old path). Off Linux (no /dev/shm) there are no lanes.
 `LTX2_MGPU_SHM_LANE=0` turns lanes off for a client process (`ControllerClient(shm_lane=False)` for one client).
 """
 from __future__ import annotations
