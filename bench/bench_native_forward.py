@@ -15,12 +15,17 @@ What is measured (CPU ranks, gloo, float32; one client connection, the fleet alr
   steps, B = 2; its context is [2, 1024, 96]): wall time per call at the client, the fleet's own forward time
   (`ForwardReply.seconds`, rank 0) and their difference, the round trip's overhead (request + reply transport,
   controller, unpacking) — context shipped vs cached.
+- `ForwardMiss`: the tiny request through the "forward" job with cache keys the fleet does not hold: answered before
+  any compute — the request's transport and the job's wrapper, with a small reply.
 - `in-process`: the same forward (same request, context cached) on a `NativeEngine` in this process on the same
   device — what ComfyUI would pay with the transformer in its own process; `overhead vs in-process` is the round
   trip minus it (the issue's definition), `overhead vs fleet` the round trip minus the fleet's own forward time.
 - bytes per forward: the request as pickled by the client (with / without the context) and the reply.
 `--device cuda`: the ranks and the in-process engine on cuda:0 in bf16 (CUDA graphs on, as in use); W = 1 only
 (NCCL refuses two ranks on one GPU). Figures: median and 90th percentile of `--repeat` calls after one warm-up call.
+`--paths old,lane` (the default): every row for both transports in the same run, their calls alternated (old, lane,
+old, …): `old` sends the tensors by value through the controller (`ControllerClient(shm_lane=False)`), `lane` in the
+client's shared-memory lane (`protocol/shm_lane.py`, issue 27); `--paths lane` or `--paths old` for one of them.
 """
 from __future__ import annotations
 
@@ -74,6 +79,20 @@ def _timed(fn, repeat: int) -> list[float]:
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
+    return out
+
+
+def _timed_paths(client: ControllerClient, fn, paths: list[str], repeat: int) -> dict[str, list[float]]:
+    """`_timed` for each transport of `paths` ("old": by value, "lane": the shared-memory lane), their calls
+    alternated so that the machine's load drifts over both alike; one warm-up call each first."""
+    out: dict[str, list[float]] = {p: [] for p in paths}
+    for i in range(repeat + 1):
+        for path in (paths if i % 2 == 0 else paths[::-1]):
+            client.shm_lane = path == "lane"
+            t = time.perf_counter()
+            fn(path)
+            if i:
+                out[path].append(time.perf_counter() - t)
     return out
 
 
@@ -132,7 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--device", default="cpu", help="cpu (gloo ranks, float32) or cuda (cuda:0 ranks, bf16)")
     ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--paths", default="old,lane", help="transports, in the same run: old (by value), lane (shm)")
     args = ap.parse_args(argv)
+    transports = [p for p in args.paths.split(",") if p]
+    if not transports or any(p not in ("old", "lane") for p in transports):
+        ap.error(f"--paths={args.paths!r}: a comma-separated list of 'old' and 'lane'")
     cuda = args.device.startswith("cuda")
     if not cuda:
         torch.set_num_threads(1)
@@ -175,24 +198,38 @@ def main(argv: list[str] | None = None) -> None:
                 for label, payload in (("empty noop job", NoopRequest()),
                                        ("noop + real request, context shipped", NoopRequest(carry=real)),
                                        ("noop + real request, context cached", NoopRequest(carry=real_cached))):
-                    med, p90 = _stats(_timed(lambda p=payload: client.run(handle, JobSpec("noop", p)), args.repeat))
-                    rows.append(f"W={world}  transport, {label:38s} {med * 1e3:8.2f} ms  (p90 {p90 * 1e3:8.2f})")
+                    timed = _timed_paths(client, lambda _, p=payload: client.run(handle, JobSpec("noop", p)),
+                                         transports, args.repeat)
+                    for path in transports:
+                        med, p90 = _stats(timed[path])
+                        rows.append(f"W={world}  {path:4s} transport, {label:38s} {med * 1e3:8.2f} ms  "
+                                    f"(p90 {p90 * 1e3:8.2f})")
                 client.run(handle, JobSpec("forward", tiny))  # stores the rows under their keys
+                # the real-size request through the forward job, answered `ForwardMiss` before any compute (keys the
+                # fleet does not hold): the request's transport and the job's wrapper, with a small reply
+                miss = dataclasses.replace(tiny_cached, context_keys=("missing-0", "missing-1"))
+                timed = _timed_paths(client, lambda _: client.run(handle, JobSpec("forward", miss)), transports,
+                                     args.repeat)
+                for path in transports:
+                    med, p90 = _stats(timed[path])
+                    rows.append(f"W={world}  {path:4s} forward job answered ForwardMiss (request, no compute) "
+                                f"{med * 1e3:8.2f} ms  (p90 {p90 * 1e3:8.2f})")
                 for label, req in (("context shipped", tiny), ("context cached", tiny_cached)):
-                    fleet: list[float] = []
+                    fleet: dict[str, list[float]] = {p: [] for p in transports}
 
-                    def call(req=req, fleet=fleet):
+                    def call(path, req=req, fleet=fleet):
                         reply = client.run(handle, JobSpec("forward", req))
                         assert isinstance(reply, ForwardReply), reply
-                        fleet.append(reply.seconds)
+                        fleet[path].append(reply.seconds)
 
-                    wall = _timed(call, args.repeat)
-                    fleet = fleet[1:]
-                    over = [w - f for w, f in zip(wall, fleet)]
-                    rows.append(f"W={world}  tiny forward, {label:16s} wall {_stats(wall)[0] * 1e3:8.2f} ms  "
-                                f"fleet {_stats(fleet)[0] * 1e3:8.2f} ms  overhead vs fleet {_stats(over)[0] * 1e3:7.2f} "
-                                f"ms (p90 {_stats(over)[1] * 1e3:7.2f}), vs in-process "
-                                f"{(_stats(wall)[0] - inproc[0]) * 1e3:7.2f} ms")
+                    timed = _timed_paths(client, call, transports, args.repeat)
+                    for path in transports:
+                        wall, fl = timed[path], fleet[path][1:]
+                        over = [w - f for w, f in zip(wall, fl)]
+                        rows.append(f"W={world}  {path:4s} tiny forward, {label:16s} wall {_stats(wall)[0] * 1e3:8.2f} "
+                                    f"ms  fleet {_stats(fl)[0] * 1e3:8.2f} ms  overhead vs fleet "
+                                    f"{_stats(over)[0] * 1e3:7.2f} ms (p90 {_stats(over)[1] * 1e3:7.2f}), vs in-process "
+                                    f"{(_stats(wall)[0] - inproc[0]) * 1e3:7.2f} ms")
                 for r in rows:
                     print(r, flush=True)
                 lines += rows

@@ -14,6 +14,8 @@ What is measured, side by side, for the latent of a 640×352×121 video at 25 fp
 - `context`: the bytes a real LTX-2.3 context would add uncached (`[2, 1024, 6144]` bf16 = 24 MiB) pickled and
   unpickled in this process (the tiny model's context is 128 wide, so the real one cannot travel to it).
 The transformer is the tiny random-weight model, so `forward` is small; the overhead does not depend on the model.
+`--paths old,lane` (the default): each round-trip row for both transports in the same run, calls alternated: `old`
+by value through the controller, `lane` with the tensors in the client's shared-memory lane (issue 27).
 """
 from __future__ import annotations
 
@@ -60,12 +62,16 @@ def main() -> int:
     ap.add_argument("--world-sizes", default="1,2")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--paths", default="old,lane", help="transports, in the same run: old (by value), lane (shm)")
     args = ap.parse_args()
+    transports = [p for p in args.paths.split(",") if p]
+    if not transports or any(p not in ("old", "lane") for p in transports):
+        ap.error(f"--paths={args.paths!r}: a comma-separated list of 'old' and 'lane'")
     torch.set_num_threads(1)
     lines = [f"# bench_native_model.py — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
              f"{platform.node() and 'CPU'} {platform.processor() or platform.machine()}, torch {torch.__version__}",
              f"# command: PYTHONPATH=. python bench/bench_native_model.py --world-sizes {args.world_sizes} "
-             f"--calls {args.calls}",
+             f"--calls {args.calls} --paths {args.paths}",
              f"# latent of 640x352x121 @ 25 fps: video [{B}, 128, {FRAMES}, {H}, {W}] ({FRAMES * H * W} tokens/row), "
              f"audio [{B}, 8, {AUDIO}, 16], CFG batch {B}, float32; tiny transformer on CPU ranks (gloo)"]
     big = torch.randn(B, 1024, 6144).to(torch.bfloat16)
@@ -96,21 +102,23 @@ def main() -> int:
                 cached = NF.build_request(x, ts, context, None, 25.0, options, None,
                                           known_contexts=set(first.context_keys))
                 uncached = F.ForwardRequest(**{**first.__dict__, "context_keys": ()})
-                rows = {}
-                for name, req in (("uncached", uncached), ("cached", first), ("cached", cached)):
-                    walls, fwd = [], []
-                    n = 1 if req is first else args.calls
-                    for _ in range(n):
-                        t0 = time.perf_counter()
-                        reply = client.run(handle, JobSpec(F.FORWARD_JOB, req))
-                        walls.append(time.perf_counter() - t0)
-                        fwd.append(reply.seconds)
-                    if req is first:
-                        continue
-                    rows[name] = (walls, fwd)
-                    over = [w - f for w, f in zip(walls, fwd)]
-                    lines.append(f"W={ws} {name:8s}: round trip {_ms(walls)}, fleet forward {_ms(fwd)}, "
-                                 f"overhead {_ms(over)}  [{reply.report}]")
+                client.run(handle, JobSpec(F.FORWARD_JOB, first))  # the context rows stored on the fleet
+                for name, req in (("uncached", uncached), ("cached", cached)):
+                    walls = {p: [] for p in transports}
+                    fwd = {p: [] for p in transports}
+                    for i in range(args.calls + 1):  # the first round: a warm-up per transport
+                        for path in (transports if i % 2 == 0 else transports[::-1]):
+                            client.shm_lane = path == "lane"
+                            t0 = time.perf_counter()
+                            reply = client.run(handle, JobSpec(F.FORWARD_JOB, req))
+                            if i:
+                                walls[path].append(time.perf_counter() - t0)
+                                fwd[path].append(reply.seconds)
+                    for path in transports:
+                        over = [w - f for w, f in zip(walls[path], fwd[path])]
+                        lines.append(f"W={ws} {path:4s} {name:8s}: round trip {_ms(walls[path])}, fleet forward "
+                                     f"{_ms(fwd[path])}, overhead {_ms(over)}  [{reply.report}]")
+                        print(lines[-1], flush=True)
         finally:
             try:
                 client.stop()

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from . import frames as F
+from .protocol import shm_lane
 from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetHandle
 from .protocol.job_requests import JobSpec
 from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, JobError, JobResult, Ping, Pong,
                                 Progress, Refused, Reply, Request, ShutdownFleet, Status, Stop, Submit)
-from .protocol.transport import (Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir, read_or_create_key,
-                                 recv, send, wire_job)
+from .protocol.transport import (INLINE_JOBS, Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir,
+                                 read_or_create_key, recv, send, wire_job)
 from .resources import Host, check_rank_count, cpu_cores
 
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the directory that holds `mgpu_backend`
@@ -125,15 +126,18 @@ class ControllerClient:
     """A connection to the controller. `connect()` starts one when none answers.
 
     Methods raise ControllerError (or its subclasses FleetBusy, JobCancelled) with the controller's message.
+    `shm_lane`: the large tensors of the `INLINE_JOBS` ride in a shared-memory lane of this process
+    (`protocol/shm_lane.py`; default: on where /dev/shm exists, unless LTX2_MGPU_SHM_LANE=0); False: by value.
     """
 
-    def __init__(self, runtime_dir: Path | None = None, start: bool = True):
+    def __init__(self, runtime_dir: Path | None = None, start: bool = True, shm_lane: bool | None = None):
         self.runtime_dir = ensure_private_dir(Path(runtime_dir) if runtime_dir else default_runtime_dir())
         self.socket_path = self.runtime_dir / SOCKET_NAME
         self.key = read_or_create_key(self.runtime_dir)
         self.started_pid: int | None = None
         # what the last `configure` replaced (the old fleet's `describe()` + "clients" connected), or None
         self.last_replaced: dict | None = None
+        self.shm_lane = _lanes_default() if shm_lane is None else bool(shm_lane)
         self._conn = self._connect(start)
 
     def _try_connect(self):
@@ -231,7 +235,38 @@ class ControllerClient:
         Returns the job's result with shared-memory frames already copied into a tensor (and the block freed).
         Raises FleetBusy at once when another job runs; JobCancelled; ControllerError.
         """
-        job = wire_job(job)
+        args = (handle, on_event, on_accepted, cancel_requested, poll_s)
+        lanes = shm_lane.client_lanes(str(self.runtime_dir)) if self.shm_lane and job.kind in INLINE_JOBS else None
+        if lanes is None or not lanes.busy.acquire(blocking=False):  # another thread's job holds the lane
+            return self._run(wire_job(job), None, *args)
+        try:
+            wired = wire_job(job, lanes)
+            lane = lanes.lane if isinstance(wired.payload, Pickled) and wired.payload.lane is not None else None
+            if lane is None:
+                return self._run(wired, None, *args)
+            try:
+                return self._run(wired, lanes, *args)
+            except FleetBusy:  # no rank saw the lane: a new one (still named) is dropped, not left named
+                if lane.named:
+                    lanes.drop()
+                raise
+            except ControllerError as exc:
+                lane.unlink()  # every rank has mapped it (the controller unlinks it too)
+                if (exc.details or {}).get("error_type") != shm_lane.LaneMissing.__name__:
+                    raise
+                # a fleet started after the lane was made cannot map it: a new lane next time, this job by value
+                lanes.drop()
+                return self._run(wire_job(job), None, *args)
+            except BaseException:  # the connection lost (a rank of the old fleet may live a moment longer), ^C
+                lanes.drop()
+                raise
+        finally:
+            lanes.busy.release()
+
+    def _run(self, job: JobSpec, lanes, handle: FleetHandle, on_event, on_accepted, cancel_requested,
+             poll_s: float) -> Any:
+        """`run` of a job already wired (`transport.wire_job`); `lanes`: the `ClientLanes` its payload's lane is
+        of, or None."""
         send(self._conn, Submit(handle, job))
         cancel_sent = False
 
@@ -261,7 +296,13 @@ class ControllerClient:
                     on_event(event)
             elif isinstance(event, JobResult):
                 result = event.result
-                return result.load() if isinstance(result, Pickled) else F.receive_frames(result)
+                if not isinstance(result, Pickled):
+                    return F.receive_frames(result)
+                if lanes is not None:
+                    lanes.lane.unlink()  # every rank has mapped it (a no-op after its first job)
+                    if result.lane_short:  # the reply did not fit in the reply region: a larger one next time
+                        lanes.reply_bytes = max(lanes.reply_bytes, result.lane_short)
+                return result.load()
             elif isinstance(event, JobError):
                 cls = JobCancelled if event.kind == ErrorKind.CANCELLED else ControllerError
                 raise cls(event.message, kind=event.kind, fleet_lost=event.fleet_lost, details=event.details)
@@ -269,3 +310,7 @@ class ControllerClient:
                 raise ControllerError(event.message, kind=event.kind)
             else:
                 raise self._unexpected(event)
+
+
+def _lanes_default() -> bool:
+    return shm_lane.enabled_by_default()

@@ -35,6 +35,7 @@ from .protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
 from .protocol.job_requests import JobSpec
 from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, Done, JobError, JobResult, Ping, Pong,
                                 Progress, Refused, Request, ShutdownFleet, Status, StatusReply, Stop, Stopped, Submit)
+from .protocol.shm_lane import remove_dead_lanes, unlink_lane
 from .protocol.transport import (HANDSHAKE_TIMEOUT_S, MAX_MESSAGE_BYTES, SOCKET_NAME, default_runtime_dir,
                                  ensure_private_dir, loads, read_or_create_key, send)
 from . import resources as R
@@ -75,6 +76,7 @@ class Controller:
                         "ended" if record.get("was_running") else "had already exited")
         if stale:
             remove_orphans(tuple(r["pid"] for r in stale))
+        remove_dead_lanes()  # shared-memory lanes of clients killed before a rank mapped them (shm_lane.py)
 
     def on_signal(self, signum: int, frame) -> None:
         """SIGTERM / SIGINT: end every worker this controller spawned (also one of a fleet still starting, from its
@@ -288,6 +290,7 @@ class Controller:
         """Shut a fleet down (caller holds fleet_lock) and log it."""
         t0 = time.monotonic()
         fleet.shutdown(graceful=graceful)
+        remove_dead_lanes()
         log.info("fleet generation %d torn down (%s): %d rank(s) on %s, in %.1f s", fleet.generation, why,
                  fleet.world_size, ",".join(fleet.config.devices), time.monotonic() - t0)
 
@@ -365,6 +368,12 @@ class Controller:
             final = _error(spec, f"the controller failed running the job: {type(exc).__name__}: {exc}",
                            ErrorKind.ERROR)
         finally:
+            lane = getattr(spec.payload, "lane", None)  # a `Pickled` payload's shared-memory lane (shm_lane.py)
+            if lane is not None:  # every rank has mapped it by now (or never will): its name goes
+                try:
+                    unlink_lane(lane.name)
+                except (ValueError, TypeError, AttributeError, OSError) as exc:
+                    log.warning("job %s: its lane %r: %s", spec.job_id, lane, exc)
             with self.state_lock:
                 self.current_job = self.current_kind = self.current_client = None
             self.job_lock.release()

@@ -269,7 +269,7 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
             pickled = isinstance(spec.payload, Pickled)  # the client's bytes, passed on by the controller
             result = jobs[spec.kind](state, spec.payload.load() if pickled else spec.payload, ctx)
             if pickled and rank == 0:
-                result = Pickled.of(result)
+                result = spec.payload.reply(result)  # its large tensors in the payload's shared-memory lane, if any
             message = JobDone(spec.job_id, rank, result, loader.OPEN_COUNT)
             if pickled:  # by value, like the payload (transport.INLINE_JOBS); rank 0's reply is the only large one
                 send_inline((conn,), message)

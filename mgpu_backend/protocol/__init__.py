@@ -3,6 +3,7 @@ you need; this package re-exports nothing):
 
 - `transport`: the private socket directory and auth key, `send` / `recv` / `loads` (plain pickle, this package's
   classes found whatever name the sender imported it under), `Pickled` and `wire_job` (a payload pickled once);
+- `shm_lane`: the client's shared-memory lane that carries those payloads' (and their replies') large tensors;
 - `fleet_config`: `FleetIdentity` (the processes), `FleetPolicy` (per job), `FleetConfig` (the two, as asked for),
   `FleetPlan` and `FleetHandle` (the controller's answer);
 - `job_requests`: `JobSpec` (a job: its kind and payload) and the small jobs' requests (`EncodeTextRequest`,
