@@ -220,7 +220,7 @@ class Fleet:
 
     def plan_for(self, policy: FleetPolicy) -> FleetPlan:
         """The split this fleet's jobs get under `policy`: the heads its workers loaded (`WorkerReady.heads`) and the
-        degree rule the workers apply (`parallel/degrees.py top_sp_degree`, as `ParallelPlan.set_policy`). Raises
+        degree rule the workers apply (`parallel/degrees.py top_sp_degree`, as `ParallelPlan.for_policy`). Raises
         ValidationError for a degree the heads do not allow (the controller's `check_config` refuses it first)."""
         heads = self.heads or 1
         if not self.identity.sequence_parallel:
