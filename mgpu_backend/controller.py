@@ -26,7 +26,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
@@ -414,8 +414,8 @@ class Controller:
                 except ControllerError as exc:
                     self.last_failure = str(exc)
                     return _error(spec, str(exc), exc.kind, fleet_lost=True)
-        if spec.fault and not self.test_faults:
-            spec.fault = None
+        if spec.fault is not None and not self.test_faults:
+            spec = replace(spec, fault=None)
         _send_quiet(conn, Accepted(spec.job_id, fleet.generation, tuple(fleet.pids)))
         gone: list[bool] = []
 

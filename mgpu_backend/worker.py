@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .protocol.fleet_config import FleetIdentity, FleetPolicy
-from .protocol.job_requests import JOB_STAGES, JobSpec
+from .protocol.job_requests import JOB_STAGES, FaultSpec, JobSpec
 from .protocol.transport import Pickled, send_inline
 from .protocol.worker_messages import (JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError,
                                        WorkerReady)
@@ -57,7 +57,7 @@ class JobContext:
     conn: Any
     cancel_flag: Any  # multiprocessing.Value('i'): set by the controller, read by rank 0 only
     heartbeat: Any  # multiprocessing.Array('d', 2 * world_size): per rank (steps done, wall time)
-    fault: dict | None = None
+    fault: FaultSpec | None = None
     plan: Any = None  # parallel.plan.ParallelPlan
     stage: str = "setup"
     step: int = 0
@@ -86,17 +86,15 @@ class JobContext:
 
     def _maybe_fault(self, stage: str, step: int) -> None:
         f = self.fault
-        if not f or f.get("stage") != stage or f.get("step") != step:
+        if f is None or not f.fires(self.rank, stage, step):
             return
-        if f["kind"] == "error_all" or (f.get("rank") == self.rank and f["kind"] == "error"):
+        if f.kind in ("error", "error_all"):
             raise RuntimeError(f"injected fault on rank {self.rank} at {stage} step {step}")
-        if f.get("rank") != self.rank:
-            return
-        if f["kind"] == "crash":
+        if f.kind == "crash":
             os._exit(17)
-        if f["kind"] == "stall":
+        if f.kind == "stall":
             time.sleep(3600)
-        if f["kind"] == "reread":  # counts as one more checkpoint open (tests that status() reports OPEN_COUNT)
+        if f.kind == "reread":  # counts as one more checkpoint open (tests that status() reports OPEN_COUNT)
             from .models import loader
 
             loader.OPEN_COUNT += 1

@@ -26,7 +26,7 @@ import torch
 from mgpu_backend.client import ControllerClient
 from mgpu_backend.protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetIdentity, FleetPlan, FleetPolicy
-from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest
+from mgpu_backend.protocol.job_requests import FaultSpec, FramesRequest, JobSpec, NoopRequest
 from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, ensure_private_dir
 from _procs import deadline, process_alive as _alive, wait_gone
 
@@ -186,8 +186,8 @@ def test_frames_come_back_through_shared_memory(ctl, handle):
 
 def test_fault_injection_is_ignored_without_the_test_switch(ctl, handle):
     """This controller runs without LTX2_MGPU_TEST_FAULTS=1: a job's `fault` is dropped, the job runs."""
-    out = ctl.run(handle, JobSpec("noop", NoopRequest(steps=2), fault={"rank": 0, "stage": "noop", "step": 0,
-                                                               "kind": "crash"}))
+    fault = FaultSpec(rank=0, stage="noop", step=0, kind="crash")
+    out = ctl.run(handle, JobSpec("noop", NoopRequest(steps=2), fault=fault))
     assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
     assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
 

@@ -39,7 +39,7 @@ from mgpu_backend.parallel.tiling import default_tiling
 from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.errors import ControllerError, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetPlan
-from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
+from mgpu_backend.protocol.job_requests import FaultSpec, JobSpec, NoopRequest
 from _procs import deadline, process_alive as _alive, wait_gone
 
 torch.set_num_threads(1)
@@ -346,8 +346,8 @@ def test_open_counts_are_reported_after_jobs(ctl, files):
     handle = ctl.configure(config(files, 2))
     before = fleet_status(ctl)["open_counts"]
     assert len(before) == 2 and all(n >= 2 for n in before)  # checkpoint + upscaler at least
-    run(ctl, handle, JobSpec("noop", NoopRequest(steps=2), fault={"rank": 1, "stage": "noop", "step": 0,
-                                                          "kind": "reread"}))
+    run(ctl, handle, JobSpec("noop", NoopRequest(steps=2), fault=FaultSpec(rank=1, stage="noop", step=0,
+                                                                            kind="reread")))
     after = fleet_status(ctl)["open_counts"]
     assert after == [before[0], before[1] + 1]
 
@@ -365,7 +365,7 @@ def test_error_on_every_rank_keeps_fleet(ctl, files, case):
         job, kind, needles = JobSpec("generate", request(files, image=missing)), "validation", ["file not found",
                                                                                                 missing]
     else:
-        job = JobSpec("generate", request(files), fault={"stage": "stage 1", "step": 1, "kind": "error_all"})
+        job = JobSpec("generate", request(files), fault=FaultSpec(stage="stage 1", step=1, kind="error_all"))
         kind, needles = "job_error", ["injected fault on rank 0 at stage 1 step 1"]
     with pytest.raises(ControllerError) as info:
         run(ctl, handle, job)
@@ -399,7 +399,7 @@ def test_error_on_one_rank_tears_fleet_down(ctl, files):
     w2_fresh(ctl, files)
     handle = ctl.configure(config(files, 2))
     lost = fleet_status(ctl)
-    job = JobSpec("generate", request(files), fault={"rank": 1, "stage": "stage 1", "step": 1, "kind": "error"})
+    job = JobSpec("generate", request(files), fault=FaultSpec(rank=1, stage="stage 1", step=1, kind="error"))
     with pytest.raises(ControllerError) as info:
         run(ctl, handle, job)
     message = str(info.value)
@@ -414,7 +414,7 @@ def test_crash_fault_is_reported_with_rank(ctl, files):
     w2_fresh(ctl, files)
     handle = ctl.configure(config(files, 2))
     lost = fleet_status(ctl)
-    job = JobSpec("generate", request(files), fault={"rank": 1, "stage": "stage 1", "step": 1, "kind": "crash"})
+    job = JobSpec("generate", request(files), fault=FaultSpec(rank=1, stage="stage 1", step=1, kind="crash"))
     with pytest.raises(ControllerError) as info:
         run(ctl, handle, job)
     message = str(info.value)
@@ -448,8 +448,8 @@ def test_stalled_rank_is_detected_and_named(ctl, files):
     progress for stall_timeout_s, names the rank, tears the fleet down (the hang guard fails a test that hangs)."""
     handle = ctl.configure(config(files, 2, stall=STALL_S))
     lost = fleet_status(ctl)
-    job = JobSpec("noop", NoopRequest(steps=4, sleep_s=0.05), fault={"rank": 1, "stage": "noop", "step": 2,
-                                                                 "kind": "stall"})
+    job = JobSpec("noop", NoopRequest(steps=4, sleep_s=0.05), fault=FaultSpec(rank=1, stage="noop", step=2,
+                                                                              kind="stall"))
     with deadline(STALL_S + 60, "stall detection"):
         with pytest.raises(ControllerError) as info:
             run(ctl, handle, job)
@@ -469,8 +469,8 @@ def test_a_worker_death_in_a_stage_job_names_the_stage(ctl, files):
 
     handle = ctl.configure(config(files, 2))
     lost = fleet_status(ctl)
-    job = JobSpec("sample", sample_payload("tiled"), fault={"rank": 1, "stage": "stage 2", "step": 1,
-                                                            "kind": "crash"})
+    job = JobSpec("sample", sample_payload("tiled"), fault=FaultSpec(rank=1, stage="stage 2", step=1,
+                                                                     kind="crash"))
     with pytest.raises(ControllerError) as info:
         run(ctl, handle, job)
     message = str(info.value)
