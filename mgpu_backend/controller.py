@@ -33,6 +33,7 @@ from pathlib import Path
 from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
 from .protocol.job_requests import JobSpec
+from .protocol.job_results import ControllerStatus
 from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, Done, JobError, JobResult, Ping, Pong,
                                 Progress, Refused, Request, ShutdownFleet, Status, StatusReply, Stop, Stopped, Submit)
 from .protocol.transport import (HANDSHAKE_TIMEOUT_S, MAX_MESSAGE_BYTES, SOCKET_NAME, default_runtime_dir,
@@ -237,17 +238,16 @@ class Controller:
 
     # ---- fleet --------------------------------------------------------------------------------------------------
 
-    def status(self) -> dict:
+    def status(self) -> ControllerStatus:
         fleet = self.fleet
         if fleet is not None and not fleet.alive():
             self._note_lost(fleet)
         with self.state_lock:
-            clients = list(self.clients.values())
-        return {"pid": os.getpid(), "socket": str(self.socket_path), "busy_job": self.current_job,
-                "busy_kind": self.current_kind, "last_failure": self.last_failure, "clients": clients,
-                "fleet": None if fleet is None or not fleet.alive() else {
-                    **fleet.describe(), "open_counts": list(fleet.open_counts)},
-                "processes": self.processes()}
+            clients = tuple(self.clients.values())
+        return ControllerStatus(os.getpid(), str(self.socket_path), self.current_job, self.current_kind,
+                                self.last_failure, clients, None if fleet is None or not fleet.alive() else {
+                                    **fleet.describe(), "open_counts": list(fleet.open_counts)},
+                                tuple(self.processes()))
 
     def processes(self) -> list[dict]:
         """Every process this controller owns, itself first: {"pid", "role", "rss_bytes"} (role "controller",

@@ -40,6 +40,7 @@ from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.errors import ControllerError, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetPlan
 from mgpu_backend.protocol.job_requests import FaultSpec, JobSpec, NoopRequest
+from mgpu_backend.protocol.job_results import GenerateJobResult
 from _procs import deadline, process_alive as _alive, wait_gone
 
 torch.set_num_threads(1)
@@ -173,7 +174,7 @@ def ctl():
     workers = []
     try:  # a fresh connection: the module's may be mid-stream after a failed test
         other = ControllerClient(runtime, start=False)
-        fleet = other.status()["fleet"]
+        fleet = other.status().fleet
         workers = fleet["worker_pids"] if fleet else []
         other.stop()
     except (ControllerError, OSError):
@@ -197,13 +198,15 @@ def run(ctl, handle, job: JobSpec, on_event=None, on_accepted=None) -> dict:
 
 
 def generate(ctl, handle, req: GenerateRequest, events: list | None = None) -> dict:
+    """The fleet's `GenerateJobResult` for `req`, as a dict of its fields (compared with the one-process run's)."""
     out = run(ctl, handle, JobSpec("generate", req),
               on_event=(lambda e: events.append((e.stage, e.step, e.total))) if events is not None else None)
-    return out
+    assert isinstance(out, GenerateJobResult), type(out)
+    return dict(vars(out))
 
 
 def fleet_status(ctl) -> dict:
-    fleet = ctl.status()["fleet"]
+    fleet = ctl.status().fleet
     assert fleet is not None, "no live fleet"
     return fleet
 
@@ -374,7 +377,7 @@ def test_error_on_every_rank_keeps_fleet(ctl, files, case):
         assert needle in str(info.value)
     # the same processes take the next job
     out = run(ctl, handle, JobSpec("noop", NoopRequest(steps=1)))
-    assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
+    assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
     after = fleet_status(ctl)
     assert after["worker_pids"] == before["worker_pids"] and after["generation"] == before["generation"]
 
@@ -384,7 +387,7 @@ def test_error_on_every_rank_keeps_fleet(ctl, files, case):
 def _next_job_on_new_fleet(ctl, files, handle, lost: dict) -> None:
     """After a lost fleet: the SAME handle runs the next job on a new fleet (new PIDs, generation + 1) with the
     output of a fresh run, and keeps working on it."""
-    assert ctl.status()["fleet"] is None
+    assert ctl.status().fleet is None
     accepted = []
     out = run(ctl, handle, JobSpec("generate", request(files)), on_accepted=accepted.append)
     now = fleet_status(ctl)
@@ -406,7 +409,7 @@ def test_error_on_one_rank_tears_fleet_down(ctl, files):
     assert info.value.fleet_lost and info.value.kind == "fleet_lost", message
     assert "rank 1 failed during stage 1 step 1" in message and "injected fault on rank 1" in message
     assert "ranks [0] did not fail" in message
-    assert ctl.status()["last_failure"] == message
+    assert ctl.status().last_failure == message
     _next_job_on_new_fleet(ctl, files, handle, lost)
 
 
@@ -457,7 +460,7 @@ def test_stalled_rank_is_detected_and_named(ctl, files):
     assert info.value.fleet_lost, message
     assert f"no progress for {STALL_S:g} s: rank 1 stalled" in message
     assert "steps begun per rank: [3, 2]" in message
-    assert ctl.status()["fleet"] is None
+    assert ctl.status().fleet is None
     assert wait_gone(lost["worker_pids"]), "the stalled fleet's workers still run"
     print(json.dumps({"stall_message": message}))
 
@@ -477,4 +480,4 @@ def test_a_worker_death_in_a_stage_job_names_the_stage(ctl, files):
     assert info.value.fleet_lost, message
     assert f"worker rank 1 (pid {lost['worker_pids'][1]}) died with exit code 17 during stage 2 (rank 0 at step " \
            in message, message
-    assert ctl.status()["last_failure"] == message
+    assert ctl.status().last_failure == message

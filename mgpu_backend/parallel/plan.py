@@ -152,7 +152,7 @@ class ParallelPlan:
                    token_cap: int | None = DEFAULT_TOKEN_CAP, stages: dict[int, SPStage] | None = None,
                    min_tokens_per_rank: int = 0, cost_model: CostModel | None = None, shape: ModelShape | None = None,
                    guidance_parallel: str = "off", pass_groups: dict | None = None, heads: int | None = None,
-                   requested_sp_degree: int | None = None) -> "ParallelPlan":
+                   requested_sp_degree: int | None = None) -> ParallelPlan:
         """A plan without `build_plan` (tests, tools): the SP `stages` given (default: one of `sp_degree` on
         `sp_group` with `sp_forward`) and the guidance-pass groups given, under a fixed policy (`with_policy`
         raises)."""
@@ -166,7 +166,7 @@ class ParallelPlan:
 
     @classmethod
     def for_policy(cls, groups: PlanGroups, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
-                   guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> "ParallelPlan":
+                   guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> ParallelPlan:
         """The plan of `groups` (from `build_plan`) under a parallel policy (`FleetPolicy`'s fields; see
         `build_plan`), on every rank with the same values, per job: a new `PlanPolicy` choosing among the groups
         `build_plan` built, so no collective runs and nothing is reloaded. Raises ValidationError (a degree the heads
@@ -193,7 +193,7 @@ class ParallelPlan:
         return cls(groups, PlanPolicy(degree, stage_degrees, pass_degrees, token_cap, min_tokens_per_rank,
                                       cost_model, shape, guidance_parallel, sp_degree))
 
-    def with_policy(self, policy) -> "ParallelPlan":
+    def with_policy(self, policy) -> ParallelPlan:
         """This plan's groups under a job's `FleetPolicy` (protocol.fleet_config): a new plan (`for_policy`) from the
         policy's fields that split the stages. A policy field the plan reads is passed on here (and nowhere else: the
         worker hands the policy over whole). This plan is unchanged."""

@@ -1,6 +1,7 @@
-"""A job as the client submits it (`JobSpec`: its kind and its payload; `FaultSpec`, a test fault) and the payloads of the small jobs:
-`EncodeTextRequest` (Text Encode (MGPU)), `NoopRequest` and `FramesRequest` (diagnostics). The stage jobs' requests
-are in `stage_requests.py`; the CLI's and the native MODEL's in `pipelines.GenerateRequest` and `forward.py`."""
+"""A job as the client submits it (`JobSpec`: its kind and its payload; `FaultSpec`, a test fault) and the payloads
+of the small jobs: `EncodeTextRequest` (Text Encode (MGPU)), `NoopRequest` and `FramesRequest` (diagnostics). The
+stage jobs' requests are in `stage_requests.py`; the CLI's and the native MODEL's in `pipelines.GenerateRequest` and
+`forward.py`; what the jobs hand back in `job_results.py`."""
 from __future__ import annotations
 
 import secrets
