@@ -211,7 +211,9 @@ def fleet_status(ctl) -> dict:
     return fleet
 
 
-def assert_same(a: dict, b: dict, what: str) -> None:
+def assert_same(a, b, what: str) -> None:
+    """`a`, `b`: dicts of `KEYS` or `GenerateJobResult`s (the fleet's typed result)."""
+    a, b = (x if isinstance(x, dict) else vars(x) for x in (a, b))
     for k in KEYS:
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs (max |diff| {float((a[k] - b[k]).abs().max()):.3g})"
 
