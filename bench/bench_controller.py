@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> None:
                         done = time.time()
                     finally:
                         frames_module.receive_frames = receive
-                    assert tuple(out["frames"].shape) == shape
-                    if done - out["sent_at"] < best:
-                        best, best_client = done - out["sent_at"], timing["client"]
+                    assert tuple(out.frames.shape) == shape
+                    if done - out.sent_at < best:
+                        best, best_client = done - out.sent_at, timing["client"]
                     del out
                     gc.collect()
                 label = "x".join(map(str, shape))

@@ -118,7 +118,7 @@ def main():
                     tokens = req.video_tokens
                     for w in (int(v) for v in args.world.split(",")):
                         engine._local = local if w == 1 else SequenceParallelTransformer(  # noqa: SLF001
-                            model, SimulatedExchange(w), None)
+                            model, SimulatedExchange(w))
 
                         def eager():
                             G.set_mode("off")

@@ -180,7 +180,7 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
         try:
             kw, tokens = _inputs(model, frames, width, height, batch, device, dtype)
             row["tokens"] = tokens
-            wrapper = SequenceParallelTransformer(model, MemoryExchange(world), token_cap=None)
+            wrapper = SequenceParallelTransformer(model, MemoryExchange(world))
             wrapper.activate()
             with torch.no_grad():
                 wrapper(**kw)  # warm-up

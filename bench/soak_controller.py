@@ -152,7 +152,7 @@ class Soak:
             else:
                 outcome = "completed"
                 if label == "frames":
-                    frames = out["frames"]
+                    frames = out.frames
                     if frames.shape != (5, 32, 48, 3) or abs(float(frames[4, 0, 0, 0]) - 0.8) > 1e-6:
                         self.count("other_errors", f"frames: wrong clip back {tuple(frames.shape)}")
                         outcome = "counted"
@@ -170,7 +170,7 @@ class Soak:
             return
         status = ControllerClient(self.runtime, start=False)
         try:
-            fleet = status.status()["fleet"]
+            fleet = status.status().fleet
         finally:
             status.close()
         if fleet:

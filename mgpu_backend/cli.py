@@ -414,10 +414,11 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     finally:
         progress.close()
         client.close()
-    return _finish(args, result["frames"], result["audio"], result["sample_rate"], result["timings"],
-                   result["lora_reports"], {"fleet ready": configure_time}, result.get("rank_reports"),
+    return _finish(args, result.frames, result.audio, result.sample_rate, result.timings, list(result.lora_reports),
+                   {"fleet ready": configure_time},
+                   None if result.rank_reports is None else list(result.rank_reports),
                    f"fleet generation {handle.generation}, {len(devices)} rank(s) on {','.join(devices)} ({dtype}); "
-                   f"{result['parallel']}")
+                   f"{result.parallel}")
 
 
 def describe_stopped(stopped: dict, verb: str) -> str:
@@ -471,9 +472,10 @@ def main(argv: list[str] | None = None) -> int:
                 stopped = client.stop()
                 print(f"controller stopped; {describe_stopped(stopped, 'stopped')}")
             else:
+                import dataclasses
                 import json
 
-                print(json.dumps(client.status(), indent=2, default=str))
+                print(json.dumps(dataclasses.asdict(client.status()), indent=2, default=str))
             return 0
         run_generate(args)
         return 0

@@ -22,6 +22,7 @@ from .protocol import shm_lane
 from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetHandle
 from .protocol.job_requests import JobSpec
+from .protocol.job_results import ControllerStatus
 from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, JobError, JobResult, Ping, Pong,
                                 Progress, Refused, Reply, Request, ShutdownFleet, Status, Stop, Submit)
 from .protocol.transport import (INLINE_JOBS, Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir,
@@ -196,12 +197,25 @@ class ControllerClient:
         return ControllerError(f"unexpected message from the controller on {self.socket_path}: "
                                f"{type(message).__name__}{older}", kind=ErrorKind.PROTOCOL)
 
+    def _older(self, what: str, pid: int | None = None) -> ControllerError:
+        """The error for a dict where this version's typed answer is expected (a job's result, the status): a
+        controller started by an older version of the pack (its results were dicts) answers on this socket."""
+        which = f"pid {pid}: " if pid else ""
+        return ControllerError(f"the controller on {self.socket_path} answered with a dict for {what} — a controller "
+                               f"started by an older version of the pack answers there: stop that process ({which}"
+                               f"`python -m mgpu_backend.controller --runtime-dir {self.runtime_dir}`) and retry",
+                               kind=ErrorKind.PROTOCOL)
+
     def ping(self) -> Pong:
         return self.request(Ping())
 
-    def status(self) -> dict:
-        """The controller's and the fleet's state (`messages.StatusReply.status`)."""
-        return self.request(Status()).status
+    def status(self) -> ControllerStatus:
+        """The controller's and the fleet's state (`messages.StatusReply.status`). Raises ControllerError naming the
+        process to stop when an older controller answers (its status is a dict)."""
+        status = self.request(Status()).status
+        if isinstance(status, dict):
+            raise self._older("the status", status.get("pid"))
+        return status
 
     def configure(self, config: FleetConfig) -> FleetHandle:
         """The fleet for `config` (reused when unchanged); `last_replaced` says which fleet a rebuild replaced."""
@@ -232,8 +246,10 @@ class ControllerClient:
 
         `cancel_requested()` is polled every `poll_s` while waiting (ComfyUI's interrupt flag); when it turns True
         the job is cancelled (all ranks stop at the next step boundary) and JobCancelled is raised.
-        Returns the job's result with shared-memory frames already copied into a tensor (and the block freed).
-        Raises FleetBusy at once when another job runs; JobCancelled; ControllerError.
+        Returns the job's typed result (`protocol.job_results`, or the native MODEL's replies of `forward.py`) with
+        shared-memory frames already copied into a tensor (and the block freed).
+        Raises FleetBusy at once when another job runs; JobCancelled; ControllerError (also for a dict result: an
+        older controller answers, the message names the process to stop).
         """
         args = (handle, on_event, on_accepted, cancel_requested, poll_s)
         lanes = shm_lane.client_lanes(str(self.runtime_dir)) if self.shm_lane and job.kind in INLINE_JOBS else None
@@ -296,13 +312,17 @@ class ControllerClient:
                     on_event(event)
             elif isinstance(event, JobResult):
                 result = event.result
-                if not isinstance(result, Pickled):
-                    return F.receive_frames(result)
-                if lanes is not None:
-                    lanes.lane.unlink()  # every rank has mapped it (a no-op after its first job)
-                    if result.lane_short:  # the reply did not fit in the reply region: a larger one next time
-                        lanes.reply_bytes = max(lanes.reply_bytes, result.lane_short)
-                return result.load()
+                if isinstance(result, Pickled):
+                    if lanes is not None:
+                        lanes.lane.unlink()  # every rank has mapped it (a no-op after its first job)
+                        if result.lane_short:  # the reply did not fit in the reply region: a larger one next time
+                            lanes.reply_bytes = max(lanes.reply_bytes, result.lane_short)
+                    result = result.load()
+                if isinstance(result, dict):
+                    if isinstance(result.get("frames"), F.FramesRef):
+                        F.unlink_shm(result["frames"].name)  # nobody else will read (and unlink) them
+                    raise self._older(f"the result of job {job.job_id} ({job.kind})")
+                return F.receive_frames(result)
             elif isinstance(event, JobError):
                 cls = JobCancelled if event.kind == ErrorKind.CANCELLED else ControllerError
                 raise cls(event.message, kind=event.kind, fleet_lost=event.fleet_lost, details=event.details)

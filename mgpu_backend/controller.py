@@ -26,13 +26,14 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
 from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
 from .protocol.job_requests import JobSpec
+from .protocol.job_results import ControllerStatus
 from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, Done, JobError, JobResult, Ping, Pong,
                                 Progress, Refused, Request, ShutdownFleet, Status, StatusReply, Stop, Stopped, Submit)
 from .protocol.shm_lane import remove_dead_lanes, unlink_lane
@@ -239,17 +240,16 @@ class Controller:
 
     # ---- fleet --------------------------------------------------------------------------------------------------
 
-    def status(self) -> dict:
+    def status(self) -> ControllerStatus:
         fleet = self.fleet
         if fleet is not None and not fleet.alive():
             self._note_lost(fleet)
         with self.state_lock:
-            clients = list(self.clients.values())
-        return {"pid": os.getpid(), "socket": str(self.socket_path), "busy_job": self.current_job,
-                "busy_kind": self.current_kind, "last_failure": self.last_failure, "clients": clients,
-                "fleet": None if fleet is None or not fleet.alive() else {
-                    **fleet.describe(), "open_counts": list(fleet.open_counts)},
-                "processes": self.processes()}
+            clients = tuple(self.clients.values())
+        return ControllerStatus(os.getpid(), str(self.socket_path), self.current_job, self.current_kind,
+                                self.last_failure, clients, None if fleet is None or not fleet.alive() else {
+                                    **fleet.describe(), "open_counts": list(fleet.open_counts)},
+                                tuple(self.processes()))
 
     def processes(self) -> list[dict]:
         """Every process this controller owns, itself first: {"pid", "role", "rss_bytes"} (role "controller",
@@ -423,8 +423,8 @@ class Controller:
                 except ControllerError as exc:
                     self.last_failure = str(exc)
                     return _error(spec, str(exc), exc.kind, fleet_lost=True)
-        if spec.fault and not self.test_faults:
-            spec.fault = None
+        if spec.fault is not None and not self.test_faults:
+            spec = replace(spec, fault=None)
         _send_quiet(conn, Accepted(spec.job_id, fleet.generation, tuple(fleet.pids)))
         gone: list[bool] = []
 

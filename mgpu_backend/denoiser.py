@@ -238,6 +238,8 @@ class LTX2Denoiser:
         dtype: compute dtype of the forward.
         forward: what runs the forward (default the transformer itself; a `SequenceParallelTransformer` for SP).
         num_generated: generated video tokens (later tokens are conditioning / guides); None: all of them.
+        token_cap: the per-rank video token cap each split forward checks (the job's, `plan.StageRun.token_cap`;
+            None: no cap).
     A transformer with LTX-2.5's `keyframes_abs_pos_embedding` gets its frame-0 marker (`keyframe_token_mask`) as
     the per-token `video_keyframes_mask` on every forward, as ComfyUI applies it.
     Returns velocities in float32 (diffusers convention: v = noise - x0).
@@ -245,8 +247,8 @@ class LTX2Denoiser:
 
     def __init__(self, transformer, positive: TextContext, negative: TextContext | None,
                  video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, forward=None,
-                 num_generated: int | None = None):
-        self.transformer = transformer
+                 num_generated: int | None = None, token_cap: int | None = None):
+        self.transformer, self.token_cap = transformer, token_cap
         self.forward = forward or transformer  # e.g. a SequenceParallelTransformer around `transformer`
         # the resident transformer is shared by every stage: install this stage's attention processors
         if hasattr(self.forward, "activate"):
@@ -307,7 +309,7 @@ class LTX2Denoiser:
         if forward is self.transformer or getattr(forward, "cuda_graph_safe", False):
             split = None if forward is self.transformer else forward
             if split is not None:
-                split.check(kwargs["hidden_states"].shape[1], kwargs["timestep"])
+                split.check(kwargs["hidden_states"].shape[1], kwargs["timestep"], self.token_cap)
             isolate = bool(kwargs.pop("isolate_modalities", False))
             batch = TokenBatch.from_diffusers(self.transformer.config, **kwargs)
             options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)

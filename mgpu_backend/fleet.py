@@ -18,6 +18,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -223,7 +224,7 @@ class Fleet:
 
     def plan_for(self, policy: FleetPolicy) -> FleetPlan:
         """The split this fleet's jobs get under `policy`: the heads its workers loaded (`WorkerReady.heads`) and the
-        degree rule the workers apply (`parallel/degrees.py top_sp_degree`, as `ParallelPlan.set_policy`). Raises
+        degree rule the workers apply (`parallel/degrees.py top_sp_degree`, as `ParallelPlan.for_policy`). Raises
         ValidationError for a degree the heads do not allow (the controller's `check_config` refuses it first)."""
         heads = self.heads or 1
         if not self.identity.sequence_parallel:
@@ -286,14 +287,15 @@ class Fleet:
         """Ask rank 0 to stop the running job at the next step boundary (all ranks stop there together)."""
         self.cancel_flag.value = 1
 
-    def run(self, spec: JobSpec, on_event: EventFn, policy: FleetPolicy | None = None) -> dict:
+    def run(self, spec: JobSpec, on_event: EventFn, policy: FleetPolicy | None = None) -> Any:
         """Run one job on every rank under `policy` (None: the start configuration's); stream rank 0's progress to
-        `on_event`; return rank 0's result. The policy reaches every rank with the job (no process restarts).
+        `on_event`; return rank 0's result (a typed result of `protocol.job_results` / `forward.py`, or a
+        `transport.Pickled` of one). The policy reaches every rank with the job (no process restarts).
 
         Raises JobCancelled, ControllerError (kind "job_error": same error on every rank, fleet kept; kind
         "fleet_lost": crash, stall or asymmetric error, fleet torn down).
         """
-        results: dict[int, dict] = {}
+        results: dict[int, Any] = {}
         try:
             self.policy = policy or self.config.policy
             result = self._run(spec, on_event, results, self.policy)
@@ -306,7 +308,7 @@ class Fleet:
             self.handed_out.append(ref.name)
         return result
 
-    def _run(self, spec: JobSpec, on_event: EventFn, results: dict[int, dict], policy: FleetPolicy) -> dict:
+    def _run(self, spec: JobSpec, on_event: EventFn, results: dict[int, Any], policy: FleetPolicy) -> Any:
         # the cancel flag is cleared by the controller when the job becomes current (a cancel may come before this)
         for i in range(2 * self.world_size):
             self.heartbeat[i] = 0.0

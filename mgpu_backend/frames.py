@@ -12,6 +12,7 @@ whoever reads it unlinks it.
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import time
@@ -72,8 +73,8 @@ def send_frames(frames: torch.Tensor) -> FramesRef:
 
 
 def receive_frames(result: Any) -> Any:
-    """Replace the `FramesRef` under a result's "frames" key by a tensor and free the block; any other result is
-    returned as it is.
+    """Replace the `FramesRef` in a job result's `frames` field (a frozen dataclass of `protocol/job_results.py`) by
+    a tensor and free the block; any other result is returned as it is.
 
     On Linux the block's file is mapped with MAP_POPULATE (its pages mapped in one call, not faulted in one by one)
     and copied into ordinary memory by torch on all threads, so /dev/shm is free again as soon as this returns —
@@ -87,7 +88,7 @@ def receive_frames(result: Any) -> Any:
         nbytes = int(np.prod(shape)) * dtype.itemsize
         try:
             if nbytes == 0:
-                return {**result, "frames": torch.from_numpy(np.empty(shape, dtype=dtype))}
+                return dataclasses.replace(result, frames=torch.from_numpy(np.empty(shape, dtype=dtype)))
             fd = os.open(path, os.O_RDWR)
             try:
                 mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -101,7 +102,7 @@ def receive_frames(result: Any) -> Any:
                 del view
         finally:
             os.unlink(path)
-        return {**result, "frames": frames}
+        return dataclasses.replace(result, frames=frames)
     shm = shared_memory.SharedMemory(name=ref.name)
     try:
         array = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
@@ -110,14 +111,13 @@ def receive_frames(result: Any) -> Any:
     finally:
         shm.close()
         shm.unlink()
-    return {**result, "frames": frames}
+    return dataclasses.replace(result, frames=frames)
 
 
 def frames_ref(result: Any) -> FramesRef | None:
-    """The `FramesRef` a job result (a dict) carries under "frames", or None."""
-    if isinstance(result, dict) and isinstance(result.get("frames"), FramesRef):
-        return result["frames"]
-    return None
+    """The `FramesRef` a job result (a dataclass with a `frames` field) carries, or None."""
+    frames = getattr(result, "frames", None) if dataclasses.is_dataclass(result) else None
+    return frames if isinstance(frames, FramesRef) else None
 
 
 def unlink_shm(name: str) -> None:

@@ -300,7 +300,7 @@ class NativeEngine:
         self.connector_lora = (LoRAFuser(self.connectors) if plan is None else
                                LoRAFuser(self.connectors, rank=plan.rank, world_size=plan.world_size))
         # a degree-1 "sequence parallel" wrapper: the same processors (and the guide-bias hook) without collectives
-        self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, 0), None)
+        self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, 0))
         self.last_report = ""
         self.forwards = 0
         self.graph_fallbacks: list[str] = []  # why native forwards ran eagerly on CUDA (cuda_graphs' reasons)
@@ -524,7 +524,7 @@ class NativeEngine:
                 if run is not None and self.plan.rank >= run.degree:
                     return None, None
                 video, audio = self.run_rows(p, rows, sp, o)
-                self.last_report = self.plan.describe() if run is not None else "one rank"
+                self.last_report = self.plan.describe(run.report) if run is not None else "one rank"
             self.forwards += 1
             out = self.unpack(p, video, audio, request.video.dtype)
         self.last_seconds = time.perf_counter() - t0

@@ -239,6 +239,13 @@ class TwoStagePipeline:
             self._native = NativeEngine(self.components, self.plan, self.dtype, self.device, lora=self.lora)
         return self._native
 
+    def use_plan(self, plan) -> None:
+        """Run the next jobs under `plan` (a `ParallelPlan` of the same fleet's groups under a job's policy:
+        `WorkerState.apply_policy`), here and in the native engine; the plan itself is a frozen value."""
+        self.plan = plan
+        if getattr(self, "_native", None) is not None:
+            self._native.plan = plan
+
     def stage_env(self) -> StageEnv:
         """What this pipeline's stages run on (`stage.StageEnv`)."""
         return StageEnv(self.components, self.dtype, self.device, self.plan, native=self.native_engine)
@@ -373,7 +380,7 @@ class TwoStagePipeline:
         timings["upscale"] = time.perf_counter() - t
 
         t = time.perf_counter()  # stage 2: full size, no guidance, audio frozen; the distilled LoRA (two-stage)
-        report = {"rank": plan.rank if plan is not None else 0, "stage 1": plan.describe() if plan else "local"}
+        report = {"rank": plan.rank if plan is not None else 0, "stage 1": result1.report if plan else "local"}
         result2, more = self._run_with_loras(self._stage2_spec(request, job, positive, upscaled, audio1),
                                              job.stage2_loras, progress, cancel_check, restore=True)
         reports += more
@@ -524,7 +531,7 @@ class TwoStagePipeline:
             tiled = result.runner.tiled
             return f"{tiled.describe()}; {tiled.compute_seconds:.3f} s in tile forwards"
         if distilled:  # its own split: the cost model may differ from stage 1's
-            return self.plan.describe() if self.plan else "local"
+            return result.report if self.plan else "local"
         return "local"
 
     @staticmethod

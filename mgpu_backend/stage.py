@@ -281,18 +281,18 @@ class StageResult:
 
 # ---- the denoising loop of one spec --------------------------------------------------------------------------------
 
-def _reference_denoiser(spec: StageSpec, env: StageEnv, forward=None):
+def _reference_denoiser(spec: StageSpec, env: StageEnv, forward=None, token_cap: int | None = None):
     """The reference's inputs (`latents.video_coords` / `audio_coords` positions, per-token timesteps as
-    diffusers' keyword arguments) -> `denoiser.LTX2Denoiser`."""
+    diffusers' keyword arguments) -> `denoiser.LTX2Denoiser` (its split forwards checked against `token_cap`)."""
     transformer = env.components.transformer
     f, h, w = spec.grid
     video_coords = L.video_coords(transformer, 1, f, h, w, spec.fps, device=env.device)
     audio_coords = L.audio_coords(transformer, 1, spec.audio_frames, device=env.device)
     return LTX2Denoiser(transformer, spec.positive, spec.negative, video_coords, audio_coords, env.dtype,
-                        forward=forward or env.forward)
+                        forward=forward or env.forward, token_cap=token_cap)
 
 
-def _comfy_denoiser(spec: StageSpec, env: StageEnv, forward=None):
+def _comfy_denoiser(spec: StageSpec, env: StageEnv, forward=None, token_cap: int | None = None):
     """ComfyUI's inputs (a `ForwardRequest` per pass, prepared by this rank's `native.NativeEngine`) ->
     `comfy_stage.ComfyDenoiser`."""
     from .comfy_stage import ComfyDenoiser
@@ -304,10 +304,11 @@ DENOISERS = {"reference": _reference_denoiser, "comfyui": _comfy_denoiser}
 """`Semantics.token_inputs` -> how a stage's latents become the one forward's `TokenBatch`."""
 
 
-def model_fn(spec: StageSpec, env: StageEnv, forward=None):
+def model_fn(spec: StageSpec, env: StageEnv, forward=None, token_cap: int | None = None):
     """The loop's model function for `spec` on `forward` (None: the plain transformer; a
-    `SequenceParallelTransformer` or a `TiledTransformer`), by the semantics' `token_inputs`."""
-    return DENOISERS[spec.semantics.token_inputs](spec, env, forward)
+    `SequenceParallelTransformer` or a `TiledTransformer`), by the semantics' `token_inputs`; `token_cap`: the
+    job's per-rank video token cap for the split forwards (`plan.StageRun.token_cap`; None: no cap)."""
+    return DENOISERS[spec.semantics.token_inputs](spec, env, forward, token_cap)
 
 
 def denoise(spec: StageSpec, fn, hooks: StageHooks, group=None, run_passes=None
@@ -405,7 +406,7 @@ class _GroupRunner(StageRunner):
                 failure = exc
         plan.announce(spec.name, failure, run.degree, self.who)  # raises on every rank when the group stopped
         video, audio = plan.share(video, audio, spec.video_clean.shape, spec.audio_clean.shape, run.degree)
-        return StageResult(video, audio, plan.describe(), note, self)
+        return StageResult(video, audio, plan.describe(run.report), note, self)
 
 
 class SequenceParallelRunner(_GroupRunner):
@@ -415,7 +416,7 @@ class SequenceParallelRunner(_GroupRunner):
     who = "sequence-parallel ranks"
 
     def _inputs(self, spec, env):
-        return model_fn(spec, env, forward=self.run_split.forward), None
+        return model_fn(spec, env, forward=self.run_split.forward, token_cap=self.run_split.token_cap), None
 
 
 class GuidancePassRunner(_GroupRunner):

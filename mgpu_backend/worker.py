@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .protocol.fleet_config import FleetIdentity, FleetPolicy
-from .protocol.job_requests import JOB_STAGES, JobSpec
+from .protocol.job_requests import JOB_STAGES, FaultSpec, JobSpec
 from .protocol.transport import Pickled, send_inline
 from .protocol.worker_messages import (JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError,
                                        WorkerReady)
@@ -57,7 +57,7 @@ class JobContext:
     conn: Any
     cancel_flag: Any  # multiprocessing.Value('i'): set by the controller, read by rank 0 only
     heartbeat: Any  # multiprocessing.Array('d', 2 * world_size): per rank (steps done, wall time)
-    fault: dict | None = None
+    fault: FaultSpec | None = None
     plan: Any = None  # parallel.plan.ParallelPlan
     stage: str = "setup"
     step: int = 0
@@ -86,17 +86,15 @@ class JobContext:
 
     def _maybe_fault(self, stage: str, step: int) -> None:
         f = self.fault
-        if not f or f.get("stage") != stage or f.get("step") != step:
+        if f is None or not f.fires(self.rank, stage, step):
             return
-        if f["kind"] == "error_all" or (f.get("rank") == self.rank and f["kind"] == "error"):
+        if f.kind in ("error", "error_all"):
             raise RuntimeError(f"injected fault on rank {self.rank} at {stage} step {step}")
-        if f.get("rank") != self.rank:
-            return
-        if f["kind"] == "crash":
+        if f.kind == "crash":
             os._exit(17)
-        if f["kind"] == "stall":
+        if f.kind == "stall":
             time.sleep(3600)
-        if f["kind"] == "reread":  # counts as one more checkpoint open (tests that status() reports OPEN_COUNT)
+        if f.kind == "reread":  # counts as one more checkpoint open (tests that status() reports OPEN_COUNT)
             from .models import loader
 
             loader.OPEN_COUNT += 1
@@ -152,18 +150,21 @@ class WorkerState:
         # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
         self.text = TextEncoderService.for_fleet(identity, rank, device, self.components.text_projection,
                                                  family=self.components.family)
-        # every group any policy may use is built here, once (build_plan); the policy only picks among them
-        self.plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy.token_cap,
-                                policy.min_tokens_per_rank, policy.sp_degree, policy.guidance_parallel,
-                                sharded=sharded)
-                     if identity.sequence_parallel else None)
+        # every group any policy may use is built here, once (build_plan), and kept (`groups`); each job gets a
+        # frozen plan of them under its policy (`apply_policy`)
+        plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy.token_cap,
+                           policy.min_tokens_per_rank, policy.sp_degree, policy.guidance_parallel, sharded=sharded)
+                if identity.sequence_parallel else None)
+        self.groups = plan.groups if plan is not None else None  # parallel.plan.PlanGroups, for the fleet's life
+        self.plan = plan  # the frozen plan of the last job's policy (parallel.plan.ParallelPlan)
         self.pipeline = TwoStagePipeline(self.components, self.text, device=device, dtype=dtype, plan=self.plan)
         self.policy: FleetPolicy | None = None
         self.apply_policy(policy)
 
     def apply_policy(self, policy: FleetPolicy) -> None:
-        """Make `policy` this rank's (every rank gets the same one with the same job): the plan's part of it
-        (`ParallelPlan.apply`: degree cap, token minimum, guidance-parallel mode, token cap; no collective) and the
+        """Make `policy` this rank's (every rank gets the same one with the same job): a new frozen plan of the
+        fleet's groups under it (`ParallelPlan.with_policy`: degree cap, token minimum, guidance-parallel mode, token
+        cap; no collective), handed to the pipeline (`TwoStagePipeline.use_plan`), and the
         compiled or eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError
         for a degree the heads or the fleet do not allow, before anything changes."""
         if policy == self.policy:
@@ -173,7 +174,8 @@ class WorkerState:
                                   "as they run (FSDP hooks), which the compiled blocks do not run; use replicated "
                                   "weights to compile")
         if self.plan is not None:
-            self.plan.apply(policy)
+            self.plan = self.plan.with_policy(policy)  # raises before anything changes
+            self.pipeline.use_plan(self.plan)
         if self.policy is None or policy.compile != self.policy.compile:
             from .compile import compile_blocks, uncompile_blocks
 

@@ -44,9 +44,9 @@ class DistributedDecodeMGPU(io.ComfyNode):
             request = DecodeRequest(video=parts.video, audio=parts.audio,
                                     tiles=tile_config(tiles_height, tiles_width, overlap), overlap=int(overlap))
             result = run_job(fleet, "decode", request, node_id=cls.hidden.unique_id, what=NAME)
-            note = (result.get("report") or {}).get("auto_tiling")
+            note = (result.report or {}).get("auto_tiling")
             if note:  # the diffusion decoder would not have fit: tiled automatically (parallel/decode.py)
                 log.warning("%s: %s", NAME, note)
-            images = frames_to_image(result["frames"])
-            audio = waveform_to_audio(result.get("audio"), result.get("sample_rate"))
+            images = frames_to_image(result.frames)
+            audio = waveform_to_audio(result.audio, result.sample_rate)
         return io.NodeOutput(images, audio)

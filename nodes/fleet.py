@@ -8,14 +8,15 @@ from comfy_api.latest import io, ui
 
 from ..mgpu_backend.protocol.errors import ControllerError
 from ..mgpu_backend.protocol.fleet_config import FleetHandle
+from ..mgpu_backend.protocol.job_results import ControllerStatus
 from .common import CATEGORY, NodeError, check_handle, client, fleet_input
 
 ACTIONS = ("status", "shut down")
 
 
-def format_status(status: dict, handle: FleetHandle | None = None) -> str:
-    lines = [f"controller pid {status.get('pid')} ({status.get('socket')})"]
-    fleet = status.get("fleet")
+def format_status(status: ControllerStatus, handle: FleetHandle | None = None) -> str:
+    lines = [f"controller pid {status.pid} ({status.socket})"]
+    fleet = status.fleet
     if fleet is None:
         lines.append("no fleet running (the next MGPU job starts one)")
     else:
@@ -26,14 +27,14 @@ def format_status(status: dict, handle: FleetHandle | None = None) -> str:
             lines.append(f"int8 compute: {fleet['int8_compute']}")
         if handle is not None and fleet["generation"] != handle.generation:
             lines.append(f"this handle is of generation {handle.generation} (the fleet was rebuilt since)")
-    processes = status.get("processes") or []
+    processes = status.processes
     if processes:  # every process the controller owns, with its resident memory
         lines.append("processes: " + "; ".join(
             f"{p['role']} pid {p['pid']} {p['rss_bytes'] / 2**20:.0f} MiB" if p.get("rss_bytes") is not None
             else f"{p['role']} pid {p['pid']}" for p in processes))
-    lines.append(f"busy with job {status['busy_job']}" if status.get("busy_job") else "idle")
-    if status.get("last_failure"):
-        lines.append(f"last failure: {status['last_failure']}")
+    lines.append(f"busy with job {status.busy_job}" if status.busy_job else "idle")
+    if status.last_failure:
+        lines.append(f"last failure: {status.last_failure}")
     return "\n".join(lines)
 
 

@@ -154,7 +154,7 @@ class SPSamplerMGPU(io.ComfyNode):
             )
             result = run_job(fleet, "sample", request, node_id=cls.hidden.unique_id, what=NAME)
             # the job report: the SP degree this stage ran at and why (the cost model's choice), then the LoRAs
-            lines = [str(result["report"])] if result.get("report") else []
-            lines += [f"LoRA {r}" for r in result.get("lora_reports") or ()]
-            out = join_latent(latent, result["video"], result["audio"])
+            lines = [str(result.report)] if result.report else []
+            lines += [f"LoRA {r}" for r in result.lora_reports]
+            out = join_latent(latent, result.video, result.audio)
         return io.NodeOutput(out, ui=ui.PreviewText("\n".join(lines)) if lines else None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..mgpu_backend.protocol.job_requests import DEFAULT_NEGATIVE_PROMPT, EncodeTextRequest
+from ..mgpu_backend.protocol.job_results import EncodeTextResult
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
 from .native_types import DEFAULT_FRAME_RATE, make_conditioning
 
@@ -57,7 +58,7 @@ class TextEncodeMGPU(io.ComfyNode):
             payload = EncodeTextRequest(prompts=(prompt, negative_prompt),
                                         mode=None if mode == "fleet default" else mode, frame_rate=float(frame_rate))
             result = run_job(fleet, "encode_text", payload, node_id=cls.hidden.unique_id, what="Text Encode (MGPU)")
-            embeds = result.get("embeds") if isinstance(result, dict) else None
+            embeds = result.embeds if isinstance(result, EncodeTextResult) else None
             if not embeds or len(embeds) != 2:
                 raise NodeError("Text Encode (MGPU): the fleet returned no embeddings")
             return io.NodeOutput(make_conditioning(embeds[0], frame_rate), make_conditioning(embeds[1], frame_rate))

@@ -104,7 +104,7 @@ class TDPUpscaleMGPU(io.ComfyNode):
                                     f"Load Checkpoint (MGPU) (models/latent_upscale_models/), or pass an already "
                                     f"upscaled latent with upscale off")
                 video = run_job(fleet, "upscale", UpscaleRequest(video), node_id=cls.hidden.unique_id,
-                                what=f"{NAME} (latent upscale)")["video"]
+                                what=f"{NAME} (latent upscale)").video
                 video_mask = None  # as ComfyUI's LTXVLatentUpsampler: the mask does not survive a resize
             # the stage-1 audio object itself goes back out (frozen: never re-noised, denoised or averaged)
             audio_in = unnest(latent["samples"])[1] if parts.nested else None
@@ -130,8 +130,7 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 loras=loras_payload(loras),
             )
             result = run_job(fleet, "sample", request, node_id=cls.hidden.unique_id, what=NAME)
-            text = "\n".join([str(result.get("report") or "")] +
-                              [f"LoRA {r}" for r in result.get("lora_reports") or ()]).strip()
-            out = join_latent(latent, result["video"], audio_in if frozen else result["audio"],
+            text = "\n".join([str(result.report or "")] + [f"LoRA {r}" for r in result.lora_reports]).strip()
+            out = join_latent(latent, result.video, audio_in if frozen else result.audio,
                               keep_mask=not upscale)
         return io.NodeOutput(out, ui=ui.PreviewText(text) if text else None)

@@ -111,7 +111,8 @@ def _comfy_samples(rank: int, world: int, paths20: dict) -> dict:
         payload = dict(payloads[name], semantics="comfyui")
         result = run_sample(state, stage_snapshot._as_request(payload), stage_snapshot._ctx(rank, world))  # noqa
         if rank == 0:
-            out[f"comfy.{name}"] = {"video": result["video"], "audio": result["audio"]}
+            out[f"comfy.{name}"] = {"video": stage_snapshot._field(result, "video"),
+                                    "audio": stage_snapshot._field(result, "audio")}
     return out
 
 

@@ -85,6 +85,11 @@ def _as_request(payload: dict):
     return SampleRequest(**payload)
 
 
+def _field(result, name: str):
+    """A job result's field: a typed result (`protocol.job_results`) or the dict an older tree's job returns."""
+    return result[name] if isinstance(result, dict) else getattr(result, name)
+
+
 def _ctx(rank: int, world: int):
     from types import SimpleNamespace
 
@@ -122,7 +127,7 @@ def _run(rank: int, world: int, paths: dict, image: str, guidance_parallel: str)
             continue
         result = run_sample(state, _as_request(payload), _ctx(rank, world))
         if rank == 0:
-            out[name] = {"video": result["video"], "audio": result["audio"]}
+            out[name] = {"video": _field(result, "video"), "audio": _field(result, "audio")}
     return out
 
 

@@ -363,7 +363,7 @@ def test_sp_degree_change_keeps_the_fleet(server, tiny_models):
     def fleet():
         c = ControllerClient(start=False)
         try:
-            return c.status()["fleet"]
+            return c.status().fleet
         finally:
             c.close()
 
@@ -433,7 +433,7 @@ def _fleet_pids():
 
     c = ControllerClient(start=False)
     try:
-        fleet = c.status()["fleet"]
+        fleet = c.status().fleet
         return None if fleet is None else list(fleet["worker_pids"])
     finally:
         c.close()

@@ -26,7 +26,8 @@ import torch
 from mgpu_backend.client import ControllerClient
 from mgpu_backend.protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetIdentity, FleetPlan, FleetPolicy
-from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest
+from mgpu_backend.protocol.job_requests import FaultSpec, FramesRequest, JobSpec, NoopRequest
+from mgpu_backend.protocol.job_results import DecodeResult
 from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, ensure_private_dir
 from _procs import deadline, process_alive as _alive, wait_gone
 
@@ -46,7 +47,7 @@ def stop_controller(runtime: Path) -> None:
     try:
         client = ControllerClient(runtime, start=False)
         status = client.status()
-        pids = [status["pid"], *((status["fleet"] or {}).get("worker_pids", []))]
+        pids = [status.pid, *((status.fleet or {}).get("worker_pids", []))]
         client.stop()
     except (ControllerError, OSError):
         pass
@@ -122,14 +123,14 @@ def test_second_client_reattaches_to_the_same_controller_and_fleet(ctl, handle, 
     try:
         assert other.started_pid is None
         second = other.status()
-        assert second["pid"] == first["pid"] == ctl.ping().pid
-        assert second["fleet"]["generation"] == first["fleet"]["generation"] == handle.generation
-        assert second["fleet"]["worker_pids"] == list(handle.worker_pids)
+        assert second.pid == first.pid == ctl.ping().pid
+        assert second.fleet["generation"] == first.fleet["generation"] == handle.generation
+        assert second.fleet["worker_pids"] == list(handle.worker_pids)
         # the same configuration from the second client reuses the fleet
         again = other.configure(handle.config)
         assert again.generation == handle.generation and again.worker_pids == handle.worker_pids
         out = other.run(again, JobSpec("noop", NoopRequest(steps=1)))
-        assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
+        assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
     finally:
         other.close()
 
@@ -155,7 +156,7 @@ def test_busy_is_answered_at_once_and_cancel_keeps_the_fleet(ctl, handle, runtim
         assert thread.is_alive(), "FleetBusy came only after the running job ended"
         with pytest.raises(FleetBusy, match=f"busy with a noop job \\({job.job_id}\\); try again when it ends"):
             other.configure(handle.config)
-        assert other.status()["busy_job"] == job.job_id
+        assert other.status().busy_job == job.job_id
         other.cancel(job.job_id)
     finally:
         other.close()
@@ -163,7 +164,7 @@ def test_busy_is_answered_at_once_and_cancel_keeps_the_fleet(ctl, handle, runtim
     assert not thread.is_alive()
     assert isinstance(outcome.get("error"), JobCancelled), outcome
     status = ctl.status()
-    assert status["busy_job"] is None and status["fleet"]["worker_pids"] == list(handle.worker_pids)
+    assert status.busy_job is None and status.fleet["worker_pids"] == list(handle.worker_pids)
 
 
 def test_unknown_job_kind_is_refused_and_fleet_kept(ctl, handle):
@@ -171,13 +172,13 @@ def test_unknown_job_kind_is_refused_and_fleet_kept(ctl, handle):
         ctl.run(handle, JobSpec("no-such-kind", None))
     assert info.value.kind == "validation" and not info.value.fleet_lost
     assert "unknown job kind 'no-such-kind'" in str(info.value) and "noop" in str(info.value)
-    assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
+    assert ctl.status().fleet["worker_pids"] == list(handle.worker_pids)
 
 
 def test_frames_come_back_through_shared_memory(ctl, handle):
     before = set(os.listdir("/dev/shm"))
     out = ctl.run(handle, JobSpec("frames", FramesRequest((5, 32, 48, 3))))
-    frames = out["frames"]
+    frames = out.frames
     assert frames.shape == (5, 32, 48, 3) and frames.dtype == torch.float32
     expected = torch.arange(5, dtype=torch.float32).div(5).view(5, 1, 1, 1).expand(5, 32, 48, 3)
     assert torch.equal(frames, expected)
@@ -186,10 +187,10 @@ def test_frames_come_back_through_shared_memory(ctl, handle):
 
 def test_fault_injection_is_ignored_without_the_test_switch(ctl, handle):
     """This controller runs without LTX2_MGPU_TEST_FAULTS=1: a job's `fault` is dropped, the job runs."""
-    out = ctl.run(handle, JobSpec("noop", NoopRequest(steps=2), fault={"rank": 0, "stage": "noop", "step": 0,
-                                                               "kind": "crash"}))
-    assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
-    assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
+    fault = FaultSpec(rank=0, stage="noop", step=0, kind="crash")
+    out = ctl.run(handle, JobSpec("noop", NoopRequest(steps=2), fault=fault))
+    assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
+    assert ctl.status().fleet["worker_pids"] == list(handle.worker_pids)
 
 
 def test_cli_status_shows_the_fleet(ctl, handle, runtime):
@@ -216,16 +217,16 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
     assert ctl.last_replaced is None
     for h in (new, handle):
         out = ctl.run(h, JobSpec("noop", NoopRequest(steps=1)))
-        assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
-    status = ctl.status()["fleet"]
+        assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
+    status = ctl.status().fleet
     assert status["worker_pids"] == list(handle.worker_pids) and status["generation"] == handle.generation
     assert status["open_counts"] == [2]  # checkpoint + upscaler, opened once at start
     assert status["policy"]["sp_degree"] is None  # the last job ran under the first handle's policy
     with pytest.raises(ControllerError, match="degree 2 is not possible") as info:
         ctl.configure(tiny_config(tiny_dir, sp_degree=2))
     assert info.value.kind == "validation" and info.value.kind is ErrorKind.VALIDATION
-    assert ctl.status()["fleet"]["worker_pids"] == list(handle.worker_pids)
-    assert ctl.status()["fleet"]["plan"] == {"world_size": 1, "heads": 8, "sp_degree": 1, "valid_degrees": (1,),
+    assert ctl.status().fleet["worker_pids"] == list(handle.worker_pids)
+    assert ctl.status().fleet["plan"] == {"world_size": 1, "heads": 8, "sp_degree": 1, "valid_degrees": (1,),
                                              "set_by_policy": False, "sequence_parallel": True}
 
 
@@ -363,8 +364,8 @@ def test_stale_handle_is_refused(ctl, handle, tiny_dir):
     assert info.value.kind == "stale_handle" and not info.value.fleet_lost
     assert f"generation {handle.generation} is stale" in message and "another configuration" in message
     out = ctl.run(new, JobSpec("noop", NoopRequest(steps=1)))
-    assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
-    assert ctl.status()["fleet"]["generation"] == new.generation  # the refused handle rebuilt nothing
+    assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
+    assert ctl.status().fleet["generation"] == new.generation  # the refused handle rebuilt nothing
 
 
 # ---- controllers of their own ---------------------------------------------------------------------------------------
@@ -488,7 +489,7 @@ MANGLED_CLIENT = textwrap.dedent("""
     out = client.run(handle, job_requests.JobSpec("noop", job_requests.NoopRequest(steps=1)))
     print(json.dumps({"started_pid": client.started_pid, "pid": client.ping().pid,
                       "generation": handle.generation, "handle_class": type(handle).__module__,
-                      "tensor": out["tensor"].tolist(), "plain_import": "mgpu_backend" in sys.modules}))
+                      "tensor": out.tensor.tolist(), "plain_import": "mgpu_backend" in sys.modules}))
 """)
 
 
@@ -532,7 +533,7 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
         assert (root / "mgpu_backend").resolve() == REPO / "mgpu_backend"
         # this (plainly imported) client reattaches to it and sees the fleet the mangled client made
         client = ControllerClient(runtime, start=False)
-        assert client.status()["fleet"]["generation"] == info["generation"]
+        assert client.status().fleet["generation"] == info["generation"]
     finally:
         stop_controller(runtime)
         shutil.rmtree(runtime, ignore_errors=True)
@@ -550,7 +551,7 @@ def test_frame_hand_back_round_trip(monkeypatch, shm_dir, shape):
     frames = torch.rand(shape)
     ref = F.send_frames(frames)
     assert ref.shape == shape and ref.dtype == "float32"
-    out = F.receive_frames({"frames": ref, "audio": None})
-    assert torch.equal(out["frames"], frames) and out["audio"] is None
-    out["frames"].add_(1.0)  # a private copy: writable, not a view of the freed block
+    out = F.receive_frames(DecodeResult(ref, None))
+    assert torch.equal(out.frames, frames) and out.audio is None
+    out.frames.add_(1.0)  # a private copy: writable, not a view of the freed block
     assert set(os.listdir("/dev/shm")) - before == set(), "the shared-memory block was not freed"

@@ -6,7 +6,7 @@
   unreadable and oversized requests are answered with an error and the controller keeps serving;
 - errors name the stage ("stage 1", "stage 2", …); a NaN already in an input is bad input, refused before any step;
   a prompt over 1024 Gemma tokens is refused naming its token count; a worker killed between jobs shows in
-  `status()["last_failure"]` and the next job runs on a new fleet;
+  `status().last_failure` and the next job runs on a new fleet;
 - the log has one line per job and per fleet start / teardown; `stop` and a replacing `configure` say what they
   stop or replace; the CLI refuses bad values before it starts anything.
 
@@ -200,7 +200,7 @@ def test_a_silent_connection_holds_up_nobody_and_is_dropped(ctl, handle, runtime
         other = ControllerClient(runtime, start=False)  # authenticates while the silent one waits
         try:
             assert other.ping().pid == ctl.ping().pid
-            assert torch.equal(other.run(handle, noop())["tensor"], torch.arange(4, dtype=torch.float32))
+            assert torch.equal(other.run(handle, noop()).tensor, torch.arange(4, dtype=torch.float32))
         finally:
             other.close()
         assert silent.recv(4096) == b"", "the silent connection was not closed after the handshake deadline"
@@ -287,7 +287,7 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     events.clear()
     ctl.run(handle, JobSpec("sample", sample_payload("tiled")), on_event=events.append)
     assert {e.stage for e in events} == {"stage 2"}
-    pids = ctl.status()["fleet"]["worker_pids"]
+    pids = ctl.status().fleet["worker_pids"]
     for mode, name, stage in (("sequence_parallel", "video", "stage 1"), ("tiled", "noise_video", "stage 2")):
         bad = getattr(sample_payload(mode), name).clone()
         bad[0, 0, 0, 0, 0] = float("nan")
@@ -304,7 +304,7 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     events.clear()
     ctl.run(handle, JobSpec("sample", named), on_event=events.append)
     assert {e.stage for e in events} == {"refine"}
-    assert ctl.status()["fleet"]["worker_pids"] == pids  # bad input keeps the fleet
+    assert ctl.status().fleet["worker_pids"] == pids  # bad input keeps the fleet
 
 
 def test_denoise_loop_refuses_a_start_latent_that_is_already_nan():
@@ -345,12 +345,12 @@ def test_a_prompt_over_1024_tokens_is_refused_naming_its_length(ctl, handle, tin
     while len(gemma.tokenizer.prompt_ids(fits + word)) <= MAX_PROMPT_TOKENS:
         fits += word
     assert gemma.tokenize([fits])[0].shape[1] <= MAX_PROMPT_TOKENS  # the longest that fits is taken whole
-    pids = ctl.status()["fleet"]["worker_pids"]
+    pids = ctl.status().fleet["worker_pids"]
     with pytest.raises(ControllerError) as info:
         ctl.run(handle, JobSpec("encode_text", EncodeTextRequest(prompts=["short", word * 2000])))
     assert info.value.kind == "validation", str(info.value)
     assert f"the prompt is {n} Gemma tokens" in str(info.value)  # the service encodes prompts one by one
-    assert ctl.status()["fleet"]["worker_pids"] == pids
+    assert ctl.status().fleet["worker_pids"] == pids
 
 
 def test_the_log_has_a_line_per_job_and_per_fleet_start(ctl, handle, runtime):
@@ -363,19 +363,19 @@ def test_the_log_has_a_line_per_job_and_per_fleet_start(ctl, handle, runtime):
 
 
 def test_a_worker_killed_between_jobs_shows_in_status(ctl, handle, runtime):
-    before = ctl.status()["fleet"]
+    before = ctl.status().fleet
     victim = before["worker_pids"][0]
     os.kill(victim, signal.SIGKILL)
     assert wait_gone([victim])
     # /proc shows a zombie leader while its other threads still exit; the controller can reap it a moment later
     end = time.monotonic() + 30
-    while (status := ctl.status())["fleet"] is not None and time.monotonic() < end:
+    while (status := ctl.status()).fleet is not None and time.monotonic() < end:
         time.sleep(0.1)
-    assert status["fleet"] is None, status
-    assert status["last_failure"] == (f"worker rank 0 (pid {victim}) died with exit code -9 (SIGKILL) while the "
+    assert status.fleet is None, status
+    assert status.last_failure == (f"worker rank 0 (pid {victim}) died with exit code -9 (SIGKILL) while the "
                                       f"fleet was idle"), status
-    assert torch.equal(ctl.run(handle, noop())["tensor"], torch.arange(4, dtype=torch.float32))  # a new fleet
-    after = ctl.status()["fleet"]
+    assert torch.equal(ctl.run(handle, noop()).tensor, torch.arange(4, dtype=torch.float32))  # a new fleet
+    after = ctl.status().fleet
     assert after["generation"] > before["generation"] and victim not in after["worker_pids"]
     log = (runtime / "controller.log").read_text()
     assert f"fleet generation {before['generation']} lost: worker rank 0 (pid {victim})" in log
@@ -527,7 +527,7 @@ def test_a_job_whose_client_went_away_is_cancelled_not_run_for_nobody(ctl, handl
     try:
         while True:  # the guard's deadline bounds this wait
             try:
-                assert torch.equal(other.run(handle, noop())["tensor"], torch.arange(4, dtype=torch.float32))
+                assert torch.equal(other.run(handle, noop()).tensor, torch.arange(4, dtype=torch.float32))
                 break
             except FleetBusy:
                 time.sleep(0.2)

@@ -176,31 +176,39 @@ def _plan(world: int, **kw) -> ParallelPlan:
 
 def test_plan_picks_the_cost_models_degree_and_reports_why():
     plan = _plan(8, cost_model=C.DEFAULT, shape=C.LTX2_19B)
-    assert plan.stage(3520).degree == 1
-    assert plan.describe().startswith(f"sequence parallel on 1 of 8 ranks: 3,520 video tokens; the cost model "
-                                      f"predicts {_ms(3520, 1)} per forward on 1 rank; 2 ranks would run at "
-                                      f"{_x(3520, 1, 2)}")
+    report = plan.choose(3520)
+    assert report.degree == 1
+    assert plan.describe(report).startswith(f"sequence parallel on 1 of 8 ranks: 3,520 video tokens; the cost "
+                                            f"model "
+                                            f"predicts {_ms(3520, 1)} per forward on 1 rank; 2 ranks would run at "
+                                            f"{_x(3520, 1, 2)}")
     # 8,160 tokens: 4 and 8 ranks both launch-bound at the same host time (floor + collectives): the tie goes to 4
     assert C.predict_sp(8160, 8) == pytest.approx(C.predict_sp(8160, 4)) and C.DEFAULT.sp(8160, 4).launch_bound
     assert C.predict_sp(8160, 4) < C.predict_sp(8160, 2) < C.predict_sp(8160, 1)
     assert 1.5 < C.predict_sp(8160, 1) / C.predict_sp(8160, 4) < 2.5
-    assert plan.stage(8160).degree == 4
-    assert plan.describe().startswith(f"sequence parallel on 4 of 8 ranks: 8,160 video tokens; the cost model "
-                                      f"predicts {_ms(8160, 4)} per forward on 4 ranks ({_x(8160, 1, 4)} one GPU); "
-                                      f"8 ranks would run at 1.00×")
-    assert plan.stage(32640).degree == 8
-    assert plan.describe().startswith("sequence parallel over all 8 ranks: 32,640 video tokens; the cost model")
+    report = plan.choose(8160)
+    assert report.degree == 4
+    assert plan.describe(report).startswith(f"sequence parallel on 4 of 8 ranks: 8,160 video tokens; the cost "
+                                            f"model "
+                                            f"predicts {_ms(8160, 4)} per forward on 4 ranks ({_x(8160, 1, 4)} one "
+                                            f"GPU); 8 ranks would run at 1.00×")
+    report = plan.choose(32640)
+    assert report.degree == 8
+    assert plan.describe(report).startswith("sequence parallel over all 8 ranks: 32,640 video tokens; the cost model")
 
 
 def test_explicit_min_tokens_per_rank_overrides_the_model():
     """min_tokens_per_rank without a cost model: the old rule (3,520 tokens ≥ 2 × 1,536 -> 2 ranks, where the model
     would pick 1); 0 = always the full degree."""
     plan = _plan(8, min_tokens_per_rank=1536)
-    assert plan.stage(3520).degree == 2
-    assert plan.describe() == "sequence parallel on 2 of 8 ranks: fewer than 1536 video tokens per rank would not pay"
-    assert plan.stage(14080).degree == 8 and plan.describe() == "sequence parallel over all 8 ranks"
+    report = plan.choose(3520)
+    assert report.degree == 2
+    assert plan.describe(report) == ("sequence parallel on 2 of 8 ranks: fewer than 1536 video tokens per rank "
+                                     "would not pay")
+    report = plan.choose(14080)
+    assert report.degree == 8 and plan.describe(report) == "sequence parallel over all 8 ranks"
     full = _plan(4)
-    assert full.stage(10).degree == 4 and full.describe() == "sequence parallel over all 4 ranks"
+    assert full.stage(10).degree == 4 and full.describe(full.choose(10)) == "sequence parallel over all 4 ranks"
 
 
 def test_graphed_model_refit_and_choice():

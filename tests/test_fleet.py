@@ -39,7 +39,8 @@ from mgpu_backend.parallel.tiling import default_tiling
 from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.errors import ControllerError, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetPlan
-from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
+from mgpu_backend.protocol.job_requests import FaultSpec, JobSpec, NoopRequest
+from mgpu_backend.protocol.job_results import GenerateJobResult
 from _procs import deadline, process_alive as _alive, wait_gone
 
 torch.set_num_threads(1)
@@ -173,7 +174,7 @@ def ctl():
     workers = []
     try:  # a fresh connection: the module's may be mid-stream after a failed test
         other = ControllerClient(runtime, start=False)
-        fleet = other.status()["fleet"]
+        fleet = other.status().fleet
         workers = fleet["worker_pids"] if fleet else []
         other.stop()
     except (ControllerError, OSError):
@@ -197,18 +198,22 @@ def run(ctl, handle, job: JobSpec, on_event=None, on_accepted=None) -> dict:
 
 
 def generate(ctl, handle, req: GenerateRequest, events: list | None = None) -> dict:
+    """The fleet's `GenerateJobResult` for `req`, as a dict of its fields (compared with the one-process run's)."""
     out = run(ctl, handle, JobSpec("generate", req),
               on_event=(lambda e: events.append((e.stage, e.step, e.total))) if events is not None else None)
-    return out
+    assert isinstance(out, GenerateJobResult), type(out)
+    return dict(vars(out))
 
 
 def fleet_status(ctl) -> dict:
-    fleet = ctl.status()["fleet"]
+    fleet = ctl.status().fleet
     assert fleet is not None, "no live fleet"
     return fleet
 
 
-def assert_same(a: dict, b: dict, what: str) -> None:
+def assert_same(a, b, what: str) -> None:
+    """`a`, `b`: dicts of `KEYS` or `GenerateJobResult`s (the fleet's typed result)."""
+    a, b = (x if isinstance(x, dict) else vars(x) for x in (a, b))
     for k in KEYS:
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs (max |diff| {float((a[k] - b[k]).abs().max()):.3g})"
 
@@ -346,8 +351,8 @@ def test_open_counts_are_reported_after_jobs(ctl, files):
     handle = ctl.configure(config(files, 2))
     before = fleet_status(ctl)["open_counts"]
     assert len(before) == 2 and all(n >= 2 for n in before)  # checkpoint + upscaler at least
-    run(ctl, handle, JobSpec("noop", NoopRequest(steps=2), fault={"rank": 1, "stage": "noop", "step": 0,
-                                                          "kind": "reread"}))
+    run(ctl, handle, JobSpec("noop", NoopRequest(steps=2), fault=FaultSpec(rank=1, stage="noop", step=0,
+                                                                            kind="reread")))
     after = fleet_status(ctl)["open_counts"]
     assert after == [before[0], before[1] + 1]
 
@@ -365,7 +370,7 @@ def test_error_on_every_rank_keeps_fleet(ctl, files, case):
         job, kind, needles = JobSpec("generate", request(files, image=missing)), "validation", ["file not found",
                                                                                                 missing]
     else:
-        job = JobSpec("generate", request(files), fault={"stage": "stage 1", "step": 1, "kind": "error_all"})
+        job = JobSpec("generate", request(files), fault=FaultSpec(stage="stage 1", step=1, kind="error_all"))
         kind, needles = "job_error", ["injected fault on rank 0 at stage 1 step 1"]
     with pytest.raises(ControllerError) as info:
         run(ctl, handle, job)
@@ -374,7 +379,7 @@ def test_error_on_every_rank_keeps_fleet(ctl, files, case):
         assert needle in str(info.value)
     # the same processes take the next job
     out = run(ctl, handle, JobSpec("noop", NoopRequest(steps=1)))
-    assert torch.equal(out["tensor"], torch.arange(4, dtype=torch.float32))
+    assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
     after = fleet_status(ctl)
     assert after["worker_pids"] == before["worker_pids"] and after["generation"] == before["generation"]
 
@@ -384,7 +389,7 @@ def test_error_on_every_rank_keeps_fleet(ctl, files, case):
 def _next_job_on_new_fleet(ctl, files, handle, lost: dict) -> None:
     """After a lost fleet: the SAME handle runs the next job on a new fleet (new PIDs, generation + 1) with the
     output of a fresh run, and keeps working on it."""
-    assert ctl.status()["fleet"] is None
+    assert ctl.status().fleet is None
     accepted = []
     out = run(ctl, handle, JobSpec("generate", request(files)), on_accepted=accepted.append)
     now = fleet_status(ctl)
@@ -399,14 +404,14 @@ def test_error_on_one_rank_tears_fleet_down(ctl, files):
     w2_fresh(ctl, files)
     handle = ctl.configure(config(files, 2))
     lost = fleet_status(ctl)
-    job = JobSpec("generate", request(files), fault={"rank": 1, "stage": "stage 1", "step": 1, "kind": "error"})
+    job = JobSpec("generate", request(files), fault=FaultSpec(rank=1, stage="stage 1", step=1, kind="error"))
     with pytest.raises(ControllerError) as info:
         run(ctl, handle, job)
     message = str(info.value)
     assert info.value.fleet_lost and info.value.kind == "fleet_lost", message
     assert "rank 1 failed during stage 1 step 1" in message and "injected fault on rank 1" in message
     assert "ranks [0] did not fail" in message
-    assert ctl.status()["last_failure"] == message
+    assert ctl.status().last_failure == message
     _next_job_on_new_fleet(ctl, files, handle, lost)
 
 
@@ -414,7 +419,7 @@ def test_crash_fault_is_reported_with_rank(ctl, files):
     w2_fresh(ctl, files)
     handle = ctl.configure(config(files, 2))
     lost = fleet_status(ctl)
-    job = JobSpec("generate", request(files), fault={"rank": 1, "stage": "stage 1", "step": 1, "kind": "crash"})
+    job = JobSpec("generate", request(files), fault=FaultSpec(rank=1, stage="stage 1", step=1, kind="crash"))
     with pytest.raises(ControllerError) as info:
         run(ctl, handle, job)
     message = str(info.value)
@@ -448,8 +453,8 @@ def test_stalled_rank_is_detected_and_named(ctl, files):
     progress for stall_timeout_s, names the rank, tears the fleet down (the hang guard fails a test that hangs)."""
     handle = ctl.configure(config(files, 2, stall=STALL_S))
     lost = fleet_status(ctl)
-    job = JobSpec("noop", NoopRequest(steps=4, sleep_s=0.05), fault={"rank": 1, "stage": "noop", "step": 2,
-                                                                 "kind": "stall"})
+    job = JobSpec("noop", NoopRequest(steps=4, sleep_s=0.05), fault=FaultSpec(rank=1, stage="noop", step=2,
+                                                                              kind="stall"))
     with deadline(STALL_S + 60, "stall detection"):
         with pytest.raises(ControllerError) as info:
             run(ctl, handle, job)
@@ -457,7 +462,7 @@ def test_stalled_rank_is_detected_and_named(ctl, files):
     assert info.value.fleet_lost, message
     assert f"no progress for {STALL_S:g} s: rank 1 stalled" in message
     assert "steps begun per rank: [3, 2]" in message
-    assert ctl.status()["fleet"] is None
+    assert ctl.status().fleet is None
     assert wait_gone(lost["worker_pids"]), "the stalled fleet's workers still run"
     print(json.dumps({"stall_message": message}))
 
@@ -469,12 +474,12 @@ def test_a_worker_death_in_a_stage_job_names_the_stage(ctl, files):
 
     handle = ctl.configure(config(files, 2))
     lost = fleet_status(ctl)
-    job = JobSpec("sample", sample_payload("tiled"), fault={"rank": 1, "stage": "stage 2", "step": 1,
-                                                            "kind": "crash"})
+    job = JobSpec("sample", sample_payload("tiled"), fault=FaultSpec(rank=1, stage="stage 2", step=1,
+                                                                     kind="crash"))
     with pytest.raises(ControllerError) as info:
         run(ctl, handle, job)
     message = str(info.value)
     assert info.value.fleet_lost, message
     assert f"worker rank 1 (pid {lost['worker_pids'][1]}) died with exit code 17 during stage 2 (rank 0 at step " \
            in message, message
-    assert ctl.status()["last_failure"] == message
+    assert ctl.status().last_failure == message

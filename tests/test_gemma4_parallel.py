@@ -179,8 +179,8 @@ def test_encode_text_job_gives_comfyui_s_conditioning_for_2_5(tmp_path):
     prompts = json.loads(meta["prompts"])
     path = str(write_tiny_gemma4(tmp_path / "gemma4-12b-with-proj-ltx-2.5-tiny-bf16.safetensors", seed=0))
     result, other = run_ranks(_job_on_ranks, 2, path, prompts)
-    assert other == {} and result["report"]["mode"] == "batch_parallel" and min(result["forwards_per_rank"]) >= 1
-    for i, conditioning in enumerate(result["conditioning"]):
+    assert other is None and result.report["mode"] == "batch_parallel" and min(result.forwards_per_rank) >= 1
+    for i, conditioning in enumerate(result.conditioning):
         (cond, extra), = conditioning
         assert sorted(set(extra) - {"frame_rate"}) == json.loads(meta["extra_keys"])[f"p{i}.bf16"]
         assert extra["frame_rate"] == 24.0 and extra["pooled_output"] is None and extra["unprocessed_ltxav_embeds"]

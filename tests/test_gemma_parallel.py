@@ -459,29 +459,29 @@ def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
         events: list = []
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=prompts, mode="sharded", frame_rate=25.0)),
                       events.append)
-        assert _equal(r["embeds"], [ref(p) for p in prompts])
-        assert r["forwards_per_rank"] == [3, 0] and r["report"]["mode"] == "sharded"
-        (tensor, extra), = r["conditioning"][1]
-        assert torch.equal(tensor, r["embeds"][1]) and extra["unprocessed_ltxav_embeds"] is True
+        assert _equal(r.embeds, [ref(p) for p in prompts])
+        assert r.forwards_per_rank == (3, 0) and r.report["mode"] == "sharded"
+        (tensor, extra), = r.conditioning[1]
+        assert torch.equal(tensor, r.embeds[1]) and extra["unprocessed_ltxav_embeds"] is True
         assert extra["frame_rate"] == 25.0 and extra["pooled_output"] is None
         assert [e.stage for e in events] == ["text"]
         # the fleet's default mode
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=prompts[::-1])), events.append)
-        assert r["report"]["cache_hits"] == 3 and r["forwards_per_rank"] == [3, 0]
-        assert _equal(r["embeds"], [ref(p) for p in prompts[::-1]])
+        assert r.report["cache_hits"] == 3 and r.forwards_per_rank == (3, 0)
+        assert _equal(r.embeds, [ref(p) for p in prompts[::-1]])
         new = ["A drone flies over a forest.", "Snow.", "The orchestra begins to play."]
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=new, unload=True)), events.append)
-        assert _equal(r["embeds"], [ref(p) for p in new])
-        assert r["report"]["mode"] == "batch_parallel" and r["report"]["unloaded"]
-        assert sum(r["forwards_per_rank"]) == 6 and r["forwards_per_rank"][1] >= 1
+        assert _equal(r.embeds, [ref(p) for p in new])
+        assert r.report["mode"] == "batch_parallel" and r.report["unloaded"]
+        assert sum(r.forwards_per_rank) == 6 and r.forwards_per_rank[1] >= 1
         with pytest.raises(ControllerError) as info:  # asked for explicitly: refused, the fleet stays
             fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=["one"], mode="batch_parallel")), events.append)
         assert info.value.kind == "validation" and "nothing to split" in str(info.value)
         # the fleet's default mode with one prompt: encoded on the replicas (reloaded after the unload)
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=["Reloaded after the unload."])),
                       events.append)
-        assert _equal(r["embeds"], [ref("Reloaded after the unload.")])
-        assert r["stats"]["loads"] == 4 and r["report"]["mode"] == "replicated"
+        assert _equal(r.embeds, [ref("Reloaded after the unload.")])
+        assert r.stats["loads"] == 4 and r.report["mode"] == "replicated"
         assert fleet.alive()
     finally:
         fleet.shutdown()

@@ -167,7 +167,7 @@ def _sample_job(rank: int, world: int, checkpoint: str, payloads: dict) -> dict:
     for name, payload in payloads.items():
         result = run_sample(state, payload, ctx)
         if rank == 0:
-            out[name] = {"video": result["video"], "audio": result["audio"], "report": result["report"],
+            out[name] = {"video": result.video, "audio": result.audio, "report": result.report,
                          "sp_degree": plan.sp_degree}
     return out
 

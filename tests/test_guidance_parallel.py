@@ -119,8 +119,9 @@ def _rank(rank: int, world: int, paths: dict) -> dict:
         result = pipeline.run_stage(_stage_spec(components, case), None, _boundary(plan, None, log))
         video, audio = result.video, result.audio
         out["stages"][case] = dict(video=video, audio=audio, forwards=count.n, boundaries=len(log),
-                                   degree=plan.last_split.degree if plan.last_split else None,
-                                   describe=plan.describe())
+                                   degree=(result.runner.run_split.report.split.degree
+                                           if result.runner.run_split.report.split else None),
+                                   describe=result.report)
     log = []
     try:
         pipeline.run_stage(_stage_spec(components, "cfg_stg_modality"), None, _boundary(plan, CANCEL_AT, log))
@@ -285,7 +286,7 @@ def test_auto_on_cuda_follows_the_cost_model(tokens, passes, world):
     expected = "passes" if t_pass < t_seq else "sequence"
     assert run.kind == expected, (run.split, t_pass, t_seq)
     assert run.degree == (g if expected == "passes" else d)
-    text = plan.describe()
+    text = plan.describe(run.report)
     if expected == "passes":
         assert text.startswith("stage 1: guidance passes in parallel on ")
         assert f"would be predicted {t_seq / t_pass:.1f}× slower" in text, text
@@ -300,31 +301,35 @@ def test_auto_on_cuda_flagship_stage1_and_a_large_three_pass_stage():
     plan = _cuda_plan(4)
     run = plan.split("stage 1", 3520, 4, GP.pass_bytes((1, 3520, 128), (1, 126, 128)))
     assert (run.kind, run.degree) == ("passes", 4)
-    assert plan.describe().startswith("stage 1: guidance passes in parallel on 4 ranks (4 passes per step: 1 forward "
-                                      "per rank); sequence parallel")
-    assert "slower" in plan.describe()
+    assert plan.describe(run.report).startswith("stage 1: guidance passes in parallel on 4 ranks (4 passes per step: "
+                                                "1 forward per rank); sequence parallel")
+    assert "slower" in plan.describe(run.report)
     plan = _cuda_plan(2)
     run = plan.split("stage 1", 32640, 3, GP.pass_bytes((1, 32640, 128), (1, 126, 128)))
     assert (run.kind, run.degree) == ("sequence", 2)
-    assert plan.describe().startswith("sequence parallel over all 2 ranks")
-    assert "guidance passes in parallel on 2 ranks would be predicted" in plan.describe()
+    assert plan.describe(run.report).startswith("sequence parallel over all 2 ranks")
+    assert "guidance passes in parallel on 2 ranks would be predicted" in plan.describe(run.report)
 
 
 def test_modes_cpu_off_on_and_the_token_cap():
     cpu = ParallelPlan.hand_built(rank=0, world_size=4, device=CPU, sp_degree=4,
                                   guidance_parallel="auto", pass_groups={})
-    assert cpu.split("stage 1", 3520, 4).kind == "sequence"  # CPU "auto": SP as before
-    assert cpu.describe() == "sequence parallel over all 4 ranks"
+    run = cpu.split("stage 1", 3520, 4)
+    assert run.kind == "sequence"  # CPU "auto": SP as before
+    assert cpu.describe(run.report) == "sequence parallel over all 4 ranks"
     off = _cuda_plan(4, "off")
     assert off.split("stage 1", 3520, 4).kind == "sequence"
     on = _cuda_plan(4, "on")
-    assert (on.split("stage 1", 3520, 4).kind, on.last_split.degree) == ("passes", 4)
-    assert on.describe().endswith("set by guidance_parallel='on'")
-    assert on.split("stage 2", 3520, 1).kind == "sequence"  # one pass: nothing to spread
-    assert on.describe().startswith("sequence parallel")
+    run = on.split("stage 1", 3520, 4)
+    assert (run.kind, run.report.split.degree) == ("passes", 4)
+    assert on.describe(run.report).endswith("set by guidance_parallel='on'")
+    run = on.split("stage 2", 3520, 1)
+    assert run.kind == "sequence" and run.report.split is None  # one pass: nothing to spread
+    assert on.describe(run.report).startswith("sequence parallel")
     capped = _cuda_plan(4, "on", token_cap=1000)
     run = capped.split("stage 1", 3520, 4)
-    assert run.kind == "sequence" and "exceed the per-rank cap of 1,000" in capped.describe()
+    assert run.kind == "sequence" and "exceed the per-rank cap of 1,000" in capped.describe(run.report)
+    assert run.token_cap == 1000  # carried down to the stage's forwards
     with pytest.raises(ValueError, match="guidance_parallel='sometimes'"):
         GP.check_mode("sometimes")
 

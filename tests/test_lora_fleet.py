@@ -134,8 +134,9 @@ def _run_jobs(pipe, rank: int, f: dict) -> dict:
     for name, mode, loras in _jobs(f):
         try:
             result = stages.run_sample(type("State", (), {"pipeline": pipe})(), _payload(mode, loras), _Ctx(rank))
-            out[name] = {"video": result.get("video"), "audio": result.get("audio"),
-                         "lora_reports": result.get("lora_reports"), "fuse": dict(pipe.lora.stats["fuse"]),
+            out[name] = {"video": getattr(result, "video", None), "audio": getattr(result, "audio", None),
+                         "lora_reports": None if result is None else list(result.lora_reports),
+                         "fuse": dict(pipe.lora.stats["fuse"]),
                          "active_after": pipe.lora.active}
         except LoRAError as exc:
             out[name] = {"error": str(exc), "active_after": pipe.lora.active}
@@ -460,7 +461,7 @@ def ctl():
     workers = []
     try:
         other = ControllerClient(runtime, start=False)
-        fleet = other.status()["fleet"]
+        fleet = other.status().fleet
         workers = fleet["worker_pids"] if fleet else []
         other.stop()
     except (ControllerError, OSError):
@@ -487,7 +488,7 @@ def test_worker_fleet_switches_lora_sets_without_reloading(ctl, files):
     from mgpu_backend.protocol.job_requests import JobSpec
 
     handle = ctl.configure(_config(files, 2))
-    before = ctl.status()["fleet"]
+    before = ctl.status().fleet
     outs = {}
     for name, mode, loras in _jobs(files):
         try:
@@ -499,12 +500,12 @@ def test_worker_fleet_switches_lora_sets_without_reloading(ctl, files):
         assert isinstance(exc, ControllerError) and exc.kind == "validation" and not exc.fleet_lost, exc
         assert files[name] in str(exc)
     for name in ("stage1 after stage2", "stage1 after user", "stage1 after errors"):
-        assert torch.equal(outs[name]["video"], outs["stage1"]["video"]), name
-        assert torch.equal(outs[name]["audio"], outs["stage1"]["audio"]), name
-    assert not torch.equal(outs["stage2"]["video"], outs["stage2 user+distilled"]["video"])
-    assert outs["stage2"]["lora_reports"] == ["ltx-2.0-tiny-distilled-lora.safetensors @ 1: 56/56 layers applied"]
+        assert torch.equal(outs[name].video, outs["stage1"].video), name
+        assert torch.equal(outs[name].audio, outs["stage1"].audio), name
+    assert not torch.equal(outs["stage2"].video, outs["stage2 user+distilled"].video)
+    assert outs["stage2"].lora_reports == ("ltx-2.0-tiny-distilled-lora.safetensors @ 1: 56/56 layers applied",)
     # the same fleet, the same processes, and no checkpoint opened since the fleet started
-    after = ctl.status()["fleet"]
+    after = ctl.status().fleet
     assert after["worker_pids"] == before["worker_pids"] and after["generation"] == before["generation"]
     assert after["open_counts"] == before["open_counts"], (before["open_counts"], after["open_counts"])
 
@@ -526,22 +527,23 @@ def test_generate_with_user_lora_on_both_stages(ctl, files, capsys):
     with_user = GenerateRequest(**base, loras=((files["user"], USER_STRENGTH),))
     without = GenerateRequest(**base)
     handle = ctl.configure(_config(files, 2, "float32"))
-    before = ctl.status()["fleet"]["open_counts"]
+    before = ctl.status().fleet["open_counts"]
     fleet = ctl.run(handle, JobSpec("generate", with_user))
     fleet_without = ctl.run(handle, JobSpec("generate", without))
-    assert ctl.status()["fleet"]["open_counts"] == before
+    assert ctl.status().fleet["open_counts"] == before
     components = loader.load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=torch.float32)
     pipe = TwoStagePipeline(components, load_gemma(files["gemma"]), dtype=torch.float32)
     one = pipe.generate(with_user)
-    assert [str(r) for r in one.lora_reports] == fleet["lora_reports"] == [
+    assert [str(r) for r in one.lora_reports] == list(fleet.lora_reports) == [
         "stage 1: user-style.safetensors @ 0.8: 12/12 layers applied",
         "stage 2: user-style.safetensors @ 0.8: 12/12 layers applied",
         "stage 2: ltx-2.0-tiny-distilled-lora.safetensors @ 1: 56/56 layers applied"]
-    diffs = {k: float((fleet[k] - getattr(one, k)).abs().max()) for k in ("video_latent", "audio_latent", "frames")}
+    diffs = {k: float((getattr(fleet, k) - getattr(one, k)).abs().max())
+             for k in ("video_latent", "audio_latent", "frames")}
     with capsys.disabled():
         print(f"\n[lora fleet] generate W=2 with a user LoRA: max |fleet - one process| {diffs}")
     assert all(v < 1e-4 for v in diffs.values()), diffs
-    assert float((fleet["audio_latent"] - fleet_without["audio_latent"]).abs().max()) > 1e-3  # stage 1 saw it
+    assert float((fleet.audio_latent - fleet_without.audio_latent).abs().max()) > 1e-3  # stage 1 saw it
     assert not pipe.lora.active
 
 

@@ -59,7 +59,7 @@ def test_cpu_native_forward_never_touches_graphs(tiny_dir):
 def test_graphed_native_equals_eager_bitwise(tiny_dir, world, mark):
     eng = _engine(tiny_dir, "cuda", torch.bfloat16)
     if world > 1:  # one simulated rank of a W-way sequence-parallel split
-        eng._local = SequenceParallelTransformer(eng.transformer, _CopyExchange(world), None)
+        eng._local = SequenceParallelTransformer(eng.transformer, _CopyExchange(world))
     requests = golden_requests(*load_golden())
     eager = {name: _eager(eng, req) for name, req in requests.items()}
     for _ in range(3):  # warm-up, capture, replay

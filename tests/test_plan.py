@@ -48,7 +48,7 @@ def _policies(rank, world, checkpoint):
         plan = build_plan(transformer, rank, world, torch.device(device), min_tokens_per_rank=min_tokens)
         degrees = {tokens: plan.stage(tokens).degree for tokens in (40, 12, 10 ** 6)}
         out[name] = {"cost": plan.cost_model is not None, "stages": sorted(plan.stages), "degrees": degrees,
-                     "describe": plan.describe(), "shape": plan.shape}
+                     "describe": plan.describe(plan.choose(10 ** 6)), "shape": plan.shape}
     return out
 
 
@@ -93,14 +93,18 @@ def test_small_stage_runs_on_one_rank_and_equals_one_process(paths):
 
 
 def _policy_switches(rank, world, paths):
-    """One plan, its policy changed between runs the way a fleet changes it between jobs (no group is created)."""
+    """One fleet's groups, a plan per policy the way a fleet makes one per job (no group is created; each plan a
+    new frozen value, the earlier ones unchanged)."""
+    import dataclasses
+
     import torch.distributed as dist
 
-    from mgpu_backend.parallel.plan import build_plan
+    from mgpu_backend.parallel.plan import ParallelPlan, build_plan
     from mgpu_backend.validation import ValidationError
 
     components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"))  # CPU default: full degree
+    first, first_policy = plan, plan.policy
     created = []
     new_group = dist.new_group
     dist.new_group = lambda *a, **k: created.append(a) or new_group(*a, **k)
@@ -109,16 +113,22 @@ def _policy_switches(rank, world, paths):
         for name, policy in (("sp1 on", dict(sp_degree=1, guidance_parallel="on")),
                              ("min8", dict(min_tokens_per_rank=8, guidance_parallel="off")),
                              ("sp2", dict(sp_degree=2, min_tokens_per_rank=0, guidance_parallel="off"))):
-            plan.set_policy(**policy)
+            plan = ParallelPlan.for_policy(plan.groups, **policy)
             out[name] = {"degree": plan.sp_degree, "stages": sorted(plan.stages), "passes": sorted(plan.pass_groups),
                          "at 40": plan.stage(40).degree, "at 12": plan.stage(12).degree,
                          "same groups": all(plan.stages[d] is plan.all_stages[d] for d in plan.stages)}
         try:
-            plan.set_policy(sp_degree=3)
+            plan = plan.for_policy(plan.groups, sp_degree=3)
         except ValidationError as exc:
             out["refused"] = str(exc)
         out["kept"] = plan.sp_degree
-        plan.set_policy(min_tokens_per_rank=10 ** 6, guidance_parallel="off")  # every stage on rank 0 alone
+        try:
+            plan.policy = first_policy
+        except dataclasses.FrozenInstanceError:
+            out["frozen"] = True
+        out["first unchanged"] = first.policy is first_policy and first.sp_degree == 4 and plan.groups is first.groups
+        # every stage on rank 0 alone
+        plan = ParallelPlan.for_policy(plan.groups, min_tokens_per_rank=10 ** 6, guidance_parallel="off")
         pipeline = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
         result = pipeline.generate(GenerateRequest(**REQUEST))
         out["audio_latent"], out["report"] = result.audio_latent, result.parallel_report
@@ -129,10 +139,10 @@ def _policy_switches(rank, world, paths):
 
 
 def test_policy_changes_pick_among_the_groups_built_at_start(paths):
-    """`ParallelPlan.set_policy` (what a fleet does when a job brings another policy): every SP degree's group and
+    """`ParallelPlan.for_policy` (what a fleet does when a job brings another policy): every SP degree's group and
     every guidance-pass group exists from `build_plan` on; a policy only picks among them (no collective, no new
-    group), a degree the heads do not allow is refused leaving the policy as it was, and a run under the new policy
-    equals the one-process run bit for bit."""
+    group) in a new frozen plan, the earlier plans unchanged; a degree the heads do not allow is refused, and a run
+    under the new policy equals the one-process run bit for bit."""
     components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
     reference = TwoStagePipeline(components, load_gemma(paths["gemma"])).generate(GenerateRequest(**REQUEST))
     results = run_ranks(_policy_switches, 4, paths)
@@ -147,6 +157,7 @@ def test_policy_changes_pick_among_the_groups_built_at_start(paths):
                            "same groups": True}
     assert got["sp2"] == {"degree": 2, "stages": [2], "passes": [], "at 40": 2, "at 12": 2, "same groups": True}
     assert "degree 3 is not possible" in got["refused"] and got["kept"] == 2
+    assert got["frozen"] and got["first unchanged"]
     assert "on 1 of 4 ranks" in got["report"] and "would not pay" in got["report"]
 
 

@@ -226,8 +226,8 @@ def ctl(runtime):
 def test_status_lists_every_owned_process_with_its_memory(ctl, tiny_dir):
     handle = ctl.configure(config(tiny_dir, 2))
     status = ctl.status()
-    processes = status["processes"]
-    assert processes[0]["pid"] == status["pid"] and processes[0]["role"] == "controller"
+    processes = status.processes
+    assert processes[0]["pid"] == status.pid and processes[0]["role"] == "controller"
     workers = {p["role"]: p for p in processes if p["role"].startswith("worker")}
     assert sorted(workers) == ["worker rank 0", "worker rank 1"]
     assert [workers[f"worker rank {r}"]["pid"] for r in range(2)] == list(handle.worker_pids)
@@ -238,7 +238,7 @@ def test_status_lists_every_owned_process_with_its_memory(ctl, tiny_dir):
     # every other process the controller has is a helper (multiprocessing's resource tracker), never a worker
     assert all(p["role"].startswith("helper") for p in processes[1:] if p["pid"] not in handle.worker_pids)
     assert {R.process_name(p) for p in handle.worker_pids} == {"ltx2mgpu-rank0", "ltx2mgpu-rank1"}
-    assert R.process_name(status["pid"]) == "ltx2mgpu-ctl"
+    assert R.process_name(status.pid) == "ltx2mgpu-ctl"
 
 
 def test_the_controller_refuses_a_fleet_the_host_cannot_run_and_keeps_the_running_one(ctl, tiny_dir, tmp_path):
@@ -253,8 +253,8 @@ def test_the_controller_refuses_a_fleet_the_host_cannot_run_and_keeps_the_runnin
     assert e.value.kind == ErrorKind.VALIDATION
     assert "host memory" in str(e.value) and "the model files alone need 1024" in str(e.value)
     status = ctl.status()
-    assert status["fleet"]["worker_pids"] == list(handle.worker_pids)  # untouched
-    workers = [p["pid"] for p in status["processes"] if p["role"].startswith("worker")]
+    assert status.fleet["worker_pids"] == list(handle.worker_pids)  # untouched
+    workers = [p["pid"] for p in status.processes if p["role"].startswith("worker")]
     assert workers == list(handle.worker_pids)  # no process beyond the configured ranks
 
 
@@ -262,12 +262,12 @@ def test_workers_outlive_the_connection_that_started_them(runtime, tiny_dir):
     """PR_SET_PDEATHSIG fires when the *thread* that spawned a worker ends; the controller starts fleets from each
     client's connection thread, so workers are spawned from one long-lived thread (fleet._SPAWNER)."""
     second = ControllerClient(runtime, start=False)
-    others = len(second.status()["clients"])  # this one and the module's
+    others = len(second.status().clients)  # this one and the module's
     first = ControllerClient(runtime, start=False)
     handle = first.configure(config(tiny_dir, 2, collective_timeout_s=299.0))  # another identity: a new fleet
     first.close()
     try:
-        wait_for(lambda: len(second.status()["clients"]) == others, "the first connection's thread to end", poll=0.2)
+        wait_for(lambda: len(second.status().clients) == others, "the first connection's thread to end", poll=0.2)
         accepted = []
         second.run(handle, JobSpec("noop", NoopRequest(steps=1)), on_accepted=accepted.append)
         assert list(accepted[0].worker_pids) == list(handle.worker_pids)
@@ -281,7 +281,7 @@ def test_workers_die_with_their_controller_and_the_next_one_clears_their_records
     try:
         client = ControllerClient(runtime_dir=runtime)
         handle = client.configure(config(tiny_dir, 2))
-        controller = client.status()["pid"]
+        controller = client.status().pid
         client.close()
         assert sorted(pid_files(runtime / "workers")) == sorted(handle.worker_pids)
         os.kill(controller, signal.SIGKILL)  # no teardown, no reaping: as the OOM killer would

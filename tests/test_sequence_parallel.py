@@ -604,9 +604,9 @@ def test_token_cap_refused_before_any_work(reference, monkeypatch):
         pipeline.generate(GenerateRequest(prompt="x", steps=1, **PIPELINE_SIZE))
 
     tf = copy.deepcopy(ref["components"].transformer)
-    sp = SequenceParallelTransformer(tf, Exchange(None, 1, 0), token_cap=4)
+    sp = SequenceParallelTransformer(tf, Exchange(None, 1, 0))  # shared by every job: the cap comes with the call
     monkeypatch.setattr(tf, "forward", lambda *a, **k: pytest.fail("forward ran above the token cap"))
     kwargs = _forward_kwargs(ref["components"], "odd", ref["contexts"])
     with pytest.raises(ValueError, match="9 video tokens over 1 ranks is 9 tokens per rank, above the cap of 4: use "
                                          "at least 3 GPUs"):
-        sp(**kwargs)
+        sp(token_cap=4, **kwargs)

@@ -156,7 +156,7 @@ def _stage_rank(rank: int, world: int, checkpoint: str, distilled: str) -> dict:
         results = {}
         for name, mode, loras in jobs:
             r = stages.run_sample(SimpleNamespace(pipeline=pipe), _payload(mode, loras), _Ctx(rank))
-            results[name] = (r.get("video"), r.get("audio"), r.get("lora_reports"))
+            results[name] = (getattr(r, "video", None), getattr(r, "audio", None), getattr(r, "lora_reports", None))
         read_loras  # noqa: B018 - the LoRA files are read by the job itself
         if sharded:
             from mgpu_backend.parallel.sharding import units_of

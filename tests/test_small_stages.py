@@ -89,7 +89,8 @@ def _run_sizes(rank: int, world: int, files: dict) -> list[dict]:
             ctx = SimpleNamespace(rank=rank, stage=None, progress=None, step_boundary=None)
             try:
                 value = jobs[name](state, request, ctx)
-                results[name] = ("ok", {k: v for k, v in value.items() if isinstance(v, (torch.Tensor, str))},
+                fields = {} if value is None else vars(value)  # a typed result on rank 0, None elsewhere
+                results[name] = ("ok", {k: v for k, v in fields.items() if isinstance(v, (torch.Tensor, str))},
                                  len(calls))
             except ValidationError as exc:
                 results[name] = ("refused", str(exc), len(calls))

@@ -193,12 +193,12 @@ def _rank(rank: int, world: int, paths: dict, batch_mode: str = "auto", guidance
         sp = run_sample(state, _payload(case, x), ctx)
         model_v, model_a = _mgpu_model_path(state, ctx, case, x)
         if rank == 0:
-            out[name] = {"sp": (sp["video"], sp["audio"]), "model": (model_v, model_a), "report": sp["report"],
+            out[name] = {"sp": (sp.video, sp.audio), "model": (model_v, model_a), "report": sp.report,
                          "batch": pipe.batch_notes.get("stage 1")}
     if world == 1 and batch_mode == "auto":
         x = _inputs(CASES["i2v07_stg_modality"])
         ref = run_sample(state, _payload(CASES["i2v07_stg_modality"], x, "reference"), ctx)
-        out["reference"] = (ref["video"], ref["audio"])
+        out["reference"] = (ref.video, ref.audio)
     return out
 
 

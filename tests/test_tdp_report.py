@@ -187,13 +187,13 @@ def test_stage_job_refuses_the_template_sigmas_by_default_and_runs_them_with_a_r
     with pytest.raises(ValidationError, match="max_first_sigma"):
         _run(pipe, _payload(pipe))
     frozen = _run(pipe, _payload(pipe, max_first_sigma=0.9))
-    assert frozen["audio_frozen"] is True and frozen["weights_normalized"] is False
-    assert len(frozen["tile_drift"]) == 3 and all(d > 0 for d in frozen["tile_drift"])  # 3 steps, no guidance
-    assert "tile drift per forward" in frozen["report"]
-    assert torch.equal(frozen["audio"], _payload(pipe).audio)  # the stage-1 audio, bit for bit
+    assert frozen.audio_frozen is True and frozen.weights_normalized is False
+    assert len(frozen.tile_drift) == 3 and all(d > 0 for d in frozen.tile_drift)  # 3 steps, no guidance
+    assert "tile drift per forward" in frozen.report
+    assert torch.equal(frozen.audio, _payload(pipe).audio)  # the stage-1 audio, bit for bit
     denoised = _run(pipe, _payload(pipe, max_first_sigma=0.9, audio_frozen=False))
-    assert denoised["audio_frozen"] is False and "re-denoised" in denoised["report"]
-    assert torch.isfinite(denoised["audio"]).all()
-    assert not torch.equal(denoised["audio"], frozen["audio"])
+    assert denoised.audio_frozen is False and "re-denoised" in denoised.report
+    assert torch.isfinite(denoised.audio).all()
+    assert not torch.equal(denoised.audio, frozen.audio)
     # the video of the two runs differs only through the audio (the audio stream feeds the video's cross-attention)
-    assert torch.isfinite(denoised["video"]).all()
+    assert torch.isfinite(denoised.video).all()

@@ -1,7 +1,8 @@
 """Job kinds a worker can run. Each module registers its functions with `@register("kind")`.
 
 A job function is `fn(state: worker.WorkerState, payload, ctx: worker.JobContext) -> result`; it runs on every rank
-in lockstep and returns the result on rank 0 (other ranks' return values are dropped).
+in lockstep and returns its typed result on rank 0 (a frozen dataclass of `protocol/job_results.py`, or the native
+MODEL's replies of `forward.py`) and None on the other ranks (their return values are dropped).
 """
 from __future__ import annotations
 

@@ -7,12 +7,14 @@ import torch
 
 from ..frames import send_frames
 from ..protocol.job_requests import FramesRequest, NoopRequest
+from ..protocol.job_results import FramesResult, NoopResult
 from . import register
 
 
 @register("noop")
-def run_noop(state, request, ctx) -> dict:
-    """`request`: a `NoopRequest` — n synchronized, cancellable steps of s seconds; a small tensor back."""
+def run_noop(state, request, ctx) -> NoopResult:
+    """`request`: a `NoopRequest` — n synchronized, cancellable steps of s seconds; a small tensor back (every
+    rank: rank 0's is the job's answer)."""
     from ..sampling import SamplingCancelled
 
     request = _check(request, NoopRequest, "noop")
@@ -22,22 +24,22 @@ def run_noop(state, request, ctx) -> dict:
             raise SamplingCancelled(f"noop cancelled before step {i + 1}/{steps}")
         time.sleep(float(request.sleep_s))
         ctx.progress("noop", i + 1, steps)
-    return {"tensor": torch.arange(4, dtype=torch.float32) + ctx.rank}
+    return NoopResult(torch.arange(4, dtype=torch.float32) + ctx.rank)
 
 
 @register("frames")
-def run_frames(state, request, ctx) -> dict:
+def run_frames(state, request, ctx) -> FramesResult | None:
     """`request`: a `FramesRequest` — hand back `request.shape` float32 frames (frame i filled with i / F) from rank
     0 through shared memory, as `generate` does; `sent_at` is the wall time just before the hand-back began."""
     request = _check(request, FramesRequest, "frames")
     if ctx.rank != 0:
-        return {}
+        return None
     shape = request.shape
     frames = torch.empty(shape, dtype=torch.float32)
     for i in range(shape[0]):
         frames[i].fill_(i / max(1, shape[0]))
     sent_at = time.time()
-    return {"frames": send_frames(frames), "sent_at": sent_at}
+    return FramesResult(send_frames(frames), sent_at)
 
 
 def _check(request, cls, kind: str):

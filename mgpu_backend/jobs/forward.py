@@ -36,11 +36,11 @@ def run_forward(state, request, ctx):
     lora_missing = eng.lora_missing(request)
     context, missing = eng.resolve_context(request)
     if missing or lora_missing:
-        return ForwardMiss(context_keys=missing, lora_key=lora_missing) if ctx.rank == 0 else {}
+        return ForwardMiss(context_keys=missing, lora_key=lora_missing) if ctx.rank == 0 else None
     eng.apply_lora(request)
     video, audio = eng.forward(request, context)
     if ctx.rank != 0:
-        return {}
+        return None
     return ForwardReply(video, audio, report=eng.last_report, seconds=eng.last_seconds,
                         lora_reports=tuple(eng.last_lora_reports))
 
@@ -56,6 +56,6 @@ def run_preprocess_text(state, request, ctx):
                                    f"{type(request).__name__}")
     missing = eng.lora_missing(request)
     if missing:
-        return ForwardMiss(lora_key=missing) if ctx.rank == 0 else {}
+        return ForwardMiss(lora_key=missing) if ctx.rank == 0 else None
     out = eng.preprocess_text(request)
-    return PreprocessTextReply(out, tuple(eng.last_lora_reports)) if ctx.rank == 0 else {}
+    return PreprocessTextReply(out, tuple(eng.last_lora_reports)) if ctx.rank == 0 else None

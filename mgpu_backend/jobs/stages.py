@@ -15,6 +15,7 @@ import torch
 from .. import latents as L
 from .. import sampling as S
 from ..lora import read_loras
+from ..protocol.job_results import DecodeResult, SampleResult, UpscaleResult
 from ..protocol.stage_requests import DecodeRequest, SampleRequest, UpscaleRequest
 from ..semantics import semantics_named
 from ..stage import SamplerSpec, StageSpec, TiledRunner, stage_contexts
@@ -76,14 +77,15 @@ def _check_finite_inputs(stage: str, tensors: dict) -> None:
 
 
 @register("sample")
-def run_sample(state, request: SampleRequest, ctx) -> dict:
+def run_sample(state, request: SampleRequest, ctx) -> SampleResult | None:
     """One denoising stage: `request` is a `SampleRequest` (its fields and rules are documented there).
 
     LoRAs are fused into every rank's transformer for this job — each rank computes its share and the fused layers
     are broadcast — and restored after it, exactly, without reading the checkpoint.
-    Returns on rank 0: `{"video": [1, 128, F, H, W], "audio": [1, 8, T, 16], "report": str, "lora_reports":
-    [str, …] (matched / total layers per LoRA)}`; a tiled stage adds `tile_drift` (one relative difference of
-    overlapping tiles per forward, `TiledTransformer.drift`), `weights_normalized` and `audio_frozen`.
+    Returns on rank 0 a `SampleResult`: video `[1, 128, F, H, W]`, audio `[1, 8, T, 16]`, the split's report and
+    the LoRA reports (matched / total layers per LoRA); a tiled stage adds `tile_drift` (one relative difference of
+    overlapping tiles per forward, `TiledTransformer.drift`), `weights_normalized` and `audio_frozen`. None
+    elsewhere.
     Raises ValidationError on every rank before any work for another payload type, NaN / Inf inputs, STG blocks,
     tile counts, masks, sigmas of a tiled stage or token counts that do not fit the model and the fleet, and LoRAs
     that do not fit the model (none of their layers found, another model width).
@@ -145,35 +147,35 @@ def run_sample(state, request: SampleRequest, ctx) -> dict:
         raise
     pipe.lora.restore()
     if ctx.rank != 0:
-        return {}
-    out = {"video": L.unpack_video(result.video, f, h, w), "audio": L.unpack_audio(result.audio),
-           "report": result.report, "lora_reports": [r.detail() for r in lora_reports]}
+        return None
+    tiled = {}
     if isinstance(result.runner, TiledRunner):
-        tiled = result.runner.tiled
-        out.update(tile_drift=list(tiled.drift), weights_normalized=bool(tiled.normalized),
-                   audio_frozen=audio_frozen)
-    return out
+        t = result.runner.tiled
+        tiled = {"tile_drift": tuple(t.drift), "weights_normalized": bool(t.normalized), "audio_frozen": audio_frozen}
+    return SampleResult(L.unpack_video(result.video, f, h, w), L.unpack_audio(result.audio), result.report,
+                        tuple(r.detail() for r in lora_reports), **tiled)
 
 
 @register("upscale")
-def run_upscale(state, request: UpscaleRequest, ctx) -> dict:
+def run_upscale(state, request: UpscaleRequest, ctx) -> UpscaleResult | None:
     """2× spatial latent upscale of the `UpscaleRequest`'s `video` `[1, 128, F, H, W]` with the fleet's
-    upscaler (same on every rank). Returns on rank 0 `{"video": [1, 128, F, 2H, 2W]}`."""
+    upscaler (same on every rank). Returns on rank 0 an `UpscaleResult` (`[1, 128, F, 2H, 2W]`), None elsewhere."""
     r = _request(request, UpscaleRequest, "upscale")
     video = r.video.float()
     _check_finite_inputs("upscale", {"video latent": video})
     out = state.pipeline.upscale(video)
-    return {"video": out} if ctx.rank == 0 else {}
+    return UpscaleResult(out) if ctx.rank == 0 else None
 
 
 @register("decode")
-def run_decode(state, request: DecodeRequest, ctx) -> dict:
+def run_decode(state, request: DecodeRequest, ctx) -> DecodeResult | None:
     """Decode a `DecodeRequest`: `video` (model space) in tiles over the fleet (`tiles`: TileCountConfig or
     None for the balanced default; one rank: untiled) and `audio` once on rank 0.
 
-    Returns on rank 0: frames through shared memory, `audio` waveform `[C, S]` and `sample_rate` (None without an
-    audio latent), `report`. Either video decoder: the conv VAE, or LTX-2.5's diffusion decoder (same tiles; its
-    noise is ComfyUI's fixed seed 0, `seed` only drives the conv decoder's decode noise).
+    Returns on rank 0 a `DecodeResult`: frames through shared memory, `audio` waveform `[C, S]` and `sample_rate`
+    (None without an audio latent), `report`; None elsewhere. Either video decoder: the conv VAE, or LTX-2.5's
+    diffusion decoder (same tiles; its noise is ComfyUI's fixed seed 0, `seed` only drives the conv decoder's
+    decode noise).
     """
     from ..frames import send_frames
 
@@ -185,8 +187,8 @@ def run_decode(state, request: DecodeRequest, ctx) -> dict:
     tiling = pipe.resolve_tiling(r.tiles, ranks, tuple(video.shape[2:]), int(r.overlap), "decode tiles")
     frames, report = pipe.decode_video(video, int(r.seed), tiling, int(r.overlap))
     if ctx.rank != 0:
-        return {}
+        return None
     waveform, sample_rate = None, None
     if r.audio is not None:
         waveform, sample_rate = pipe.decode_audio(r.audio.float())
-    return {"frames": send_frames(frames), "audio": waveform, "sample_rate": sample_rate, "report": report}
+    return DecodeResult(send_frames(frames), waveform, sample_rate, report)

@@ -2,18 +2,18 @@
 from __future__ import annotations
 
 from ..protocol.job_requests import EncodeTextRequest
+from ..protocol.job_results import EncodeTextResult
 from . import register
 
 
 @register("encode_text")
-def run_encode_text(state, request, ctx) -> dict:
+def run_encode_text(state, request, ctx) -> EncodeTextResult | None:
     """`request`: a `EncodeTextRequest` (prompts, Gemma mode or None for the fleet's, unload or None for the
     fleet's, frame_rate or None).
 
-    Returns (rank 0): {"embeds": [[1, T_i, C] float32 per prompt, valid tokens only], "conditioning": [ComfyUI
-    CONDITIONING `[[cond, {"pooled_output": None, "unprocessed_ltxav_embeds": True[, "frame_rate"]}]]` per prompt
-    (cond is the same tensor as embeds[i])], "report": {mode, cache_hits, encoded, seconds, device_map, ...},
-    "forwards_per_rank": [Gemma forwards each rank has run since the fleet started], "stats": rank 0's counters}.
+    Returns on rank 0 an `EncodeTextResult` (per prompt its embeddings `[1, T_i, C]` float32 and ComfyUI
+    CONDITIONING, whose cond is the same tensor; the encode's report, Gemma forwards per rank, rank 0's counters),
+    None elsewhere.
     Raises ValidationError (not an EncodeTextRequest, "batch_parallel" asked for with one prompt, GemmaMemoryError)
     on every rank; the fleet stays.
     """
@@ -34,7 +34,7 @@ def run_encode_text(state, request, ctx) -> dict:
     ctx.progress("text", 1, 1)
     forwards = [s["forwards"] for s in service.gather_stats()]
     if ctx.rank != 0:
-        return {}
-    conditioning = [service.conditioning(e, request.frame_rate) for e in embeds]
-    return {"embeds": [c[0][0] for c in conditioning], "conditioning": conditioning,
-            "report": dict(service.last_report), "forwards_per_rank": forwards, "stats": dict(service.stats)}
+        return None
+    conditioning = tuple(service.conditioning(e, request.frame_rate) for e in embeds)
+    return EncodeTextResult(tuple(c[0][0] for c in conditioning), conditioning, dict(service.last_report),
+                            tuple(forwards), dict(service.stats))

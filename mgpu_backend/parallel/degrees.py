@@ -2,7 +2,7 @@
 `sequence.py`), so W must divide the heads and be at most the rank count; the largest such W is the fleet's SP
 degree unless a policy asks for a smaller one (`FleetPolicy.sp_degree`).
 
-Used by the workers (`plan.build_plan` / `ParallelPlan.set_policy`), by the controller (`controller.check_config`,
+Used by the workers (`plan.build_plan` / `ParallelPlan.for_policy`), by the controller (`controller.check_config`,
 from the checkpoint header, and `Fleet.plan_for`, the plan returned in the handle) — no torch.distributed, no
 diffusers here.
 """

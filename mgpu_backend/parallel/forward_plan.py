@@ -11,7 +11,7 @@ gathered, which attentions exchange what — one `ForwardPlan` per kind of split
 `weights`: "replicated", or `SHARDED` on a fleet whose weights are sharded (`FleetIdentity.weights`, FSDP2
 `fully_shard` per transformer block, `parallel/sharding.py`: each block gathered as it runs, the arithmetic
 unchanged). With sharded weights every rank runs every forward: `SEQUENCE` over all ranks and `TILES` with a multiple
-of W tiles; `ROWS` and sequence-parallel sub-groups are refused (`ParallelPlan.set_policy`). A new kind of split is a new `ForwardPlan`
+of W tiles; `ROWS` and sequence-parallel sub-groups are refused (`ParallelPlan.for_policy`). A new kind of split is a new `ForwardPlan`
 here plus the one function that applies it (`shard_batch` for token splits); the forward itself
 (`model_forward.run_eager`) does not change.
 

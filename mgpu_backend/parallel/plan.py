@@ -6,14 +6,20 @@ broadcast from rank 0, so the stages that use every device (tiled stage 2, decod
 
 Per stage, the SP degree is chosen so the split pays: on CUDA the cost model (`cost.py`, fitted to H200
 measurements) picks the degree with the lowest predicted forward time — fewer ranks, or one, when the video tokens
-per rank are too few to beat one GPU — and the job report says which degree ran and why. An explicit
+per rank are too few to beat one GPU — and the stage's `PlanReport` says which degree ran and why. An explicit
 `min_tokens_per_rank` replaces the model by the rule "at least that many video tokens per rank" (0: always the full
 degree, the default on CPU fleets).
 
 A guided stage may instead run its guidance passes in parallel (`passes.py`, xDiT's "CFG parallel"): pass j of each
 step on rank j % g, the x0 predictions broadcast within ranks 0..g-1 — on CUDA when the cost model predicts it faster
 than the stage's SP choice (`FleetConfig.guidance_parallel`: "auto", "on", "off"); `split` decides per stage and
-`describe` says which ran.
+`describe(report)` says which ran.
+
+Three objects, apart: `PlanGroups` (the process groups and SP wrappers, built once per fleet by `build_plan`, kept by
+the worker), `ParallelPlan` (those groups under one job's `PlanPolicy`: a frozen value made per job by
+`ParallelPlan.for_policy` / `with_policy`, never changed in place) and `PlanReport` (how one stage was split, returned
+by `split` inside its `StageRun`). The per-rank token cap travels with the `StageRun` to each forward; the shared SP
+wrappers hold no policy.
 """
 from __future__ import annotations
 
@@ -37,32 +43,13 @@ from .tiling import TileCountConfig
 DEFAULT_TOKEN_CAP = 65536  # video tokens per rank per forward (≈ 241 frames at 1920×1088 on 2 ranks)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SPStage:
     """The sequence-parallel group one stage runs on: ranks 0..degree-1."""
 
     degree: int
     group: dist.ProcessGroup | None
     forward: SequenceParallelTransformer | None  # None on ranks outside the group, and for degree 1
-
-
-@dataclass
-class StageRun:
-    """What one stage runs on (`ParallelPlan.split`): `split.kind` "sequence" (SP over ranks 0..degree-1 with
-    `forward`) or "passes" (the guidance passes spread over ranks 0..degree-1, plain forwards); `group` holds those
-    ranks (None: the whole fleet)."""
-
-    split: StageSplit
-    group: dist.ProcessGroup | None
-    forward: SequenceParallelTransformer | None
-
-    @property
-    def degree(self) -> int:
-        return self.split.degree
-
-    @property
-    def kind(self) -> str:
-        return self.split.kind
 
 
 @dataclass(frozen=True)
@@ -73,7 +60,7 @@ class PlanGroups:
     stages: SP degree -> `SPStage` (ranks 0..d-1; this rank's `SequenceParallelTransformer` when it is in the group).
     pass_groups: guidance-pass group size g -> ranks 0..g-1 (None: the whole fleet).
     heads / model_shape: the transformer's attention heads (the SP degree must divide them) and shape (cost model).
-    built: False for a plan made by hand (`ParallelPlan.hand_built`): its policy cannot change.
+    built: False for a plan made by hand (`ParallelPlan.hand_built`): no other policy can be applied to it.
     sharded: the weights are sharded over all ranks (`parallel/sharding.py`): every forward runs on all of them.
     """
 
@@ -95,8 +82,8 @@ class PlanGroups:
 
 @dataclass(frozen=True)
 class PlanPolicy:
-    """A `FleetPolicy` (protocol) applied to a fleet's groups (`ParallelPlan.set_policy`, per job): which groups a
-    stage may use and how its split is chosen. Frozen: a new policy replaces the old one whole.
+    """A `FleetPolicy` (protocol) applied to a fleet's groups (`ParallelPlan.for_policy`, per job): which groups a
+    stage may use and how its split is chosen. Frozen: a job with another policy gets another plan.
 
     sp_degree: the largest SP degree a stage may use; stage_degrees / pass_degrees: the SP degrees and guidance-pass
     group sizes a stage may pick among; token_cap: video tokens per rank per forward; min_tokens_per_rank: the rule
@@ -116,23 +103,48 @@ class PlanPolicy:
     requested_sp_degree: int | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanReport:
-    """How the last stage run through the plan was split (what `ParallelPlan.describe` says in the job report): the
-    SP degree, why, and the guidance-pass split when the passes ran in parallel. The plan's only mutable state."""
+    """How one stage run through a plan was split (`StageRun.report`; `ParallelPlan.describe(report)` words it for
+    the job report): the SP degree, why (None: nothing to say), and the guidance-pass split when the passes ran in
+    parallel (None: sequence parallel)."""
 
     degree: int | None = None
     reason: str | None = None
     split: StageSplit | None = None
 
 
-class ParallelPlan:
-    """The split of one fleet: its groups (`PlanGroups`, frozen, built once by `build_plan` on every rank), the
-    policy in force (`PlanPolicy`, frozen, replaced whole per job by `set_policy`) and the report of the last stage
-    (`PlanReport`). `split` chooses a stage's split once (the cost model) and hands it down as a `StageRun`."""
+@dataclass(frozen=True)
+class StageRun:
+    """What one stage runs on (`ParallelPlan.split`): `split.kind` "sequence" (SP over ranks 0..degree-1 with
+    `forward`) or "passes" (the guidance passes spread over ranks 0..degree-1, plain forwards); `group` holds those
+    ranks (None: the whole fleet); `report` says which split ran and why; `token_cap`: the job's per-rank video
+    token cap, checked by each SP forward of the stage (`SequenceParallelTransformer.check`; None: no cap)."""
 
-    def __init__(self, groups: PlanGroups, policy: PlanPolicy):
-        self.groups, self.policy, self.report = groups, policy, PlanReport()
+    split: StageSplit
+    group: dist.ProcessGroup | None
+    forward: SequenceParallelTransformer | None
+    report: PlanReport = PlanReport()
+    token_cap: int | None = DEFAULT_TOKEN_CAP
+
+    @property
+    def degree(self) -> int:
+        return self.split.degree
+
+    @property
+    def kind(self) -> str:
+        return self.split.kind
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelPlan:
+    """The split of one job over a fleet, a frozen value: the fleet's groups (`PlanGroups`, built once by
+    `build_plan` on every rank, kept by the worker) under the job's policy (`PlanPolicy`). A job with another policy
+    gets another plan (`for_policy` / `with_policy`, no collective); nothing here changes in place. `split` chooses a
+    stage's split once (the cost model) and hands it down as a `StageRun` carrying its `PlanReport`."""
+
+    groups: PlanGroups
+    policy: PlanPolicy
 
     @classmethod
     def hand_built(cls, rank: int, world_size: int, device: torch.device, sp_degree: int,
@@ -140,9 +152,10 @@ class ParallelPlan:
                    token_cap: int | None = DEFAULT_TOKEN_CAP, stages: dict[int, SPStage] | None = None,
                    min_tokens_per_rank: int = 0, cost_model: CostModel | None = None, shape: ModelShape | None = None,
                    guidance_parallel: str = "off", pass_groups: dict | None = None, heads: int | None = None,
-                   requested_sp_degree: int | None = None) -> "ParallelPlan":
+                   requested_sp_degree: int | None = None) -> ParallelPlan:
         """A plan without `build_plan` (tests, tools): the SP `stages` given (default: one of `sp_degree` on
-        `sp_group` with `sp_forward`) and the guidance-pass groups given, under a fixed policy (`set_policy` raises)."""
+        `sp_group` with `sp_forward`) and the guidance-pass groups given, under a fixed policy (`with_policy`
+        raises)."""
         allowed = tuple(stages) if stages else (sp_degree,)
         every = {**(stages or {}), sp_degree: (stages or {}).get(sp_degree, SPStage(sp_degree, sp_group, sp_forward))}
         groups = PlanGroups(rank, world_size, device, MappingProxyType(every),
@@ -151,7 +164,43 @@ class ParallelPlan:
                             shape, guidance_parallel, requested_sp_degree)
         return cls(groups, policy)
 
-    # ---- read-only views (the groups, the policy, the report) ----
+    @classmethod
+    def for_policy(cls, groups: PlanGroups, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
+                   guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> ParallelPlan:
+        """The plan of `groups` (from `build_plan`) under a parallel policy (`FleetPolicy`'s fields; see
+        `build_plan`), on every rank with the same values, per job: a new `PlanPolicy` choosing among the groups
+        `build_plan` built, so no collective runs and nothing is reloaded. Raises ValidationError (a degree the heads
+        or the fleet do not allow), ValueError (an unknown guidance-parallel mode) or RuntimeError (hand-built
+        groups)."""
+        check_mode(guidance_parallel)
+        if not groups.built:
+            raise RuntimeError("a policy needs the groups of build_plan (a hand-built plan's policy is fixed)")
+        if groups.sharded:
+            check_sharded_policy(groups.world_size, sp_degree, min_tokens_per_rank, guidance_parallel)
+        heads = groups.heads or 1
+        degree = top_sp_degree(heads, groups.world_size, sp_degree)  # raises for a degree the heads do not allow
+        cost_model = None
+        if min_tokens_per_rank is None:
+            cost_model = (default_model() if groups.device.type == "cuda" and not groups.sharded
+                          else None)  # the graphed forward's
+            min_tokens_per_rank = 0
+        stage_degrees = tuple(d for d in groups.stages
+                              if d <= degree and (d == degree or min_tokens_per_rank > 0 or cost_model is not None))
+        use_passes = not groups.sharded and (
+            guidance_parallel == "on" or (guidance_parallel == "auto" and groups.device.type == "cuda"))
+        pass_degrees = tuple(groups.pass_groups) if use_passes else ()
+        shape = groups.model_shape if cost_model is not None or pass_degrees else None
+        return cls(groups, PlanPolicy(degree, stage_degrees, pass_degrees, token_cap, min_tokens_per_rank,
+                                      cost_model, shape, guidance_parallel, sp_degree))
+
+    def with_policy(self, policy) -> ParallelPlan:
+        """This plan's groups under a job's `FleetPolicy` (protocol.fleet_config): a new plan (`for_policy`) from the
+        policy's fields that split the stages. A policy field the plan reads is passed on here (and nowhere else: the
+        worker hands the policy over whole). This plan is unchanged."""
+        return self.for_policy(self.groups, sp_degree=policy.sp_degree, min_tokens_per_rank=policy.min_tokens_per_rank,
+                               guidance_parallel=policy.guidance_parallel, token_cap=policy.token_cap)
+
+    # ---- read-only views (the groups, the policy) ----
     rank = property(lambda self: self.groups.rank)
     world_size = property(lambda self: self.groups.world_size)
     device = property(lambda self: self.groups.device)
@@ -167,9 +216,6 @@ class ParallelPlan:
     guidance_parallel = property(lambda self: self.policy.guidance_parallel)
     requested_sp_degree = property(lambda self: self.policy.requested_sp_degree)
     sharded = property(lambda self: self.groups.sharded)
-    last_degree = property(lambda self: self.report.degree)
-    last_reason = property(lambda self: self.report.reason)
-    last_split = property(lambda self: self.report.split)
 
     @property
     def stages(self) -> dict[int, SPStage]:
@@ -189,72 +235,35 @@ class ParallelPlan:
     def sp_forward(self) -> SequenceParallelTransformer | None:
         return self.groups.stages[self.policy.sp_degree].forward
 
-    def apply(self, policy) -> None:
-        """Apply a job's `FleetPolicy` (protocol.fleet_config): its fields that split the stages, through
-        `set_policy`. A policy field the plan reads is passed on here (and nowhere else: the worker hands the policy
-        over whole)."""
-        self.set_policy(sp_degree=policy.sp_degree, min_tokens_per_rank=policy.min_tokens_per_rank,
-                        guidance_parallel=policy.guidance_parallel, token_cap=policy.token_cap)
+    def choose(self, tokens: int) -> PlanReport:
+        """The SP degree for a forward of `tokens` video tokens, and why (`PlanReport` without a pass split).
 
-    def set_policy(self, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
-                   guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> None:
-        """Apply a parallel policy (`FleetPolicy`'s fields; see `build_plan`) to this plan, on every rank
-        with the same values, between jobs: a new `PlanPolicy` choosing among the groups `build_plan` built, so no
-        collective runs and nothing is reloaded; the report starts empty. Raises ValidationError (a degree the heads
-        or the fleet do not allow) or ValueError (an unknown guidance-parallel mode) before anything changes."""
-        check_mode(guidance_parallel)
-        if not self.groups.built:
-            raise RuntimeError("set_policy needs a plan from build_plan (its groups are built there)")
-        if self.sharded:
-            check_sharded_policy(self.world_size, sp_degree, min_tokens_per_rank, guidance_parallel)
-        heads = self.heads or 1
-        degree = top_sp_degree(heads, self.world_size, sp_degree)  # raises for a degree the heads do not allow
-        cost_model = None
-        if min_tokens_per_rank is None:
-            cost_model = (default_model() if self.device.type == "cuda" and not self.sharded
-                          else None)  # the graphed forward's
-            min_tokens_per_rank = 0
-        stage_degrees = tuple(d for d in self.groups.stages
-                              if d <= degree and (d == degree or min_tokens_per_rank > 0 or cost_model is not None))
-        use_passes = not self.sharded and (
-            guidance_parallel == "on" or (guidance_parallel == "auto" and self.device.type == "cuda"))
-        pass_degrees = tuple(self.groups.pass_groups) if use_passes else ()
-        shape = self.model_shape if cost_model is not None or pass_degrees else None
-        self.policy = PlanPolicy(degree, stage_degrees, pass_degrees, token_cap, min_tokens_per_rank, cost_model,
-                                 shape, guidance_parallel, sp_degree)
-        for stage in self.groups.stages.values():
-            if stage.forward is not None:
-                stage.forward.token_cap = token_cap
-        self.report = PlanReport()
-
-    def stage(self, tokens: int) -> SPStage:
-        """The SP stage for a forward of `tokens` video tokens.
-
-        With a cost model: the degree with the lowest predicted forward time among the built stages (1 when no split
-        is predicted to beat one GPU). Otherwise the largest degree that keeps at least `min_tokens_per_rank` video
-        tokens per rank; the full degree when no minimum is set."""
-        self.report.split = None
+        With a cost model: the degree with the lowest predicted forward time among the allowed stages (1 when no
+        split is predicted to beat one GPU). Otherwise the largest degree that keeps at least `min_tokens_per_rank`
+        video tokens per rank; the full degree when no minimum is set."""
         stages = self.stages
         if self.cost_model is not None:
             shape = self.shape or ModelShape()
             degree = best_sp_degree(tokens, [d for d in stages], shape, self.cost_model)
             degree = degree if degree in stages else min(stages)
-            chosen = stages[degree]
-            self.report.reason = choice_reason(tokens, degree, list(stages), shape, self.cost_model)
-        else:
-            fits = [d for d in stages if d == 1 or tokens >= d * self.min_tokens_per_rank]
-            chosen = stages[max(fits) if fits else min(stages)]
-            self.report.reason = (f"fewer than {self.min_tokens_per_rank} video tokens per rank would not pay"
-                                  if chosen.degree < self.sp_degree else None)
-        self.report.degree = chosen.degree
-        return chosen
+            return PlanReport(degree, choice_reason(tokens, degree, list(stages), shape, self.cost_model))
+        fits = [d for d in stages if d == 1 or tokens >= d * self.min_tokens_per_rank]
+        degree = max(fits) if fits else min(stages)
+        return PlanReport(degree, f"fewer than {self.min_tokens_per_rank} video tokens per rank would not pay"
+                          if degree < self.sp_degree else None)
+
+    def stage(self, tokens: int) -> SPStage:
+        """The SP stage for a forward of `tokens` video tokens (`choose`'s degree)."""
+        return self.stages[self.choose(tokens).degree]
 
     def split(self, stage: str, tokens: int, passes: int, pass_bytes: float = 0.0) -> StageRun:
-        """How a stage of `tokens` video tokens and `passes` guidance passes per step runs: SP at `stage(tokens)`'s
+        """How a stage of `tokens` video tokens and `passes` guidance passes per step runs: SP at `choose(tokens)`'s
         degree, or the passes in parallel (`passes.choose_split`: by `guidance_parallel`, on CUDA with the cost
         model's predictions — this plan's, or cost.py's default when `min_tokens_per_rank` replaced it).
-        `pass_bytes`: one pass's outputs (the per-step exchange). The same decision on every rank."""
-        sp = self.stage(tokens)
+        `pass_bytes`: one pass's outputs (the per-step exchange). The same decision on every rank; the returned
+        `StageRun` carries its `PlanReport` and the job's token cap."""
+        sp_choice = self.choose(tokens)
+        sp = self.stages[sp_choice.degree]
         model = self.cost_model
         if model is None and self.device.type == "cuda":
             model = default_model()
@@ -262,11 +271,12 @@ class ParallelPlan:
                               list(self.pass_groups or {}), cost_model=model, shape=self.shape or ModelShape(),
                               nbytes=pass_bytes, token_cap=self.token_cap, stage=stage)
         if choice.kind == "passes":
-            self.report.split = choice
-            return StageRun(choice, self.pass_groups[choice.degree], None)
+            report = PlanReport(sp_choice.degree, sp_choice.reason, choice)
+            return StageRun(choice, self.pass_groups[choice.degree], None, report, self.token_cap)
+        reason = sp_choice.reason
         if choice.reason:
-            self.report.reason = f"{self.last_reason}; {choice.reason}" if self.last_reason else choice.reason
-        return StageRun(choice, sp.group, sp.forward)
+            reason = f"{reason}; {choice.reason}" if reason else choice.reason
+        return StageRun(choice, sp.group, sp.forward, PlanReport(sp_choice.degree, reason), self.token_cap)
 
     @property
     def in_sp_group(self) -> bool:
@@ -340,19 +350,21 @@ class ParallelPlan:
     def _comm_device(self) -> torch.device:
         return self.groups.comm_device
 
-    def describe(self) -> str:
-        """The job report's line: the degree the last SP stage ran at, and why — or, when the last stage ran its
-        guidance passes in parallel, that."""
+    def describe(self, report: PlanReport | None = None) -> str:
+        """The job report's line for a stage split as `report` says (`StageRun.report`; None: no stage ran yet, the
+        plan alone): the degree the SP stage ran at, and why — or, when the stage ran its guidance passes in
+        parallel, that."""
+        report = report or PlanReport()
         if self.world_size == 1:
             return "one rank"
         if self.sharded:
             return (f"sequence parallel over all {self.world_size} ranks, weights sharded over them (FSDP: every "
                     f"layer gathered by all ranks in lockstep)")
-        if self.last_split is not None and self.last_split.kind == "passes":
-            return self.last_split.describe(self.world_size)
-        reason = f": {self.last_reason}" if self.last_reason else ""
-        if self.last_degree is not None and self.last_degree < self.sp_degree:
-            return f"sequence parallel on {self.last_degree} of {self.world_size} ranks{reason}"
+        if report.split is not None and report.split.kind == "passes":
+            return report.split.describe(self.world_size)
+        reason = f": {report.reason}" if report.reason else ""
+        if report.degree is not None and report.degree < self.sp_degree:
+            return f"sequence parallel on {report.degree} of {self.world_size} ranks{reason}"
         if self.sp_degree == self.world_size:
             return f"sequence parallel over all {self.world_size} ranks{reason}"
         why = (f"sp_degree {self.sp_degree} requested" if self.requested_sp_degree is not None else
@@ -369,9 +381,10 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     Every group a policy may use is built here, once, in the same order on every rank: an SP group of ranks
     0..d-1 for every degree d that divides the heads and fits the fleet, and a guidance-pass group of ranks 0..g-1
     for g = 2..min(W, 4) (sharing the SP group of the same ranks). `torch.distributed.new_group` is collective, so a
-    later policy change (`ParallelPlan.set_policy`, per job, on every rank) only picks among these groups.
+    later job's plan (`ParallelPlan.with_policy`, per job, on every rank) only picks among these groups.
 
-    The policy arguments (`FleetPolicy`'s fields) are then applied with `set_policy`:
+    Returns the plan of those groups (`plan.groups`, kept for the fleet's life) under the policy arguments
+    (`FleetPolicy`'s fields, applied by `ParallelPlan.for_policy`):
     `min_tokens_per_rank`: None = the default policy: on CUDA the cost model (`cost.py`) picks each stage's degree,
     on CPU the full degree; an int = smaller SP degrees for stages with fewer video tokens per rank than that (0:
     always the full degree), the cost model off.
@@ -390,7 +403,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     # every rank creates every group, in the same order; degree 1 gets a group of rank 0 alone (cancel checks)
     for d in valid_sp_degrees(heads, world_size):
         group = None if d == world_size else dist.new_group(list(range(d)))
-        forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank), token_cap)
+        forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank))
                    if rank < d and d > 1 else None)
         if forward is not None and sharded:
             forward.plan = forward.plan.with_sharded_weights()
@@ -399,10 +412,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
         all_pass_groups[g] = (None if g == world_size else all_stages[g].group if g in all_stages
                               else dist.new_group(list(range(g))))
-    top = top_sp_degree(heads, world_size)
     groups = PlanGroups(rank, world_size, device, MappingProxyType(all_stages), MappingProxyType(all_pass_groups),
                         heads, ModelShape.of(transformer.config), sharded=sharded)
-    plan = ParallelPlan(groups, PlanPolicy(top, (top,), (), token_cap))
-    plan.set_policy(sp_degree=sp_degree, min_tokens_per_rank=min_tokens_per_rank,
-                    guidance_parallel=guidance_parallel, token_cap=token_cap)
-    return plan
+    return ParallelPlan.for_policy(groups, sp_degree=sp_degree, min_tokens_per_rank=min_tokens_per_rank,
+                                   guidance_parallel=guidance_parallel, token_cap=token_cap)

@@ -108,15 +108,17 @@ class SequenceParallelTransformer:
     `activate()` installs its processors on the wrapped module (Ulysses for `attn1`, gathered K/V for
     `video_to_audio_attn`, local `LTX2AttnProcessor` for the rest); the stage that uses the wrapper calls it first,
     so one resident transformer serves SP and non-SP stages alike. `W = 1` runs without collectives.
-    Raises ValueError for a degree that does not divide the heads, or above the token cap, before any work.
+    Raises ValueError for a degree that does not divide the heads, or above the token cap given with the call
+    (`token_cap`: the job's, carried by `plan.StageRun`; the wrapper is shared by every job and holds no policy),
+    before any work.
     """
 
     cuda_graph_safe = True  # a pure function of its tensors: `cuda_graphs.call` may capture it (piecewise)
     plan = SEQUENCE  # the declarative plan it applies (parallel/forward_plan.py)
 
-    def __init__(self, transformer, exchange: Exchange, token_cap: int | None = None):
+    def __init__(self, transformer, exchange: Exchange):
         check_sp_degree(transformer.config.num_attention_heads, exchange.world_size)
-        self.transformer, self.exchange, self.token_cap = transformer, exchange, token_cap
+        self.transformer, self.exchange = transformer, exchange
         self.transformer_blocks = transformer.transformer_blocks  # for STG's processor swap
         self.state = _ForwardState()
         self._self_attention = UlyssesSelfAttention(exchange, self.state)
@@ -150,9 +152,10 @@ class SequenceParallelTransformer:
         """The plan's output entry: every rank's video tokens, gathered, the padding cut -> `[B, tokens, C]`."""
         return self.exchange.all_gather_seq(video)[:, :tokens]
 
-    def check(self, tokens: int, timestep: torch.Tensor) -> None:
-        """Before a forward: the per-rank token cap, and per-token timesteps (raises ValueError)."""
-        check_token_cap(tokens, self.exchange.world_size, self.token_cap)
+    def check(self, tokens: int, timestep: torch.Tensor, token_cap: int | None = None) -> None:
+        """Before a forward: the per-rank token cap `token_cap` (the job's; None: no cap), and per-token timesteps
+        (raises ValueError)."""
+        check_token_cap(tokens, self.exchange.world_size, token_cap)
         if timestep.ndim != 2 or timestep.shape[1] != tokens:
             raise ValueError(f"sequence parallel needs per-token timesteps [B, {tokens}]; got "
                              f"{tuple(timestep.shape)}")
@@ -167,10 +170,11 @@ class SequenceParallelTransformer:
         if processor is not self._video_to_audio:
             self.activate()
 
-    def __call__(self, **kwargs):
-        """The diffusers keyword API (`TokenBatch.from_diffusers`) on the one forward, sequence parallel, eagerly."""
+    def __call__(self, token_cap: int | None = None, **kwargs):
+        """The diffusers keyword API (`TokenBatch.from_diffusers`) on the one forward, sequence parallel, eagerly;
+        `token_cap`: the per-rank video token cap of this forward (None: no cap)."""
         self.ensure_active()
-        self.check(kwargs["hidden_states"].shape[1], kwargs["timestep"])
+        self.check(kwargs["hidden_states"].shape[1], kwargs["timestep"], token_cap)
         isolate = bool(kwargs.get("isolate_modalities", False))
         batch = TokenBatch.from_diffusers(self.transformer.config, **kwargs)
         options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)

@@ -16,7 +16,7 @@ Before a block runs, FSDP all-gathers its full weights on every rank; after it, 
   Per-tensor and per-row scales are buffers and stay whole, as do the embeddings, the projections in and out and the AdaLN embedders outside the blocks (~4 % of the
   22B transformer). The text connectors' blocks are sharded too: they run on every rank.
 - **Lockstep**: every rank must run every block in the same order (each gather is a collective). Hence the plan of a
-  sharded fleet (`ParallelPlan.set_policy`): every forward runs sequence parallel over all ranks, never on a
+  sharded fleet (`ParallelPlan.for_policy`): every forward runs sequence parallel over all ranks, never on a
   sub-group; guidance passes or batch rows are not spread over ranks; a tiled stage needs a tile count that is a
   multiple of W (every rank runs the same number of tile forwards). CUDA graphs and `torch.compile` are off (the
   per-block gathers are not captured). A block loop that calls a block's submodules itself (the native forward's

@@ -6,8 +6,10 @@ you need; this package re-exports nothing):
 - `shm_lane`: the client's shared-memory lane that carries those payloads' (and their replies') large tensors;
 - `fleet_config`: `FleetIdentity` (the processes), `FleetPolicy` (per job), `FleetConfig` (the two, as asked for),
   `FleetPlan` and `FleetHandle` (the controller's answer);
-- `job_requests`: `JobSpec` (a job: its kind and payload) and the small jobs' requests (`EncodeTextRequest`,
-  `NoopRequest`, `FramesRequest`);
+- `job_requests`: `JobSpec` (a job: its kind, payload and test `FaultSpec`) and the small jobs' requests
+  (`EncodeTextRequest`, `NoopRequest`, `FramesRequest`);
+- `job_results`: what the jobs hand back (`GenerateJobResult`, `SampleResult`, `UpscaleResult`, `DecodeResult`,
+  `EncodeTextResult`, `NoopResult`, `FramesResult`) and the controller's `ControllerStatus`;
 - `stage_requests`: the stage jobs' requests (`SampleRequest`, `UpscaleRequest`, `DecodeRequest`, `ComfyGuides`);
 - `worker_messages`: the fleet <-> worker messages (`RunJob`, `WorkerReady`, `JobDone`, …);
 - `errors`: `ErrorKind`, `ControllerError`, `FleetBusy`, `JobCancelled`;

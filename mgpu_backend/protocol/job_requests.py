@@ -1,6 +1,7 @@
-"""A job as the client submits it (`JobSpec`: its kind and its payload) and the payloads of the small jobs:
-`EncodeTextRequest` (Text Encode (MGPU)), `NoopRequest` and `FramesRequest` (diagnostics). The stage jobs' requests
-are in `stage_requests.py`; the CLI's and the native MODEL's in `pipelines.GenerateRequest` and `forward.py`."""
+"""A job as the client submits it (`JobSpec`: its kind and its payload; `FaultSpec`, a test fault) and the payloads
+of the small jobs: `EncodeTextRequest` (Text Encode (MGPU)), `NoopRequest` and `FramesRequest` (diagnostics). The
+stage jobs' requests are in `stage_requests.py`; the CLI's and the native MODEL's in `pipelines.GenerateRequest` and
+`forward.py`; what the jobs hand back in `job_results.py`."""
 from __future__ import annotations
 
 import secrets
@@ -14,18 +15,56 @@ JOB_STAGES = {"generate": "text encoding", "sample": "sampling", "upscale": "ups
               "encode_text": "text encoding", "noop": "noop", "frames": "frames hand-back"}
 
 
-@dataclass
-class JobSpec:
-    """One job. `kind` selects the worker function ("generate"); `payload` is its input (e.g. GenerateRequest).
+# what a test fault does at its step boundary (worker.JobContext): "crash" (the rank exits), "stall" (the rank sleeps
+# an hour), "error" (the rank raises), "error_all" (every rank raises), "reread" (one more checkpoint open counted)
+FAULT_KINDS = ("crash", "stall", "error", "error_all", "reread")
 
-    `fault` injects a failure for tests (honoured only when the controller runs with LTX2_MGPU_TEST_FAULTS=1):
-    `{"rank": r, "stage": "stage 1", "step": k, "kind": "crash" | "stall" | "error" | "error_all" | "reread"}`.
-    """
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A failure injected into a job for tests (honoured only when the controller runs with
+    LTX2_MGPU_TEST_FAULTS=1): at the step boundary of `stage` step `step`, rank `rank` does `kind` (`FAULT_KINDS`;
+    "error_all" fires on every rank, and needs no rank). Raises ValueError on construction for an unknown kind, a
+    negative step or rank, or a rank missing where the kind needs one."""
+
+    stage: str
+    step: int
+    kind: str
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault: kind={self.kind!r}: choose one of {', '.join(FAULT_KINDS)}")
+        if not isinstance(self.stage, str) or not self.stage:
+            raise ValueError(f"fault: stage={self.stage!r} must name a stage (e.g. 'stage 1', 'noop')")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ValueError(f"fault: step={self.step!r} must be a non-negative integer")
+        if self.rank is None and self.kind != "error_all":
+            raise ValueError(f"fault: kind={self.kind!r} needs the rank it fires on (only 'error_all' fires on all)")
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0):
+            raise ValueError(f"fault: rank={self.rank!r} must be a non-negative integer or None")
+
+    def fires(self, rank: int, stage: str, step: int) -> bool:
+        """Whether this fault fires on `rank` at `stage` step `step`."""
+        return stage == self.stage and step == self.step and (self.kind == "error_all" or rank == self.rank)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job. `kind` selects the worker function ("generate"); `payload` is its input (e.g. GenerateRequest);
+    `job_id` names it in every event and log line; `fault` injects a failure for tests (`FaultSpec`). Frozen: a
+    changed job is a new one (`dataclasses.replace`). Raises TypeError on construction for a `fault` that is not a
+    `FaultSpec`."""
 
     kind: str
     payload: Any
     job_id: str = field(default_factory=lambda: secrets.token_hex(6))
-    fault: dict | None = None
+    fault: FaultSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.fault is not None and not isinstance(self.fault, FaultSpec):
+            raise TypeError(f"JobSpec.fault: expected a FaultSpec or None, got {type(self.fault).__name__} "
+                            f"{self.fault!r:.120}")
 
 
 DEFAULT_NEGATIVE_PROMPT = (

@@ -21,6 +21,7 @@ from typing import Any
 
 from .fleet_config import FleetConfig, FleetHandle
 from .job_requests import JobSpec
+from .job_results import ControllerStatus
 
 # ---- client -> controller ------------------------------------------------------------------------------------------
 
@@ -83,9 +84,9 @@ class Pong:
 @dataclass(frozen=True)
 class StatusReply:
     """`status`: the controller's pid, socket, busy job, last failure, clients, fleet (`Fleet.describe` with its
-    open counts, or None) and processes, as `Controller.status` lists them."""
+    open counts, or None) and processes (`job_results.ControllerStatus`)."""
 
-    status: dict
+    status: ControllerStatus
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class JobResult:
-    """The job's result (rank 0's answer; a `transport.Pickled` for the inline jobs)."""
+    """The job's result: rank 0's answer, a frozen dataclass of `job_results` (or the native MODEL's replies of
+    `forward.py`), pickled once by rank 0 (`transport.Pickled`) for the inline jobs; frames as a `frames.FramesRef`."""
 
     job_id: str
     result: Any

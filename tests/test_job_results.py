@@ -1,0 +1,129 @@
+"""Typed job results and status (`protocol/job_results.py`) and the typed test fault (`job_requests.FaultSpec`): what
+crosses the process boundary comes back equal through every transport path (plain pickle, `transport.Pickled` of
+the inline jobs, frames through shared memory), and a dict from a controller of an older pack version is refused
+with a message naming the process to stop."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+
+import pytest
+import torch
+
+from mgpu_backend import frames as F
+from mgpu_backend.client import ControllerClient
+from mgpu_backend.protocol import transport
+from mgpu_backend.protocol.errors import ControllerError, ErrorKind
+from mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, FleetPlan
+from mgpu_backend.protocol.job_requests import FAULT_KINDS, FaultSpec, JobSpec, NoopRequest
+from mgpu_backend.protocol.job_results import (ControllerStatus, EncodeTextResult, FramesResult, GenerateJobResult,
+                                               NoopResult, SampleResult, UpscaleResult)
+from mgpu_backend.protocol.messages import Accepted, JobResult, StatusReply
+from mgpu_backend.protocol.transport import Pickled
+
+
+def _results() -> list:
+    v, a = torch.randn(1, 128, 2, 3, 4), torch.randn(1, 8, 5, 16)
+    return [SampleResult(v, a, "sequence parallel over all 2 ranks", ("lora x: 1/1 layers applied",)),
+            SampleResult(v, a, "tiles", (), tile_drift=(0.1, 0.2), weights_normalized=False, audio_frozen=True),
+            UpscaleResult(v), NoopResult(torch.arange(4, dtype=torch.float32)),
+            EncodeTextResult((v[0, :1, 0, 0],), ([[v[0, :1, 0, 0], {"pooled_output": None}]],), {"mode": "x"},
+                             (3, 0), {"loads": 1}),
+            GenerateJobResult(torch.rand(2, 4, 4, 3), torch.randn(2, 10), 24000, v, a, {"total": 1.0},
+                              ("r",), "one rank", ({"rank": 0},))]
+
+
+def _equal(x, y) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if dataclasses.is_dataclass(x):
+        return type(x) is type(y) and all(_equal(getattr(x, f.name), getattr(y, f.name))
+                                          for f in dataclasses.fields(x))
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y))
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    return x == y
+
+
+@pytest.mark.parametrize("result", _results(), ids=lambda r: type(r).__name__)
+def test_results_are_frozen_and_cross_every_transport_path(result):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.video = None  # type: ignore[misc]
+    plain = transport.loads(pickle.dumps(JobResult("j", result), protocol=pickle.HIGHEST_PROTOCOL)).result
+    inline = transport.loads(pickle.dumps(JobResult("j", Pickled.of(result)))).result.load()
+    for back in (plain, inline):
+        assert _equal(back, result)
+
+
+def test_frames_travel_through_shared_memory_in_a_typed_result():
+    frames = torch.rand(3, 8, 12, 3)
+    sent = FramesResult(F.send_frames(frames), 12.5)
+    on_wire = transport.loads(pickle.dumps(JobResult("j", sent))).result
+    assert F.frames_ref(on_wire) == sent.frames
+    back = F.receive_frames(on_wire)
+    assert isinstance(back, FramesResult) and back.sent_at == 12.5 and torch.equal(back.frames, frames)
+    assert not os.path.exists(os.path.join(F.SHM_DIR, sent.frames.name))  # the block was freed
+    assert F.frames_ref({"frames": sent.frames}) is None  # a dict is no typed result
+
+
+class _Wire:
+    """A client connection without a controller: what the client sends is kept, the replies are queued bytes."""
+
+    def __init__(self, *replies):
+        self.sent, self.replies = [], [pickle.dumps(r) for r in replies]
+
+    def send_bytes(self, data):
+        self.sent.append(transport.loads(data))
+
+    def recv_bytes(self):
+        return self.replies.pop(0)
+
+    def poll(self, timeout=None):
+        return True
+
+
+def _client(tmp_path, *replies) -> ControllerClient:
+    client = object.__new__(ControllerClient)
+    client.runtime_dir, client.socket_path, client._conn = tmp_path, tmp_path / "ctl.sock", _Wire(*replies)
+    return client
+
+
+def test_an_older_controllers_dicts_are_refused_naming_the_process(tmp_path):
+    config = FleetConfig(devices=("cpu",), checkpoint="c.safetensors", gemma=None)
+    handle = FleetHandle(1, config, (11,), FleetPlan(1, 8, 1, (1,)))
+    old_result = _client(tmp_path, Accepted("j1", 1, (11,)), JobResult("j1", {"tensor": torch.zeros(4)}))
+    with pytest.raises(ControllerError) as info:
+        old_result.run(handle, JobSpec("noop", NoopRequest(), job_id="j1"))
+    assert info.value.kind == ErrorKind.PROTOCOL
+    assert "older version of the pack" in str(info.value) and "job j1 (noop)" in str(info.value)
+    assert f"python -m mgpu_backend.controller --runtime-dir {tmp_path}" in str(info.value)
+    old_status = _client(tmp_path, StatusReply({"pid": 4242, "fleet": None}))
+    with pytest.raises(ControllerError, match=r"for the status .*stop that process \(pid 4242: `python -m "):
+        old_status.status()
+    status = ControllerStatus(4242, "s", clients=("pid 1 (python)",))
+    assert _client(tmp_path, StatusReply(status)).status() == status
+    good = _client(tmp_path, Accepted("j2", 1, (11,)), JobResult("j2", Pickled.of(NoopResult(torch.ones(4)))))
+    assert torch.equal(good.run(handle, JobSpec("noop", NoopRequest(), job_id="j2")).tensor, torch.ones(4))
+
+
+def test_fault_spec_rules():
+    f = FaultSpec(stage="stage 1", step=2, kind="error", rank=1)
+    assert f.fires(1, "stage 1", 2) and not f.fires(0, "stage 1", 2) and not f.fires(1, "stage 1", 1)
+    everyone = FaultSpec(stage="noop", step=0, kind="error_all")
+    assert everyone.fires(0, "noop", 0) and everyone.fires(3, "noop", 0)
+    assert set(FAULT_KINDS) == {"crash", "stall", "error", "error_all", "reread"}
+    with pytest.raises(ValueError, match="kind='boom': choose one of crash, stall, error, error_all, reread"):
+        FaultSpec(stage="s", step=0, kind="boom", rank=0)
+    with pytest.raises(ValueError, match="kind='crash' needs the rank"):
+        FaultSpec(stage="s", step=0, kind="crash")
+    with pytest.raises(ValueError, match="step=-1 must be a non-negative integer"):
+        FaultSpec(stage="s", step=-1, kind="crash", rank=0)
+    with pytest.raises(TypeError, match="JobSpec.fault: expected a FaultSpec or None, got dict"):
+        JobSpec("noop", NoopRequest(), fault={"rank": 0, "stage": "noop", "step": 0, "kind": "crash"})
+    job = JobSpec("noop", NoopRequest(), fault=f)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.fault = None  # type: ignore[misc]
+    assert dataclasses.replace(job, fault=None).fault is None and job.fault is f
+    assert transport.loads(pickle.dumps(job)) == job
