@@ -87,6 +87,7 @@ class _Wire:
 def _client(tmp_path, *replies) -> ControllerClient:
     client = object.__new__(ControllerClient)
     client.runtime_dir, client.socket_path, client._conn = tmp_path, tmp_path / "ctl.sock", _Wire(*replies)
+    client.shm_lane = False  # the job's tensors by value, in the queued reply
     return client
 
 

@@ -24,7 +24,7 @@ from test_controller import short_runtime_dir
 from mgpu_backend.forward import ForwardReply, ForwardRequest
 from mgpu_backend.protocol import shm_lane
 from mgpu_backend.protocol.errors import ControllerError
-from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
+from mgpu_backend.protocol.job_requests import FaultSpec, JobSpec, NoopRequest
 from mgpu_backend.protocol.transport import Pickled, wire_job
 
 pytestmark = pytest.mark.skipif(not shm_lane.supported(), reason="lanes need /dev/shm (Linux)")
@@ -312,7 +312,7 @@ def test_a_rank_stalled_during_a_lane_job_is_named_and_the_next_forward_works(ti
                                                   gemma=None, dtype="float32", threads_per_worker=1,
                                                   transformer_only=True, init_timeout_s=180.0,
                                                   collective_timeout_s=120.0, stall_timeout_s=5.0))
-            stall = {"rank": 1, "stage": "noop", "step": 1, "kind": "stall"}
+            stall = FaultSpec(stage="noop", step=1, kind="stall", rank=1)
             with pytest.raises(ControllerError, match=r"no progress for 5 s: rank 1 stalled") as info:
                 client.run(handle, JobSpec("noop", NoopRequest(steps=3, carry=torch.randn(256, 1024)), fault=stall))
             assert info.value.fleet_lost

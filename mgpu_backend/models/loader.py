@@ -52,10 +52,10 @@ class SafetensorsFile:
     Raises FileNotFoundError (missing file) or CheckpointError (not a readable safetensors file), naming the path.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, counted: bool = True):
         global OPEN_COUNT
         self.path = Path(path)
-        OPEN_COUNT += 1
+        OPEN_COUNT += counted  # header-only reads (`weight_bytes`) pass counted=False: OPEN_COUNT counts weight reads
         if not self.path.is_file():
             raise FileNotFoundError(f"checkpoint file not found: {self.path}")
         try:
@@ -298,7 +298,7 @@ def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
     `int8_compute="dequantize"`, `quant.dequantize_int8_linears`)."""
     blocks = rest = 0
     for i, path in enumerate(dict.fromkeys(p for p in paths if p)):
-        file = _open(path)
+        file = path if isinstance(path, SafetensorsFile) else SafetensorsFile(path, counted=False)
         keys = file.keys
         if transformer_only:
             if i:
