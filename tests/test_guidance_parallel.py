@@ -392,6 +392,9 @@ def _fleet_config_from_cli(paths, monkeypatch, *options: str):
             seen["config"] = config
             raise Stop
 
+        def close(self):
+            seen["closed"] = True
+
     monkeypatch.setattr(client, "ControllerClient", FakeClient)
     args = cli.build_parser().parse_args(
         ["generate", "--checkpoint", paths["checkpoint"], "--gemma", paths["gemma"], "--upscaler", paths["upsampler"],
