@@ -53,7 +53,8 @@ def test_the_wheel_installs_only_mgpu_backend(tmp_path):
 
 def test_the_fleet_import_path_holds_only_mgpu_backend(tmp_path, monkeypatch):
     """The controller and its workers import from a private directory that links `mgpu_backend` alone, even when
-    the caller's PYTHONPATH names the pack folder: `kernels`, `nodes`, `tests` are not importable there."""
+    the caller's PYTHONPATH names the pack folder: the pack's `kernels`, `nodes`, `tests` are not importable there
+    (PyPI's `kernels`, a dependency of transformers, may be)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), "/somewhere/else"]))
     runtime = tmp_path / "rt"
     runtime.mkdir(mode=0o700)
@@ -61,8 +62,12 @@ def test_the_fleet_import_path_holds_only_mgpu_backend(tmp_path, monkeypatch):
     entries = env["PYTHONPATH"].split(os.pathsep)
     assert entries[0] == str(runtime / "pythonpath") and entries[1:] == ["/somewhere/else"]
     assert sorted(os.listdir(entries[0])) == ["mgpu_backend"]
-    probe = ("import importlib.util as u, mgpu_backend, sys; "
-             f"print([n for n in {NOT_OURS!r} if u.find_spec(n) is not None]); print(mgpu_backend.__file__)")
+    # a name found outside the pack is another distribution's (transformers needs PyPI's `kernels`): not ours
+    probe = ("import importlib.util as u, mgpu_backend, os, sys; "
+             f"ours = lambda n, s: any((os.path.realpath(p) + os.sep).startswith(os.path.join({str(REPO.resolve())!r}, n, '')) "
+             "for p in ([s.origin] if s.origin else []) + list(s.submodule_search_locations or [])); "
+             f"print([n for n in {NOT_OURS!r} if (s := u.find_spec(n)) is not None and ours(n, s)]); "
+             "print(mgpu_backend.__file__)")
     out = _run(sys.executable, "-c", probe, env=env, cwd=str(runtime))
     assert out.returncode == 0, out.stderr
     shadowing, origin = out.stdout.split("\n")[:2]
