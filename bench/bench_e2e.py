@@ -100,6 +100,19 @@ STAGES = ("text", "stage 1", "upscale", "stage 2", "decode video", "decode audio
 
 # ---- components --------------------------------------------------------------------------------------------------
 
+
+def _enter_mode(mode: str, model, device, dtype, log) -> bool:
+    """`e2e_modes.enter_mode` with its notes logged; False (logged, nothing run in its place) when the mode is
+    refused on this device."""
+    try:
+        notes = M.enter_mode(mode, model, device, dtype)
+    except M.ModeRefused as exc:
+        log(f"[{mode}] {exc}")
+        return False
+    for note in notes:
+        log(f"[{mode}] {note}")
+    return True
+
 def _build(factory, device, dtype, seed):
     """A module built on the meta device, cast, allocated on `device` and filled (`bench_memory.fill_random_`)."""
     with torch.device("meta"):
@@ -481,14 +494,9 @@ def run_two_stage(args, modes, device, dtype, log) -> dict:
     for mode in modes:
         if args.reference and refs is None and mode in ("fp8", "int8"):
             refs = reference_times(meta, components.transformer, pipeline.tally, device, dtype, log)
-        try:
-            notes = M.enter_mode(mode, components.transformer, device, dtype)
-        except M.ModeRefused as exc:
-            log(f"[{mode}] {exc}")
+        if not _enter_mode(mode, components.transformer, device, dtype, log):
             results[mode] = None
             continue
-        for note in notes:
-            log(f"[{mode}] {note}")
         try:
             results[mode] = run_mode(args, mode, pipeline, gemma, request, prompt_tokens, scale, device, log)
         finally:
@@ -603,14 +611,9 @@ def run_ltx25(args, modes, device, dtype, log) -> dict:
         log("reference: no column — ltx-core 1.0.0 (Lightricks' reference) cannot run LTX-2.5 (DESIGN.md §2)")
     results = {}
     for mode in modes:
-        try:
-            notes = M.enter_mode(mode, model, device, dtype)
-        except M.ModeRefused as exc:
-            log(f"[{mode}] {exc}")
+        if not _enter_mode(mode, model, device, dtype, log):
             results[mode] = None
             continue
-        for note in notes:
-            log(f"[{mode}] {note}")
         peak = FL.dense_peak(device_name(device), M.matmul_dtype(mode, dtype))
         rows = {}
         try:
