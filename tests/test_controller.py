@@ -49,7 +49,7 @@ def stop_controller(runtime: Path) -> None:
         status = client.status()
         pids = [status.pid, *(status.fleet.worker_pids if status.fleet is not None else ())]
         client.stop()
-    except (ControllerError, OSError):
+    except (ControllerError, OSError, EOFError):  # EOFError: a controller stopping as we connected
         pass
     if not wait_gone(pids):
         for pid in pids:

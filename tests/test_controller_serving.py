@@ -471,6 +471,7 @@ def test_shutdown_fleet_and_stop_answer_what_they_ended_typed(tiny_dir):
         assert after.fleet is None and controller.rss_bytes > 0
         assert all(p.role.startswith("helper (") for p in after.processes[1:]), after.processes  # no worker left
         assert client.stop() == FleetTeardown(None, (), None)
+        assert wait_gone([after.pid])
     finally:
         client.close()
         stop_controller(runtime)
