@@ -15,6 +15,9 @@ ACTIONS = ("status", "shut down")
 
 
 def format_status(status: ControllerStatus, handle: FleetHandle | None = None) -> str:
+    """The status as the node shows it, one fact a line: the controller, the fleet (`FleetDescription`: generation,
+    devices, workers, checkpoint, int8 path; whether `handle` is of an older generation), its processes
+    (`ProcessInfo`: role, pid, RSS in MiB), busy or idle, the last failure."""
     lines = [f"controller pid {status.pid} ({status.socket})"]
     fleet = status.fleet
     if fleet is None:
