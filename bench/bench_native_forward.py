@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                 handle = client.configure(FleetConfig(devices=devices, checkpoint=str(paths["checkpoint"]),
                                                       gemma=str(paths["gemma"]),
                                                       dtype="bfloat16" if cuda else "float32"))
-                pids += list(client.status().fleet["worker_pids"])
+                pids += list(client.status().fleet.worker_pids)
                 rows = []
                 for label, payload in (("empty noop job", NoopRequest()),
                                        ("noop + real request, context shipped", NoopRequest(carry=real)),

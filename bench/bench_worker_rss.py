@@ -65,15 +65,15 @@ def main() -> None:
             status = client.status()
             client.close()
             for p in status.processes:
-                split = status_mib(p["pid"]) if p["role"].startswith("worker") else {}
-                print(f"round {i}: {p['role']:<40} pid {p['pid']:>7}  RSS {p['rss_bytes'] / 2**20:6.0f} MiB  {split}")
+                split = status_mib(p.pid) if p.role.startswith("worker") else {}
+                print(f"round {i}: {p.role:<40} pid {p.pid:>7}  RSS {p.rss_bytes / 2**20:6.0f} MiB  {split}")
             t0 = time.monotonic()
             os.kill(status.pid, signal.SIGKILL)
             while any(alive(p) for p in handle.worker_pids):
                 time.sleep(0.001)
             print(f"round {i}: {args.world_size} workers gone {1000 * (time.monotonic() - t0):.1f} ms after the "
                   f"controller's SIGKILL")
-            alive(status["pid"])
+            alive(status.pid)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

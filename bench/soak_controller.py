@@ -174,7 +174,7 @@ class Soak:
         finally:
             status.close()
         if fleet:
-            victim = rng.choice(fleet["worker_pids"])
+            victim = rng.choice(fleet.worker_pids)
             try:
                 os.kill(victim, signal.SIGKILL)
                 self.count("kills")

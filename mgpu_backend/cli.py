@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .models.families import NAMES as FAMILY_NAMES
+from .protocol.job_results import FleetTeardown
 
 DEFAULT_BUSY_WAIT_S = 3600.0  # how long a fleet run waits for another client's job (--busy-wait)
 BUSY_RETRY_S = 2.0
@@ -395,8 +396,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
                 configure_time = time.perf_counter() - t
                 replaced = client.last_replaced
                 if replaced:  # another configuration was loaded (maybe by ComfyUI): say what this run replaced
-                    print(f"note: {describe_stopped({'fleet': replaced, 'clients': replaced['clients']}, 'replaced')}",
-                          file=sys.stderr)
+                    print(f"note: {describe_stopped(replaced, 'replaced')}", file=sys.stderr)
                 result = client.run(handle, job, on_event=lambda e: progress(e.stage, e.step, e.total))
                 break
             except FleetBusy as exc:
@@ -421,22 +421,21 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
                    f"{result.parallel}")
 
 
-def describe_stopped(stopped: dict, verb: str) -> str:
+def describe_stopped(stopped: FleetTeardown, verb: str) -> str:
     """What a `stop` / a replacing `generate` stopped, in words: the fleet (generation, ranks, devices, model), the
     other clients connected to the controller (the CLI and ComfyUI share one per user), the running job."""
-    fleet = stopped.get("fleet")
-    if fleet:
-        devices = fleet.get("devices") or []
-        parts = [f"{verb} fleet generation {fleet.get('generation')}: {len(devices)} rank(s) on {','.join(devices)} "
-                 f"(pids {', '.join(map(str, fleet.get('worker_pids') or []))}) with {fleet.get('checkpoint')}"]
+    fleet = stopped.fleet
+    if fleet is not None:
+        parts = [f"{verb} fleet generation {fleet.generation}: {len(fleet.devices)} rank(s) on "
+                 f"{','.join(fleet.devices)} (pids {', '.join(map(str, fleet.worker_pids))}) with {fleet.checkpoint}"]
     else:
         parts = ["no fleet was loaded"]
-    clients = stopped.get("clients") or []
-    if clients:
-        parts.append(f"{len(clients)} other client(s) were connected to this controller ({'; '.join(clients)}) — "
-                     f"ComfyUI and the CLI share it; their next job starts a fleet of their own configuration")
-    if stopped.get("job"):
-        parts.append(f"{stopped['job']} was running and was stopped")
+    if stopped.clients:
+        parts.append(f"{len(stopped.clients)} other client(s) were connected to this controller "
+                     f"({'; '.join(stopped.clients)}) — ComfyUI and the CLI share it; their next job starts a fleet "
+                     f"of their own configuration")
+    if stopped.job:
+        parts.append(f"{stopped.job} was running and was stopped")
     return "; ".join(parts)
 
 

@@ -22,7 +22,7 @@ from .protocol import shm_lane
 from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetHandle
 from .protocol.job_requests import JobSpec
-from .protocol.job_results import ControllerStatus
+from .protocol.job_results import ControllerStatus, FleetTeardown
 from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, JobError, JobResult, Ping, Pong,
                                 Progress, Refused, Reply, Request, ShutdownFleet, Status, Stop, Submit)
 from .protocol.transport import (INLINE_JOBS, Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir,
@@ -136,8 +136,8 @@ class ControllerClient:
         self.socket_path = self.runtime_dir / SOCKET_NAME
         self.key = read_or_create_key(self.runtime_dir)
         self.started_pid: int | None = None
-        # what the last `configure` replaced (the old fleet's `describe()` + "clients" connected), or None
-        self.last_replaced: dict | None = None
+        # what the last `configure` replaced (the old fleet and the other clients connected), or None
+        self.last_replaced: FleetTeardown | None = None
         self.shm_lane = _lanes_default() if shm_lane is None else bool(shm_lane)
         self._conn = self._connect(start)
 
@@ -209,27 +209,50 @@ class ControllerClient:
     def ping(self) -> Pong:
         return self.request(Ping())
 
+    def _pid(self) -> int | None:
+        """The controller's pid, for an error naming it (None: it does not answer)."""
+        try:
+            return self.request(Ping()).pid
+        except (ControllerError, OSError, EOFError, AttributeError):
+            return None
+
     def status(self) -> ControllerStatus:
         """The controller's and the fleet's state (`messages.StatusReply.status`). Raises ControllerError naming the
-        process to stop when an older controller answers (its status is a dict)."""
+        process to stop when an older controller answers (its status, or its fleet or processes in it, are dicts)."""
         status = self.request(Status()).status
         if isinstance(status, dict):
             raise self._older("the status", status.get("pid"))
+        if isinstance(status.fleet, dict) or any(isinstance(p, dict) for p in status.processes):
+            raise self._older("the status's fleet and processes", status.pid)
         return status
 
     def configure(self, config: FleetConfig) -> FleetHandle:
-        """The fleet for `config` (reused when unchanged); `last_replaced` says which fleet a rebuild replaced."""
+        """The fleet for `config` (reused when unchanged); `last_replaced` says which fleet a rebuild replaced.
+        Raises ControllerError naming the process to stop when an older controller answers (what it replaced is a
+        dict)."""
         reply: Configured = self.request(Configure(config))
+        if isinstance(reply.replaced, dict):
+            raise self._older("what the configure replaced", self._pid())
         self.last_replaced = reply.replaced
         return reply.handle
 
-    def shutdown_fleet(self) -> dict:
-        """Stop the fleet (the controller stays). Returns what was stopped: {"fleet", "clients", "job"}."""
-        return self.request(ShutdownFleet()).stopped or {}
+    def shutdown_fleet(self) -> FleetTeardown:
+        """Stop the fleet (the controller stays). Returns what was stopped. Raises ControllerError naming the process
+        to stop when an older controller answers (what it stopped is a dict; its fleet is stopped)."""
+        stopped = self.request(ShutdownFleet()).stopped
+        if isinstance(stopped, dict):
+            raise self._older("what the shutdown_fleet stopped", self._pid())
+        return stopped
 
-    def stop(self) -> dict:
-        """Stop the controller and its fleet. Returns what was stopped: {"fleet", "clients", "job"}."""
-        return self.request(Stop()).stopped or {}
+    def stop(self) -> FleetTeardown:
+        """Stop the controller and its fleet. Returns what was stopped. Raises ControllerError when an older
+        controller answered (what it stopped is a dict): it has stopped all the same."""
+        stopped = self.request(Stop()).stopped
+        if isinstance(stopped, dict):
+            raise ControllerError(f"the controller on {self.socket_path} answered the stop with a dict — it was "
+                                  f"started by an older version of the pack; it has stopped, with its fleet (the "
+                                  f"next client starts this version's controller)", kind=ErrorKind.PROTOCOL)
+        return stopped
 
     def cancel(self, job_id: str) -> None:
         """Cancel from another connection (this one is busy streaming the job)."""

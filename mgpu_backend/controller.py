@@ -33,7 +33,7 @@ from pathlib import Path
 from .protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
 from .protocol.job_requests import JobSpec
-from .protocol.job_results import ControllerStatus
+from .protocol.job_results import ControllerStatus, FleetTeardown, ProcessInfo
 from .protocol.messages import (Accepted, Busy, Cancel, Configure, Configured, Done, JobError, JobResult, Ping, Pong,
                                 Progress, Refused, Request, ShutdownFleet, Status, StatusReply, Stop, Stopped, Submit)
 from .protocol.shm_lane import remove_dead_lanes, unlink_lane
@@ -222,13 +222,13 @@ class Controller:
         # the workers are gone when the client hears back
         op = "stop" if isinstance(request, Stop) else "shutdown_fleet"
         what = "the controller" if op == "stop" else "the fleet"
-        stopped = {"fleet": self.fleet.describe() if self.fleet is not None and self.fleet.alive() else None,
-                   "clients": self._others(conn), "job": self.busy_with() if self.current_job else None}
+        stopped = FleetTeardown(self.fleet.describe() if self.fleet is not None and self.fleet.alive() else None,
+                                tuple(self._others(conn)), self.busy_with() if self.current_job else None)
         self.stopped_by = f"{op} from {client}"
         try:
-            if stopped["job"]:
+            if stopped.job:
                 log.info("%s stops %s while %s runs (submitted by %s): cancelling it first", client, what,
-                         stopped["job"], self.current_client)
+                         stopped.job, self.current_client)
                 with self.state_lock:
                     if self.fleet is not None and self.current_kind is not None:
                         self.fleet.cancel()  # it stops at its next step boundary, within the stop grace
@@ -247,21 +247,18 @@ class Controller:
         with self.state_lock:
             clients = tuple(self.clients.values())
         return ControllerStatus(os.getpid(), str(self.socket_path), self.current_job, self.current_kind,
-                                self.last_failure, clients, None if fleet is None or not fleet.alive() else {
-                                    **fleet.describe(), "open_counts": list(fleet.open_counts)},
-                                tuple(self.processes()))
+                                self.last_failure, clients,
+                                None if fleet is None or not fleet.alive() else fleet.describe(), self.processes())
 
-    def processes(self) -> list[dict]:
-        """Every process this controller owns, itself first: {"pid", "role", "rss_bytes"} (role "controller",
-        "worker rank R" or "helper (<its command line>)", e.g. multiprocessing's resource tracker; rss_bytes None
-        off Linux)."""
+    def processes(self) -> tuple[ProcessInfo, ...]:
+        """Every process this controller owns, itself first (`ProcessInfo`: role "controller", "worker rank R" or
+        "helper (<its command line>)", e.g. multiprocessing's resource tracker; rss_bytes None off Linux)."""
         me, fleet = os.getpid(), self.fleet
         roles = {pid: f"worker rank {rank}" for rank, pid in enumerate(fleet.pids)} if fleet is not None else {}
-        out = [{"pid": me, "role": "controller", "rss_bytes": R.rss_bytes(me)}]
+        out = [ProcessInfo(me, "controller", R.rss_bytes(me))]
         for pid in sorted(set(R.children(me)) | {p for p in roles if R.start_time(p) is not None}):
-            out.append({"pid": pid, "role": roles.get(pid, f"helper ({R.command_line(pid)})"),
-                        "rss_bytes": R.rss_bytes(pid)})
-        return out
+            out.append(ProcessInfo(pid, roles.get(pid, f"helper ({R.command_line(pid)})"), R.rss_bytes(pid)))
+        return tuple(out)
 
     def _note_lost(self, fleet: Fleet) -> None:
         """Record (once) why a fleet that is not alive died, e.g. a worker killed between jobs."""
@@ -295,13 +292,13 @@ class Controller:
                  fleet.world_size, ",".join(fleet.config.devices), time.monotonic() - t0)
 
     def configure(self, config: FleetConfig, client: str = "a client",
-                  others: list[str] | None = None) -> tuple[FleetHandle, dict | None]:
+                  others: list[str] | None = None) -> tuple[FleetHandle, FleetTeardown | None]:
         """Reuse the running fleet when its identity (`FleetConfig.identity`: model files, devices, dtype, …) is
         unchanged — whatever the policy, which the returned handle carries to each of its jobs (no worker restarts,
         no file is read again by a worker) — else (re)build it. Refused while a job runs.
 
-        Returns the handle and what was replaced: None, or the old fleet (`Fleet.describe`) with the other
-        clients connected at the time (`clients`). Raises ControllerError ("validation") for a configuration that
+        Returns the handle and what was replaced: None, or a `FleetTeardown` (the old fleet, the other clients
+        connected at the time). Raises ControllerError ("validation") for a configuration that
         cannot work (`check_config`), before anything running is touched."""
         if not self.job_lock.acquire(blocking=False):
             raise FleetBusy(f"the fleet is busy with {self.busy_with()}; try again when it ends (a cancelled "
@@ -326,7 +323,7 @@ class Controller:
                 replaced = None
                 if fleet is not None:
                     if fleet.alive():
-                        replaced = {**fleet.describe(), "clients": list(others or [])}
+                        replaced = FleetTeardown(fleet.describe(), tuple(others or ()))
                         self._teardown(fleet, f"replaced by another configuration from {client}")
                     else:
                         self._note_lost(fleet)

@@ -10,7 +10,6 @@ Failure handling (DESIGN.md §8):
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import os
@@ -30,6 +29,7 @@ from .parallel.degrees import top_sp_degree, valid_sp_degrees
 from .protocol.errors import ControllerError, ErrorKind, JobCancelled
 from .protocol.fleet_config import FleetConfig, FleetPlan, FleetPolicy
 from .protocol.job_requests import JOB_STAGES, JobSpec
+from .protocol.job_results import FleetDescription
 from .protocol.messages import Progress
 from .protocol.transport import Pickled, send_inline
 from .protocol.worker_messages import (JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError,
@@ -232,12 +232,12 @@ class Fleet:
         return FleetPlan(self.world_size, heads, top_sp_degree(heads, self.world_size, policy.sp_degree),
                          tuple(valid_sp_degrees(heads, self.world_size)), set_by_policy=policy.sp_degree is not None)
 
-    def describe(self) -> dict:
-        """The fleet for status answers and for saying what a stop or a rebuild replaces."""
-        return {"generation": self.generation, "devices": list(self.config.devices), "worker_pids": list(self.pids),
-                "checkpoint": self.config.checkpoint, "weights": self.config.weights,
-                "load_seconds": self.load_seconds, "int8_compute": self.int8_compute,
-                "policy": dataclasses.asdict(self.policy), "plan": dataclasses.asdict(self.plan_for(self.policy))}
+    def describe(self) -> FleetDescription:
+        """The fleet for status answers and for saying what a stop or a rebuild replaces (the one place a
+        `FleetDescription` is built)."""
+        return FleetDescription(self.generation, tuple(self.config.devices), tuple(self.pids), self.config.checkpoint,
+                                self.config.weights, self.load_seconds, self.int8_compute, self.policy,
+                                self.plan_for(self.policy), tuple(self.open_counts))
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:

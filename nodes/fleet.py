@@ -15,23 +15,26 @@ ACTIONS = ("status", "shut down")
 
 
 def format_status(status: ControllerStatus, handle: FleetHandle | None = None) -> str:
+    """The status as the node shows it, one fact a line: the controller, the fleet (`FleetDescription`: generation,
+    devices, workers, checkpoint, int8 path; whether `handle` is of an older generation), its processes
+    (`ProcessInfo`: role, pid, RSS in MiB), busy or idle, the last failure."""
     lines = [f"controller pid {status.pid} ({status.socket})"]
     fleet = status.fleet
     if fleet is None:
         lines.append("no fleet running (the next MGPU job starts one)")
     else:
-        lines.append(f"fleet generation {fleet['generation']}: {len(fleet['devices'])} rank(s) on "
-                     f"{', '.join(fleet['devices'])}; workers {', '.join(map(str, fleet['worker_pids']))}")
-        lines.append(f"checkpoint {fleet.get('checkpoint')} (loaded in {fleet.get('load_seconds') or 0:.1f} s)")
-        if fleet.get("int8_compute"):  # which path the int8 file's layers take (FleetIdentity.int8_compute)
-            lines.append(f"int8 compute: {fleet['int8_compute']}")
-        if handle is not None and fleet["generation"] != handle.generation:
+        lines.append(f"fleet generation {fleet.generation}: {len(fleet.devices)} rank(s) on "
+                     f"{', '.join(fleet.devices)}; workers {', '.join(map(str, fleet.worker_pids))}")
+        lines.append(f"checkpoint {fleet.checkpoint} (loaded in {fleet.load_seconds:.1f} s)")
+        if fleet.int8_compute:  # which path the int8 file's layers take (FleetIdentity.int8_compute)
+            lines.append(f"int8 compute: {fleet.int8_compute}")
+        if handle is not None and fleet.generation != handle.generation:
             lines.append(f"this handle is of generation {handle.generation} (the fleet was rebuilt since)")
     processes = status.processes
     if processes:  # every process the controller owns, with its resident memory
         lines.append("processes: " + "; ".join(
-            f"{p['role']} pid {p['pid']} {p['rss_bytes'] / 2**20:.0f} MiB" if p.get("rss_bytes") is not None
-            else f"{p['role']} pid {p['pid']}" for p in processes))
+            f"{p.role} pid {p.pid} {p.rss_bytes / 2**20:.0f} MiB" if p.rss_bytes is not None
+            else f"{p.role} pid {p.pid}" for p in processes))
     lines.append(f"busy with job {status.busy_job}" if status.busy_job else "idle")
     if status.last_failure:
         lines.append(f"last failure: {status.last_failure}")

@@ -57,7 +57,7 @@ def stop_controller(runtime) -> None:
     try:
         client = ControllerClient(runtime, start=False)
         status = client.status()
-        pids = [p["pid"] for p in status.processes] or [status.pid]
+        pids = [p.pid for p in status.processes] or [status.pid]
         client.stop()
     except (ControllerError, OSError, EOFError):
         pass

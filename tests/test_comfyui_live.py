@@ -377,9 +377,9 @@ def test_sp_degree_change_keeps_the_fleet(server, tiny_models):
     plan = entry["outputs"][by_class(wf, "LTX2MGPU_LoadCheckpoint")]["text"][0]
     assert "up to degree 1 on ranks 0-0, set by sp_degree" in plan
     after = fleet()
-    assert (after["generation"], after["worker_pids"], after["open_counts"]) == \
-        (before["generation"], before["worker_pids"], before["open_counts"])
-    assert after["policy"]["sp_degree"] == 1
+    assert (after.generation, after.worker_pids, after.open_counts) == \
+        (before.generation, before.worker_pids, before.open_counts)
+    assert after.policy.sp_degree == 1
 
 
 def test_interrupt_cancels_the_fleet_job_and_the_next_prompt_runs(server, tiny_models):
@@ -434,7 +434,7 @@ def _fleet_pids():
     c = ControllerClient(start=False)
     try:
         fleet = c.status().fleet
-        return None if fleet is None else list(fleet["worker_pids"])
+        return None if fleet is None else list(fleet.worker_pids)
     finally:
         c.close()
 

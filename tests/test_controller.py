@@ -47,9 +47,9 @@ def stop_controller(runtime: Path) -> None:
     try:
         client = ControllerClient(runtime, start=False)
         status = client.status()
-        pids = [status.pid, *((status.fleet or {}).get("worker_pids", []))]
+        pids = [status.pid, *(status.fleet.worker_pids if status.fleet is not None else ())]
         client.stop()
-    except (ControllerError, OSError):
+    except (ControllerError, OSError, EOFError):  # EOFError: a controller stopping as we connected
         pass
     if not wait_gone(pids):
         for pid in pids:
@@ -124,8 +124,8 @@ def test_second_client_reattaches_to_the_same_controller_and_fleet(ctl, handle, 
         assert other.started_pid is None
         second = other.status()
         assert second.pid == first.pid == ctl.ping().pid
-        assert second.fleet["generation"] == first.fleet["generation"] == handle.generation
-        assert second.fleet["worker_pids"] == list(handle.worker_pids)
+        assert second.fleet.generation == first.fleet.generation == handle.generation
+        assert second.fleet.worker_pids == handle.worker_pids
         # the same configuration from the second client reuses the fleet
         again = other.configure(handle.config)
         assert again.generation == handle.generation and again.worker_pids == handle.worker_pids
@@ -164,7 +164,7 @@ def test_busy_is_answered_at_once_and_cancel_keeps_the_fleet(ctl, handle, runtim
     assert not thread.is_alive()
     assert isinstance(outcome.get("error"), JobCancelled), outcome
     status = ctl.status()
-    assert status.busy_job is None and status.fleet["worker_pids"] == list(handle.worker_pids)
+    assert status.busy_job is None and status.fleet.worker_pids == handle.worker_pids
 
 
 def test_unknown_job_kind_is_refused_and_fleet_kept(ctl, handle):
@@ -172,7 +172,7 @@ def test_unknown_job_kind_is_refused_and_fleet_kept(ctl, handle):
         ctl.run(handle, JobSpec("no-such-kind", None))
     assert info.value.kind == "validation" and not info.value.fleet_lost
     assert "unknown job kind 'no-such-kind'" in str(info.value) and "noop" in str(info.value)
-    assert ctl.status().fleet["worker_pids"] == list(handle.worker_pids)
+    assert ctl.status().fleet.worker_pids == handle.worker_pids
 
 
 def test_frames_come_back_through_shared_memory(ctl, handle):
@@ -190,7 +190,7 @@ def test_fault_injection_is_ignored_without_the_test_switch(ctl, handle):
     fault = FaultSpec(rank=0, stage="noop", step=0, kind="crash")
     out = ctl.run(handle, JobSpec("noop", NoopRequest(steps=2), fault=fault))
     assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
-    assert ctl.status().fleet["worker_pids"] == list(handle.worker_pids)
+    assert ctl.status().fleet.worker_pids == handle.worker_pids
 
 
 def test_cli_status_shows_the_fleet(ctl, handle, runtime):
@@ -219,15 +219,15 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
         out = ctl.run(h, JobSpec("noop", NoopRequest(steps=1)))
         assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
     status = ctl.status().fleet
-    assert status["worker_pids"] == list(handle.worker_pids) and status["generation"] == handle.generation
-    assert status["open_counts"] == [2]  # checkpoint + upscaler, opened once at start
-    assert status["policy"]["sp_degree"] is None  # the last job ran under the first handle's policy
+    assert status.worker_pids == handle.worker_pids and status.generation == handle.generation
+    assert status.open_counts == (2,)  # checkpoint + upscaler, opened once at start
+    assert status.policy == handle.config.policy  # the last job ran under the first handle's policy
     with pytest.raises(ControllerError, match="degree 2 is not possible") as info:
         ctl.configure(tiny_config(tiny_dir, sp_degree=2))
     assert info.value.kind == "validation" and info.value.kind is ErrorKind.VALIDATION
-    assert ctl.status().fleet["worker_pids"] == list(handle.worker_pids)
-    assert ctl.status().fleet["plan"] == {"world_size": 1, "heads": 8, "sp_degree": 1, "valid_degrees": (1,),
-                                             "set_by_policy": False, "sequence_parallel": True}
+    assert ctl.status().fleet.worker_pids == handle.worker_pids
+    assert ctl.status().fleet.plan == FleetPlan(world_size=1, heads=8, sp_degree=1, valid_degrees=(1,),
+                                                set_by_policy=False, sequence_parallel=True)
 
 
 def test_the_plan_in_the_handle_follows_the_fleets_heads_and_the_policy():
@@ -365,7 +365,7 @@ def test_stale_handle_is_refused(ctl, handle, tiny_dir):
     assert f"generation {handle.generation} is stale" in message and "another configuration" in message
     out = ctl.run(new, JobSpec("noop", NoopRequest(steps=1)))
     assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
-    assert ctl.status().fleet["generation"] == new.generation  # the refused handle rebuilt nothing
+    assert ctl.status().fleet.generation == new.generation  # the refused handle rebuilt nothing
 
 
 # ---- controllers of their own ---------------------------------------------------------------------------------------
@@ -533,7 +533,7 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
         assert (root / "mgpu_backend").resolve() == REPO / "mgpu_backend"
         # this (plainly imported) client reattaches to it and sees the fleet the mangled client made
         client = ControllerClient(runtime, start=False)
-        assert client.status().fleet["generation"] == info["generation"]
+        assert client.status().fleet.generation == info["generation"]
     finally:
         stop_controller(runtime)
         shutil.rmtree(runtime, ignore_errors=True)

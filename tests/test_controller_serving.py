@@ -34,6 +34,7 @@ import torch
 from mgpu_backend.client import ControllerClient
 from mgpu_backend.protocol.errors import ControllerError, FleetBusy
 from mgpu_backend.protocol.job_requests import EncodeTextRequest, JobSpec, NoopRequest
+from mgpu_backend.protocol.job_results import FleetDescription, FleetTeardown, ProcessInfo
 from mgpu_backend.protocol.messages import Accepted, Configure, Ping, Progress, Refused, Submit
 from mgpu_backend.protocol.stage_requests import SampleRequest
 from mgpu_backend.protocol.transport import KEY_NAME, SOCKET_NAME, loads, read_or_create_key, send
@@ -287,7 +288,7 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     events.clear()
     ctl.run(handle, JobSpec("sample", sample_payload("tiled")), on_event=events.append)
     assert {e.stage for e in events} == {"stage 2"}
-    pids = ctl.status().fleet["worker_pids"]
+    pids = ctl.status().fleet.worker_pids
     for mode, name, stage in (("sequence_parallel", "video", "stage 1"), ("tiled", "noise_video", "stage 2")):
         bad = getattr(sample_payload(mode), name).clone()
         bad[0, 0, 0, 0, 0] = float("nan")
@@ -304,7 +305,7 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
     events.clear()
     ctl.run(handle, JobSpec("sample", named), on_event=events.append)
     assert {e.stage for e in events} == {"refine"}
-    assert ctl.status().fleet["worker_pids"] == pids  # bad input keeps the fleet
+    assert ctl.status().fleet.worker_pids == pids  # bad input keeps the fleet
 
 
 def test_denoise_loop_refuses_a_start_latent_that_is_already_nan():
@@ -345,12 +346,12 @@ def test_a_prompt_over_1024_tokens_is_refused_naming_its_length(ctl, handle, tin
     while len(gemma.tokenizer.prompt_ids(fits + word)) <= MAX_PROMPT_TOKENS:
         fits += word
     assert gemma.tokenize([fits])[0].shape[1] <= MAX_PROMPT_TOKENS  # the longest that fits is taken whole
-    pids = ctl.status().fleet["worker_pids"]
+    pids = ctl.status().fleet.worker_pids
     with pytest.raises(ControllerError) as info:
         ctl.run(handle, JobSpec("encode_text", EncodeTextRequest(prompts=["short", word * 2000])))
     assert info.value.kind == "validation", str(info.value)
     assert f"the prompt is {n} Gemma tokens" in str(info.value)  # the service encodes prompts one by one
-    assert ctl.status().fleet["worker_pids"] == pids
+    assert ctl.status().fleet.worker_pids == pids
 
 
 def test_the_log_has_a_line_per_job_and_per_fleet_start(ctl, handle, runtime):
@@ -364,7 +365,7 @@ def test_the_log_has_a_line_per_job_and_per_fleet_start(ctl, handle, runtime):
 
 def test_a_worker_killed_between_jobs_shows_in_status(ctl, handle, runtime):
     before = ctl.status().fleet
-    victim = before["worker_pids"][0]
+    victim = before.worker_pids[0]
     os.kill(victim, signal.SIGKILL)
     assert wait_gone([victim])
     # /proc shows a zombie leader while its other threads still exit; the controller can reap it a moment later
@@ -376,10 +377,10 @@ def test_a_worker_killed_between_jobs_shows_in_status(ctl, handle, runtime):
                                       f"fleet was idle"), status
     assert torch.equal(ctl.run(handle, noop()).tensor, torch.arange(4, dtype=torch.float32))  # a new fleet
     after = ctl.status().fleet
-    assert after["generation"] > before["generation"] and victim not in after["worker_pids"]
+    assert after.generation > before.generation and victim not in after.worker_pids
     log = (runtime / "controller.log").read_text()
-    assert f"fleet generation {before['generation']} lost: worker rank 0 (pid {victim})" in log
-    assert re.search(rf"fleet generation {after['generation']} started \(job \w+ from pid \d+ \([^)]*\); the "
+    assert f"fleet generation {before.generation} lost: worker rank 0 (pid {victim})" in log
+    assert re.search(rf"fleet generation {after.generation} started \(job \w+ from pid \d+ \([^)]*\); the "
                      rf"previous fleet was lost: worker rank 0", log), log[-2000:]
 
 
@@ -412,9 +413,11 @@ def test_stop_and_a_replacing_configure_say_what_they_stop(tiny_dir):
         second = ControllerClient(runtime, start=False)
         new = second.configure(tiny_config(tiny_dir, threads_per_worker=2))  # another identity: a new fleet
         replaced = second.last_replaced
-        assert replaced["generation"] == old.generation and replaced["devices"] == ["cpu"]
-        assert replaced["checkpoint"] == old.config.checkpoint
-        assert replaced["clients"] == [f"pid {os.getpid()} (python)"] or len(replaced["clients"]) == 1, replaced
+        assert isinstance(replaced, FleetTeardown) and replaced.job is None
+        assert replaced.fleet.generation == old.generation and replaced.fleet.devices == ("cpu",)
+        assert replaced.fleet.worker_pids == old.worker_pids and replaced.fleet.checkpoint == old.config.checkpoint
+        assert replaced.fleet.policy == old.config.policy and replaced.fleet.open_counts == (2,)
+        assert replaced.clients == (f"pid {os.getpid()} (python)",) or len(replaced.clients) == 1, replaced
         job, started, outcome = JobSpec("noop", NoopRequest(steps=400, sleep_s=0.05)), threading.Event(), {}
 
         def run():
@@ -441,6 +444,36 @@ def test_stop_and_a_replacing_configure_say_what_they_stop(tiny_dir):
         for c in (first, second):
             if c is not None:
                 c.close()
+        stop_controller(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_shutdown_fleet_and_stop_answer_what_they_ended_typed(tiny_dir):
+    """`shutdown_fleet` hands back the fleet the status showed (a `FleetTeardown` of its `FleetDescription`); after
+    it the status has no fleet and no worker among its `ProcessInfo`s; `stop` then says no fleet was loaded."""
+    runtime = short_runtime_dir()
+    client = ControllerClient(runtime)
+    try:
+        handle = client.configure(tiny_config(tiny_dir))
+        status = client.status()
+        fleet = status.fleet
+        assert isinstance(fleet, FleetDescription) and fleet.generation == handle.generation
+        assert (fleet.devices, fleet.worker_pids, fleet.open_counts) == (("cpu",), handle.worker_pids, (2,))
+        assert (fleet.checkpoint, fleet.weights) == (handle.config.checkpoint, "replicated")
+        assert fleet.policy == handle.config.policy and fleet.plan == handle.plan and fleet.load_seconds > 0
+        assert [p.role for p in status.processes if p.pid in handle.worker_pids] == ["worker rank 0"]
+        ended = client.shutdown_fleet()
+        assert ended == FleetTeardown(fleet, (), None)  # no other client, no job running
+        assert wait_gone(list(handle.worker_pids))
+        after = client.status()
+        controller = after.processes[0]
+        assert isinstance(controller, ProcessInfo) and (controller.pid, controller.role) == (after.pid, "controller")
+        assert after.fleet is None and controller.rss_bytes > 0
+        assert all(p.role.startswith("helper (") for p in after.processes[1:]), after.processes  # no worker left
+        assert client.stop() == FleetTeardown(None, (), None)
+        assert wait_gone([after.pid])
+    finally:
+        client.close()
         stop_controller(runtime)
         shutil.rmtree(runtime, ignore_errors=True)
 

@@ -40,7 +40,7 @@ from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.errors import ControllerError, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetPlan
 from mgpu_backend.protocol.job_requests import FaultSpec, JobSpec, NoopRequest
-from mgpu_backend.protocol.job_results import GenerateJobResult
+from mgpu_backend.protocol.job_results import FleetDescription, GenerateJobResult
 from _procs import deadline, process_alive as _alive, wait_gone
 
 torch.set_num_threads(1)
@@ -175,7 +175,7 @@ def ctl():
     try:  # a fresh connection: the module's may be mid-stream after a failed test
         other = ControllerClient(runtime, start=False)
         fleet = other.status().fleet
-        workers = fleet["worker_pids"] if fleet else []
+        workers = fleet.worker_pids if fleet else []
         other.stop()
     except (ControllerError, OSError):
         pass
@@ -205,7 +205,7 @@ def generate(ctl, handle, req: GenerateRequest, events: list | None = None) -> d
     return dict(vars(out))
 
 
-def fleet_status(ctl) -> dict:
+def fleet_status(ctl) -> FleetDescription:
     fleet = ctl.status().fleet
     assert fleet is not None, "no live fleet"
     return fleet
@@ -242,7 +242,7 @@ def test_weights_are_shared_between_ranks_pss(ctl, files, big_checkpoint, capsys
     for name, checkpoint in (("big", big_checkpoint), ("small", files["small"])):
         handle = ctl.configure(config(files, 4, checkpoint=checkpoint))
         generate(ctl, handle, light_request(files))  # pages every transformer weight in
-        pids = fleet_status(ctl)["worker_pids"]
+        pids = fleet_status(ctl).worker_pids
         sums[name] = sum(pss_kib(p) for p in pids) * 1024
         anon[name] = sum(pss_kib(p, "Pss_Anon") for p in pids) * 1024
         filed[name] = sum(pss_kib(p, "Pss_File") for p in pids) * 1024
@@ -336,25 +336,25 @@ def test_cancel_mid_job_keeps_fleet_and_weights(ctl, files):
     assert f"job {job.job_id} cancelled before stage" in str(info.value)
     assert events and events[0] == ("stage 1", 1)
     after = fleet_status(ctl)
-    assert after["worker_pids"] == before["worker_pids"] and after["generation"] == before["generation"]
+    assert after.worker_pids == before.worker_pids and after.generation == before.generation
     # the next job: same processes, no checkpoint opened again, the output of a fresh run
     out = generate(ctl, handle, request(files))
     status = fleet_status(ctl)
-    assert status["worker_pids"] == before["worker_pids"]
-    assert status["open_counts"] == before["open_counts"], "a worker opened a checkpoint file again"
+    assert status.worker_pids == before.worker_pids
+    assert status.open_counts == before.open_counts, "a worker opened a checkpoint file again"
     assert_same(out, fresh, "after cancel")
 
 
 def test_open_counts_are_reported_after_jobs(ctl, files):
-    """status()['fleet']['open_counts'] is each worker's loader.OPEN_COUNT as of its last job (not only at start):
+    """status().fleet.open_counts is each worker's loader.OPEN_COUNT as of its last job (not only at start):
     a job that opens one more file on rank 1 shows there."""
     handle = ctl.configure(config(files, 2))
-    before = fleet_status(ctl)["open_counts"]
+    before = fleet_status(ctl).open_counts
     assert len(before) == 2 and all(n >= 2 for n in before)  # checkpoint + upscaler at least
     run(ctl, handle, JobSpec("noop", NoopRequest(steps=2), fault=FaultSpec(rank=1, stage="noop", step=0,
                                                                             kind="reread")))
-    after = fleet_status(ctl)["open_counts"]
-    assert after == [before[0], before[1] + 1]
+    after = fleet_status(ctl).open_counts
+    assert after == (before[0], before[1] + 1)
 
 
 # ---- errors on every rank keep the fleet ---------------------------------------------------------------------------
@@ -381,7 +381,7 @@ def test_error_on_every_rank_keeps_fleet(ctl, files, case):
     out = run(ctl, handle, JobSpec("noop", NoopRequest(steps=1)))
     assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
     after = fleet_status(ctl)
-    assert after["worker_pids"] == before["worker_pids"] and after["generation"] == before["generation"]
+    assert after.worker_pids == before.worker_pids and after.generation == before.generation
 
 
 # ---- failures that tear the fleet down ------------------------------------------------------------------------------
@@ -393,9 +393,9 @@ def _next_job_on_new_fleet(ctl, files, handle, lost: dict) -> None:
     accepted = []
     out = run(ctl, handle, JobSpec("generate", request(files)), on_accepted=accepted.append)
     now = fleet_status(ctl)
-    assert now["generation"] == lost["generation"] + 1 == accepted[0].generation
-    assert not set(now["worker_pids"]) & set(lost["worker_pids"])
-    assert wait_gone(lost["worker_pids"]), "workers of the lost fleet still run"
+    assert now.generation == lost.generation + 1 == accepted[0].generation
+    assert not set(now.worker_pids) & set(lost.worker_pids)
+    assert wait_gone(lost.worker_pids), "workers of the lost fleet still run"
     assert_same(out, w2_fresh(ctl, files), "next job on the new fleet")
     run(ctl, handle, JobSpec("noop", NoopRequest(steps=1)))  # not "stale": same config, same model
 
@@ -424,7 +424,7 @@ def test_crash_fault_is_reported_with_rank(ctl, files):
         run(ctl, handle, job)
     message = str(info.value)
     assert info.value.fleet_lost, message
-    assert f"worker rank 1 (pid {lost['worker_pids'][1]}) died with exit code 17 during stage 1" in message
+    assert f"worker rank 1 (pid {lost.worker_pids[1]}) died with exit code 17 during stage 1" in message
     _next_job_on_new_fleet(ctl, files, handle, lost)
 
 
@@ -432,7 +432,7 @@ def test_sigkill_of_a_worker_mid_job(ctl, files):
     w2_fresh(ctl, files)
     handle = ctl.configure(config(files, 2))
     lost = fleet_status(ctl)
-    victim = lost["worker_pids"][1]
+    victim = lost.worker_pids[1]
     killed = []
 
     def on_event(event):
@@ -463,7 +463,7 @@ def test_stalled_rank_is_detected_and_named(ctl, files):
     assert f"no progress for {STALL_S:g} s: rank 1 stalled" in message
     assert "steps begun per rank: [3, 2]" in message
     assert ctl.status().fleet is None
-    assert wait_gone(lost["worker_pids"]), "the stalled fleet's workers still run"
+    assert wait_gone(lost.worker_pids), "the stalled fleet's workers still run"
     print(json.dumps({"stall_message": message}))
 
 
@@ -480,6 +480,6 @@ def test_a_worker_death_in_a_stage_job_names_the_stage(ctl, files):
         run(ctl, handle, job)
     message = str(info.value)
     assert info.value.fleet_lost, message
-    assert f"worker rank 1 (pid {lost['worker_pids'][1]}) died with exit code 17 during stage 2 (rank 0 at step " \
+    assert f"worker rank 1 (pid {lost.worker_pids[1]}) died with exit code 17 during stage 2 (rank 0 at step " \
            in message, message
     assert ctl.status().last_failure == message

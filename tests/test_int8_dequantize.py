@@ -221,7 +221,7 @@ def test_fleet_status_says_which_path_ran(files, mode):
                          gemma_unload=True, int8_compute=mode, init_timeout_s=120.0)
     fleet = Fleet(config, generation=1)
     try:
-        status = fleet.describe()["int8_compute"]
+        status = fleet.describe().int8_compute
     finally:
         fleet.shutdown()
     want = ("int8 dequantized to float32 at load (" if mode == "dequantize"

@@ -5,6 +5,7 @@ with a message naming the process to stop."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 
@@ -15,11 +16,12 @@ from mgpu_backend import frames as F
 from mgpu_backend.client import ControllerClient
 from mgpu_backend.protocol import transport
 from mgpu_backend.protocol.errors import ControllerError, ErrorKind
-from mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, FleetPlan
+from mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, FleetPlan, FleetPolicy
 from mgpu_backend.protocol.job_requests import FAULT_KINDS, FaultSpec, JobSpec, NoopRequest
-from mgpu_backend.protocol.job_results import (ControllerStatus, EncodeTextResult, FramesResult, GenerateJobResult,
-                                               NoopResult, SampleResult, UpscaleResult)
-from mgpu_backend.protocol.messages import Accepted, JobResult, StatusReply
+from mgpu_backend.protocol.job_results import (ControllerStatus, EncodeTextResult, FleetDescription, FleetTeardown,
+                                               FramesResult, GenerateJobResult, NoopResult, ProcessInfo, SampleResult,
+                                               UpscaleResult)
+from mgpu_backend.protocol.messages import Accepted, Configured, JobResult, Pong, StatusReply, Stopped
 from mgpu_backend.protocol.transport import Pickled
 
 
@@ -105,6 +107,20 @@ def test_an_older_controllers_dicts_are_refused_naming_the_process(tmp_path):
         old_status.status()
     status = ControllerStatus(4242, "s", clients=("pid 1 (python)",))
     assert _client(tmp_path, StatusReply(status)).status() == status
+    # the previous version's controller: typed at the top, its fleet, processes and teardowns still dicts
+    for half_typed in (ControllerStatus(4242, "s", fleet={"generation": 1}),
+                       ControllerStatus(4242, "s", processes=({"pid": 4242, "role": "controller"},))):
+        with pytest.raises(ControllerError, match=r"for the status's fleet and processes .*stop that process "
+                                                  r"\(pid 4242: `python -m mgpu_backend.controller"):
+            _client(tmp_path, StatusReply(half_typed)).status()
+    with pytest.raises(ControllerError, match=r"for what the configure replaced .*\(pid 4243: `python -m "):
+        _client(tmp_path, Configured(handle, {"generation": 1, "clients": []}), Pong(4243)).configure(config)
+    with pytest.raises(ControllerError, match=r"for what the shutdown_fleet stopped .*\(pid 4243: `python -m "):
+        _client(tmp_path, Stopped({"fleet": None, "clients": [], "job": None}), Pong(4243)).shutdown_fleet()
+    with pytest.raises(ControllerError, match="answered the stop with a dict .* older version of the pack; it has "
+                                              "stopped") as info:
+        _client(tmp_path, Stopped({"fleet": None, "clients": [], "job": None})).stop()
+    assert info.value.kind == ErrorKind.PROTOCOL
     good = _client(tmp_path, Accepted("j2", 1, (11,)), JobResult("j2", Pickled.of(NoopResult(torch.ones(4)))))
     assert torch.equal(good.run(handle, JobSpec("noop", NoopRequest(), job_id="j2")).tensor, torch.ones(4))
 
@@ -128,3 +144,55 @@ def test_fault_spec_rules():
         job.fault = None  # type: ignore[misc]
     assert dataclasses.replace(job, fault=None).fault is None and job.fault is f
     assert transport.loads(pickle.dumps(job)) == job
+
+
+def _described(generation=3, pids=(11, 12)) -> FleetDescription:
+    return FleetDescription(generation, ("cpu",) * len(pids), pids, "/m/c.safetensors", "replicated", 1.5, None,
+                            FleetPolicy(sp_degree=2), FleetPlan(len(pids), 8, 2, (1, 2), set_by_policy=True),
+                            (2,) * len(pids))
+
+
+def test_the_controllers_reports_print_as_the_json_users_read():
+    """`python -m mgpu_backend status` prints `dataclasses.asdict(status)` as JSON: the keys (and values) of the
+    dicts these reports were before they were typed, so users' scripts keep working."""
+    status = ControllerStatus(4242, "/run/ctl.sock", "j1", "noop", None, ("pid 1 (python)",), _described(),
+                              (ProcessInfo(4242, "controller", 300 << 20), ProcessInfo(11, "worker rank 0", 400 << 20),
+                               ProcessInfo(12, "worker rank 1", None)))
+    printed = json.loads(json.dumps(dataclasses.asdict(status), default=str))
+    assert list(printed) == ["pid", "socket", "busy_job", "busy_kind", "last_failure", "clients", "fleet",
+                             "processes"]
+    fleet = printed["fleet"]
+    assert list(fleet) == ["generation", "devices", "worker_pids", "checkpoint", "weights", "load_seconds",
+                           "int8_compute", "policy", "plan", "open_counts"]
+    assert (fleet["generation"], fleet["devices"], fleet["worker_pids"], fleet["open_counts"]) == \
+        (3, ["cpu", "cpu"], [11, 12], [2, 2])
+    assert fleet["policy"]["sp_degree"] == 2 and fleet["policy"]["guidance_parallel"] == "auto"
+    assert fleet["plan"] == {"world_size": 2, "heads": 8, "sp_degree": 2, "valid_degrees": [1, 2],
+                             "set_by_policy": True, "sequence_parallel": True}
+    assert printed["processes"] == [{"pid": 4242, "role": "controller", "rss_bytes": 300 * 2**20},
+                                    {"pid": 11, "role": "worker rank 0", "rss_bytes": 400 * 2**20},
+                                    {"pid": 12, "role": "worker rank 1", "rss_bytes": None}]
+    ended = FleetTeardown(_described(), ("pid 1 (python)",), "a noop job (j1)")
+    for message in (StatusReply(status), Stopped(ended), Configured(FleetHandle(4, FleetConfig(
+            devices=("cpu",), checkpoint="c.safetensors", gemma=None)), FleetTeardown(_described()))):
+        assert transport.loads(pickle.dumps(message)) == message
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        status.fleet.generation = 4  # type: ignore[misc]
+
+
+def test_a_fleet_description_gives_one_entry_per_rank():
+    with pytest.raises(ValueError, match=r"devices \('cpu', 'cpu'\), worker_pids \(11,\) and open_counts \(2, 2\) "
+                                         r"must give one entry per rank each"):
+        FleetDescription(1, ("cpu", "cpu"), (11,), "c", "replicated", 0.0, None, FleetPolicy(),
+                         FleetPlan(2, 8, 2, (1, 2)), (2, 2))
+
+
+def test_what_a_stop_or_a_rebuild_ended_in_words():
+    from mgpu_backend.cli import describe_stopped
+
+    ended = FleetTeardown(_described(), ("pid 1 (python)",), "a noop job (j1)")
+    assert describe_stopped(ended, "stopped") == (
+        "stopped fleet generation 3: 2 rank(s) on cpu,cpu (pids 11, 12) with /m/c.safetensors; 1 other client(s) "
+        "were connected to this controller (pid 1 (python)) — ComfyUI and the CLI share it; their next job starts a "
+        "fleet of their own configuration; a noop job (j1) was running and was stopped")
+    assert describe_stopped(FleetTeardown(None), "stopped") == "no fleet was loaded"

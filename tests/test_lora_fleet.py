@@ -462,7 +462,7 @@ def ctl():
     try:
         other = ControllerClient(runtime, start=False)
         fleet = other.status().fleet
-        workers = fleet["worker_pids"] if fleet else []
+        workers = fleet.worker_pids if fleet else []
         other.stop()
     except (ControllerError, OSError):
         pass
@@ -506,8 +506,8 @@ def test_worker_fleet_switches_lora_sets_without_reloading(ctl, files):
     assert outs["stage2"].lora_reports == ("ltx-2.0-tiny-distilled-lora.safetensors @ 1: 56/56 layers applied",)
     # the same fleet, the same processes, and no checkpoint opened since the fleet started
     after = ctl.status().fleet
-    assert after["worker_pids"] == before["worker_pids"] and after["generation"] == before["generation"]
-    assert after["open_counts"] == before["open_counts"], (before["open_counts"], after["open_counts"])
+    assert after.worker_pids == before.worker_pids and after.generation == before.generation
+    assert after.open_counts == before.open_counts, (before.open_counts, after.open_counts)
 
 
 def test_generate_with_user_lora_on_both_stages(ctl, files, capsys):
@@ -527,10 +527,10 @@ def test_generate_with_user_lora_on_both_stages(ctl, files, capsys):
     with_user = GenerateRequest(**base, loras=((files["user"], USER_STRENGTH),))
     without = GenerateRequest(**base)
     handle = ctl.configure(_config(files, 2, "float32"))
-    before = ctl.status().fleet["open_counts"]
+    before = ctl.status().fleet.open_counts
     fleet = ctl.run(handle, JobSpec("generate", with_user))
     fleet_without = ctl.run(handle, JobSpec("generate", without))
-    assert ctl.status().fleet["open_counts"] == before
+    assert ctl.status().fleet.open_counts == before
     components = loader.load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=torch.float32)
     pipe = TwoStagePipeline(components, load_gemma(files["gemma"]), dtype=torch.float32)
     one = pipe.generate(with_user)

@@ -384,7 +384,7 @@ def test_fleet_jobs(golden):
                              dtype="float32", threads_per_worker=1, init_timeout_s=120.0,
                              collective_timeout_s=120.0, stall_timeout_s=60.0)
         handle = client.configure(config)
-        workers = list(client.status().fleet["worker_pids"])
+        workers = client.status().fleet.worker_pids
         text = client.run(handle, JobSpec("preprocess_text", PreprocessTextRequest(
             golden.tensors["text.raw"], cache_keys=("row0", "row1"))))
         assert _max_diff(text.context, golden.tensors["text.processed"]) <= ATOL
@@ -404,11 +404,11 @@ def test_fleet_jobs(golden):
             client.run(handle, JobSpec("forward", dataclasses.replace(requests["t2v_b1"], audio=None,
                                                                       audio_timestep=None)))
         assert info.value.kind == "validation" and not info.value.fleet_lost
-        assert client.status().fleet["worker_pids"] == workers  # the same fleet serves on
+        assert client.status().fleet.worker_pids == workers  # the same fleet serves on
         # the native MODEL's fleet: the transformer alone (Load Diffusion Model (MGPU)); same forward, and the stage
         # jobs refused by name with the fleet kept
         handle = client.configure(dataclasses.replace(config, gemma=None, transformer_only=True))
-        workers = list(client.status().fleet["worker_pids"])
+        workers = client.status().fleet.worker_pids
         client.run(handle, JobSpec("preprocess_text", PreprocessTextRequest(
             golden.tensors["text.raw"], cache_keys=("row0", "row1"))))
         reply = client.run(handle, JobSpec("forward", requests["t2v_b2"].without_context()))
@@ -416,7 +416,7 @@ def test_fleet_jobs(golden):
         with pytest.raises(ControllerError, match="transformer only") as info:
             client.run(handle, JobSpec("decode", {}))
         assert info.value.kind == "validation" and not info.value.fleet_lost
-        assert client.status().fleet["worker_pids"] == workers
+        assert client.status().fleet.worker_pids == workers
     finally:
         try:
             ControllerClient(runtime, start=False).stop()

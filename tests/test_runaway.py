@@ -7,6 +7,7 @@ values, the refusals on this host's own numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from mgpu_backend.fleet import Fleet
 from mgpu_backend.protocol.errors import ControllerError, ErrorKind
 from mgpu_backend.protocol.fleet_config import FleetConfig
 from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
+from mgpu_backend.protocol.job_results import ProcessInfo
 from mgpu_backend.worker import EXIT_PARENT_GONE
 from _procs import bound_child, deadline, process_alive, stop_controller, wait_gone
 
@@ -227,16 +229,20 @@ def test_status_lists_every_owned_process_with_its_memory(ctl, tiny_dir):
     handle = ctl.configure(config(tiny_dir, 2))
     status = ctl.status()
     processes = status.processes
-    assert processes[0]["pid"] == status.pid and processes[0]["role"] == "controller"
-    workers = {p["role"]: p for p in processes if p["role"].startswith("worker")}
+    assert all(isinstance(p, ProcessInfo) for p in processes), processes
+    assert processes[0].pid == status.pid == ctl.ping().pid and processes[0].role == "controller"
+    workers = {p.role: p for p in processes if p.role.startswith("worker")}
     assert sorted(workers) == ["worker rank 0", "worker rank 1"]
-    assert [workers[f"worker rank {r}"]["pid"] for r in range(2)] == list(handle.worker_pids)
+    assert tuple(workers[f"worker rank {r}"].pid for r in range(2)) == handle.worker_pids == status.fleet.worker_pids
     for p in processes:  # torch alone is more than 64 MiB resident (the controller and each worker import it)
-        assert p["rss_bytes"] is not None and p["rss_bytes"] > 0, p
-        if p["role"] == "controller" or p["role"].startswith("worker"):
-            assert p["rss_bytes"] > 64 * MIB, p
+        assert p.rss_bytes is not None and p.rss_bytes > 0, p
+        if p.role == "controller" or p.role.startswith("worker"):
+            assert p.rss_bytes > 64 * MIB, p
     # every other process the controller has is a helper (multiprocessing's resource tracker), never a worker
-    assert all(p["role"].startswith("helper") for p in processes[1:] if p["pid"] not in handle.worker_pids)
+    assert all(p.role.startswith("helper (") for p in processes[1:] if p.pid not in handle.worker_pids)
+    # the JSON of `python -m mgpu_backend status` keeps the keys of the dicts these were
+    assert dataclasses.asdict(status)["processes"][0] == {"pid": status.pid, "role": "controller",
+                                                          "rss_bytes": processes[0].rss_bytes}
     assert {R.process_name(p) for p in handle.worker_pids} == {"ltx2mgpu-rank0", "ltx2mgpu-rank1"}
     assert R.process_name(status.pid) == "ltx2mgpu-ctl"
 
@@ -253,9 +259,9 @@ def test_the_controller_refuses_a_fleet_the_host_cannot_run_and_keeps_the_runnin
     assert e.value.kind == ErrorKind.VALIDATION
     assert "host memory" in str(e.value) and "the model files alone need 1024" in str(e.value)
     status = ctl.status()
-    assert status.fleet["worker_pids"] == list(handle.worker_pids)  # untouched
-    workers = [p["pid"] for p in status.processes if p["role"].startswith("worker")]
-    assert workers == list(handle.worker_pids)  # no process beyond the configured ranks
+    assert status.fleet.worker_pids == handle.worker_pids  # untouched
+    workers = tuple(p.pid for p in status.processes if p.role.startswith("worker"))
+    assert workers == handle.worker_pids  # no process beyond the configured ranks
 
 
 def test_workers_outlive_the_connection_that_started_them(runtime, tiny_dir):

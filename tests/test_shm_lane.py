@@ -238,7 +238,7 @@ def test_lane_equals_by_value_and_survives_a_killed_rank(fleet):
             assert torch.equal(reply.video, want.video) and torch.equal(reply.audio, want.audio)
         first_lane = lanes.lane.ref.name
 
-        workers = list(client.status().fleet["worker_pids"])
+        workers = client.status().fleet.worker_pids
 
         def kill_rank1(accepted):
             os.kill(workers[1], signal.SIGKILL)
@@ -248,7 +248,7 @@ def test_lane_equals_by_value_and_survives_a_killed_rank(fleet):
         assert info.value.fleet_lost
         again = client.run(handle, JobSpec("forward", requests[1]))  # a new fleet: by value, the lane dropped
         assert torch.equal(again.video, expected[1].video) and torch.equal(again.audio, expected[1].audio)
-        assert client.status().fleet["worker_pids"] != workers
+        assert client.status().fleet.worker_pids != workers
         last = client.run(handle, JobSpec("forward", requests[0]))
         assert lanes.lane is not None and lanes.lane.ref.name != first_lane  # a new lane for the new fleet
         assert torch.equal(last.video, expected[0].video) and torch.equal(last.audio, expected[0].audio)

@@ -9,7 +9,8 @@ you need; this package re-exports nothing):
 - `job_requests`: `JobSpec` (a job: its kind, payload and test `FaultSpec`) and the small jobs' requests
   (`EncodeTextRequest`, `NoopRequest`, `FramesRequest`);
 - `job_results`: what the jobs hand back (`GenerateJobResult`, `SampleResult`, `UpscaleResult`, `DecodeResult`,
-  `EncodeTextResult`, `NoopResult`, `FramesResult`) and the controller's `ControllerStatus`;
+  `EncodeTextResult`, `NoopResult`, `FramesResult`) and the controller's reports (`ControllerStatus` with its
+  `FleetDescription` and `ProcessInfo`s; `FleetTeardown`: what a stop or a rebuild ended);
 - `stage_requests`: the stage jobs' requests (`SampleRequest`, `UpscaleRequest`, `DecodeRequest`, `ComfyGuides`);
 - `worker_messages`: the fleet <-> worker messages (`RunJob`, `WorkerReady`, `JobDone`, …);
 - `errors`: `ErrorKind`, `ControllerError`, `FleetBusy`, `JobCancelled`;

@@ -1,18 +1,24 @@
-"""What the jobs hand back (rank 0's answer, in `messages.JobResult`) and the controller's status (`StatusReply`),
-frozen. Every job function (`mgpu_backend/jobs`) returns one of these on rank 0 and None on the other ranks (their
-answers are dropped); the native MODEL's jobs answer with `forward.ForwardReply` / `ForwardMiss` /
-`PreprocessTextReply`.
+"""What the jobs hand back (rank 0's answer, in `messages.JobResult`) and what the controller reports — its status
+(`StatusReply`: `ControllerStatus`, with `FleetDescription` and `ProcessInfo`) and what a stop or a rebuild ended
+(`Stopped` / `Configured.replaced`: `FleetTeardown`) —, frozen. Every job function (`mgpu_backend/jobs`) returns one
+of the job results on rank 0 and None on the other ranks (their answers are dropped); the native MODEL's jobs answer
+with `forward.ForwardReply` / `ForwardMiss` / `PreprocessTextReply`.
 
 Frames cross the process boundary through shared memory: on the wire `frames` is a `frames.FramesRef`, and
 `ControllerClient.run` hands the result back with a `[F, H, W, 3]` float32 tensor in its place
 (`frames.receive_frames`). Tensors are CPU tensors (pickled by value). A dict where one of these is expected comes
 from a controller started by an older version of the pack: the client raises a ControllerError naming the
-process to stop (`ControllerClient.run` / `status`).
+process to stop (`ControllerClient.run`, `status`, `configure`, `shutdown_fleet`, `stop`).
+
+The controller's reports print as JSON through `dataclasses.asdict` (`python -m mgpu_backend status`): their field
+names are the keys users' scripts read, kept from when they were dicts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from .fleet_config import FleetPlan, FleetPolicy
 
 
 @dataclass(frozen=True)
@@ -104,15 +110,78 @@ JobOutcome = GenerateJobResult | SampleResult | UpscaleResult | DecodeResult | E
     FramesResult
 
 
+# ---- the controller's reports ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FleetDescription:
+    """A running fleet, as the controller reports it (built by `Fleet.describe`): in `ControllerStatus.fleet`, and
+    in `FleetTeardown.fleet` for a fleet a stop or a rebuild ended.
+
+    generation: the fleet's number (it grows by one with every fleet this controller starts); devices: one torch
+    device string per rank ("cuda:0", "cpu"); worker_pids: one worker process id per rank (rank order);
+    checkpoint: the transformer checkpoint's path; weights: "replicated" or "sharded" (`FleetIdentity.weights`);
+    load_seconds: the slowest rank's load time at start, seconds; int8_compute: the int8 path rank 0's layers take
+    (None: not an int8 checkpoint); policy: the policy of the fleet's last job (its start policy before any job);
+    plan: the split its jobs get under that policy (`Fleet.plan_for`); open_counts: per rank, how many times the
+    worker has opened a checkpoint file (`loader.OPEN_COUNT`) as of its last report (start or last job) — it stays
+    put while the same fleet serves.
+
+    Raises ValueError when devices, worker_pids and open_counts do not give one entry per rank each."""
+
+    generation: int
+    devices: tuple[str, ...]
+    worker_pids: tuple[int, ...]
+    checkpoint: str
+    weights: str
+    load_seconds: float
+    int8_compute: str | None
+    policy: FleetPolicy
+    plan: FleetPlan
+    open_counts: tuple[int, ...]
+
+    def __post_init__(self):
+        if not len(self.devices) == len(self.worker_pids) == len(self.open_counts):
+            raise ValueError(f"FleetDescription: devices {self.devices}, worker_pids {self.worker_pids} and "
+                             f"open_counts {self.open_counts} must give one entry per rank each")
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A process the controller owns (`ControllerStatus.processes`, built by `Controller.processes`).
+
+    pid: its process id; role: "controller", "worker rank R" (R its rank in the running fleet) or
+    "helper (<its command line>)" (e.g. multiprocessing's resource tracker); rss_bytes: its resident memory in
+    bytes (None where it cannot be read: off Linux, or the process has just exited)."""
+
+    pid: int
+    role: str
+    rss_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class FleetTeardown:
+    """What a `ShutdownFleet` / `Stop` (`messages.Stopped.stopped`) or a rebuild for another configuration
+    (`messages.Configured.replaced`) ended.
+
+    fleet: the fleet it tore down (None: none was running); clients: the other clients connected to the controller
+    at the time, "pid N (name)" each (ComfyUI and the CLI share one controller); job: what was running and was
+    cancelled, e.g. "a generate job (<id>)" (None: nothing ran; always None for a rebuild, which is refused while a
+    job runs)."""
+
+    fleet: FleetDescription | None
+    clients: tuple[str, ...] = ()
+    job: str | None = None
+
+
 @dataclass(frozen=True)
 class ControllerStatus:
     """The controller's and the fleet's state (`StatusReply.status`).
 
     pid / socket: the controller's process and socket path; busy_job / busy_kind: the running job's id and kind
     (None: idle); last_failure: why the last fleet was lost or failed to start (None: nothing to say); clients: the
-    connected clients, described; fleet: the running fleet (`Fleet.describe()` with "open_counts", each worker's
-    checkpoint opens) or None; processes: every process the controller owns, itself first, as {"pid", "role",
-    "rss_bytes"}."""
+    connected clients, "pid N (name)" each; fleet: the running fleet, or None; processes: every process the
+    controller owns, itself first."""
 
     pid: int
     socket: str
@@ -120,5 +189,5 @@ class ControllerStatus:
     busy_kind: str | None = None
     last_failure: str | None = None
     clients: tuple[str, ...] = ()
-    fleet: dict | None = None
-    processes: tuple[dict, ...] = ()
+    fleet: FleetDescription | None = None
+    processes: tuple[ProcessInfo, ...] = ()

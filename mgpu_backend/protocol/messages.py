@@ -21,7 +21,7 @@ from typing import Any
 
 from .fleet_config import FleetConfig, FleetHandle
 from .job_requests import JobSpec
-from .job_results import ControllerStatus
+from .job_results import ControllerStatus, FleetTeardown
 
 # ---- client -> controller ------------------------------------------------------------------------------------------
 
@@ -83,19 +83,19 @@ class Pong:
 
 @dataclass(frozen=True)
 class StatusReply:
-    """`status`: the controller's pid, socket, busy job, last failure, clients, fleet (`Fleet.describe` with its
-    open counts, or None) and processes (`job_results.ControllerStatus`)."""
+    """`status`: the controller's pid, socket, busy job, last failure, clients, fleet (a `FleetDescription`, or
+    None) and processes (`ProcessInfo`s): `job_results.ControllerStatus`."""
 
     status: ControllerStatus
 
 
 @dataclass(frozen=True)
 class Configured:
-    """`replaced`: what a rebuild replaced (`Fleet.describe` of the old fleet with the other `clients` connected),
-    or None."""
+    """`replaced`: what a rebuild for another configuration ended (`job_results.FleetTeardown`: the old fleet and
+    the other clients connected), or None (the fleet was kept, or none ran)."""
 
     handle: FleetHandle
-    replaced: dict | None = None
+    replaced: FleetTeardown | None = None
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,10 @@ class Done:
 
 @dataclass(frozen=True)
 class Stopped:
-    """What a `ShutdownFleet` / `Stop` stopped: {"fleet": its description or None, "clients": the other clients
-    connected, "job": the job that was running or None}."""
+    """What a `ShutdownFleet` / `Stop` stopped (`job_results.FleetTeardown`: the fleet or None, the other clients
+    connected, the job that was running or None)."""
 
-    stopped: dict
+    stopped: FleetTeardown
 
 
 @dataclass(frozen=True)
