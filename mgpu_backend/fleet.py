@@ -235,9 +235,11 @@ class Fleet:
     def describe(self) -> FleetDescription:
         """The fleet for status answers and for saying what a stop or a rebuild replaces (the one place a
         `FleetDescription` is built)."""
-        return FleetDescription(self.generation, tuple(self.config.devices), tuple(self.pids), self.config.checkpoint,
-                                self.config.weights, self.load_seconds, self.int8_compute, self.policy,
-                                self.plan_for(self.policy), tuple(self.open_counts))
+        return FleetDescription(
+            generation=self.generation, devices=tuple(self.config.devices), worker_pids=tuple(self.pids),
+            checkpoint=self.config.checkpoint, weights=self.config.weights, load_seconds=self.load_seconds,
+            int8_compute=self.int8_compute, policy=self.policy, plan=self.plan_for(self.policy),
+            open_counts=tuple(self.open_counts))
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:
