@@ -330,16 +330,15 @@ def denoise(spec: StageSpec, fn, hooks: StageHooks, group=None, run_passes=None
     start_a = (spec.audio_clean if spec.audio_frozen else
                S.noise_latent(spec.audio_clean, noise_a, sigma0, audio_mask))
     hooks = hooks or StageHooks()
-    cancel = (lambda: hooks.cancel(stage, next(steps), group)) if hooks.cancel else None
+    loop_hooks = S.LoopHooks(progress=(lambda i, n: hooks.progress(stage, i, n)) if hooks.progress else None,
+                             cancel=(lambda: hooks.cancel(stage, next(steps), group)) if hooks.cancel else None)
+    video = S.ModalityStream(start_v, spec.video_mask, spec.video_clean, spec.video_guidance)
+    audio = S.ModalityStream(start_a, spec.audio_mask, None if spec.audio_mask is None else spec.audio_clean,
+                             spec.audio_guidance, frozen=spec.audio_frozen)
     try:
         video, audio = S.denoise_loop(
-            fn, start_v, start_a, spec.sigmas, video_mask=spec.video_mask, video_clean=spec.video_clean,
-            audio_mask=spec.audio_mask, audio_clean=None if spec.audio_mask is None else spec.audio_clean,
-            audio_frozen=spec.audio_frozen, video_guidance=spec.video_guidance, audio_guidance=spec.audio_guidance,
-            progress_callback=(lambda i, n: hooks.progress(stage, i, n)) if hooks.progress else None,
-            cancel_check=cancel, run_passes=run_passes,
-            sampler=spec.sampler.build(spec.grid, spec.audio_frames, spec.audio_frozen),
-            mask_rule=sem.mask_rule)
+            fn, spec.sigmas, video, audio, run_passes=run_passes, mask_rule=sem.mask_rule, hooks=loop_hooks,
+            sampler=spec.sampler.build(spec.grid, spec.audio_frames, spec.audio_frozen))
     except S.NonFiniteLatentError as exc:
         raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
     report = getattr(fn, "batch_report", None)
