@@ -407,13 +407,12 @@ class TwoStagePipeline:
             return "one process", [report]
         return _parallel_summary(report, distilled), self.plan.gather_reports(report)
 
-    def plan_job(self, request: GenerateRequest) -> "GenerateJob":
+    def plan_job(self, request: GenerateRequest) -> GenerateJob:
         """The request checked against this model and fleet and resolved against the family's recipe (guidance,
         sampler, sigmas, tiles, LoRAs per stage), before any work. Raises ValidationError naming the value."""
         request.validate()
         limits = StageLimits.of(self.components, self.plan)  # the rules every stage is checked by (run_sample's too)
-        family = self.components.family
-        recipe = family.recipe
+        recipe = self.components.family.recipe
         distilled = (request.pipeline or recipe.pipeline) == "distilled"
         # the distilled model runs without guidance (reference distilled pipeline)
         default_v, default_a = (S.NO_GUIDANCE, S.NO_GUIDANCE) if distilled else limits.default_guidance()
@@ -426,39 +425,56 @@ class TwoStagePipeline:
         grid2 = (frames_lat, h2, w2)
         stage2_tiling = None if distilled else limits.tiling(request.tiles, grid2, request.tile_overlap,
                                                              "stage-2 tiles")
-        decode_tiling = limits.tiling(request.decode_tiles, grid2, request.decode_overlap, "decode tiles")
-        if decode_tiling is not None and decode_tiling.frames.num_tiles != 1:
-            raise V.ValidationError("decode tiles: the decode never splits the frame axis (LTX's causal first "
-                                    "frame); use height × width tiles")
-        if decode_tiling is not None:  # a tile the conv decoder cannot take, refused before sampling
-            try:
-                check_decodable(self.components.video_vae,
-                                split_axis(h2, decode_tiling.height.num_tiles, decode_tiling.height.overlap),
-                                split_axis(w2, decode_tiling.width.num_tiles, decode_tiling.width.overlap))
-            except ValueError as exc:
-                raise V.ValidationError(f"decode tiles: {exc}") from None
-        if request.stage2_sigmas is not None:
-            sigmas2 = S.as_sigmas(request.stage2_sigmas)
-        else:
-            sigmas2 = S.as_sigmas(S.TDP_STAGE2_SIGMAS if stage2_tiling else recipe.stage2_sigmas)
+        decode_tiling = self._decode_tiling(limits, request, grid2)
+        sigmas1, sigmas2 = self._sigmas(request, distilled, stage2_tiling is not None)
         if stage2_tiling is not None:
             limits.check_tdp_sigmas(sigmas2, request.tdp_max_first_sigma)
-        # per-stage LoRA sets: the user's on both stages, the distilled LoRA on stage 2 only; indexed and checked
-        # against the transformer (coverage, widths) before any work
-        user_loras = read_loras(request.loras)
-        stage2_loras = user_loras + ([read_lora(*request.distilled_lora)] if request.distilled_lora else [])
-        for loras in (user_loras, stage2_loras):
-            self.lora.check(loras)
+        stage1_loras, stage2_loras = self._stage_loras(request)
+        return GenerateJob(distilled, request.sampler or recipe.sampler, video_guidance, audio_guidance, frames_lat,
+                           h1, w1, h2, w2, stage2_tiling, decode_tiling, sigmas1, sigmas2, stage1_loras,
+                           stage2_loras)
+
+    def _decode_tiling(self, limits: StageLimits, request: GenerateRequest, grid: tuple[int, int, int]
+                       ) -> TileCountConfig | None:
+        """The decode's tiles of the full-size latent `grid` (`StageLimits.tiling`), refused before sampling when
+        they split the frame axis or give a tile the conv decoder cannot take."""
+        tiling = limits.tiling(request.decode_tiles, grid, request.decode_overlap, "decode tiles")
+        if tiling is None:
+            return None
+        if tiling.frames.num_tiles != 1:
+            raise V.ValidationError("decode tiles: the decode never splits the frame axis (LTX's causal first "
+                                    "frame); use height × width tiles")
+        try:
+            check_decodable(self.components.video_vae,
+                            split_axis(grid[1], tiling.height.num_tiles, tiling.height.overlap),
+                            split_axis(grid[2], tiling.width.num_tiles, tiling.width.overlap))
+        except ValueError as exc:
+            raise V.ValidationError(f"decode tiles: {exc}") from None
+        return tiling
+
+    def _sigmas(self, request: GenerateRequest, distilled: bool, tiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stage-1, stage-2) schedules: the request's or the family's recipe (a tiled stage 2: the TDP schedule)."""
+        family = self.components.family
+        recipe = family.recipe
         if distilled:
             sigmas1 = S.as_sigmas((recipe.stage1_sigmas or S.DISTILLED_SIGMAS) if request.steps is None else
                                   S.ltx2_sigmas(request.steps))
         else:  # reference ti2vid_two_stages: the scheduler at its default 4096 tokens
             sigmas1 = S.ltx2_sigmas(request.steps or S.default_steps(family))
-        return GenerateJob(distilled, request.sampler or recipe.sampler, video_guidance, audio_guidance, frames_lat,
-                           h1, w1, h2, w2, stage2_tiling, decode_tiling, sigmas1, sigmas2, tuple(user_loras),
-                           tuple(stage2_loras))
+        if request.stage2_sigmas is not None:
+            return sigmas1, S.as_sigmas(request.stage2_sigmas)
+        return sigmas1, S.as_sigmas(S.TDP_STAGE2_SIGMAS if tiled else recipe.stage2_sigmas)
 
-    def _stage1_spec(self, request: GenerateRequest, job: "GenerateJob", positive, negative) -> StageSpec:
+    def _stage_loras(self, request: GenerateRequest) -> tuple[tuple, tuple]:
+        """Per-stage LoRA sets: the user's on both stages, the distilled LoRA on stage 2 only; indexed and checked
+        against the transformer (coverage, widths) before any work."""
+        user_loras = read_loras(request.loras)
+        stage2_loras = user_loras + ([read_lora(*request.distilled_lora)] if request.distilled_lora else [])
+        for loras in (user_loras, stage2_loras):
+            self.lora.check(loras)
+        return tuple(user_loras), tuple(stage2_loras)
+
+    def _stage1_spec(self, request: GenerateRequest, job: GenerateJob, positive, negative) -> StageSpec:
         """Stage 1 at half size: text-to-video from zeros, or the image's first frame through the denoise mask."""
         audio_frames = L.audio_latent_frames(request.frames, request.fps)
         video_clean = torch.zeros(1, job.h1 * job.w1 * job.frames, 128)
@@ -472,7 +488,7 @@ class TwoStagePipeline:
                          video_guidance=job.video_guidance, audio_guidance=job.audio_guidance, video_mask=video_mask,
                          seed=request.seed, sampler=SamplerSpec(job.sampler, request.seed))
 
-    def _stage2_spec(self, request: GenerateRequest, job: "GenerateJob", positive, upscaled, audio1) -> StageSpec:
+    def _stage2_spec(self, request: GenerateRequest, job: GenerateJob, positive, upscaled, audio1) -> StageSpec:
         """Stage 2 at full size on the upscaled latent (the image's tokens put back), audio frozen, no guidance; the
         distilled preset splits it like stage 1 (the plan's choice), the two-stage recipe tiles it over the fleet."""
         video_clean, video_mask = L.pack_video(upscaled), None
