@@ -13,9 +13,9 @@ guidance passes in parallel, tiled), so the recipe does not change with the spli
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -29,12 +29,12 @@ from .lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from .models.diffusion_decoder import denormalize
 from .models.loader import LTX2Components
 from .parallel.decode import check_decodable, decode_tiles, decode_untiled, is_diffusion_decoder
-from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
-from .parallel.tiling import TileCountConfig, default_tiling, make_tiles, split_axis
+from .parallel.tiled import DEFAULT_MAX_FIRST_SIGMA
+from .parallel.tiling import TileCountConfig, split_axis
 from .protocol.job_requests import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
 from .semantics import REFERENCE
-from .stage import (CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageResult, StageSpec, TiledRunner,
-                    run_stage)
+from .stage import (CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageLimits, StageResult, StageSpec,
+                    TiledRunner, resolve_tiling, run_stage)
 
 
 PIPELINES = ("two-stage", "distilled")
@@ -129,11 +129,12 @@ def _parallel_summary(report: dict, distilled: bool) -> str:
     return f"{named('stage 1')}; {named('stage 2')}"
 
 
-def _fit_stg_blocks(guidance: S.GuidanceParams, n_blocks: int) -> S.GuidanceParams:
-    """The reference's default STG blocks (29 for LTX-2.0, 28 for 2.3) index the 48-block models; a shallower model
-    (the tiny test models) uses its last block instead."""
-    blocks = tuple(min(b, n_blocks - 1) for b in guidance.stg_blocks)
-    return dataclasses.replace(guidance, stg_blocks=blocks)
+@contextmanager
+def _timed(timings: dict[str, float], key: str):
+    """`timings[key]`: the seconds the block took (set when it finishes)."""
+    start = time.perf_counter()
+    yield
+    timings[key] = time.perf_counter() - start
 
 
 @dataclass(frozen=True)
@@ -359,131 +360,121 @@ class TwoStagePipeline:
         Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
         job = self.plan_job(request)  # every refusal happens here, before any work
         self.batch_notes = {}
-        plan = self.plan
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
+        with _timed(timings, "text"):
+            positive, negative = self._text(request, job)
+        with _timed(timings, "stage 1"):  # half size (guided for the two-stage recipe), split by the plan
+            result1, reports = self._run_with_loras(self._stage1_spec(request, job, positive, negative),
+                                                    job.stage1_loras, progress, cancel_check)
+        with _timed(timings, "upscale"):  # 2× latent upscale
+            upscaled = self.upscale(L.unpack_video(result1.video, job.frames, job.h1, job.w1))
+            V.check_finite(upscaled, "upscale", "video")
+        with _timed(timings, "stage 2"):  # full size, no guidance, audio frozen; the distilled LoRA (two-stage)
+            result2, more = self._run_with_loras(self._stage2_spec(request, job, positive, upscaled, result1.audio),
+                                                 job.stage2_loras, progress, cancel_check, restore=True)
+        report = {"rank": self.plan.rank if self.plan is not None else 0,
+                  "stage 1": result1.report if self.plan else "local",
+                  "stage 2": self._stage2_report(result2, job.distilled)}
+        with _timed(timings, "decode video"):
+            video_latent = L.unpack_video(result2.video, job.frames, job.h2, job.w2)
+            frames, report["decode"] = self.decode_video(video_latent, request.seed, job.decode_tiling,
+                                                         request.decode_overlap)
+        with _timed(timings, "decode audio"):  # once, on the driver rank
+            audio_latent = L.unpack_audio(result1.audio)
+            driver = self.plan is None or self.plan.rank == 0
+            waveform, sample_rate = self.decode_audio(audio_latent) if driver else (None, 0)
+        timings["total"] = time.perf_counter() - t0
+        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports + more,
+                              *self._job_report(report, timings, job.distilled))
+
+    def _text(self, request: GenerateRequest, job: GenerateJob):
+        """The prompt's (and, when a pass needs it, the negative prompt's) text contexts: (positive, negative or
+        None), the prompts as one padded batch (the reference's)."""
         uses_negative = job.video_guidance.uses_uncond or job.audio_guidance.uses_uncond
         embeds = self.encode_prompts([request.prompt] + ([request.negative_prompt] if uses_negative else []))
         contexts = text_contexts(self.components, embeds, dtype=self.dtype)
-        positive, negative = contexts.select(0), (contexts.select(1) if uses_negative else None)
-        timings["text"] = time.perf_counter() - t0
+        return contexts.select(0), (contexts.select(1) if uses_negative else None)
 
-        t = time.perf_counter()  # stage 1: half size (guided for the two-stage recipe), split by the plan
-        result1, reports = self._run_with_loras(self._stage1_spec(request, job, positive, negative), job.stage1_loras,
-                                                progress, cancel_check)
-        video1, audio1 = result1.video, result1.audio
-        timings["stage 1"] = time.perf_counter() - t
-
-        t = time.perf_counter()  # 2× latent upscale
-        upscaled = self.upscale(L.unpack_video(video1, job.frames, job.h1, job.w1))
-        V.check_finite(upscaled, "upscale", "video")
-        timings["upscale"] = time.perf_counter() - t
-
-        t = time.perf_counter()  # stage 2: full size, no guidance, audio frozen; the distilled LoRA (two-stage)
-        report = {"rank": plan.rank if plan is not None else 0, "stage 1": result1.report if plan else "local"}
-        result2, more = self._run_with_loras(self._stage2_spec(request, job, positive, upscaled, audio1),
-                                             job.stage2_loras, progress, cancel_check, restore=True)
-        reports += more
-        report["stage 2"] = self._stage2_report(result2, job.distilled)
-        timings["stage 2"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        video_latent = L.unpack_video(result2.video, job.frames, job.h2, job.w2)
-        frames, report["decode"] = self.decode_video(video_latent, request.seed, job.decode_tiling,
-                                                     request.decode_overlap)
-        timings["decode video"] = time.perf_counter() - t
-        t = time.perf_counter()
-        audio_latent = L.unpack_audio(audio1)
-        waveform, sample_rate = None, 0
-        if plan is None or plan.rank == 0:  # audio decodes once, on the driver rank
-            waveform, sample_rate = self.decode_audio(audio_latent)
-        timings["decode audio"] = time.perf_counter() - t
-        timings["total"] = time.perf_counter() - t0
+    def _job_report(self, report: dict, timings: dict[str, float], distilled: bool) -> tuple[str, list[dict]]:
+        """This rank's `report` completed (timings, speed) -> (the job's parallel summary, every rank's report:
+        gathered on a fleet)."""
         report["timings"] = dict(timings)
         speed = speed_report(self.components.transformer, self.batch_notes)
         if speed:  # CUDA graphs, fp8 compute, batched passes (and why not)
             report["speed"] = speed
-        rank_reports = plan.gather_reports(report) if plan is not None else [report]
-        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports,
-                              _parallel_summary(report, job.distilled) if plan is not None else "one process",
-                              rank_reports)
+        if self.plan is None:
+            return "one process", [report]
+        return _parallel_summary(report, distilled), self.plan.gather_reports(report)
 
-    def plan_job(self, request: GenerateRequest) -> "GenerateJob":
+    def plan_job(self, request: GenerateRequest) -> GenerateJob:
         """The request checked against this model and fleet and resolved against the family's recipe (guidance,
         sampler, sigmas, tiles, LoRAs per stage), before any work. Raises ValidationError naming the value."""
         request.validate()
-        family = self.components.family
-        recipe = family.recipe
+        limits = StageLimits.of(self.components, self.plan)  # the rules every stage is checked by (run_sample's too)
+        recipe = self.components.family.recipe
         distilled = (request.pipeline or recipe.pipeline) == "distilled"
-        n_blocks = len(self.components.transformer.transformer_blocks)
-        if distilled:  # the distilled model runs without guidance (reference distilled pipeline)
-            default_v = default_a = S.NO_GUIDANCE
-        else:
-            default_v, default_a = (_fit_stg_blocks(g, n_blocks) for g in S.default_guidance(family))
-        video_guidance = request.video_guidance or default_v
-        audio_guidance = request.audio_guidance or default_a
-        for g in (video_guidance, audio_guidance):
-            bad = [b for b in g.stg_blocks if not 0 <= b < n_blocks]
-            if bad and g.uses_perturbed:
-                raise V.ValidationError(f"STG blocks {bad}: this transformer has blocks 0..{n_blocks - 1}")
+        # the distilled model runs without guidance (reference distilled pipeline)
+        default_v, default_a = (S.NO_GUIDANCE, S.NO_GUIDANCE) if distilled else limits.default_guidance()
+        video_guidance, audio_guidance = limits.guidance(request.video_guidance or default_v,
+                                                         request.audio_guidance or default_a)
         frames_lat = L.latent_frames(request.frames)
         h1, w1 = request.height // 64, request.width // 64
         h2, w2 = 2 * h1, 2 * w1
-        self._check_tokens(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)
-        ranks = self.plan.world_size if self.plan is not None else 1
+        limits.check_tokens(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)  # the larger split stage
         grid2 = (frames_lat, h2, w2)
-        stage2_tiling = None if distilled else self.resolve_tiling(request.tiles, ranks, grid2, request.tile_overlap,
-                                                                   "stage-2 tiles")
-        decode_tiling = self.resolve_tiling(request.decode_tiles, ranks, grid2, request.decode_overlap, "decode tiles")
-        if decode_tiling is not None and decode_tiling.frames.num_tiles != 1:
+        stage2_tiling = None if distilled else limits.tiling(request.tiles, grid2, request.tile_overlap,
+                                                             "stage-2 tiles")
+        decode_tiling = self._decode_tiling(limits, request, grid2)
+        sigmas1, sigmas2 = self._sigmas(request, distilled, stage2_tiling is not None)
+        if stage2_tiling is not None:
+            limits.check_tdp_sigmas(sigmas2, request.tdp_max_first_sigma)
+        stage1_loras, stage2_loras = self._stage_loras(request)
+        return GenerateJob(distilled, request.sampler or recipe.sampler, video_guidance, audio_guidance, frames_lat,
+                           h1, w1, h2, w2, stage2_tiling, decode_tiling, sigmas1, sigmas2, stage1_loras,
+                           stage2_loras)
+
+    def _decode_tiling(self, limits: StageLimits, request: GenerateRequest, grid: tuple[int, int, int]
+                       ) -> TileCountConfig | None:
+        """The decode's tiles of the full-size latent `grid` (`StageLimits.tiling`), refused before sampling when
+        they split the frame axis or give a tile the conv decoder cannot take."""
+        tiling = limits.tiling(request.decode_tiles, grid, request.decode_overlap, "decode tiles")
+        if tiling is None:
+            return None
+        if tiling.frames.num_tiles != 1:
             raise V.ValidationError("decode tiles: the decode never splits the frame axis (LTX's causal first "
                                     "frame); use height × width tiles")
-        if decode_tiling is not None:  # a tile the conv decoder cannot take, refused before sampling
-            try:
-                check_decodable(self.components.video_vae,
-                                split_axis(h2, decode_tiling.height.num_tiles, decode_tiling.height.overlap),
-                                split_axis(w2, decode_tiling.width.num_tiles, decode_tiling.width.overlap))
-            except ValueError as exc:
-                raise V.ValidationError(f"decode tiles: {exc}") from None
-        if request.stage2_sigmas is not None:
-            sigmas2 = S.as_sigmas(request.stage2_sigmas)
-        else:
-            sigmas2 = S.as_sigmas(S.TDP_STAGE2_SIGMAS if stage2_tiling else recipe.stage2_sigmas)
-        if stage2_tiling is not None:
-            try:
-                check_tdp_sigmas(sigmas2, request.tdp_max_first_sigma)
-            except ValueError as exc:
-                raise V.ValidationError(str(exc)) from None
-        # per-stage LoRA sets: the user's on both stages, the distilled LoRA on stage 2 only; indexed and checked
-        # against the transformer (coverage, widths) before any work
-        user_loras = read_loras(request.loras)
-        stage2_loras = user_loras + ([read_lora(*request.distilled_lora)] if request.distilled_lora else [])
-        for loras in (user_loras, stage2_loras):
-            self.lora.check(loras)
+        try:
+            check_decodable(self.components.video_vae,
+                            split_axis(grid[1], tiling.height.num_tiles, tiling.height.overlap),
+                            split_axis(grid[2], tiling.width.num_tiles, tiling.width.overlap))
+        except ValueError as exc:
+            raise V.ValidationError(f"decode tiles: {exc}") from None
+        return tiling
+
+    def _sigmas(self, request: GenerateRequest, distilled: bool, tiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stage-1, stage-2) schedules: the request's or the family's recipe (a tiled stage 2: the TDP schedule)."""
+        family = self.components.family
+        recipe = family.recipe
         if distilled:
             sigmas1 = S.as_sigmas((recipe.stage1_sigmas or S.DISTILLED_SIGMAS) if request.steps is None else
                                   S.ltx2_sigmas(request.steps))
         else:  # reference ti2vid_two_stages: the scheduler at its default 4096 tokens
             sigmas1 = S.ltx2_sigmas(request.steps or S.default_steps(family))
-        return GenerateJob(distilled, request.sampler or recipe.sampler, video_guidance, audio_guidance, frames_lat,
-                           h1, w1, h2, w2, stage2_tiling, decode_tiling, sigmas1, sigmas2, tuple(user_loras),
-                           tuple(stage2_loras))
+        if request.stage2_sigmas is not None:
+            return sigmas1, S.as_sigmas(request.stage2_sigmas)
+        return sigmas1, S.as_sigmas(S.TDP_STAGE2_SIGMAS if tiled else recipe.stage2_sigmas)
 
-    def _check_tokens(self, tokens: int) -> None:
-        """The per-rank token cap of the plan (in process: the cap a one-rank fleet applies, so a huge size is
-        refused here too, not by the allocator). Raises ValidationError."""
-        if self.plan is not None:
-            self.plan.check(tokens)
-            return
-        from .parallel.plan import DEFAULT_TOKEN_CAP
-        from .parallel.sequence import check_token_cap
+    def _stage_loras(self, request: GenerateRequest) -> tuple[tuple, tuple]:
+        """Per-stage LoRA sets: the user's on both stages, the distilled LoRA on stage 2 only; indexed and checked
+        against the transformer (coverage, widths) before any work."""
+        user_loras = read_loras(request.loras)
+        stage2_loras = user_loras + ([read_lora(*request.distilled_lora)] if request.distilled_lora else [])
+        for loras in (user_loras, stage2_loras):
+            self.lora.check(loras)
+        return tuple(user_loras), tuple(stage2_loras)
 
-        try:
-            check_token_cap(tokens, 1, DEFAULT_TOKEN_CAP)
-        except ValueError as exc:
-            raise V.ValidationError(str(exc)) from None
-
-    def _stage1_spec(self, request: GenerateRequest, job: "GenerateJob", positive, negative) -> StageSpec:
+    def _stage1_spec(self, request: GenerateRequest, job: GenerateJob, positive, negative) -> StageSpec:
         """Stage 1 at half size: text-to-video from zeros, or the image's first frame through the denoise mask."""
         audio_frames = L.audio_latent_frames(request.frames, request.fps)
         video_clean = torch.zeros(1, job.h1 * job.w1 * job.frames, 128)
@@ -497,7 +488,7 @@ class TwoStagePipeline:
                          video_guidance=job.video_guidance, audio_guidance=job.audio_guidance, video_mask=video_mask,
                          seed=request.seed, sampler=SamplerSpec(job.sampler, request.seed))
 
-    def _stage2_spec(self, request: GenerateRequest, job: "GenerateJob", positive, upscaled, audio1) -> StageSpec:
+    def _stage2_spec(self, request: GenerateRequest, job: GenerateJob, positive, upscaled, audio1) -> StageSpec:
         """Stage 2 at full size on the upscaled latent (the image's tokens put back), audio frozen, no guidance; the
         distilled preset splits it like stage 1 (the plan's choice), the two-stage recipe tiles it over the fleet."""
         video_clean, video_mask = L.pack_video(upscaled), None
@@ -534,14 +525,4 @@ class TwoStagePipeline:
             return result.report if self.plan else "local"
         return "local"
 
-    @staticmethod
-    def resolve_tiling(explicit: TileCountConfig | None, ranks: int, grid: tuple[int, int, int], overlap: int,
-                what: str) -> TileCountConfig | None:
-        """An explicit tiling (checked against the grid), or the balanced default for `ranks` (none for one rank)."""
-        try:
-            if explicit is not None:
-                make_tiles(grid, explicit)
-                return explicit
-            return default_tiling(ranks, grid, overlap) if ranks > 1 else None
-        except ValueError as exc:
-            raise V.ValidationError(f"{what}: {exc}") from None
+    resolve_tiling = staticmethod(resolve_tiling)  # `stage.resolve_tiling` (the decode job and tests call it here)

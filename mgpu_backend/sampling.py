@@ -470,7 +470,7 @@ def guided_prediction(
 
 
 class SamplingCancelled(RuntimeError):
-    """Raised by :func:`denoise_loop` when ``cancel_check()`` returns True."""
+    """Raised by :func:`denoise_loop` when ``LoopHooks.cancel()`` returns True."""
 
 
 class NonFiniteLatentError(FloatingPointError):
@@ -569,30 +569,67 @@ class ModelInputs:
 ModelFn = Callable[[ModelInputs], tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
-def _check_finite(x: torch.Tensor | None, what: str, step: int) -> None:
-    if x is not None and not bool(torch.isfinite(x).all()):
-        raise NonFiniteLatentError(f"{what} latent became non-finite (NaN/Inf) at sampling step {step}")
+@dataclass(frozen=True, eq=False)
+class ModalityStream:
+    """One modality's input to :func:`denoise_loop` (video or audio).
+
+    Attributes:
+        latent: the noised packed start latent ``[B, T, C]`` (model space, i.e. normalized), e.g. from
+            :func:`noise_latent`.
+        mask: per-token denoise mask ``[B, T]`` or ``[B, T, 1]`` (1 = generate, 0 = keep clean); None: ones.
+        clean: the clean latent ``[B, T, C]`` masked tokens keep; None: the start latent itself (with the
+            reference's noiser, masked tokens of the start latent *are* clean).
+        guidance: the modality's `GuidanceParams` (stage 1 of the two-stage recipe: :func:`default_guidance`;
+            stage 2: none).
+        frozen: context only (audio only): the model sees it at timestep 0 / sigma 0, it is never guided and comes
+            back unchanged (DESIGN section 5: stage-2 audio stays the stage-1 audio; reference
+            ``ModalitySpec(frozen=True, noise_scale=0)``).
+    """
+
+    latent: torch.Tensor
+    mask: torch.Tensor | None = None
+    clean: torch.Tensor | None = None
+    guidance: GuidanceParams = NO_GUIDANCE
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
+class LoopHooks:
+    """The caller's hooks into :func:`denoise_loop`.
+
+    Attributes:
+        progress: ``progress(steps_done, total_steps)`` after every step.
+        cancel: ``cancel()`` before every step; True raises :class:`SamplingCancelled` (it may also raise its own
+            exception, e.g. ComfyUI's interrupt).
+    """
+
+    progress: Callable[[int, int], None] | None = None
+    cancel: Callable[[], bool] | None = None
+
+    def before_step(self, step: int, total: int) -> None:
+        """Raise SamplingCancelled when ``cancel()`` says so (``step``: 0-based)."""
+        if self.cancel is not None and self.cancel():
+            raise SamplingCancelled(f"sampling cancelled before step {step + 1}/{total}")
+
+    def after_step(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(done, total)
+
+
+NO_HOOKS = LoopHooks()
 
 
 def denoise_loop(
     model_fn: ModelFn,
-    video: torch.Tensor | None,
-    audio: torch.Tensor | None,
     sigmas: torch.Tensor | Sequence[float],
+    video: ModalityStream | None,
+    audio: ModalityStream | None,
     *,
-    video_mask: torch.Tensor | None = None,
-    video_clean: torch.Tensor | None = None,
-    audio_mask: torch.Tensor | None = None,
-    audio_clean: torch.Tensor | None = None,
-    audio_frozen: bool = False,
-    video_guidance: GuidanceParams = NO_GUIDANCE,
-    audio_guidance: GuidanceParams = NO_GUIDANCE,
-    progress_callback: Callable[[int, int], None] | None = None,
-    cancel_check: Callable[[], bool] | None = None,
-    check_finite: bool = True,
     sampler: AncestralSampler | None = None,
     run_passes: RunPassesFn | None = None,
     mask_rule: MaskRule = "reference",
+    check_finite: bool = True,
+    hooks: LoopHooks = NO_HOOKS,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Joint audio+video Euler sampling with guidance (reference ``euler_denoising_loop`` + ``GuidedDenoiser``).
 
@@ -603,109 +640,147 @@ def denoise_loop(
        x0 with the per-token timesteps (reference ``X0Model``),
     3. :func:`guided_prediction` combines the x0 predictions,
     4. :func:`masked_euler_step` per modality (conditioned tokens pulled to their clean latent),
-    5. ``progress_callback(i + 1, total)``.
+    5. ``hooks.progress(i + 1, total)``.
 
     Args:
         model_fn: the transformer adapter (velocity prediction, diffusers convention).
-        video, audio: noised packed start latents ``[B, T, 128]`` (model space, i.e. normalized), e.g. from
-            :func:`noise_latent`. Either may be ``None`` (modality absent).
         sigmas: schedule, 1-D, ending in 0 (see :func:`ltx2_sigmas`, :data:`DISTILLED_STAGE2_SIGMAS`).
-        video_mask, audio_mask: per-token denoise masks ``[B, T]`` (1 = generate, 0 = keep clean); default ones.
-        video_clean, audio_clean: clean latents for masked tokens (default: the start latent itself; with the
-            reference's noiser, masked tokens of the start latent *are* clean).
-        audio_frozen: audio is context only: the model sees it at timestep 0 / sigma 0 and it is returned
-            unchanged (DESIGN section 5: stage-2 audio stays the stage-1 audio; reference ``ModalitySpec(frozen=True,
-            noise_scale=0)``).
-        video_guidance, audio_guidance: guidance per modality (stage 1 of the two-stage pipeline uses
-            :func:`default_guidance`; stage 2 uses none).
-        progress_callback: called after every step with ``(steps_done, total_steps)``.
-        cancel_check: called before every step; returning True raises :class:`SamplingCancelled` (it may also
-            raise its own exception, e.g. ComfyUI's interrupt).
-        check_finite: raise :class:`NonFiniteLatentError` naming the modality and step when a latent goes NaN/Inf.
+        video, audio: each modality's :class:`ModalityStream` (start latent, mask, clean latent, guidance, frozen);
+            either may be ``None`` (modality absent), not both; only audio can be frozen.
         sampler: :class:`AncestralSampler` for Euler-ancestral steps (default ``None``: the reference Euler step).
         run_passes: how a step's guidance passes are computed (:data:`RunPassesFn`; default ``None``: one after the
             other in this process). ``parallel.passes.PassParallel`` spreads them over ranks.
         mask_rule: how the denoise masks act (:data:`MaskRule`): "reference" (steps 2 and 4 above) or "comfyui"
             (ComfyUI's ``KSamplerX0Inpaint`` for LTX-AV: the model sees ``x·m + clean·(1 − m)``, x0 is
             ``x_in − v·sigma`` with the step's sigma, the guided x0 is blended ``x0·m + clean·(1 − m)``, and the
-            step moves the unblended state ``x`` of every token). Not with ``audio_frozen``.
+            step moves the unblended state ``x`` of every token). Not with a frozen audio stream.
+        check_finite: raise :class:`NonFiniteLatentError` naming the modality and step when a latent goes NaN/Inf.
+        hooks: :class:`LoopHooks` (progress after every step, cancel before every step).
 
     Returns:
         ``(video, audio)`` final packed latents (audio is the input object itself when frozen).
 
     Raises:
-        ValueError: bad schedule or shapes; NonFiniteInputError (a ValidationError): a start latent is already
-        NaN/Inf; SamplingCancelled; NonFiniteLatentError.
+        ValueError: bad schedule, shapes or streams; NonFiniteInputError (a ValidationError): a start latent is
+        already NaN/Inf; SamplingCancelled; NonFiniteLatentError.
     """
     s = as_sigmas(sigmas)
     total = s.numel() - 1
-    rule = _check_loop_inputs(video, audio, mask_rule, audio_frozen, check_finite)
-    vmask = _prep_mask(video_mask, video, "video") if video is not None else None
-    vclean = (video_clean if video_clean is not None else video) if video is not None else None
-    amask = aclean = None
-    if audio is not None:
-        if audio_frozen:
-            amask = torch.zeros(audio.shape[:2], dtype=torch.float32, device=audio.device)
-        else:
-            amask = _prep_mask(audio_mask, audio, "audio")
-            aclean = audio_clean if audio_clean is not None else audio
-    batch = (video if video is not None else audio).shape[0]  # type: ignore[union-attr]
-    x_v, x_a = video, audio
+    rule = _check_loop_inputs(video, audio, mask_rule, check_finite)
+    tracks = (_Track.of(video, "video"), _Track.of(audio, "audio"))
+    x = (None if video is None else video.latent, None if audio is None else audio.latent)
     last: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
-
     for i in range(total):
-        if cancel_check is not None and cancel_check():
-            raise SamplingCancelled(f"sampling cancelled before step {i + 1}/{total}")
+        hooks.before_step(i, total)
         sigma, sigma_next = float(s[i]), float(s[i + 1])
-        v_ts = vmask * sigma if vmask is not None else None
-        a_sig_val = 0.0 if audio_frozen else sigma
-        a_ts = amask * a_sig_val if amask is not None else None
-        dev = (x_v if x_v is not None else x_a).device  # type: ignore[union-attr]
-        v_sig = torch.full((batch,), sigma, dtype=torch.float32, device=dev) if x_v is not None else None
-        a_sig = torch.full((batch,), a_sig_val, dtype=torch.float32, device=dev) if x_a is not None else None
-        in_v, x0_scale_v = rule.model_input(x_v, vclean, video_mask, v_ts, sigma)
-        in_a, x0_scale_a = rule.model_input(x_a, aclean, audio_mask, a_ts, sigma)
-        denoise = _step_model(model_fn, ModelInputs(in_v, in_a, v_ts, a_ts, v_sig, a_sig, None, i), x0_scale_v,
-                              x0_scale_a)
-        a_params = NO_GUIDANCE if audio_frozen else audio_guidance
-        g_v, g_a = guided_prediction(denoise, video_guidance, a_params, step=i, last=last, run_passes=run_passes)
-        last = (g_v, g_a)
-        g_v, g_a = rule.blend(g_v, vclean, video_mask), rule.blend(g_a, aclean, audio_mask)
-        n_v = n_a = None
-        if sampler is not None and sigma_next != 0.0 and sampler.eta > 0:
-            n_v, n_a = sampler.noise_fn()
-        if x_v is not None:
-            if g_v is None:
-                raise ValueError("model_fn returned no video prediction")
-            x_v = rule.step(x_v, g_v, sigma, sigma_next, n_v, vmask, vclean, sampler)
-        if x_a is not None and not audio_frozen:
-            if g_a is None:
-                raise ValueError("model_fn returned no audio prediction")
-            x_a = rule.step(x_a, g_a, sigma, sigma_next, n_a, amask, aclean, sampler)
+        denoise = _step_model(model_fn, *_model_inputs(rule, tracks, x, sigma, i))
+        last = guided_prediction(denoise, *(_guidance(t) for t in tracks), step=i, last=last,
+                                 run_passes=run_passes)
+        noise = _step_noise(sampler, sigma_next)
+        x = tuple(t.step(rule, xt, g, sigma, sigma_next, n, sampler) if t is not None else None
+                  for t, xt, g, n in zip(tracks, x, last, noise))
         if check_finite:
-            _check_finite(x_v, "video", i + 1)
-            _check_finite(None if audio_frozen else x_a, "audio", i + 1)
-        if progress_callback is not None:
-            progress_callback(i + 1, total)
-    return x_v, x_a
+            _check_finite(tracks, x, i + 1)
+        hooks.after_step(i + 1, total)
+    return x
 
 
-def _check_loop_inputs(video, audio, mask_rule: str, audio_frozen: bool, check_finite: bool):
+@dataclass(frozen=True, eq=False)
+class _Track:
+    """A `ModalityStream` prepared for the loop: the mask as given (what the mask rule blends with), the per-token
+    mask float32 ``[B, T]`` (ones by default, zeros when frozen: the timesteps and the step use it), the clean latent
+    (None when frozen), and the guidance (none when frozen)."""
+
+    name: str
+    mask: torch.Tensor | None
+    token_mask: torch.Tensor
+    clean: torch.Tensor | None
+    guidance: GuidanceParams
+    frozen: bool
+
+    @classmethod
+    def of(cls, stream: ModalityStream | None, name: str) -> _Track | None:
+        if stream is None:
+            return None
+        x = stream.latent
+        if stream.frozen:
+            zeros = torch.zeros(x.shape[:2], dtype=torch.float32, device=x.device)
+            return cls(name, stream.mask, zeros, None, NO_GUIDANCE, True)
+        clean = stream.clean if stream.clean is not None else x
+        return cls(name, stream.mask, _prep_mask(stream.mask, x, name), clean, stream.guidance, False)
+
+    def model_input(self, rule, x, sigma: float, batch: int, device):
+        """What the model sees of this modality at step sigma `sigma`, by the mask rule: (latent, x0 scale, per-token
+        timesteps ``token_mask * sigma`` ``[B, T]``, per-item sigma ``[B]`` on `device`; both 0 when frozen)."""
+        own = 0.0 if self.frozen else sigma
+        timesteps = self.token_mask * own
+        model_x, scale = rule.model_input(x, self.clean, self.mask, timesteps, sigma)
+        return model_x, scale, timesteps, torch.full((batch,), own, dtype=torch.float32, device=device)
+
+    def step(self, rule, x, x0, sigma, sigma_next, noise, sampler):
+        """`x` after one step to `sigma_next` from the guided `x0` (the mask rule's blend and step); a frozen
+        stream's `x` unchanged. Raises ValueError when the model gave no prediction for this modality."""
+        if self.frozen:
+            return x
+        if x0 is None:
+            raise ValueError(f"model_fn returned no {self.name} prediction")
+        x0 = rule.blend(x0, self.clean, self.mask)
+        return rule.step(x, x0, sigma, sigma_next, noise, self.token_mask, self.clean, sampler)
+
+
+def _check_finite(tracks, x, step: int) -> None:
+    """Raise NonFiniteLatentError naming the first modality (video, then audio; a frozen one is never checked) whose
+    latent is NaN/Inf after step `step` (1-based)."""
+    for track, xt in zip(tracks, x):
+        if track is not None and not track.frozen and not bool(torch.isfinite(xt).all()):
+            raise NonFiniteLatentError(f"{track.name} latent became non-finite (NaN/Inf) at sampling step {step}")
+
+
+def _guidance(track: _Track | None) -> GuidanceParams:
+    return NO_GUIDANCE if track is None else track.guidance
+
+
+def _model_inputs(rule, tracks, x, sigma: float, step: int):
+    """One step's `ModelInputs` (the guidance pass left None) and the video's and audio's x0 scales."""
+    first = x[0] if x[0] is not None else x[1]
+    (v_in, v_scale, v_ts, v_sig), (a_in, a_scale, a_ts, a_sig) = (
+        t.model_input(rule, xt, sigma, first.shape[0], first.device) if t is not None else (None,) * 4
+        for t, xt in zip(tracks, x))
+    return ModelInputs(v_in, a_in, v_ts, a_ts, v_sig, a_sig, None, step), v_scale, a_scale
+
+
+def _step_noise(sampler: AncestralSampler | None, sigma_next: float):
+    """The ancestral sampler's ``(video, audio)`` noise for a step to `sigma_next` (drawn only when it adds noise:
+    ``eta > 0`` and ``sigma_next != 0``), else ``(None, None)``."""
+    if sampler is not None and sigma_next != 0.0 and sampler.eta > 0:
+        return sampler.noise_fn()
+    return None, None
+
+
+def _check_loop_inputs(video: ModalityStream | None, audio: ModalityStream | None, mask_rule: str,
+                       check_finite: bool):
     """`denoise_loop`'s refusals before any step; returns the mask rule's step functions."""
     if mask_rule not in MASK_RULES:
         raise ValueError(f"mask_rule={mask_rule!r}: choose one of {', '.join(MASK_RULES)}")
-    if mask_rule == "comfyui" and audio_frozen:
-        raise ValueError("mask_rule 'comfyui' has no frozen audio stream (the reference recipe's)")
     if video is None and audio is None:
         raise ValueError("denoise_loop needs at least one of video / audio")
-    for name, x in (("video", video), ("audio", audio)):
-        if x is not None and x.ndim != 3:
+    for name, stream in (("video", video), ("audio", audio)):
+        if stream is not None and not isinstance(stream, ModalityStream):
+            raise TypeError(f"denoise_loop: {name} must be a ModalityStream (or None), got {type(stream).__name__}")
+    if video is not None and video.frozen:
+        raise ValueError("video=ModalityStream(frozen=True): only the audio stream can be frozen (context at "
+                         "timestep 0)")
+    if mask_rule == "comfyui" and audio is not None and audio.frozen:
+        raise ValueError("mask_rule 'comfyui' has no frozen audio stream (the reference recipe's)")
+    latents = [(name, s.latent) for name, s in (("video", video), ("audio", audio)) if s is not None]
+    for name, x in latents:
+        if x.ndim != 3:
             raise ValueError(f"{name} latent must be packed [B, T, C]; got shape {tuple(x.shape)}")
-    if video is not None and audio is not None and video.shape[0] != audio.shape[0]:
-        raise ValueError(f"video batch {video.shape[0]} != audio batch {audio.shape[0]}")
+    if len(latents) == 2 and latents[0][1].shape[0] != latents[1][1].shape[0]:
+        raise ValueError(f"video batch {latents[0][1].shape[0]} != audio batch {latents[1][1].shape[0]}")
     if check_finite:  # a NaN in the input is the input's fault, not step 1's
-        for name, x in (("video", video), ("audio", audio)):
-            if x is not None and not bool(torch.isfinite(x).all()):
+        for name, x in latents:
+            if not bool(torch.isfinite(x).all()):
                 bad = int((~torch.isfinite(x)).sum())
                 raise NonFiniteInputError(f"the input {name} latent has {bad} non-finite values (NaN/Inf) before "
                                           f"sampling step 1: a bad input (e.g. encoded from an image with NaN "
@@ -758,8 +833,11 @@ __all__ = [
     "DISTILLED_STAGE2_SIGMAS",
     "GuidanceParams",
     "GuidancePass",
+    "LoopHooks",
     "MAX_SHIFT_ANCHOR",
+    "ModalityStream",
     "ModelInputs",
+    "NO_HOOKS",
     "NO_GUIDANCE",
     "NonFiniteLatentError",
     "PASS_KINDS",

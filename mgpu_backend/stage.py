@@ -22,6 +22,7 @@ name.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from . import sampling as S
 from . import validation as V
 from .denoiser import LTX2Denoiser, TextContext, text_contexts
 from .model_forward import qk_eps, qk_norms
-from .parallel.tiling import TileCountConfig
+from .parallel.tiling import TileCountConfig, default_tiling, make_tiles
 from .semantics import ALL as ALL_SEMANTICS
 from .semantics import Semantics, semantics_named
 # ComfyGuides is re-exported: the request's guides, defined with the requests in protocol/stage_requests.py
@@ -226,6 +227,100 @@ class StageSpec:
         return len(S.plan_passes(self.video_guidance, audio))
 
 
+@dataclass(frozen=True)
+class StageLimits:
+    """What a stage's parameters are checked against before any work: the loaded transformer (its family and
+    depth) and the fleet's plan (None: one process). Each rule is written here once, for the CLI recipe
+    (`pipelines.TwoStagePipeline.plan_job`) and the node job (`jobs/stages.run_sample`); every check raises
+    ValidationError naming the value and the rule."""
+
+    family: object  # models.families.ModelFamily (or its name)
+    n_blocks: int
+    plan: object = None
+
+    @classmethod
+    def of(cls, components, plan=None) -> StageLimits:
+        """The limits of loaded `components` (`LTX2Components`) under `plan`."""
+        return cls(components.family, len(components.transformer.transformer_blocks), plan)
+
+    @property
+    def ranks(self) -> int:
+        return self.plan.world_size if self.plan is not None else 1
+
+    def fit_blocks(self, blocks: tuple[int, ...]) -> tuple[int, ...]:
+        """The reference's STG blocks (29 for LTX-2.0, 28 for 2.3 and 2.5) index the 48-block models; a shallower
+        model (the tiny test models) uses its last block instead."""
+        return tuple(min(b, self.n_blocks - 1) for b in blocks)
+
+    def default_stg_blocks(self) -> tuple[int, ...]:
+        """The family's reference STG block on this model (`fit_blocks`)."""
+        return self.fit_blocks(S.default_guidance(self.family)[0].stg_blocks)
+
+    def default_guidance(self) -> tuple[S.GuidanceParams, S.GuidanceParams]:
+        """The family's guided stage-1 defaults (`sampling.default_guidance`) on this model's blocks."""
+        video, audio = (dataclasses.replace(g, stg_blocks=self.fit_blocks(g.stg_blocks))
+                        for g in S.default_guidance(self.family))
+        return video, audio
+
+    def guidance(self, video: S.GuidanceParams, audio: S.GuidanceParams,
+                 stg_blocks: str | tuple[int, ...] | None = None) -> tuple[S.GuidanceParams, S.GuidanceParams]:
+        """`(video, audio)` guidance with `stg_blocks` put in both (None: each keeps its own; "auto": the model's
+        default, `default_stg_blocks`), checked: the STG blocks of a modality that uses STG must exist."""
+        if stg_blocks is not None:
+            blocks = self.default_stg_blocks() if stg_blocks == "auto" else tuple(stg_blocks)
+            video, audio = (dataclasses.replace(g, stg_blocks=blocks) for g in (video, audio))
+        for name, g in (("video", video), ("audio", audio)):
+            bad = [b for b in g.stg_blocks if not 0 <= b < self.n_blocks] if g.uses_perturbed else []
+            if bad:
+                raise V.ValidationError(f"{name} STG block(s) {bad} do not exist: this transformer has blocks "
+                                        f"0..{self.n_blocks - 1} (its default STG block: "
+                                        f"{list(self.default_stg_blocks())})")
+        return video, audio
+
+    def check_tokens(self, tokens: int) -> None:
+        """A split stage's `tokens` video tokens against the plan's per-rank token cap; in one process the cap a
+        one-rank fleet applies (so a huge size is refused here, not by the allocator)."""
+        if self.plan is not None:
+            self.plan.check(tokens)
+            return
+        from .parallel.plan import DEFAULT_TOKEN_CAP
+        from .parallel.sequence import check_token_cap
+
+        try:
+            check_token_cap(tokens, 1, DEFAULT_TOKEN_CAP)
+        except ValueError as exc:
+            raise V.ValidationError(str(exc)) from None
+
+    def tiling(self, explicit: TileCountConfig | None, grid: tuple[int, int, int], overlap: int, what: str,
+               ranks: int | None = None) -> TileCountConfig | None:
+        """A tiled stage's (or the decode's) tiles: `explicit` checked against the latent `grid`, or the balanced
+        default over `ranks` (None: the fleet's; none for one rank). `what` names the option in the error."""
+        return resolve_tiling(explicit, self.ranks if ranks is None else ranks, grid, overlap, what)
+
+    @staticmethod
+    def check_tdp_sigmas(sigmas: torch.Tensor, max_first_sigma: float) -> None:
+        """A tiled stage's schedule must start at or below `max_first_sigma` (`parallel.tiled.check_tdp_sigmas`)."""
+        from .parallel.tiled import check_tdp_sigmas
+
+        try:
+            check_tdp_sigmas(sigmas, float(max_first_sigma))
+        except ValueError as exc:
+            raise V.ValidationError(str(exc)) from None
+
+
+def resolve_tiling(explicit: TileCountConfig | None, ranks: int, grid: tuple[int, int, int], overlap: int,
+                   what: str) -> TileCountConfig | None:
+    """An explicit tiling (checked against the grid), or the balanced default for `ranks` (none for one rank).
+    Raises ValidationError naming `what`."""
+    try:
+        if explicit is not None:
+            make_tiles(grid, explicit)
+            return explicit
+        return default_tiling(ranks, grid, overlap) if ranks > 1 else None
+    except ValueError as exc:
+        raise V.ValidationError(f"{what}: {exc}") from None
+
+
 def stage_contexts(components, embeds: list[torch.Tensor], semantics: Semantics | str, dtype: torch.dtype
                    ) -> list[TextContext]:
     """CONDITIONING embeddings (`[1, T_i, C]` each) -> one `TextContext` per prompt, as the semantics computes them
@@ -330,16 +425,15 @@ def denoise(spec: StageSpec, fn, hooks: StageHooks, group=None, run_passes=None
     start_a = (spec.audio_clean if spec.audio_frozen else
                S.noise_latent(spec.audio_clean, noise_a, sigma0, audio_mask))
     hooks = hooks or StageHooks()
-    cancel = (lambda: hooks.cancel(stage, next(steps), group)) if hooks.cancel else None
+    loop_hooks = S.LoopHooks(progress=(lambda i, n: hooks.progress(stage, i, n)) if hooks.progress else None,
+                             cancel=(lambda: hooks.cancel(stage, next(steps), group)) if hooks.cancel else None)
+    video = S.ModalityStream(start_v, spec.video_mask, spec.video_clean, spec.video_guidance)
+    audio = S.ModalityStream(start_a, spec.audio_mask, None if spec.audio_mask is None else spec.audio_clean,
+                             spec.audio_guidance, frozen=spec.audio_frozen)
     try:
         video, audio = S.denoise_loop(
-            fn, start_v, start_a, spec.sigmas, video_mask=spec.video_mask, video_clean=spec.video_clean,
-            audio_mask=spec.audio_mask, audio_clean=None if spec.audio_mask is None else spec.audio_clean,
-            audio_frozen=spec.audio_frozen, video_guidance=spec.video_guidance, audio_guidance=spec.audio_guidance,
-            progress_callback=(lambda i, n: hooks.progress(stage, i, n)) if hooks.progress else None,
-            cancel_check=cancel, run_passes=run_passes,
-            sampler=spec.sampler.build(spec.grid, spec.audio_frames, spec.audio_frozen),
-            mask_rule=sem.mask_rule)
+            fn, spec.sigmas, video, audio, run_passes=run_passes, mask_rule=sem.mask_rule, hooks=loop_hooks,
+            sampler=spec.sampler.build(spec.grid, spec.audio_frames, spec.audio_frozen))
     except S.NonFiniteLatentError as exc:
         raise S.NonFiniteLatentError(f"{stage}: {exc}") from None
     report = getattr(fn, "batch_report", None)
@@ -459,5 +553,6 @@ def run_stage(spec: StageSpec, env: StageEnv, hooks: StageHooks | None = None) -
 
 
 __all__ = ["ComfyGuides", "GuidancePassRunner", "NOISE_LAYOUTS", "OneDeviceRunner", "SAMPLERS", "SEMANTICS",
-           "SamplerSpec", "SequenceParallelRunner", "StageEnv", "StageHooks", "StageResult", "StageRunner",
-           "StageSpec", "TiledRunner", "choose_runner", "denoise", "model_fn", "run_stage", "stage_contexts"]
+           "SamplerSpec", "SequenceParallelRunner", "StageEnv", "StageHooks", "StageLimits", "StageResult",
+           "StageRunner", "StageSpec", "TiledRunner", "choose_runner", "denoise", "model_fn", "resolve_tiling",
+           "run_stage", "stage_contexts"]

@@ -87,8 +87,8 @@ def test_denoise_loop_batched_equals_unbatched(setup):
     out = {}
     for mode in ("on", "off"):
         d = denoiser(mode)
-        out[mode] = S.denoise_loop(d, inputs.video.clone(), inputs.audio.clone(), sigmas, video_guidance=VIDEO,
-                                   audio_guidance=AUDIO)
+        out[mode] = S.denoise_loop(d, sigmas, S.ModalityStream(inputs.video.clone(), guidance=VIDEO),
+                                   S.ModalityStream(inputs.audio.clone(), guidance=AUDIO))
         out[mode + "_d"] = d
     assert out["on_d"].forwards == 3 and out["off_d"].forwards == 12
     assert "3 steps: 4 passes as one batched forward" in out["on_d"].batch_report()

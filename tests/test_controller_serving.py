@@ -322,7 +322,7 @@ def test_denoise_loop_refuses_a_start_latent_that_is_already_nan():
 
     with pytest.raises(ValidationError, match="the input video latent has 1 non-finite values .* before sampling "
                                               "step 1"):
-        S.denoise_loop(model_fn, video, None, [1.0, 0.5, 0.0])
+        S.denoise_loop(model_fn, [1.0, 0.5, 0.0], S.ModalityStream(video), None)
     assert calls == []
 
 

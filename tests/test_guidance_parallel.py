@@ -367,9 +367,9 @@ def test_run_passes_in_the_denoising_loop():
         seen.append([p.kind for p in passes])
         return [denoise(p) for p in passes[::-1]][::-1]
 
-    kw = dict(video_guidance=VIDEO_FULL, audio_guidance=AUDIO_FULL)
-    a = S.denoise_loop(model, video, audio, S.ltx2_sigmas(3), **kw)
-    b = S.denoise_loop(model, video, audio, S.ltx2_sigmas(3), run_passes=reverse, **kw)
+    streams = (S.ModalityStream(video, guidance=VIDEO_FULL), S.ModalityStream(audio, guidance=AUDIO_FULL))
+    a = S.denoise_loop(model, S.ltx2_sigmas(3), *streams)
+    b = S.denoise_loop(model, S.ltx2_sigmas(3), *streams, run_passes=reverse)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert seen == [["cond", "uncond", "perturbed", "isolated"]] * 3
     with pytest.raises(ValueError, match="exclude each other"):

@@ -560,9 +560,9 @@ def test_ltx25_files_run_the_template_recipe_by_default(files25, tmp_path, monke
     seen = []
     loop = S.denoise_loop
 
-    def spy(model_fn, video, audio, sigmas, **kwargs):
-        seen.append((tuple(round(float(s), 6) for s in sigmas), kwargs.get("sampler"), kwargs.get("video_guidance")))
-        return loop(model_fn, video, audio, sigmas, **kwargs)
+    def spy(model_fn, sigmas, video, audio, **kwargs):
+        seen.append((tuple(round(float(s), 6) for s in sigmas), kwargs.get("sampler"), video.guidance))
+        return loop(model_fn, sigmas, video, audio, **kwargs)
 
     monkeypatch.setattr(S, "denoise_loop", spy)
     pipeline = pipelines.TwoStagePipeline(comps, load_gemma(gemma))

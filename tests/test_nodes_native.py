@@ -278,10 +278,12 @@ def test_denoise_loop_ancestral_draws_noise_per_step_and_keeps_masked_tokens():
     start = S.noise_latent(clean, torch.randn(1, 4, 128), 1.0, mask)
     audio = torch.randn(1, 3, 128)
     sampler = S.AncestralSampler(noise_fn)
-    v, a = S.denoise_loop(model, start, audio, sigmas, video_mask=mask, video_clean=clean, sampler=sampler)
+    v, a = S.denoise_loop(model, sigmas, S.ModalityStream(start, mask, clean), S.ModalityStream(audio),
+                          sampler=sampler)
     assert len(calls) == 2  # no noise for the last step (sigma_next = 0), as ComfyUI
     assert torch.equal(v[:, 0], clean[:, 0])  # a mask-0 token stays clean
-    v3, _ = S.denoise_loop(model, start, audio, sigmas, video_mask=mask, video_clean=clean)  # no sampler: Euler
+    v3, _ = S.denoise_loop(model, sigmas, S.ModalityStream(start, mask, clean),
+                           S.ModalityStream(audio))  # no sampler: Euler
     assert len(calls) == 2 and not torch.equal(v3[:, 1:], v[:, 1:])
 
 

@@ -279,10 +279,10 @@ def test_denoise_loop_recovers_clean_on_exact_flow():
     log, progress = [], []
     v, a = S.denoise_loop(
         _exact_flow_model(x0_v, n_v, x0_a, n_a, log),
-        (1 - s0) * x0_v + s0 * n_v,
-        (1 - s0) * x0_a + s0 * n_a,
         sig,
-        progress_callback=lambda i, n: progress.append((i, n)),
+        S.ModalityStream((1 - s0) * x0_v + s0 * n_v),
+        S.ModalityStream((1 - s0) * x0_a + s0 * n_a),
+        hooks=S.LoopHooks(progress=lambda i, n: progress.append((i, n))),
     )
     torch.testing.assert_close(v, x0_v, atol=1e-5, rtol=0)
     torch.testing.assert_close(a, x0_a, atol=1e-5, rtol=0)
@@ -307,8 +307,8 @@ def test_denoise_loop_frozen_audio_and_mask():
         log.append(inp)
         return n_v - x0_v, torch.full_like(audio, 99.0)  # audio velocity must be ignored
 
-    v, a = S.denoise_loop(fn, start, audio, sig, video_mask=mask, video_clean=clean_v, audio_frozen=True,
-                          video_guidance=S.GuidanceParams(cfg_scale=2.0))
+    v, a = S.denoise_loop(fn, sig, S.ModalityStream(start, mask, clean_v, S.GuidanceParams(cfg_scale=2.0)),
+                          S.ModalityStream(audio, frozen=True))
     assert a is audio  # frozen: returned untouched
     assert torch.equal(v[:, :2], clean_v[:, :2])  # conditioned tokens stay clean
     torch.testing.assert_close(v[:, 2:], x0_v[:, 2:], atol=1e-5, rtol=0)
@@ -323,12 +323,12 @@ def test_denoise_loop_cancel_and_nonfinite():
     x = torch.zeros(1, 2, 4)
     calls = []
     with pytest.raises(S.SamplingCancelled):
-        S.denoise_loop(lambda inp: (calls.append(1) or torch.zeros_like(x), None), x, None, [0.9, 0.5, 0.0],
-                       cancel_check=lambda: len(calls) >= 1)
+        S.denoise_loop(lambda inp: (calls.append(1) or torch.zeros_like(x), None), [0.9, 0.5, 0.0],
+                       S.ModalityStream(x), None, hooks=S.LoopHooks(cancel=lambda: len(calls) >= 1))
     assert len(calls) == 1
     with pytest.raises(S.NonFiniteLatentError, match="audio"):
-        S.denoise_loop(lambda inp: (torch.zeros_like(x), torch.full_like(x, float("nan"))), x, x.clone(),
-                       [0.9, 0.0])
+        S.denoise_loop(lambda inp: (torch.zeros_like(x), torch.full_like(x, float("nan"))), [0.9, 0.0],
+                       S.ModalityStream(x), S.ModalityStream(x.clone()))
 
 
 def test_one_step_schedule_is_finite():

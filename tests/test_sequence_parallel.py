@@ -157,9 +157,9 @@ def _stage1(components, case: str, contexts: TextContext, forward=None) -> dict:
     tf = components.transformer
     model = LTX2Denoiser(tf, positive, negative, L.video_coords(tf, b, f, h, w, FPS),
                          L.audio_coords(tf, b, AUDIO_TOKENS), torch.float32, forward=forward)
-    video, audio = S.denoise_loop(model, start_v, start_a, S.ltx2_sigmas(STAGE1_STEPS), video_mask=video_mask,
-                                  video_clean=video_clean, video_guidance=VIDEO_GUIDANCE,
-                                  audio_guidance=AUDIO_GUIDANCE)
+    video, audio = S.denoise_loop(model, S.ltx2_sigmas(STAGE1_STEPS),
+                                  S.ModalityStream(start_v, video_mask, video_clean, VIDEO_GUIDANCE),
+                                  S.ModalityStream(start_a, guidance=AUDIO_GUIDANCE))
     return dict(video=video, audio=audio, forwards=model.forwards,
                 first_frame_kept=bool(torch.equal(video[-1, : h * w], video_clean[-1, : h * w])))
 

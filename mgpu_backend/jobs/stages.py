@@ -8,8 +8,6 @@ step.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .. import latents as L
@@ -18,7 +16,7 @@ from ..lora import read_loras
 from ..protocol.job_results import DecodeResult, SampleResult, UpscaleResult
 from ..protocol.stage_requests import DecodeRequest, SampleRequest, UpscaleRequest
 from ..semantics import semantics_named
-from ..stage import SamplerSpec, StageSpec, TiledRunner, stage_contexts
+from ..stage import SamplerSpec, StageLimits, StageSpec, TiledRunner, stage_contexts
 from ..validation import ValidationError
 from . import register
 
@@ -27,26 +25,6 @@ def _request(payload, cls, kind: str):
     if not isinstance(payload, cls):
         raise ValidationError(f"{kind} payload: expected a {cls.__name__}, got {type(payload).__name__}")
     return payload
-
-
-def _fit_guidance(r: SampleRequest, variant: str, n_blocks: int) -> tuple[S.GuidanceParams, S.GuidanceParams]:
-    """The request's guidance with `stg_blocks` resolved: "auto" = the reference's STG block for the model version
-    (29 for LTX-2.0, 28 for 2.3), the last block on shallower models (as the CLI does); explicit blocks must exist."""
-    video = r.video_guidance or S.NO_GUIDANCE
-    audio = r.audio_guidance or S.NO_GUIDANCE
-    blocks = r.stg_blocks
-    if blocks == "auto":
-        default = S.default_guidance(variant)[0].stg_blocks
-        blocks = tuple(min(b, n_blocks - 1) for b in default)
-    if blocks is not None:
-        video = dataclasses.replace(video, stg_blocks=blocks)
-        audio = dataclasses.replace(audio, stg_blocks=blocks)
-    for name, g in (("video", video), ("audio", audio)):
-        bad = [b for b in g.stg_blocks if not 0 <= b < n_blocks] if g.uses_perturbed else []
-        if bad:
-            raise ValidationError(f"{name} STG block(s) {bad} do not exist: this transformer has blocks "
-                                  f"0..{n_blocks - 1} (use 'auto' for the model's default block)")
-    return video, audio
 
 
 def _sampler(r: SampleRequest) -> SamplerSpec:
@@ -90,7 +68,7 @@ def run_sample(state, request: SampleRequest, ctx) -> SampleResult | None:
     tile counts, masks, sigmas of a tiled stage or token counts that do not fit the model and the fleet, and LoRAs
     that do not fit the model (none of their layers found, another model width).
     """
-    from ..parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
+    from ..parallel.tiled import DEFAULT_MAX_FIRST_SIGMA
 
     r = _request(request, SampleRequest, "sample")
     pipe = state.pipeline
@@ -103,20 +81,17 @@ def run_sample(state, request: SampleRequest, ctx) -> SampleResult | None:
                                  "positive conditioning": r.positive, "negative conditioning": r.negative})
     _, _, f, h, w = video.shape
     grid = (f, h, w)
+    limits = StageLimits.of(pipe.components, pipe.plan)
     tiling = None
-    if mode == "tiled":
-        ranks = pipe.plan.world_size if pipe.plan is not None else 1
-        tiling = pipe.resolve_tiling(r.tiles, max(ranks, 2) if r.tiles is None else ranks, grid,
-                                     int(r.tile_overlap), "tiles")
-        try:
-            check_tdp_sigmas(sigmas, float(DEFAULT_MAX_FIRST_SIGMA if r.max_first_sigma is None
-                                           else r.max_first_sigma))
-        except ValueError as exc:
-            raise ValidationError(str(exc)) from None
-    elif pipe.plan is not None:
-        pipe.plan.check(f * h * w)
-    video_guidance, audio_guidance = _fit_guidance(r, pipe.components.variant,
-                                                   len(pipe.components.transformer.transformer_blocks))
+    if mode == "tiled":  # the node's tiled mode always tiles (2 tiles on one rank)
+        tiling = limits.tiling(r.tiles, grid, int(r.tile_overlap), "tiles",
+                               ranks=max(limits.ranks, 2) if r.tiles is None else None)
+        limits.check_tdp_sigmas(sigmas, DEFAULT_MAX_FIRST_SIGMA if r.max_first_sigma is None else r.max_first_sigma)
+    else:
+        limits.check_tokens(f * h * w)
+    # stg_blocks "auto": the model's default STG block (the CLI's); explicit blocks must exist
+    video_guidance, audio_guidance = limits.guidance(r.video_guidance or S.NO_GUIDANCE,
+                                                     r.audio_guidance or S.NO_GUIDANCE, r.stg_blocks)
     embeds = [r.positive] + ([r.negative] if r.negative is not None else [])
     contexts = stage_contexts(pipe.components, [e.float() for e in embeds], semantics, pipe.dtype)
     try:
