@@ -27,6 +27,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,10 @@ from .semantics import ALL as ALL_SEMANTICS
 from .semantics import Semantics, semantics_named
 # ComfyGuides is re-exported: the request's guides, defined with the requests in protocol/stage_requests.py
 from .protocol.stage_requests import ComfyGuides, STAGE_NOISE_DEVICES, STAGE_SAMPLERS, STAGE_SEMANTICS  # noqa: F401
+
+if TYPE_CHECKING:
+    from .models.families import ModelFamily
+    from .parallel.plan import ParallelPlan
 
 SEMANTICS = STAGE_SEMANTICS  # ("reference", "comfyui"): the sample request's semantics (protocol/stage_requests.py)
 SAMPLERS = STAGE_SAMPLERS  # ("euler", "euler_ancestral")
@@ -234,9 +239,9 @@ class StageLimits:
     (`pipelines.TwoStagePipeline.plan_job`) and the node job (`jobs/stages.run_sample`); every check raises
     ValidationError naming the value and the rule."""
 
-    family: object  # models.families.ModelFamily (or its name)
+    family: ModelFamily | str  # or its name
     n_blocks: int
-    plan: object = None
+    plan: ParallelPlan | None = None
 
     @classmethod
     def of(cls, components, plan=None) -> StageLimits:
