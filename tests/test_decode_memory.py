@@ -58,14 +58,17 @@ def test_tiled_rank_estimate(tiles, largest):
 
 
 @pytest.mark.parametrize("grid,free_gib,want", [
-    (GRID_1080, 139, None),     # 85 + 2 GiB margin fits an empty H200
-    (GRID_1080, 87, None),      # exactly the estimate + margin
-    (GRID_1080, 80, (1, 2)),    # 1×2: ~47.7 GiB
-    (GRID_1080, 40, (1, 3)),    # 1×2 no longer fits; 1×3 ~35 GiB
-    (GRID_1080, 30, (2, 2)),    # 2×2 ~27.5 GiB
-    (GRID_1080, 20, (2, 4)),    # 2×4 ~17.3 GiB
-    (GRID_720, 40, None),       # 37 + 2
-    (GRID_720, 30, (1, 2)),     # ~21.2 GiB
+    (GRID_1080, 139, None),     # 85 + 2 GiB + 15 % (~99.8 GiB) fits an empty H200
+    (GRID_1080, 99, (1, 2)),    # just short of it: 1×2 ~47.7 GiB (+ margin ~56.9)
+    (GRID_1080, 45, (1, 3)),    # 1×2 no longer fits; 1×3 ~35 GiB (~42.3)
+    (GRID_1080, 40, (2, 2)),    # 2×2 ~27.5 GiB (~33.6)
+    # 2×2 ran out of memory on one H200 with ~30 GiB free (28.6 GiB allocated + 2.7 cached unused:
+    # bench/results/diffusion_decode_h200.txt): now 1×5 (~24 GiB, ~29.6 with its margin)
+    (GRID_1080, 30, (1, 5)),
+    (GRID_1080, 20, (2, 5)),    # 2×5 ~15 GiB
+    (GRID_720, 45, None),       # 37 + 2 + 15 % (~44.6)
+    (GRID_720, 40, (1, 2)),     # ~21.2 GiB (~26.4)
+    (GRID_720, 20, (2, 2)),
 ])
 def test_chosen_tiling_at_real_sizes(grid, free_gib, want):
     tiling, note = D.fit_decode_tiling(grid, None, free_gib * GiB, overlap=2)
@@ -80,7 +83,7 @@ def test_chosen_tiling_at_real_sizes(grid, free_gib, want):
     # the smallest: every grid with fewer tiles would not fit (hand formula)
     for n in range(2, want[0] * want[1]):
         t = default_tiling(n, grid, 2)
-        assert _tiled_rank(grid, D._largest_tile(grid, t)) + 2 * GiB > free_gib * GiB, n
+        assert _tiled_rank(grid, D._largest_tile(grid, t)) * 1.15 + 2 * GiB > free_gib * GiB, n
 
 
 def test_multi_rank_per_rank_peak_at_1920x1088_is_predicted_under_45_gib():
@@ -93,9 +96,9 @@ def test_multi_rank_per_rank_peak_at_1920x1088_is_predicted_under_45_gib():
     # an explicit tiling that fits is kept; one that does not is refined to more tiles
     two_tiles = default_tiling(2, GRID_1080, 2)
     assert D.fit_decode_tiling(GRID_1080, two_tiles, 60 * GiB, 2) == (two_tiles, None)
-    tiling, note = D.fit_decode_tiling(GRID_1080, two_tiles, 45 * GiB, 2)
+    tiling, note = D.fit_decode_tiling(GRID_1080, two_tiles, 50 * GiB, 2)
     assert (tiling.height.num_tiles, tiling.width.num_tiles) == (1, 3) and note.startswith(
-        "tiled 1×3 automatically: 1×2 tiles need ~48 GiB, 45 GiB free")
+        "tiled 1×3 automatically: 1×2 tiles need ~48 GiB, 50 GiB free")
 
 
 def test_not_probed_changes_nothing_and_nothing_fitting_is_refused():
@@ -103,7 +106,7 @@ def test_not_probed_changes_nothing_and_nothing_fitting_is_refused():
     assert D.fit_decode_tiling(GRID_1080, t, None, 2) == (t, None)
     assert D.fit_decode_tiling(GRID_1080, None, None, 2) == (None, None)
     with pytest.raises(ValueError, match=r"needs ~85.0 GiB untiled and no tiling of up to 64 tiles fits the 2.5 GiB "
-                                         r"free \(less 2 GiB margin\)"):
+                                         r"free \(less a margin of 2 GiB \+ 15% of the estimate\)"):
         D.fit_decode_tiling(GRID_1080, None, int(2.5 * GiB), 2)
     assert D.free_decode_bytes(torch.device("cpu")) is None
 
@@ -124,7 +127,7 @@ def test_tiny_auto_tiling_equals_the_explicit_tiled_decode_bit_for_bit(tiny_vae,
     grid = (2, 3, 5)
     latent = torch.randn(1, 128, *grid, generator=torch.Generator().manual_seed(0))
     untiled = D.diffusion_decode_peak_bytes(grid, None, itemsize=4)
-    free = untiled + D.DECODE_MARGIN_BYTES - 1  # one byte short of the untiled decode
+    free = untiled + D.decode_margin_bytes(untiled) - 1  # one byte short of the untiled decode
     monkeypatch.setattr(D, "free_decode_bytes", lambda device: free)
     pipe = _pipeline(tiny_vae)
     frames, report = TwoStagePipeline.decode_video(pipe, latent, 0, None, overlap=1)
@@ -178,7 +181,7 @@ def test_two_ranks_agree_on_the_automatic_tiles(tmp_path):
     path = str(write_tiny_diffusion_vae(tmp_path / "vae.safetensors", 0))
     grid = (2, 3, 5)
     two = D.diffusion_decode_peak_bytes(grid, D._largest_tile(grid, TileCountConfig.spatial(1, 2, overlap=1)), 4)
-    short = two + D.DECODE_MARGIN_BYTES - 1
+    short = two + D.decode_margin_bytes(two) - 1
     results = run_ranks(_two_rank_decode, 2, path, [100 * GiB, short])
     # 1×3 keeps a 3-cell-wide tile (widths 3, 2, 2: no smaller than 1×2's), so the smallest that fits is 2×2
     want = default_tiling(4, grid, 1)

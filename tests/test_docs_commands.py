@@ -40,8 +40,7 @@ RUN = {
 }
 
 # results files a page names as where a measurement *will* go (not measured yet: the page says so)
-NOT_MEASURED_YET = {"diffusion_decode_h200.txt", "e2e_modes_h200.txt", "e2e_ltx25_modes_h200.txt",
-                    "native_forward_fastpath_h200.txt"}
+NOT_MEASURED_YET = {"e2e_modes_h200.txt", "e2e_ltx25_modes_h200.txt"}
 
 
 @dataclass(frozen=True)

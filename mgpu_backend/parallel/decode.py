@@ -120,6 +120,15 @@ PEAK_BASE_BYTES = _M1 - PEAK_BYTES_PER_PIXEL * _P1  # ≈ 0.58 GiB: about the de
 CANVAS_BYTES_PER_PIXEL = 3  # the noise canvas x_t: 3 channels, in the decoder dtype (× its itemsize)
 BLEND_BYTES_PER_PIXEL = 12  # the tiled decode's float32 accumulator `[1, 3, F', H, W]` on every rank
 DECODE_MARGIN_BYTES = 2 * GiB  # kept free beside the estimate (allocator fragmentation, the final float copy)
+# and 15 % of the estimate besides: a one-process 2×2 decode at 1920×1088×121 with ~30 GiB free (estimate 27.5 GiB
+# + 2) ran out of memory holding 28.6 GiB allocated and 2.7 GiB cached unused (bench/results/diffusion_decode_h200.txt)
+DECODE_MARGIN_FRACTION = 0.15
+
+
+def decode_margin_bytes(estimate: int) -> int:
+    """Bytes kept free beside a decode's estimated peak `estimate` (bytes): `DECODE_MARGIN_BYTES` plus
+    `DECODE_MARGIN_FRACTION` of the estimate (the caching allocator's fragmentation grows with the decode)."""
+    return int(DECODE_MARGIN_BYTES + DECODE_MARGIN_FRACTION * estimate)
 MAX_AUTO_TILES = 64
 
 
@@ -169,7 +178,7 @@ def fit_decode_tiling(grid: tuple[int, int, int], tiling: TileCountConfig | None
         free_bytes: the smallest free device memory over the ranks that decode (None: not probed, e.g. CPU: nothing
             changes).
         overlap: latent cells of overlap for new tiles (the job's decode overlap).
-    Returns `(tiling, note)`: unchanged and None when the estimate plus `DECODE_MARGIN_BYTES` fits; else the
+    Returns `(tiling, note)`: unchanged and None when the estimate plus its margin (`decode_margin_bytes`) fits; else the
     smallest balanced grid (`tiling.default_tiling`, more tiles than before) that fits, and the note for the job's
     report, e.g. "tiled 2×2 automatically: untiled needs ~85 GiB, 60 GiB free".
     Raises ValueError naming the sizes when no grid of up to `MAX_AUTO_TILES` tiles fits.
@@ -185,7 +194,7 @@ def fit_decode_tiling(grid: tuple[int, int, int], tiling: TileCountConfig | None
         return diffusion_decode_peak_bytes(grid, _largest_tile(grid, t), itemsize)
 
     now = need(tiling)
-    if now + DECODE_MARGIN_BYTES <= free_bytes:
+    if now + decode_margin_bytes(now) <= free_bytes:
         return tiling, None
     count = 1 if tiling is None else tiling.height.num_tiles * tiling.width.num_tiles
     what = "untiled" if count == 1 else f"{_tile_label(tiling)} tiles"
@@ -196,14 +205,15 @@ def fit_decode_tiling(grid: tuple[int, int, int], tiling: TileCountConfig | None
             continue
         if candidate.height.num_tiles * candidate.width.num_tiles <= count:
             continue  # the grid is too small for n tiles: default_tiling fell back to fewer
-        if need(candidate) + DECODE_MARGIN_BYTES <= free_bytes:
+        if (n_bytes := need(candidate)) + decode_margin_bytes(n_bytes) <= free_bytes:
             return candidate, (f"tiled {_tile_label(candidate)} automatically: {what} "
                                f"{'needs' if count == 1 else 'need'} ~{now / GiB:.0f} GiB, "
                                f"{free_bytes / GiB:.0f} GiB free (estimated ~{need(candidate) / GiB:.0f} GiB "
                                f"tiled)")
     raise ValueError(f"decode: the diffusion decoder needs ~{now / GiB:.1f} GiB {what} and no tiling of up to "
                      f"{MAX_AUTO_TILES} tiles fits the {free_bytes / GiB:.1f} GiB free (less "
-                     f"{DECODE_MARGIN_BYTES / GiB:.0f} GiB margin): free the GPU or decode a shorter clip")
+                     f"a margin of {DECODE_MARGIN_BYTES / GiB:.0f} GiB + {DECODE_MARGIN_FRACTION:.0%} of the estimate): "
+                     f"free the GPU or decode a shorter clip")
 
 
 def free_decode_bytes(device: torch.device) -> int | None:
