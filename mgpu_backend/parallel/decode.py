@@ -208,7 +208,7 @@ def fit_decode_tiling(grid: tuple[int, int, int], tiling: TileCountConfig | None
         if (n_bytes := need(candidate)) + decode_margin_bytes(n_bytes) <= free_bytes:
             return candidate, (f"tiled {_tile_label(candidate)} automatically: {what} "
                                f"{'needs' if count == 1 else 'need'} ~{now / GiB:.0f} GiB, "
-                               f"{free_bytes / GiB:.0f} GiB free (estimated ~{need(candidate) / GiB:.0f} GiB "
+                               f"{free_bytes / GiB:.0f} GiB free (estimated ~{n_bytes / GiB:.0f} GiB "
                                f"tiled)")
     raise ValueError(f"decode: the diffusion decoder needs ~{now / GiB:.1f} GiB {what} and no tiling of up to "
                      f"{MAX_AUTO_TILES} tiles fits the {free_bytes / GiB:.1f} GiB free (less "
