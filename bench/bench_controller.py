@@ -30,9 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu_backend import frames as frames_module  # noqa: E402
-from mgpu_backend.client import ControllerClient  # noqa: E402
-from mgpu_backend.models.tiny import make_tiny  # noqa: E402
+from mgpu_backend.protocol import frames as frames_module  # noqa: E402
+from mgpu_backend.serving.client import ControllerClient  # noqa: E402
+from mgpu_backend.testing.tiny import make_tiny  # noqa: E402
 from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
 from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest  # noqa: E402
 

@@ -3,7 +3,7 @@ tile count against the untiled decode.
 
 For each size (default 1280×704×121 and 1920×1088×121; 720 is not a multiple of the VAE's 32 px, ComfyUI's
 EmptyLTXVLatentVideo rounds it to 704) and tile count T (1×1, 1×2, 2×2, 2×4 by default, decode overlap 2 latent cells
-= 64 px, full time axis: `parallel/decode.py`), every tile is decoded one after another on the one GPU, each timed
+= 64 px, full time axis: `splits/decode.py`), every tile is decoded one after another on the one GPU, each timed
 alone (`torch.cuda.synchronize`), the way a rank decodes it (its latent window and its window of the one noise
 canvas). Simulated ranks: with W = T ranks (one tile each) the decode takes `max tile` + the blend and the fp32
 reduce onto rank 0 (the reduce is not run here; its size is printed); with W = 4 ranks (round-robin, as the fleet
@@ -11,7 +11,7 @@ assigns tiles) the busiest rank's sum. Columns: `max tile`, `sum tiles` (total w
 seconds and their speedups over the untiled decode (`×`; `-` when the untiled decode ran out of memory), and
 `×tiled` = (sum tiles + blend) / (W=T): the speedup over decoding the same tiles in one process (the result the
 distributed decode equals). Peak memory: the largest tile's (or the untiled) peak; `est GiB`: what
-`parallel/decode.py diffusion_decode_peak_bytes` predicts for it (the fit through the untiled peaks at 1280×704×121
+`splits/decode.py diffusion_decode_peak_bytes` predicts for it (the fit through the untiled peaks at 1280×704×121
 and 1920×1088×121; for tiles, the tile's activations plus the whole noise canvas, without the fp32 blend
 accumulator this bench does not hold while decoding) — the check of the estimate that auto-tiles the decode.
 
@@ -46,16 +46,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mgpu_backend.models.diffusion_decoder import (DiffusionDecoderConfig, build_decoder,  # noqa: E402
                                                    decode_vae_space, noise_canvas)
-from mgpu_backend.ops import neighborhood  # noqa: E402
-from mgpu_backend.parallel.decode import (BLEND_BYTES_PER_PIXEL, SPATIAL,  # noqa: E402
-                                          diffusion_decode_peak_bytes)
-from mgpu_backend.parallel.tiling import axis_weights, split_axis  # noqa: E402
+from mgpu_backend.models import neighborhood  # noqa: E402
+from mgpu_backend.splits.decode import BLEND_BYTES_PER_PIXEL, SPATIAL, diffusion_decode_peak_bytes
+from mgpu_backend.splits.tiling import axis_weights, split_axis  # noqa: E402
 
 REAL = DiffusionDecoderConfig()  # the defaults are ComfyUI's LTX_24_VAE_CONFIG decoder (the released model's shape)
 
 
 def _tiny() -> DiffusionDecoderConfig:
-    from mgpu_backend.models.tiny_vae25 import TINY_DECODER
+    from mgpu_backend.testing.tiny_vae25 import TINY_DECODER
     return TINY_DECODER
 
 
@@ -134,8 +133,8 @@ def auto_free(model, sizes: str, free_gib: float, overlap: int, device: torch.de
     `decode_video` (its automatic tiling) and print what it did."""
     import types
 
-    from mgpu_backend.parallel import decode as D
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.splits import decode as D
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     if device.type != "cuda":
         raise SystemExit("--auto-free needs a CUDA device (the free memory is probed there)")

@@ -22,7 +22,7 @@ side by side; `e2e_modes.py` says exactly what each switches on):
 - eager: the former measurement — each forward timed alone through a wrapper: passes one at a time, no graphs.
   compiled is refused on CPU (`--tiny`); every refusal is printed with its reason, no mode falls back to another.
 Stages are timed whole (CUDA-synchronized before and after the stage); forwards are counted (and, in eager mode
-only, timed one by one). For each transformer stage: its model FLOPs (`mgpu_backend.parallel.flops`: counted
+only, timed one by one). For each transformer stage: its model FLOPs (`mgpu_backend.engine.flops`: counted
 from the shapes, each guidance pass as its own forward — STG without its block's self-attention, the isolated pass
 without cross-modal attention), the achieved TFLOP/s = FLOPs / stage seconds, and its fraction of the GPU's dense
 peak for the mode's matmul dtype (bf16 / fp8 / int8; `flops.dense_peak`, by `torch.cuda.get_device_name()`;
@@ -81,13 +81,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gemma, b
 from bench_memory import (LTX2_19B, LTX2_VIDEO_VAE, build_transformer, device_name, fill_random_,  # noqa: E402
                           quiet_diffusers, sync, tensor_bytes)
 
-from mgpu_backend import cuda_graphs as G  # noqa: E402
-from mgpu_backend import sampling as S  # noqa: E402
-from mgpu_backend.attention import LTX2AttnProcessor, use_processor  # noqa: E402
+from mgpu_backend.engine import cuda_graphs as G  # noqa: E402
+from mgpu_backend.engine import sampling as S  # noqa: E402
+from mgpu_backend.engine.attention import LTX2AttnProcessor, use_processor  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.models.loader import LTX2Components, build_audio_vae  # noqa: E402
-from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline  # noqa: E402
-from mgpu_backend.parallel import flops as FL  # noqa: E402
+from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline  # noqa: E402
+from mgpu_backend.engine import flops as FL  # noqa: E402
 
 import e2e_modes as M  # noqa: E402
 
@@ -127,8 +127,8 @@ def build_gemma(device, dtype, tiny: bool):
 
     from bench_gemma import GEMMA3_12B
     from mgpu_backend.models.gemma import GemmaPromptTokenizer, GemmaTextEncoder, infer_text_config
-    from mgpu_backend.models.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
-    from mgpu_backend.models.tiny_gemma import tiny_spiece_model, tiny_text_config
+    from mgpu_backend.testing.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
+    from mgpu_backend.testing.tiny_gemma import tiny_spiece_model, tiny_text_config
 
     if tiny:
         text_config = tiny_text_config(TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS)
@@ -161,7 +161,7 @@ def build_components(args, device, dtype) -> LTX2Components:
     from diffusers.pipelines.ltx2 import vocoder as vocoder_module
     from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
 
-    from mgpu_backend.models import tiny as T
+    from mgpu_backend.testing import tiny as T
     from mgpu_backend.models.text_projection import TextProjection
 
     if args.tiny:
@@ -259,7 +259,7 @@ class TimedPipeline(TwoStagePipeline):
 
 def counting_forward(tally: M.FlopTally, bad: list):
     """`e2e_modes.counting_run` plus the non-finite replacement of `TimedForward`, for the modes without a wrapper."""
-    from mgpu_backend import model_forward
+    from mgpu_backend.engine import forward as model_forward
 
     outer = M.counting_run(tally)
 
@@ -386,7 +386,7 @@ def run_mode(args, mode, pipeline: TimedPipeline, gemma, request, prompt_tokens,
     peak_mem = torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
     try:  # mux, as the CLI does
         frames, audio = torch.nan_to_num(result.frames), torch.nan_to_num(result.audio)
-        from mgpu_backend.media import write_mp4
+        from mgpu_backend.stages.media import write_mp4
 
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
@@ -487,7 +487,7 @@ def run_two_stage(args, modes, device, dtype, log) -> dict:
     scale = 48 / blocks if not args.tiny else 1.0
     request = dict(prompt=PROMPT, width=args.width, height=args.height, frames=args.frames, fps=args.fps, seed=0)
     prompt_tokens = [len(gemma.tokenizer.prompt_ids(p)) for p in (PROMPT, GenerateRequest(prompt="").negative_prompt)]
-    from mgpu_backend.models.tiny import tiny_transformer_metadata
+    from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
     meta = tiny_transformer_metadata("2.0") if args.tiny else dict(LTX2_19B, num_layers=blocks)
     results, refs = {}, None
@@ -558,7 +558,7 @@ def summary(results: dict, refs: dict, tally: M.FlopTally, scale: float, log, re
 def ltx25_inputs(model, frames, width, height, fps, text_tokens, device, dtype):
     """The diffusers keyword arguments of one distilled-stage forward at this size (per-token timesteps as the
     reference denoiser passes them, sigma 0.9 × 1000, random latents and contexts)."""
-    from mgpu_backend import latents as L
+    from mgpu_backend.engine import latents as L
 
     f, h, w = L.latent_frames(frames), height // 32, width // 32
     n = f * h * w
@@ -582,10 +582,10 @@ def ltx25_inputs(model, frames, width, height, fps, text_tokens, device, dtype):
 
 
 def run_ltx25(args, modes, device, dtype, log) -> dict:
-    from mgpu_backend import model_forward
+    from mgpu_backend.engine import forward as model_forward
     from mgpu_backend.models.families import get_family
-    from mgpu_backend.models.tiny import tiny_transformer_metadata
-    from mgpu_backend.tokens import TokenBatch
+    from mgpu_backend.testing.tiny import tiny_transformer_metadata
+    from mgpu_backend.engine.tokens import TokenBatch
 
     family = get_family("2.5")
     meta = tiny_transformer_metadata("2.5") if args.tiny else {**LTX2_19B, **family.transformer_flags,

@@ -1,4 +1,4 @@
-"""Gemma 3 / Gemma 4 text encoder on one GPU vs sharded over {GPU, CPU} or {GPU, GPU} (parallel/gemma.py, issues 6, 18).
+"""Gemma 3 / Gemma 4 text encoder on one GPU vs sharded over {GPU, CPU} or {GPU, GPU} (stages/text_encoder.py, issues 6, 18).
 
 A 12B-shaped Gemma 3 (hidden 3840, 48 layers, 16 heads / 8 KV heads of 256, MLP 15360, vocab 262208) with random
 bf16 weights is written once as a ComfyUI single file (`--file`, ~23.4 GB; reused when it exists), with the test
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mgpu_backend.models.gemma import read_gemma_header  # noqa: E402
 from mgpu_backend.models.text_projection import TextProjection  # noqa: E402
-from mgpu_backend.parallel import gemma as G  # noqa: E402
+from mgpu_backend.stages import text_encoder as G  # noqa: E402
 
 GEMMA3_12B = dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=256, vocab_size=262208)
@@ -56,7 +56,7 @@ def write_random_gemma(path: Path, shape: dict, device: str, seed: int = 0) -> N
     from safetensors.torch import save_file
     from transformers import Gemma3TextConfig, Gemma3TextModel
 
-    from mgpu_backend.models.tiny_gemma import tiny_spiece_model
+    from mgpu_backend.testing.tiny_gemma import tiny_spiece_model
 
     with torch.device("meta"):
         meta = Gemma3TextModel(Gemma3TextConfig(**shape))
@@ -82,7 +82,7 @@ def write_random_gemma4(path: Path, shape: dict, device: str, seed: int = 0) -> 
     from safetensors.torch import save_file
     from transformers import Gemma4UnifiedTextConfig, Gemma4UnifiedTextModel
 
-    from mgpu_backend.models.tiny_gemma4 import tiny_gemma4_tokenizer_json
+    from mgpu_backend.testing.tiny_gemma4 import tiny_gemma4_tokenizer_json
 
     with torch.device("meta"):
         meta = Gemma4UnifiedTextModel(Gemma4UnifiedTextConfig(**shape))

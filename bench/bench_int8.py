@@ -45,14 +45,14 @@ def _time(fn, repeat: int, device: torch.device) -> float:
 
 
 def tiny_model() -> None:
-    """The tiny LTX-2.5 transformer (bf16 file and its int8-convrot twin, `models/tiny.py`), float32 compute: the
+    """The tiny LTX-2.5 transformer (bf16 file and its int8-convrot twin, `testing/tiny.py`), float32 compute: the
     forward's relative L2 / max |Δ| between the bf16 file, W8A8 and dequantized-at-load (tests/_forward.py input)."""
     import os
     import sys
     import tempfile
 
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.models.tiny import write_tiny_transformer
+    from mgpu_backend.testing.tiny import write_tiny_transformer
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from _forward import av_forward
@@ -65,7 +65,7 @@ def tiny_model() -> None:
                                                                                          "dequantize")):
             c = load_components(path, dtype=torch.float32, transformer_only=True, int8_compute=mode)
             out[label] = av_forward(c.transformer)
-    print("tiny LTX-2.5 transformer (models/tiny.py, ConvRot group 16), float32, one forward (tests/_forward.py)")
+    print("tiny LTX-2.5 transformer (testing/tiny.py, ConvRot group 16), float32, one forward (tests/_forward.py)")
     print("pair | video rel L2 | video max |Δ| | audio rel L2 | audio max |Δ|")
     for a, b in (("dequantized", "W8A8"), ("dequantized", "bf16 file"), ("W8A8", "bf16 file")):
         cells = []

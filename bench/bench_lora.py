@@ -2,7 +2,7 @@
 
 A 19B-shaped LTX-2.0 transformer (the real config, `--blocks` of the 48, random weights built directly in GPU
 memory; bf16, or fp8-resident block Linears with `--fp8`) gets the per-stage LoRA sets of the two-stage recipe through
-`mgpu_backend.lora.LoRAFuser`, exactly as the workers do:
+`mgpu_backend.weights.lora.LoRAFuser`, exactly as the workers do:
 - a "distilled" LoRA of rank `--rank` (384 like `ltx-2-19b-distilled-lora-384`) on every attention and feed-forward
   Linear of the blocks, and a small "user" LoRA (rank 32, the video/audio self-attention projections), both written
   here as safetensors files in the real key layout (`diffusion_model.<module>.lora_A/lora_B.weight`, `.alpha`);
@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mgpu_backend.lora import LoRAFuser, read_lora  # noqa: E402
+from mgpu_backend.weights.lora import LoRAFuser, read_lora  # noqa: E402
 from mgpu_backend.models import configs, keymaps  # noqa: E402
 from mgpu_backend.models.fp8 import FP8Linear, quantize_fp8  # noqa: E402
 
@@ -171,7 +171,7 @@ def read_rate(folder: str, gib: float, device: torch.device) -> dict:
 
 def run_rank(rank: int, world: int, args, folder: str) -> None:
     if args.tiny:
-        from mgpu_backend.models.tiny import tiny_transformer_metadata
+        from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
         meta, device, dtype = tiny_transformer_metadata("2.0"), torch.device("cpu"), torch.float32
     else:

@@ -38,11 +38,11 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gemma
 
-from mgpu_backend import latents as L  # noqa: E402
+from mgpu_backend.engine import latents as L  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.models.fp8 import FP8Linear, swap_in_fp8_linears  # noqa: E402
-from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.splits.exchange import Exchange  # noqa: E402
+from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
 
 GiB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -124,7 +124,7 @@ def tensor_bytes(module: nn.Module, prefix: str | None = None) -> int:
 
 
 class MemoryExchange(Exchange):
-    """A W-way exchange on one GPU with the allocations of the real one (`parallel/exchange.py`): `seq_to_heads`
+    """A W-way exchange on one GPU with the allocations of the real one (`splits/exchange.py`): `seq_to_heads`
     makes the contiguous send buffer and a receive buffer of the same size, then the reshaped result; `all_gather_seq`
     W received parts and their concatenation. This rank's data stands in for the other ranks'."""
 
@@ -358,7 +358,7 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta = dict(LTX2_19B, num_layers=args.blocks)
     if args.tiny:
-        from mgpu_backend.models.tiny import tiny_transformer_metadata
+        from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
         meta = tiny_transformer_metadata("2.0")  # 2 blocks, 8 heads
         args.sizes, args.frames = "256x128,512x256", 9

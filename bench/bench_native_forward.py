@@ -46,9 +46,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu_backend.client import ControllerClient  # noqa: E402
-from mgpu_backend.forward import ForwardReply, ForwardRequest  # noqa: E402
-from mgpu_backend.models.tiny import make_tiny  # noqa: E402
+from mgpu_backend.serving.client import ControllerClient  # noqa: E402
+from mgpu_backend.protocol.native_forward import ForwardReply, ForwardRequest  # noqa: E402
+from mgpu_backend.testing.tiny import make_tiny  # noqa: E402
 from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
 from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest  # noqa: E402
 
@@ -127,7 +127,7 @@ def _in_process(paths: dict, shipped: ForwardRequest, cached: ForwardRequest, de
                 repeat: int) -> tuple[float, float]:
     """Median / p90 seconds of the same forward on a `NativeEngine` in this process (context cached)."""
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.native import NativeEngine
+    from mgpu_backend.stages.native import NativeEngine
 
     components = load_components(paths["checkpoint"], dtype=dtype, device=torch.device(device))
     engine = NativeEngine(components, None, dtype, torch.device(device))

@@ -1,4 +1,4 @@
-"""The native MODEL's forward (`mgpu_backend/native.py`, issue 19) eager vs replayed from CUDA graphs, at the stage-1
+"""The native MODEL's forward (`mgpu_backend/stages/native.py`, issue 19) eager vs replayed from CUDA graphs, at the stage-1
 sizes of ComfyUI's LTX templates (issue 20), in one run.
 
 Full-width random weights built on the GPU (bench_sp's 19B shape with the family's transformer flags: LTX-2.3 =
@@ -32,11 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sp import LTX2_19B, SimulatedExchange, build_transformer, rel_l2  # noqa: E402
 from bench_speed import interleaved  # noqa: E402
 
-from mgpu_backend import cuda_graphs as G  # noqa: E402
-from mgpu_backend.forward import ForwardRequest  # noqa: E402
+from mgpu_backend.engine import cuda_graphs as G  # noqa: E402
+from mgpu_backend.protocol.native_forward import ForwardRequest  # noqa: E402
 from mgpu_backend.models.families import get_family  # noqa: E402
-from mgpu_backend.native import NativeEngine  # noqa: E402
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.stages.native import NativeEngine  # noqa: E402
+from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
 
 
 def request(engine: NativeEngine, batch: int, frames: int, height: int, width: int, dtype, audio_steps: int = 126,
@@ -98,7 +98,7 @@ def main():
     rows = []
     for family in args.families.split(","):
         if args.tiny:
-            from mgpu_backend.models.tiny import tiny_transformer_metadata
+            from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
             meta = tiny_transformer_metadata(family)
         else:

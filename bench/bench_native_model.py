@@ -34,9 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu_backend import forward as F  # noqa: E402
-from mgpu_backend.client import ControllerClient  # noqa: E402
-from mgpu_backend.models.tiny import make_tiny  # noqa: E402
+from mgpu_backend.protocol import native_forward as F  # noqa: E402
+from mgpu_backend.serving.client import ControllerClient  # noqa: E402
+from mgpu_backend.testing.tiny import make_tiny  # noqa: E402
 from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
 from mgpu_backend.protocol.job_requests import JobSpec  # noqa: E402
 from nodes import native_forward as NF  # noqa: E402

@@ -26,11 +26,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from mgpu_backend import latents as L  # noqa: E402
-from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
-from mgpu_backend.parallel.tiled import TiledTransformer  # noqa: E402
-from mgpu_backend.parallel.tiling import default_tiling  # noqa: E402
+from mgpu_backend.engine import latents as L  # noqa: E402
+from mgpu_backend.splits.exchange import Exchange  # noqa: E402
+from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.splits.tiled import TiledTransformer  # noqa: E402
+from mgpu_backend.splits.tiling import default_tiling  # noqa: E402
 
 PARITY_TOL = 1e-2
 

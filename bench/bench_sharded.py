@@ -2,7 +2,7 @@
 time against a replica's, and the step times predicted for consumer links.
 
 One rank of W is simulated: a fake process group (`torch.testing._internal.distributed.fake_pg`, rank 0 of W: the
-collectives return at once, moving no data) under the real loader and `parallel/sharding.py`, so the memory is that
+collectives return at once, moving no data) under the real loader and `weights/sharding.py`, so the memory is that
 rank's real memory: its shards, the replicated rest, one gathered layer at a time. The sequence-parallel exchange is
 `bench_memory.MemoryExchange` (the real exchange's buffers, on one GPU). Steps:
 
@@ -60,7 +60,7 @@ SIZES = ((121, 640, 352, 2), (121, 1280, 704, 1))
 def shape_meta(tiny: bool, connector_layers: int, variant: str = "2.3") -> dict:
     """`config.transformer` of the file: the tiny model's, or the 22B shape (2.3 and 2.5 share it; 2.5's flags differ:
     no video feed-forward bias, the keyframe embedding)."""
-    from mgpu_backend.models.tiny import tiny_transformer_metadata
+    from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
     meta = tiny_transformer_metadata(variant)
     if not tiny:
@@ -77,7 +77,7 @@ def write_file(path: str, tiny: bool, connector_layers: int, quantization: str |
     from bench_memory import fill_random_, quiet_diffusers
     from mgpu_backend.models import configs
     from mgpu_backend.models.quant import DEFAULT_CONVROT_GROUP
-    from mgpu_backend.models.tiny import write_transformer_file
+    from mgpu_backend.testing.tiny import write_transformer_file
 
     quiet_diffusers()
     meta = shape_meta(tiny, connector_layers, variant)
@@ -97,7 +97,7 @@ def write_file(path: str, tiny: bool, connector_layers: int, quantization: str |
 
 def _inputs(model, frames: int, width: int, height: int, batch: int, device, dtype) -> tuple[dict, int]:
     """Forward inputs of the 2.3 transformer at one size (processed text contexts: video 4096 / audio 2048 wide)."""
-    from mgpu_backend import latents as L
+    from mgpu_backend.engine import latents as L
 
     f, h, w = L.latent_frames(frames), height // 32, width // 32
     t, ta = f * h * w, L.audio_latent_frames(frames, 24.0)
@@ -134,8 +134,8 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
 
     from bench_memory import MemoryExchange, quiet_diffusers
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
-    from mgpu_backend.parallel.sharding import shard_transformer
+    from mgpu_backend.splits.sequence import SequenceParallelTransformer
+    from mgpu_backend.weights.sharding import shard_transformer
 
     quiet_diffusers()
     out: dict = {"world": world, "rows": []}
@@ -167,7 +167,7 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
         out["load_peak"] = torch.cuda.max_memory_allocated(device)
     model = c.transformer
     if world > 1:  # every block gathered once, as the native forward's loop does (`gathered`): the gathers alone
-        from mgpu_backend.parallel.sharding import gathered
+        from mgpu_backend.weights.sharding import gathered
 
         for _ in range(2):
             start = time.perf_counter()
@@ -227,7 +227,7 @@ def comm_seconds(unit_bytes: int, tokens: int, batch: int, world: int, gbps: flo
     - Ulysses all_to_all: q, k, v there and the output back per block: 4 × B·T·width·2 B × (W−1)/W / W;
     - tensor parallel instead (for comparison): 2 all-reduces of B·T·width·2 B per attention and feed-forward of
       the video stream (4 per block: self, text, a2v, ff; the audio stream's are ~1/40 of it) × 2(W−1)/W."""
-    from mgpu_backend.resources import sharded_gather_seconds
+    from mgpu_backend.protocol.resources import sharded_gather_seconds
 
     ring = (world - 1) / world
     fsdp = unit_bytes * ring

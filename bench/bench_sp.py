@@ -9,7 +9,7 @@ times are scaled to 48 blocks, the embeddings and output layers being negligible
 - reference: `ltx_core.model.transformer.LTXModel` (ltx-core 1.0.0, installed for the benchmark only) loaded with
   **the same weights** (our key map back to the original layout), so its output checks ours: relative L2 error of
   ours (eager and compiled) against it, bf16 tolerance 2e-2 (8 mantissa bits; different kernels and fusions);
-- ours compiled: `mgpu_backend.compile.compile_blocks` (regional, per block); the first call's time is the compile.
+- ours compiled: `mgpu_backend.engine.compile.compile_blocks` (regional, per block); the first call's time is the compile.
 Ratios: `overhead_vs_reference` = ours eager / reference eager (target ≤ 1.03), `compiled_vs_reference` = ours
 compiled / reference eager (target ≤ 0.90). The forwards compared are timed in turn (a, b, c, a, b, c, …; the
 compiled one with the reference again), so a change in the host's load does not favour one column — at 640×352 the
@@ -35,12 +35,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mgpu_backend import latents as L  # noqa: E402
-from mgpu_backend import compile as C  # noqa: E402
-from mgpu_backend import model_forward  # noqa: E402
+from mgpu_backend.engine import latents as L  # noqa: E402
+from mgpu_backend.engine import compile as C  # noqa: E402
+from mgpu_backend.engine import forward as model_forward  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
-from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.splits.exchange import Exchange  # noqa: E402
+from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
 
 LTX2_19B = {  # LTX-2.0 transformer metadata (DESIGN.md §2; diffusers' converter config)
     "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
@@ -60,8 +60,8 @@ LTX2_19B = {  # LTX-2.0 transformer metadata (DESIGN.md §2; diffusers' converte
 @torch.library.custom_op("ltx2_mgpu_bench::fake_exchange", mutates_args=())
 def fake_exchange(x: torch.Tensor) -> torch.Tensor:
     """Stands in for a collective (a copy), opaque to the compiler like the real `ltx2_mgpu::all_to_all`, and like it
-    a graph-segment boundary while a CUDA graph is captured (`mgpu_backend.cuda_graphs.collective`)."""
-    from mgpu_backend import cuda_graphs
+    a graph-segment boundary while a CUDA graph is captured (`mgpu_backend.engine.cuda_graphs.collective`)."""
+    from mgpu_backend.engine import cuda_graphs
 
     return cuda_graphs.collective(lambda out, inp: out.copy_(inp), x.contiguous(), torch.empty_like(x))
 
@@ -260,7 +260,7 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta = dict(LTX2_19B, num_layers=args.blocks)
     if args.tiny:
-        from mgpu_backend.models.tiny import tiny_transformer_metadata
+        from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
         meta = tiny_transformer_metadata("2.0")
         args.sizes, args.frames, args.graph_break_size = "128x64", 9, "128x64"

@@ -8,11 +8,11 @@ to 48 blocks when fewer are built), 121 frames, 126 audio tokens, 1024 text toke
   comfy-kitchen's fp8 linear (its CUDA per-tensor quantize + `torch._scaled_mm`, as ComfyUI runs fp8 files),
   `torch._int_mm` (int8, per-row activations) and comfy-kitchen's `int8_linear` (its int8 GEMM, the
   `int8_tensorwise` layout of ComfyUI's int8 files) — time ratio to bf16 and relative L2 error to an fp32 product.
-- `graphs`: the per-rank forward eager vs replayed from CUDA graphs (`mgpu_backend.cuda_graphs.call`) at each size
+- `graphs`: the per-rank forward eager vs replayed from CUDA graphs (`mgpu_backend.engine.cuda_graphs.call`) at each size
   and W: W = 1 is the whole forward; W > 1 one simulated rank of a W-way sequence-parallel split (T/W tokens, H/W
   heads in attention; every exchange a local copy standing in for the collective and — like the real exchanges —
   a graph-segment boundary, so the graphed figure is the piecewise replay); `--compile-at` adds the same with the
-  blocks compiled (`mgpu_backend.compile`).
+  blocks compiled (`mgpu_backend.engine.compile`).
 - `batched`: at W = 1, the 4 guidance passes of the LTX-2.0 recipe (cond, uncond, STG, isolated) as 4 forwards vs
   one batched forward (`LTX2Denoiser.batch`), eager and graphed; per-pass time ratio; max relative L2 between them.
 - `fp8`: the whole forward with the block Linears as `FP8Linear` (per-tensor e4m3 weights quantized from the bf16
@@ -41,14 +41,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_sp import LTX2_19B, SimulatedExchange, build_transformer, inputs, plain_diffusers, rel_l2  # noqa: E402
 
-from mgpu_backend import compile as C  # noqa: E402
-from mgpu_backend import cuda_graphs as G  # noqa: E402
-from mgpu_backend import model_forward  # noqa: E402
-from mgpu_backend import sampling as S  # noqa: E402
-from mgpu_backend.denoiser import LTX2Denoiser, TextContext  # noqa: E402
+from mgpu_backend.engine import compile as C  # noqa: E402
+from mgpu_backend.engine import cuda_graphs as G  # noqa: E402
+from mgpu_backend.engine import forward as model_forward  # noqa: E402
+from mgpu_backend.engine import sampling as S  # noqa: E402
+from mgpu_backend.engine.denoiser import LTX2Denoiser, TextContext  # noqa: E402
 from mgpu_backend.models import fp8 as F8  # noqa: E402
-from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.splits.exchange import Exchange  # noqa: E402
+from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -224,7 +224,7 @@ def bench_graphs(args, model, device, dtype, scale):
 # ---- batched passes --------------------------------------------------------------------------------------------------
 
 def bench_batched(args, model, device, dtype, scale):
-    from mgpu_backend import latents as L
+    from mgpu_backend.engine import latents as L
 
     print(f"\nguidance passes at W = 1: 4 forwards vs one batched forward (ms per step, ×{scale:g} to 48 blocks)")
     print(f"{'size':>10} {'tokens':>7} {'mode':>7} {'4 × B=1':>8} {'B=4':>8} {'per pass':>8} {'rel.L2':>8}")
@@ -364,7 +364,7 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta = dict(LTX2_19B, num_layers=args.blocks)
     if args.tiny:
-        from mgpu_backend.models.tiny import tiny_transformer_metadata
+        from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
         meta = tiny_transformer_metadata("2.0")
         args.sizes = args.batch_sizes = args.fp8_sizes = "128x64"

@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mgpu_backend import model_forward  # noqa: E402
-from mgpu_backend import latents as L  # noqa: E402
-from mgpu_backend.attention import LTX2AttnProcessor, use_processor  # noqa: E402
+from mgpu_backend.engine import forward as model_forward  # noqa: E402
+from mgpu_backend.engine import latents as L  # noqa: E402
+from mgpu_backend.engine.attention import LTX2AttnProcessor, use_processor  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
-from mgpu_backend.parallel.tiling import default_tiling, make_tiles, split_axis  # noqa: E402
+from mgpu_backend.splits.tiling import default_tiling, make_tiles, split_axis  # noqa: E402
 
 LTX2_19B = {  # LTX-2.0 transformer metadata (DESIGN.md §2; diffusers' converter config)
     "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
@@ -144,7 +144,7 @@ HEADER = (f"{'tiles':>5} {'tile (f×h×w)':>16} {'tokens':>8} {'ms':>9} {'tile/u
 def bench_transformer(args, device, dtype, grid, counts):
     meta = dict(LTX2_19B, num_layers=args.blocks)
     if args.tiny:
-        from mgpu_backend.models.tiny import tiny_transformer_metadata
+        from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
         meta = tiny_transformer_metadata("2.0")
     scale = 48 / meta["num_layers"]
@@ -175,7 +175,7 @@ def bench_transformer(args, device, dtype, grid, counts):
 
 def bench_decode(args, device, dtype, grid, counts):
     if args.tiny:
-        from mgpu_backend.models.tiny import tiny_vae_metadata
+        from mgpu_backend.testing.tiny import tiny_vae_metadata
 
         kwargs = configs.video_vae_kwargs(tiny_vae_metadata())
     else:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu_backend.client import ControllerClient  # noqa: E402
-from mgpu_backend.models.tiny import make_tiny  # noqa: E402
+from mgpu_backend.serving.client import ControllerClient  # noqa: E402
+from mgpu_backend.testing.tiny import make_tiny  # noqa: E402
 from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
 
 

@@ -8,14 +8,14 @@ the bf16 ones in place):
 - default: what the fleet runs — the denoiser's own forward (`model_forward.run`): guidance passes batched into one
   forward where `LTX2Denoiser.batch_choice` allows, forwards replayed from CUDA graphs (`cuda_graphs` "auto").
   Stages are timed whole (synchronize before and after the stage), forwards counted, not timed one by one.
-- compiled: default + the blocks compiled (`mgpu_backend.compile.compile_blocks`, as `--compile` does).
+- compiled: default + the blocks compiled (`mgpu_backend.engine.compile.compile_blocks`, as `--compile` does).
 - fp8: default with every transformer-block Linear an `FP8Linear` (per-tensor e4m3 weights quantized from the
   bf16 ones) and fp8 compute forced on (`fp8.set_compute("on")` + `check_compute`: a layer that cannot run the
   fp8 matmul raises instead of dequantizing).
 - int8: default with every block Linear an `Int8Linear` (ComfyUI's int8_tensorwise + ConvRot, per-row scales,
   quantized from the current weights; the FeedForward GELU folded in as ComfyUI does), computed W8A8 (`models.quant`).
 
-FLOPs (`FlopTally`): each forward's model FLOPs from the shapes (`mgpu_backend.parallel.flops.forward_flops`), per
+FLOPs (`FlopTally`): each forward's model FLOPs from the shapes (`mgpu_backend.engine.flops.forward_flops`), per
 batch row, with the row's own variant — the STG row without its blocks' self-attention, the isolated row without the
 cross-modal attention — read from the attention processors installed at the call (`denoiser._SkipSelfAttention`,
 `_PerItemSkip`, `_PerItemIsolation`). A batched forward executes a little more than that (each item's full
@@ -31,15 +31,15 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from mgpu_backend import compile as C
-from mgpu_backend import cuda_graphs as G
-from mgpu_backend import model_forward
-from mgpu_backend.denoiser import _PerItemIsolation, _PerItemSkip, _SkipSelfAttention
-from mgpu_backend.forward import ForwardOptions
+from mgpu_backend.engine import compile as C
+from mgpu_backend.engine import cuda_graphs as G
+from mgpu_backend.engine import forward as model_forward
+from mgpu_backend.engine.denoiser import _PerItemIsolation, _PerItemSkip, _SkipSelfAttention
+from mgpu_backend.protocol.native_forward import ForwardOptions
 from mgpu_backend.models import fp8 as F8
 from mgpu_backend.models import quant as Q
-from mgpu_backend.parallel import flops as FL
-from mgpu_backend.tokens import TokenBatch
+from mgpu_backend.engine import flops as FL
+from mgpu_backend.engine.tokens import TokenBatch
 
 MODES = ("eager", "default", "compiled", "fp8", "int8")
 MATMUL_DTYPE = {"fp8": "fp8", "int8": "int8"}  # the other modes: the compute dtype
@@ -173,7 +173,7 @@ def convert_blocks(transformer, kind: str, dtype: torch.dtype) -> int:
         raise ValueError("convert_blocks: the blocks already hold int8 layers (int8 runs last)")
     group = Q.DEFAULT_CONVROT_GROUP
     if any(m.in_features % group for _, m in found):
-        from mgpu_backend.models.tiny import TINY_CONVROT_GROUP
+        from mgpu_backend.testing.tiny import TINY_CONVROT_GROUP
 
         group = TINY_CONVROT_GROUP
     names = [name for name, _ in found]

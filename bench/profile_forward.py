@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_sp import LTX2_19B, build_reference, build_transformer, inputs  # noqa: E402
-from mgpu_backend import compile as C  # noqa: E402
-from mgpu_backend.parallel.exchange import Exchange  # noqa: E402
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.engine import compile as C  # noqa: E402
+from mgpu_backend.splits.exchange import Exchange  # noqa: E402
+from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
 
 
 def profile(fn, label: str, top: int) -> None:

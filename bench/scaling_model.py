@@ -1,4 +1,4 @@
-"""Predicted multi-GPU scaling of LTX-2 on NVLink H200s from the cost model (`mgpu_backend/parallel/cost.py`): stage 1
+"""Predicted multi-GPU scaling of LTX-2 on NVLink H200s from the cost model (`mgpu_backend/splits/cost.py`): stage 1
 (sequence parallel) and stage 2 (tiled data parallel) at W = 1, 2, 4, 8, with the measured numbers beside the
 predictions where they exist, the degree the engine picks, and its thresholds. No GPU needed.
 
@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mgpu_backend.parallel import cost as C  # noqa: E402
+from mgpu_backend.splits import cost as C  # noqa: E402
 
 WORLDS = (1, 2, 4, 8)
 # (label, latent grid F×H×W): 121 frames -> 16 latent frames; 17 frames -> 3
@@ -34,7 +34,7 @@ def main() -> None:
     m = C.DEFAULT
     ideal = dataclasses.replace(m, efficiency=0.8)
     print("Scaling model of one LTX-2 19B transformer forward (48 blocks, bf16, batch 1 = one guidance pass; a step "
-          "is 1-4 forwards, same ratios) — mgpu_backend/parallel/cost.py")
+          "is 1-4 forwards, same ratios) — mgpu_backend/splits/cost.py")
     print(f"GPU: H200. Link assumed: NVLink 4, 900 GB/s bidirectional per GPU = {m.link_GBps:.0f} GB/s per "
           f"direction; collectives at η = {m.efficiency:.2f} of it = {m.bandwidth / 1e9:.0f} GB/s effective (η fitted "
           f"to the real 2×H200 SP runs) + {m.latency * 1e6:.0f} µs each")
@@ -151,15 +151,15 @@ def main() -> None:
         own = max(m.compute(tokens, 1), m.host(1, 0)) * 1e3
         print(f"  one H200 tile forward {tokens:>6} tokens: model at the run's forward (matched at 32,640) {p:7.1f} "
               f"ms, measured {ms:7.1f} ms {_dev(p, ms)}; this forward: {own:7.1f} ms")
-    print("  compiled forward (mgpu_backend/compile.py, not modelled): compiled / eager reference " + ", ".join(
+    print("  compiled forward (mgpu_backend/engine/compile.py, not modelled): compiled / eager reference " + ", ".join(
         f"{r:.3f} at {t:,}" for t, r in C.SP_FORWARD_COMPILED_RATIO_H200.items()) + " tokens")
     graphed()
 
 
 def _stage_seconds(model, tokens: int, steps: int, passes: int, gpus: int) -> tuple[float, str]:
     """Predicted seconds of a stage's transformer forwards on `gpus` GPUs: the better of SP at its best degree (the
-    passes in turn) and the passes in parallel (`parallel/passes.py`), as the plan chooses."""
-    from mgpu_backend.parallel import passes as P
+    passes in turn) and the passes in parallel (`splits/passes.py`), as the plan chooses."""
+    from mgpu_backend.splits import passes as P
 
     degrees = [d for d in WORLDS if d <= gpus]
     d = C.best_sp_degree(tokens, degrees, model=model)

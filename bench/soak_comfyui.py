@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.soak_common import leaked_blocks, rss_kib, shm_blocks  # noqa: E402
-from mgpu_backend.resources import pack_processes  # noqa: E402
+from mgpu_backend.protocol.resources import pack_processes  # noqa: E402
 
 BASE_WORKFLOW = ROOT / "workflows" / "api" / "ltx2-mgpu-two-stage-t2v.json"
 MARK = "LTX2_MGPU_SOAK"
@@ -81,7 +81,7 @@ BAD_DEVICES = "512"  # issue 24: a width typed into the devices field
 def link_models(models: Path) -> dict[str, str]:
     """Write the tiny LTX-2.0 sets (seeds 0 and 1) in the cache folder and link them into the server's models
     folders: checkpoint (both seeds), Gemma, upscaler, distilled LoRA (seed 0). Returns name -> file."""
-    from mgpu_backend.models.tiny import make_tiny
+    from mgpu_backend.testing.tiny import make_tiny
 
     cache = Path(os.environ.get("LTX2_MGPU_CACHE") or Path.home() / ".cache" / "ltx2-multigpu")
     seed0 = make_tiny(cache / "soak-tiny-2.0-seed0", "2.0", seed=0)
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # stop everything; then count what is left
     server.stop()
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
     from mgpu_backend.protocol.errors import ControllerError
     try:
         c = ControllerClient(runtime, start=False)

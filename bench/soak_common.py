@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from mgpu_backend.frames import SHM_DIR
+from mgpu_backend.protocol.frames import SHM_DIR
 
 # `frames.send_frames` names its blocks ltx2mgpu-<writer pid>-<ns>
 SHM_BLOCK = re.compile(r"ltx2mgpu-(\d+)-")

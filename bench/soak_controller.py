@@ -47,8 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.soak_common import alive, descendants, leaked_blocks, rss_kib, shm_blocks  # noqa: E402
-from mgpu_backend.client import ControllerClient  # noqa: E402
-from mgpu_backend.models.tiny import make_tiny  # noqa: E402
+from mgpu_backend.serving.client import ControllerClient  # noqa: E402
+from mgpu_backend.testing.tiny import make_tiny  # noqa: E402
 from mgpu_backend.protocol.errors import ControllerError, FleetBusy, JobCancelled  # noqa: E402
 from mgpu_backend.protocol.fleet_config import FleetConfig  # noqa: E402
 from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest  # noqa: E402

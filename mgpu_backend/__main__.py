@@ -1,6 +1,6 @@
-"""`python -m mgpu_backend …`: see `mgpu_backend.cli`."""
+"""`python -m mgpu_backend …`: see `mgpu_backend.serving.cli`."""
 import sys
 
-from .cli import main
+from .serving.cli import main
 
 sys.exit(main())

@@ -44,7 +44,7 @@ def check_handle(handle: Any) -> FleetHandle:
 def client(start: bool = True):
     """A connection to the controller (started with ComfyUI's Python when none answers). The runtime directory is
     `protocol.transport.default_runtime_dir()` ($LTX2_MGPU_RUNTIME_DIR overrides)."""
-    from ..mgpu_backend.client import ControllerClient
+    from ..mgpu_backend.serving.client import ControllerClient
 
     return ControllerClient(start=start)
 

@@ -45,7 +45,7 @@ class DistributedDecodeMGPU(io.ComfyNode):
                                     tiles=tile_config(tiles_height, tiles_width, overlap), overlap=int(overlap))
             result = run_job(fleet, "decode", request, node_id=cls.hidden.unique_id, what=NAME)
             note = (result.report or {}).get("auto_tiling")
-            if note:  # the diffusion decoder would not have fit: tiled automatically (parallel/decode.py)
+            if note:  # the diffusion decoder would not have fit: tiled automatically (splits/decode.py)
                 log.warning("%s: %s", NAME, note)
             images = frames_to_image(result.frames)
             audio = waveform_to_audio(result.audio, result.sample_rate)

@@ -8,7 +8,7 @@ from comfy_api.latest import io, ui
 
 from ..mgpu_backend.protocol.errors import ControllerError
 from ..mgpu_backend.protocol.fleet_config import INT8_COMPUTE_MODES, WEIGHT_MODES, FleetConfig, FleetHandle
-from ..mgpu_backend.resources import LINKS_GBPS, sharded_gather_seconds
+from ..mgpu_backend.protocol.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
 
 NONE = "none"
@@ -228,7 +228,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
     def execute(cls, checkpoint, gemma, upscaler, devices, world_size, weight_dtype, video_vae=NONE,
                 audio_vae=NONE, text_projection=NONE, sp_degree=0, compile=False,
                 weights="replicated", int8_compute="auto") -> io.NodeOutput:
-        from ..mgpu_backend.client import parse_devices
+        from ..mgpu_backend.serving.client import parse_devices
 
         with guard("Load Checkpoint (MGPU)"):
             devs = parse_devices(devices, world_size or None)
@@ -307,7 +307,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, unet_name, devices, world_size, weights="replicated", int8_compute="auto") -> io.NodeOutput:
-        from ..mgpu_backend.client import parse_devices
+        from ..mgpu_backend.serving.client import parse_devices
 
         what = "Load Diffusion Model (MGPU)"
         with guard(what):

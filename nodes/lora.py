@@ -55,7 +55,7 @@ class LoRAMGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, lora_name, strength, loras=None) -> io.NodeOutput:
-        from ..mgpu_backend.stage_params import check_lora_file
+        from ..mgpu_backend.protocol.stage_params import check_lora_file
 
         with guard(NAME):
             chain = list(loras_payload(loras))

@@ -1,4 +1,4 @@
-"""ComfyUI's LTX-AV forward arguments -> the engine's `ForwardRequest` (mgpu_backend/forward.py), and the reply back.
+"""ComfyUI's LTX-AV forward arguments -> the engine's `ForwardRequest` (mgpu_backend/protocol/native_forward.py), and the reply back.
 
 Importable without ComfyUI: plain tensors and dicts in, contract objects out (tests build the arguments by hand the
 way ComfyUI 0.33's `model_base.LTXAV._apply_model` / `LTXAVModel.forward` pass them; NATIVE-MODEL.md lists them).
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 try:  # inside ComfyUI the pack is one package (mangled name); tests import `nodes` and `mgpu_backend` top-level
-    from ..mgpu_backend import forward as F
+    from ..mgpu_backend.protocol import native_forward as F
 except ImportError:
-    from mgpu_backend import forward as F
+    from mgpu_backend.protocol import native_forward as F
 from .native_patches import refuse_transformer_options
 from .native_types import UnsupportedInput
 
@@ -120,7 +120,7 @@ def build_request(x, timestep, context, attention_mask=None, frame_rate=25, tran
     send_context = not keys or not all(k in known_contexts for k in keys)
     denoise_mask = kwargs.get("denoise_mask")
     if keyframe_idxs is None or denoise_mask is None or not bool((denoise_mask < 0).any()):
-        denoise_mask = None  # the forward reads only its −1 cells, and only with guides (forward.py)
+        denoise_mask = None  # the forward reads only its −1 cells, and only with guides (protocol/native_forward.py)
     ref_audio = kwargs.get("ref_audio")
     ref_tokens = None
     if ref_audio is not None:

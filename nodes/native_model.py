@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..mgpu_backend import forward as F
+from ..mgpu_backend.protocol import native_forward as F
 from . import native_forward as NF
 from .native_patches import refuse_core_multigpu, refuse_patcher_features
 from .native_types import UnsupportedInput

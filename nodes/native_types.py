@@ -303,10 +303,10 @@ def guides_payload(pos: Conditioning, neg: Conditioning | None,
     make them). `video_mask` (`LatentParts.video_mask`): sent as the forward's `denoise_mask` when it has IC-LoRA's
     −1 cells (their tokens are dropped). Raises UnsupportedInput naming what does not fit."""
     try:  # inside ComfyUI the pack is one package (mangled name); tests import `nodes` and `mgpu_backend` top-level
-        from ..mgpu_backend import forward as F
+        from ..mgpu_backend.protocol import native_forward as F
         from ..mgpu_backend.protocol.stage_requests import ComfyGuides
     except ImportError:
-        from mgpu_backend import forward as F
+        from mgpu_backend.protocol import native_forward as F
         from mgpu_backend.protocol.stage_requests import ComfyGuides
 
     def of(c):

@@ -53,7 +53,7 @@ def make_noise(noise, latent: dict, video: torch.Tensor, audio: torch.Tensor, ne
 
 
 def guidance(cfg: float, stg: float, rescale: float, modality: float):
-    from ..mgpu_backend.stage_params import GuidanceParams
+    from ..mgpu_backend.protocol.stage_params import GuidanceParams
 
     # stg_blocks is resolved on the fleet (payload "stg_blocks"); (0,) only satisfies the constructor's check
     return GuidanceParams(cfg_scale=float(cfg), stg_scale=float(stg), stg_blocks=(0,), rescale=float(rescale),
@@ -120,7 +120,7 @@ class SPSamplerMGPU(io.ComfyNode):
     def execute(cls, fleet, positive, latent, noise, steps, sampler, video_cfg, video_stg, video_rescale,
                 video_modality, audio_cfg, audio_stg, audio_rescale, audio_modality, stg_blocks, negative=None,
                 sigmas=None, loras=None) -> io.NodeOutput:
-        from ..mgpu_backend import stage_params as S
+        from ..mgpu_backend.protocol import stage_params as S
 
         with guard(NAME):
             parts = split_latent(latent)

@@ -15,7 +15,7 @@ from .native_types import (audio_frames_for, comfy_nested, frame_rate_of, join_l
 
 NAME = "TDP Upscale (MGPU)"
 AUDIO_FROZEN, AUDIO_DENOISE = "frozen stage-1 audio (reference)", "re-denoise with the video (templates)"
-DEFAULT_MAX_FIRST_SIGMA = 0.7  # = mgpu_backend.parallel.tiled.DEFAULT_MAX_FIRST_SIGMA (not imported at start-up)
+DEFAULT_MAX_FIRST_SIGMA = 0.7  # = mgpu_backend.splits.tiled.DEFAULT_MAX_FIRST_SIGMA (not imported at start-up)
 
 
 def tile_config(tiles_height: int, tiles_width: int, overlap: int):
@@ -23,7 +23,7 @@ def tile_config(tiles_height: int, tiles_width: int, overlap: int):
     axis means 1 tile there)."""
     if tiles_height == 0 and tiles_width == 0:
         return None
-    from ..mgpu_backend.stage_params import TileCountConfig
+    from ..mgpu_backend.protocol.stage_params import TileCountConfig
 
     return TileCountConfig.spatial(max(1, int(tiles_height)), max(1, int(tiles_width)), int(overlap))
 
@@ -85,7 +85,7 @@ class TDPUpscaleMGPU(io.ComfyNode):
     def execute(cls, fleet, latent, positive, noise, upscale, tiles_height, tiles_width, overlap,
                 sigmas=None, loras=None, max_first_sigma=DEFAULT_MAX_FIRST_SIGMA,
                 audio=AUDIO_FROZEN) -> io.NodeOutput:
-        from ..mgpu_backend import stage_params as S
+        from ..mgpu_backend.protocol import stage_params as S
 
         with guard(NAME):
             if audio not in (AUDIO_FROZEN, AUDIO_DENOISE):

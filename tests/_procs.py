@@ -50,7 +50,7 @@ def wait_gone(pids, timeout: float = 30.0) -> bool:
 def stop_controller(runtime) -> None:
     """Stop the controller of the runtime directory `runtime` if one answers there, and make sure it and its workers
     are gone (killed if a stop does not end them)."""
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
     from mgpu_backend.protocol.errors import ControllerError
 
     pids = []
@@ -69,7 +69,7 @@ def stop_controller(runtime) -> None:
 
 def bound_child(parent_pid: int, watch) -> None:
     """A spawned process bound to its parent as a worker is (`worker.bind_to_parent`), then idle."""
-    from mgpu_backend.worker import bind_to_parent
+    from mgpu_backend.serving.worker import bind_to_parent
 
     bind_to_parent(parent_pid, watch)
     time.sleep(600)

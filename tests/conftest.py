@@ -1,6 +1,6 @@
 """Session fixtures shared by the loader / fp8 / LoRA / validation tests.
 
-The tiny models are written once per session by the project's own writer (`mgpu_backend.models.tiny`) in the real
+The tiny models are written once per session by the project's own writer (`mgpu_backend.testing.tiny`) in the real
 single-file layout, for both model variants ("2.0" and "2.3"). `make_tiny` writes, per variant, a bf16 checkpoint
 and its fp8 twin built from the SAME modules (`build_tiny_modules(variant, seed=0)`), so `tiny_modules` holds the
 weights both files were written from.
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend.models.tiny import build_tiny_modules, make_tiny
-from mgpu_backend.resources import pack_processes
+from mgpu_backend.testing.tiny import build_tiny_modules, make_tiny
+from mgpu_backend.protocol.resources import pack_processes
 
 torch.set_num_threads(1)
 
@@ -64,7 +64,7 @@ def seed() -> Callable[[int], torch.Generator]:
 # are told from those of another session running beside it
 SESSION_MARK = "LTX2_MGPU_TEST_SESSION"
 SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "ltx2mgpu-"  # = mgpu_backend.frames.BLOCK_PREFIX + "<writer pid>-<ns>"
+SHM_PREFIX = "ltx2mgpu-"  # = mgpu_backend.protocol.frames.BLOCK_PREFIX + "<writer pid>-<ns>"
 # a controller told to stop exits just after it answers: wait this long before blaming it
 LEFTOVER_GRACE_S = float(os.environ.get("LTX2_MGPU_TEST_LEFTOVER_GRACE_S", "20"))
 

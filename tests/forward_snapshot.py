@@ -31,6 +31,10 @@ for p in (ROOT, HERE):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+import old_layout  # noqa: E402  (copied beside this file in the old tree too)
+
+old_layout.install(ROOT)
+
 import stage_snapshot  # noqa: E402  (copied beside this file in the old tree too)
 
 torch.set_num_threads(1)
@@ -42,7 +46,7 @@ def _native_requests() -> dict:
     does not depend on a test module that may change)."""
     from safetensors import safe_open
 
-    from mgpu_backend.forward import ForwardOptions, ForwardRequest, GuideAttentionEntry
+    from mgpu_backend.protocol.native_forward import ForwardOptions, ForwardRequest, GuideAttentionEntry
 
     with safe_open(str(GOLDEN), "pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
@@ -69,12 +73,12 @@ def _native_requests() -> dict:
 
 def _native(rank: int, world: int, paths23: dict, guidance_parallel: str) -> dict:
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.native import NativeEngine
+    from mgpu_backend.stages.native import NativeEngine
 
     components = load_components(paths23["checkpoint"], dtype=torch.float32)
     plan = None
     if world > 1:
-        from mgpu_backend.parallel.plan import build_plan
+        from mgpu_backend.splits.plan import build_plan
 
         plan = build_plan(components.transformer, rank, world, torch.device("cpu"),
                           guidance_parallel=guidance_parallel)
@@ -91,15 +95,15 @@ def _native(rank: int, world: int, paths23: dict, guidance_parallel: str) -> dic
 def _comfy_samples(rank: int, world: int, paths20: dict) -> dict:
     from types import SimpleNamespace
 
-    from mgpu_backend.jobs.stages import run_sample
+    from mgpu_backend.serving.jobs.stages import run_sample
     from mgpu_backend.models.gemma import load_gemma
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     components = load_components(paths20["checkpoint"], dtype=torch.float32)
     plan = None
     if world > 1:
-        from mgpu_backend.parallel.plan import build_plan
+        from mgpu_backend.splits.plan import build_plan
 
         plan = build_plan(components.transformer, rank, world, torch.device("cpu"), guidance_parallel="off")
     pipe = TwoStagePipeline(components, load_gemma(paths20["gemma"]), plan=plan)
@@ -118,10 +122,10 @@ def _comfy_samples(rank: int, world: int, paths20: dict) -> dict:
 
 def _ltx25(rank: int, world: int) -> dict:
     """One reference denoiser forward of the tiny LTX-2.5 transformer (keyframe marker), 9 video tokens."""
-    from mgpu_backend import latents as L
-    from mgpu_backend.denoiser import LTX2Denoiser, TextContext
-    from mgpu_backend.models.tiny import build_tiny_modules
-    from mgpu_backend.sampling import GuidancePass, ModelInputs
+    from mgpu_backend.engine import latents as L
+    from mgpu_backend.engine.denoiser import LTX2Denoiser, TextContext
+    from mgpu_backend.testing.tiny import build_tiny_modules
+    from mgpu_backend.engine.sampling import GuidancePass, ModelInputs
 
     tr = build_tiny_modules("2.5", 0)["transformer"].eval()
     f, h, w, a = 3, 1, 3, 5
@@ -146,14 +150,14 @@ def _ltx25(rank: int, world: int) -> dict:
             out[key] = {"video": v, "audio": au}
 
     if world == 1:
-        from mgpu_backend.parallel.tiled import TiledTransformer
-        from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig
+        from mgpu_backend.splits.tiled import TiledTransformer
+        from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig
 
         run("ltx25.one", None)
         run("ltx25.tiled", TiledTransformer(tr, (f, h, w), TileCountConfig(frames=DimensionTilingConfig(2, 1))))
     else:
-        from mgpu_backend.parallel.exchange import Exchange
-        from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+        from mgpu_backend.splits.exchange import Exchange
+        from mgpu_backend.splits.sequence import SequenceParallelTransformer
 
         import torch.distributed as dist
         run("ltx25.sp", SequenceParallelTransformer(tr, Exchange(dist.group.WORLD, world, rank)))
@@ -193,7 +197,7 @@ def _spawn(world: int, paths: dict, mode: str) -> dict:
 
 
 def snapshot(tiny: Path, stages: bool = True) -> dict:
-    from mgpu_backend.models.tiny import make_tiny
+    from mgpu_backend.testing.tiny import make_tiny
 
     out = stage_snapshot.snapshot(tiny) if stages else {}  # writes the 2.0 files into `tiny`
     paths = {"2.0": {k: str(v) for k, v in make_tiny(tiny, "2.0", seed=0).items()}}

@@ -23,9 +23,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import old_layout  # noqa: E402  (copied beside this file in the old tree too)
+
+old_layout.install(ROOT)
+
 torch.set_num_threads(1)
 
-from mgpu_backend import sampling as S
+from mgpu_backend.engine import sampling as S
 
 TYPED = hasattr(S, "ModalityStream")
 GRID = {"video": [True, False], "audio": [True, False], "vmask": [0, 0.3], "mask3": [False, True],

@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import old_layout  # noqa: E402  (copied beside this file in the old tree too)
+
+old_layout.install(ROOT)
+
 torch.set_num_threads(1)
 
 SIZE = dict(width=128, height=128, frames=9, fps=24.0, steps=3)
@@ -38,7 +42,7 @@ def _image(path: Path) -> str:
 
 
 def _requests(paths: dict, image: str) -> dict:
-    from mgpu_backend.pipelines import GenerateRequest
+    from mgpu_backend.stages.pipelines import GenerateRequest
 
     lora = (str(paths["distilled_lora"]), 1.0)
     return {
@@ -49,7 +53,7 @@ def _requests(paths: dict, image: str) -> dict:
 
 
 def _payloads() -> dict:
-    from mgpu_backend.sampling import GuidanceParams
+    from mgpu_backend.engine.sampling import GuidanceParams
 
     g = torch.Generator().manual_seed(9)
     f, h, w, t = 2, 3, 3, 8
@@ -101,15 +105,15 @@ def _run(rank: int, world: int, paths: dict, image: str, guidance_parallel: str)
     """Everything on this rank (world 1: one process, no plan)."""
     from types import SimpleNamespace
 
-    from mgpu_backend.jobs.stages import run_sample
+    from mgpu_backend.serving.jobs.stages import run_sample
     from mgpu_backend.models.gemma import load_gemma
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
     plan = None
     if world > 1:
-        from mgpu_backend.parallel.plan import build_plan
+        from mgpu_backend.splits.plan import build_plan
 
         plan = build_plan(components.transformer, rank, world, torch.device("cpu"),
                           guidance_parallel=guidance_parallel)
@@ -156,7 +160,7 @@ def _spawn(world: int, paths: dict, image: str, mode: str) -> dict:
 
 
 def snapshot(tiny: Path) -> dict:
-    from mgpu_backend.models.tiny import make_tiny
+    from mgpu_backend.testing.tiny import make_tiny
 
     tiny.mkdir(parents=True, exist_ok=True)
     paths = {k: str(v) for k, v in make_tiny(tiny, "2.0", seed=0).items()}

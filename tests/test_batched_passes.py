@@ -14,11 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from mgpu_backend import sampling as S
-from mgpu_backend.denoiser import LTX2Denoiser, text_contexts
-from mgpu_backend import latents as L
+from mgpu_backend.engine import sampling as S
+from mgpu_backend.engine.denoiser import LTX2Denoiser, text_contexts
+from mgpu_backend.engine import latents as L
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.parallel.passes import PassParallel
+from mgpu_backend.splits.passes import PassParallel
 
 torch.set_num_threads(1)
 TOL = 1e-5
@@ -133,8 +133,8 @@ def test_auto_does_not_batch_on_cpu_and_refusals_name_the_reason(setup, tiny_dir
 def test_batched_under_the_sequence_parallel_wrapper(setup):
     """The batch through `SequenceParallelTransformer` (W = 1 here; W = 2 on gloo below): the per-item wrappers of
     the STG and isolation passes must survive the wrapper's own check that its processors are installed."""
-    from mgpu_backend.parallel.exchange import Exchange
-    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+    from mgpu_backend.splits.exchange import Exchange
+    from mgpu_backend.splits.sequence import SequenceParallelTransformer
 
     denoiser, inputs, _ = setup
     plain = denoiser("on")
@@ -151,8 +151,8 @@ def test_batched_under_the_sequence_parallel_wrapper(setup):
 def _sp_rank(rank: int, world: int, checkpoint: str) -> list:
     import torch.distributed as dist
 
-    from mgpu_backend.parallel.exchange import Exchange
-    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+    from mgpu_backend.splits.exchange import Exchange
+    from mgpu_backend.splits.sequence import SequenceParallelTransformer
 
     components = load_components(checkpoint, dtype=torch.float32)
     transformer = components.transformer

@@ -1,5 +1,5 @@
 """`bench/bench_e2e.py --tiny` runs on CPU in every mode that can (issue 27): the modes that cannot are refused by name
-(never replaced by another mode), and the FLOP column holds the counts of `parallel/flops.py` for the stage's real
+(never replaced by another mode), and the FLOP column holds the counts of `engine/flops.py` for the stage's real
 token counts — recomputed here from the tiny model's config and the latent sizes, independently of the bench."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_backend import latents as L
+from mgpu_backend.engine import latents as L
 from mgpu_backend.models import configs
-from mgpu_backend.models.tiny import tiny_transformer_metadata
-from mgpu_backend.parallel import flops as F
+from mgpu_backend.testing.tiny import tiny_transformer_metadata
+from mgpu_backend.engine import flops as F
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ Needs a running ComfyUI with this pack in `custom_nodes/` and the server's model
     LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python -m mgpu_backend stop; bash ../shared/tools/comfyui-harness.sh stop
 
 Skipped unless COMFYUI_URL is set and the server answers. The module fixture writes the tiny models
-(`mgpu_backend.models.tiny.make_tiny`, LTX-2.0 layout) and links them into `$COMFYUI_DIR/models/` (or
+(`mgpu_backend.testing.tiny.make_tiny`, LTX-2.0 layout) and links them into `$COMFYUI_DIR/models/` (or
 `$COMFYUI_MODELS_DIR`) under the names the workflows use. Results are read back through `/history` and `/view`;
 progress through ComfyUI's websocket (a minimal client on the standard library).
 """
@@ -181,7 +181,7 @@ def _tiny_dir() -> dict[str, str]:
     import shutil
     import tempfile
 
-    from mgpu_backend.models.tiny import make_tiny
+    from mgpu_backend.testing.tiny import make_tiny
 
     root = Path(os.environ.get("LTX2_MGPU_CACHE") or Path.home() / ".cache" / "ltx2-multigpu")
     final = root / "comfyui-tiny-2.0-seed0"
@@ -259,7 +259,7 @@ def test_workflows_are_api_format():
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
 def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, example_image, path, tmp_path):
-    from mgpu_backend.media import probe_mp4
+    from mgpu_backend.stages.media import probe_mp4
 
     wf = load(path)
     # a seed of its own, so that a server that already ran this graph computes it again (ComfyUI caches outputs)
@@ -358,7 +358,7 @@ def test_sp_degree_change_keeps_the_fleet(server, tiny_models):
     sp_degree 1 runs on the same worker processes (same generation), which opened no file again."""
     if not os.environ.get("LTX2_MGPU_RUNTIME_DIR"):
         pytest.skip("set LTX2_MGPU_RUNTIME_DIR to the server's controller directory to find the worker PIDs")
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
 
     def fleet():
         c = ControllerClient(start=False)
@@ -429,7 +429,7 @@ def _fleet_pids():
     directory (LTX2_MGPU_RUNTIME_DIR as given to the server); else None."""
     if not os.environ.get("LTX2_MGPU_RUNTIME_DIR"):
         return None
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
 
     c = ControllerClient(start=False)
     try:
@@ -483,7 +483,7 @@ def _test_nodes_or_skip():
 
 
 def _mp4_of(entry: dict, tmp_path: Path) -> dict:
-    from mgpu_backend.media import probe_mp4
+    from mgpu_backend.stages.media import probe_mp4
 
     assert entry["status"]["status_str"] == "success", entry["status"]
     videos = [item for out in entry["outputs"].values() for item in out.get("images", [])
@@ -575,7 +575,7 @@ def test_native_model_loaders_have_the_documented_sockets(server):
 
 def _engine_has_forward_job() -> bool:
     try:
-        from mgpu_backend.jobs import load_all
+        from mgpu_backend.serving.jobs import load_all
 
         return "forward" in load_all()
     except Exception:  # noqa: BLE001
@@ -652,7 +652,7 @@ def test_mgpu_model_equals_native_model_through_prompt(server, tiny_models, sour
     again equals native (the LoRA was removed on the fleet). Measured ≤ 5e-6 (max |latent| ~6)."""
     _test_nodes_or_skip()
     if not _engine_has_forward_job():
-        pytest.skip("the engine has no 'forward' job yet (mgpu_backend/jobs/forward.py)")
+        pytest.skip("the engine has no 'forward' job yet (mgpu_backend/serving/jobs/forward.py)")
     seed = int.from_bytes(os.urandom(4), "little")
     kw = {"lora": 0.5, "guidance": True} if variant == "lora_stg_modality" else {}
     tag = uuid.uuid4().hex[:8]

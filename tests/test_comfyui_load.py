@@ -49,11 +49,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import latents as L
-from mgpu_backend.denoiser import LTX2Denoiser, text_contexts
+from mgpu_backend.engine import latents as L
+from mgpu_backend.engine.denoiser import LTX2Denoiser, text_contexts
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.models.tiny import build_tiny_modules, tiny_transformer_metadata, write_tiny_checkpoint
-from mgpu_backend.sampling import TIMESTEP_SCALE, GuidancePass, ModelInputs
+from mgpu_backend.testing.tiny import build_tiny_modules, tiny_transformer_metadata, write_tiny_checkpoint
+from mgpu_backend.engine.sampling import TIMESTEP_SCALE, GuidancePass, ModelInputs
 
 pytestmark = pytest.mark.comfyui
 
@@ -329,8 +329,8 @@ def _our_comfy_forward(run: dict, eps: float | None = None):
     Sampler's, semantics "comfyui") on the driver's inputs -> (video velocity [1,128,F,H,W], audio [1,8,T,16]).
     `eps` None: ComfyUI's q/k eps (1e-5) as the engine runs it; else that eps in the connectors and the transformer
     (the driver's "scaled_eps" run)."""
-    from mgpu_backend.forward import ForwardRequest, PreprocessTextRequest
-    from mgpu_backend.native import NativeEngine, comfy_qk_eps, qk_norms
+    from mgpu_backend.protocol.native_forward import ForwardRequest, PreprocessTextRequest
+    from mgpu_backend.stages.native import NativeEngine, comfy_qk_eps, qk_norms
 
     comps, inputs = run["ours"], run["inputs"]
     engine = NativeEngine(comps, None, torch.float32, "cpu")

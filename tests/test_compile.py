@@ -1,4 +1,4 @@
-"""Regional `torch.compile` (mgpu_backend/compile.py) on real gloo ranks: the compiled sequence-parallel forward
+"""Regional `torch.compile` (mgpu_backend/engine/compile.py) on real gloo ranks: the compiled sequence-parallel forward
 equals the eager one, and the exchanges (custom ops `ltx2_mgpu::all_to_all` / `all_gather`) stay inside the
 compiled block graphs — dynamo records no graph break.
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from mgpu_backend import compile as C
-from mgpu_backend.denoiser import skip_self_attention
-from mgpu_backend.parallel.exchange import Exchange
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+from mgpu_backend.engine import compile as C
+from mgpu_backend.engine.denoiser import skip_self_attention
+from mgpu_backend.splits.exchange import Exchange
+from mgpu_backend.splits.sequence import SequenceParallelTransformer
 from test_sequence_parallel import _contexts, _forward, _forward_kwargs, _load
 
 WORLD = 2
@@ -45,7 +45,7 @@ def _compile_rank(rank: int, world: int, files: dict) -> dict:
     out["graph_breaks"] = C.graph_breaks()
     # the fleet's policy switch (a job with compile off, then on again) on this resident transformer
     from mgpu_backend.protocol.fleet_config import FleetPolicy
-    from mgpu_backend.worker import WorkerState
+    from mgpu_backend.serving.worker import WorkerState
 
     blocks = components.transformer.transformer_blocks
     state = WorkerState.__new__(WorkerState)  # a rank's state without the fleet around it: no plan, just the model

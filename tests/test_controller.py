@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend.client import ControllerClient
+from mgpu_backend.serving.client import ControllerClient
 from mgpu_backend.protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetIdentity, FleetPlan, FleetPolicy
 from mgpu_backend.protocol.job_requests import FaultSpec, FramesRequest, JobSpec, NoopRequest
@@ -231,12 +231,12 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
 
 
 def test_the_plan_in_the_handle_follows_the_fleets_heads_and_the_policy():
-    """`Fleet.plan_for`: the degree rule (`parallel/degrees.py`) applied to the heads the workers reported — what
+    """`Fleet.plan_for`: the degree rule (`splits/degrees.py`) applied to the heads the workers reported — what
     Load Checkpoint (MGPU) shows. 8 heads on 3 ranks: degree 2 (3 does not divide 8); an explicit degree is the
     policy's; a fleet without a parallel plan runs every stage whole."""
     from types import SimpleNamespace
 
-    from mgpu_backend.fleet import Fleet
+    from mgpu_backend.serving.fleet import Fleet
 
     fleet = SimpleNamespace(heads=8, world_size=3, identity=SimpleNamespace(sequence_parallel=True))
     assert Fleet.plan_for(fleet, FleetPolicy()) == FleetPlan(3, 8, 2, (1, 2))
@@ -294,7 +294,7 @@ def test_the_controller_validates_a_checkpoint_without_diffusers(tiny_dir):
     files = tiny_dir["2.0"]
     code = textwrap.dedent(f"""
         import sys
-        from mgpu_backend.controller import check_config
+        from mgpu_backend.serving.controller import check_config
         from mgpu_backend.protocol.errors import ControllerError
         from mgpu_backend.protocol.fleet_config import FleetConfig
         config = dict(devices=("cpu",) * 4, checkpoint={str(files["checkpoint"])!r}, gemma=None)
@@ -479,7 +479,7 @@ MANGLED_CLIENT = textwrap.dedent("""
     pack = importlib.util.module_from_spec(spec)
     sys.modules[name] = pack
     spec.loader.exec_module(pack)
-    client_mod = importlib.import_module(name + ".mgpu_backend.client")
+    client_mod = importlib.import_module(name + ".mgpu_backend.serving.client")
     fleet_config = importlib.import_module(name + ".mgpu_backend.protocol.fleet_config")
     job_requests = importlib.import_module(name + ".mgpu_backend.protocol.job_requests")
     client = client_mod.ControllerClient(runtime_dir=runtime)
@@ -544,7 +544,7 @@ def test_controller_starts_outside_the_repo_from_a_mangled_import(tiny_dir, tmp_
 def test_frame_hand_back_round_trip(monkeypatch, shm_dir, shape):
     """`send_frames` -> `receive_frames` gives the same values in ordinary (writable) memory and frees the block —
     through a /dev/shm file (Linux) and through `SharedMemory` where that directory does not exist."""
-    from mgpu_backend import frames as F
+    from mgpu_backend.protocol import frames as F
 
     monkeypatch.setattr(F, "SHM_DIR", shm_dir)
     before = set(os.listdir("/dev/shm"))

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend.client import ControllerClient
+from mgpu_backend.serving.client import ControllerClient
 from mgpu_backend.protocol.errors import ControllerError, FleetBusy
 from mgpu_backend.protocol.job_requests import EncodeTextRequest, JobSpec, NoopRequest
 from mgpu_backend.protocol.job_results import FleetDescription, FleetTeardown, ProcessInfo
@@ -309,8 +309,8 @@ def test_stage_jobs_name_their_stage_and_refuse_nan_inputs(ctl, handle):
 
 
 def test_denoise_loop_refuses_a_start_latent_that_is_already_nan():
-    from mgpu_backend import sampling as S
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.engine import sampling as S
+    from mgpu_backend.protocol.validation import ValidationError
 
     video = torch.zeros(1, 4, 128)
     video[0, 1, 2] = float("nan")
@@ -334,7 +334,7 @@ def test_unknown_kind_reads_without_a_class_name(ctl, handle):
 
 def test_a_prompt_over_1024_tokens_is_refused_naming_its_length(ctl, handle, tiny_dir):
     from mgpu_backend.models.gemma import MAX_PROMPT_TOKENS, load_gemma
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.protocol.validation import ValidationError
 
     gemma = load_gemma(tiny_dir["2.0"]["gemma"])
     word = "fox runs "
@@ -390,8 +390,8 @@ def test_a_torn_down_fleet_unlinks_the_frames_no_client_was_handed(tmp_path, mon
     import collections
     from types import SimpleNamespace
 
-    from mgpu_backend import fleet as fleet_module
-    from mgpu_backend import frames as frames_module
+    from mgpu_backend.serving import fleet as fleet_module
+    from mgpu_backend.protocol import frames as frames_module
 
     monkeypatch.setattr(frames_module, "SHM_DIR", str(tmp_path))
     for name in ("ltx2mgpu-101-1", "ltx2mgpu-101-2", "ltx2mgpu-102-3", "ltx2mgpu-1011-4", "other"):
@@ -480,7 +480,7 @@ def test_shutdown_fleet_and_stop_answer_what_they_ended_typed(tiny_dir):
 
 def test_cli_refuses_bad_values_before_starting_anything(tiny_dir, tmp_path, monkeypatch, capsys):
     """In this process (`cli.main`): each refusal is one `error: …` line, exit code 2, and no controller starts."""
-    from mgpu_backend import cli
+    from mgpu_backend.serving import cli
 
     runtime = short_runtime_dir()
     monkeypatch.setenv("LTX2_MGPU_RUNTIME_DIR", str(runtime))
@@ -514,7 +514,7 @@ def test_cli_refuses_bad_values_before_starting_anything(tiny_dir, tmp_path, mon
 def test_a_failed_write_is_not_hidden_by_its_clean_up(tmp_path, monkeypatch):
     """`write_mp4` removes a partial file after a failure; when that clean-up fails too, the write's error is the one
     raised (it was a PermissionError from `unlink` that hid it)."""
-    from mgpu_backend import media
+    from mgpu_backend.stages import media
 
     real_av = media._av()
 

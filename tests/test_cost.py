@@ -1,4 +1,4 @@
-"""The scaling cost model (`parallel/cost.py`) and the SP-degree policy built on it: its constants are the fits of
+"""The scaling cost model (`splits/cost.py`) and the SP-degree policy built on it: its constants are the fits of
 the measurements it cites, it reproduces them, the collective sizes follow the shapes, and the policy picks the
 fastest predicted degree — never one predicted slower than one GPU — with thresholds at the model's crossovers."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mgpu_backend.parallel import cost as C
-from mgpu_backend.parallel.plan import ParallelPlan, SPStage
+from mgpu_backend.splits import cost as C
+from mgpu_backend.splits.plan import ParallelPlan, SPStage
 
 CPU = torch.device("cpu")
 DEGREES = [1, 2, 4, 8]
@@ -215,7 +215,7 @@ def test_graphed_model_refit_and_choice():
     """The CUDA-graphed forward's constants are the fit of its measurements (speed_h200.txt (a)), reproduce every
     point within 8 %, and make sequence parallelism pay at stage-1 sizes where the eager model keeps one GPU; the
     report names the model; `default_model` follows the CUDA graphs mode."""
-    from mgpu_backend import cuda_graphs
+    from mgpu_backend.engine import cuda_graphs
 
     m, fit = C.H200_GRAPHED, C.fit_graphed_compute()
     assert m.c0 == pytest.approx(fit["c0"], rel=2e-3) and m.c_lin == pytest.approx(fit["c_lin"], rel=2e-3)

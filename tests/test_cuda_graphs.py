@@ -16,14 +16,14 @@ import dataclasses
 import pytest
 import torch
 
-from mgpu_backend import cuda_graphs as G
-from mgpu_backend import latents as L
-from mgpu_backend import sampling as S
-from mgpu_backend.denoiser import LTX2Denoiser, skip_self_attention, text_contexts
+from mgpu_backend.engine import cuda_graphs as G
+from mgpu_backend.engine import latents as L
+from mgpu_backend.engine import sampling as S
+from mgpu_backend.engine.denoiser import LTX2Denoiser, skip_self_attention, text_contexts
 from mgpu_backend.models import fp8 as F8
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.parallel.exchange import Exchange
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+from mgpu_backend.splits.exchange import Exchange
+from mgpu_backend.splits.sequence import SequenceParallelTransformer
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
@@ -175,7 +175,7 @@ def test_graphed_passes_equal_eager_bitwise(tiny_dir, variant, mark):
 
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=gpu)])
 def test_piecewise_around_collectives_and_compiled(tiny_dir, mark):
-    from mgpu_backend import compile as C
+    from mgpu_backend.engine import compile as C
 
     transformer, denoiser, inputs = _setup(tiny_dir, "2.0", "cuda", torch.bfloat16)
     exchange = _CopyExchange(2)
@@ -267,7 +267,7 @@ def test_fp8_matmul_path_on_gpu(tiny_dir, mark):
 
 def test_speed_report_lines(tiny_dir):
     """The job report's `speed` entry: nothing for a CPU bf16 job; the fp8 path and the batching notes when there."""
-    from mgpu_backend.denoiser import speed_report
+    from mgpu_backend.engine.denoiser import speed_report
 
     transformer, denoiser, inputs = _setup(tiny_dir, "2.0", "cpu", torch.float32)
     denoiser()(inputs)

@@ -70,22 +70,20 @@ import test_gemma_parallel as GP
 import test_sequence_parallel as SP
 import test_tdp as TDP
 from _dist import run_ranks
-from mgpu_backend.attention import LTX2AttnProcessor, use_processor
-from mgpu_backend.lora import LoRAFuser, read_lora
+from mgpu_backend.engine.attention import LTX2AttnProcessor, use_processor
+from mgpu_backend.weights.lora import LoRAFuser, read_lora
 from mgpu_backend.models.fp8 import FP8Linear
 from mgpu_backend.models.gemma import load_gemma, read_gemma_header
 from mgpu_backend.models.loader import SafetensorsFile, load_components, load_transformer
-from mgpu_backend.models.tiny import write_tiny_lora
-from mgpu_backend.parallel import gemma as G
-from mgpu_backend.parallel.decode import decode_tiles
-from mgpu_backend.parallel.exchange import Exchange
-from mgpu_backend.parallel.plan import build_plan
-from mgpu_backend.parallel.sequence import (
-    GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention,
-)
-from mgpu_backend.parallel.tiled import TiledTransformer
-from mgpu_backend.parallel.tiling import TileCountConfig
-from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
+from mgpu_backend.testing.tiny import write_tiny_lora
+from mgpu_backend.stages import text_encoder as G
+from mgpu_backend.splits.decode import decode_tiles
+from mgpu_backend.splits.exchange import Exchange
+from mgpu_backend.splits.plan import build_plan
+from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention
+from mgpu_backend.splits.tiled import TiledTransformer
+from mgpu_backend.splits.tiling import TileCountConfig
+from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 
 DEVICE = os.environ.get("LTX2_MGPU_PARITY_DEVICE", "").strip() or "cuda"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -332,7 +330,7 @@ def _request(files: dict, user_loras: dict, image: str) -> GenerateRequest:
 def _pipeline(models: dict, files: dict, user_loras: dict, image: str, device, dtype, ranks=None,
               sp_degree: int | None = None, guidance_parallel: str = "off") -> dict:
     """`guidance_parallel`: "off" = stage 1 sequence parallel over the SP degree; "on" = its guidance passes over the
-    ranks (parallel/passes.py)."""
+    ranks (splits/passes.py)."""
     components = models[PIPELINE_VARIANT]
     plan = None
     if ranks:
@@ -655,7 +653,7 @@ def test_gemma_parity(reference, ranks, world, dtype_name):
 
 @pytest.mark.parametrize("world,dtype_name", CASES, ids=CASE_IDS)
 def test_gemma_bit_identical(reference, ranks, world, dtype_name):
-    """The engine's claim (parallel/gemma.py): every mode equals the one-process encode bit for bit on the same device
+    """The engine's claim (stages/text_encoder.py): every mode equals the one-process encode bit for bit on the same device
     type and dtype (each prompt is encoded alone, with the same kernels)."""
     results, ref = ranks(world, dtype_name), reference(dtype_name)["gemma"]
     for variant in VARIANTS:

@@ -30,8 +30,8 @@ from torch import nn
 
 from _dist import run_ranks
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.parallel.decode import SPATIAL, decode_tiles
-from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig, split_axis
+from mgpu_backend.splits.decode import SPATIAL, decode_tiles
+from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig, split_axis
 
 torch.set_num_threads(1)
 
@@ -179,7 +179,7 @@ def test_pixel_weights_are_trapezoids(case):
 
 def test_pixel_weight_check_can_fail(monkeypatch):
     """A hard-pasted first tile (its trailing ramp replaced by ones) is caught by the weight read-back."""
-    import mgpu_backend.parallel.decode as D
+    import mgpu_backend.splits.decode as D
 
     real = D.axis_weights
 
@@ -323,7 +323,7 @@ def test_tiled_decode_matches_untiled_away_from_seams(vaes, references, variant)
 @pytest.fixture(scope="module")
 def diffusion_vae(tmp_path_factory):
     from mgpu_backend.models.loader import load_diffusion_vae
-    from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
+    from mgpu_backend.testing.tiny_vae25 import write_tiny_diffusion_vae
 
     path = write_tiny_diffusion_vae(tmp_path_factory.mktemp("dvae") / "ltx-2.5-tiny-diffusion-vae.safetensors", 0)
     return load_diffusion_vae(path, dtype=torch.float32).decoder
@@ -339,7 +339,7 @@ def test_small_and_odd_latents_decode_or_are_refused_before_work(vaes, diffusion
     before decoding anything, naming the size and the rule (torch's reflection padding needs a pad smaller than the
     axis: ComfyUI 0.33's VAEDecode, the same decoder, fails inside its first convolution). The LTX-2.5 diffusion
     decoder takes every size, untiled and in two tiles."""
-    from mgpu_backend.parallel.decode import decode_untiled
+    from mgpu_backend.splits.decode import decode_untiled
 
     latent = _latent(grid)
     pixel_shape = (1, 3, (grid[0] - 1) * 8 + 1, grid[1] * SPATIAL, grid[2] * SPATIAL)

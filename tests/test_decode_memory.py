@@ -1,6 +1,6 @@
 """The LTX-2.5 diffusion decoder never runs out of memory on a GPU (issue 27, item 5): its peak is estimated from the
 latent shape, and a decode that would not fit the free memory is tiled automatically with the existing tiles and
-blend (`parallel/decode.py fit_decode_tiling`, `TwoStagePipeline.decode_video`), and reported.
+blend (`splits/decode.py fit_decode_tiling`, `TwoStagePipeline.decode_video`), and reported.
 
 The estimate is re-derived here from the two measured peaks (issue 27: 37 GiB at 1280×704×121 and 85 GiB at
 1920×1088×121 untiled, one H200, bf16, `bench/bench_diffusion_decode.py`), not read from the module. The free memory
@@ -16,11 +16,11 @@ import torch
 
 from mgpu_backend.models.diffusion_decoder import denormalize
 from mgpu_backend.models.loader import load_diffusion_vae
-from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
-from mgpu_backend.parallel import decode as D
-from mgpu_backend.parallel.tiling import TileCountConfig, default_tiling
-from mgpu_backend.pipelines import TwoStagePipeline
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.testing.tiny_vae25 import write_tiny_diffusion_vae
+from mgpu_backend.splits import decode as D
+from mgpu_backend.splits.tiling import TileCountConfig, default_tiling
+from mgpu_backend.stages.pipelines import TwoStagePipeline
+from mgpu_backend.protocol.validation import ValidationError
 
 torch.set_num_threads(1)
 GiB = 2 ** 30
@@ -152,8 +152,8 @@ def test_tiny_auto_tiling_equals_the_explicit_tiled_decode_bit_for_bit(tiny_vae,
 def _two_rank_decode(rank: int, world: int, vae_path: str, frees: list[int]) -> dict:
     """Rank `rank` of a W = 2 gloo group: the pipeline's decode with this rank's injected free memory; the ranks must
     agree on the tiles (the smallest free memory of the two decides) and decode them together."""
-    from mgpu_backend.parallel import decode as D2
-    from mgpu_backend.pipelines import TwoStagePipeline as TSP
+    from mgpu_backend.splits import decode as D2
+    from mgpu_backend.stages.pipelines import TwoStagePipeline as TSP
 
     vae = load_diffusion_vae(vae_path, torch.float32).decoder
     D2.free_decode_bytes = lambda device: frees[rank]

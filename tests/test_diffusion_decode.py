@@ -1,4 +1,4 @@
-"""Distributed decode with the LTX-2.5 diffusion decoder (`parallel/decode.py`): spatial latent tiles with the
+"""Distributed decode with the LTX-2.5 diffusion decoder (`splits/decode.py`): spatial latent tiles with the
 full time axis, round-robin over W = 1, 2 and 3 gloo ranks (`tests/_dist.py`), blended in pixel space, assembled on
 rank 0 — against the one-process tiled decode of the same tiles, and the tiled decode against the untiled
 (ComfyUI-equal, `tests/test_diffusion_decoder.py`) one away from the seams. Tiny diffusion VAE (`tiny_vae25.py`),
@@ -25,9 +25,9 @@ import torch
 from _dist import run_ranks
 from mgpu_backend.models.diffusion_decoder import denormalize
 from mgpu_backend.models.loader import load_diffusion_vae
-from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
-from mgpu_backend.parallel.decode import SPATIAL, decode_tiles, decode_untiled, is_diffusion_decoder
-from mgpu_backend.parallel.tiling import TileCountConfig, split_axis
+from mgpu_backend.testing.tiny_vae25 import write_tiny_diffusion_vae
+from mgpu_backend.splits.decode import SPATIAL, decode_tiles, decode_untiled, is_diffusion_decoder
+from mgpu_backend.splits.tiling import TileCountConfig, split_axis
 
 torch.set_num_threads(1)
 

@@ -28,8 +28,8 @@ from conftest import require_golden_weights
 from mgpu_backend.models.diffusion_decoder import (decode_diffusion, decoder_key_to_diffusers, decoder_state_to_comfy,
                                                    diffusers_key_to_file)
 from mgpu_backend.models.loader import CheckpointError, load_diffusion_vae
-from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
-from mgpu_backend.ops import neighborhood
+from mgpu_backend.testing.tiny_vae25 import write_tiny_diffusion_vae
+from mgpu_backend.models import neighborhood
 
 torch.set_num_threads(1)
 
@@ -149,11 +149,11 @@ def test_encode_matches_comfyui(golden, tiny_file):
 
 def test_pipeline_decodes_with_the_diffusion_vae(tiny_dir, tiny_file, golden):
     """`--video-vae` = the diffusion VAE file: `load_components` routes it to `load_diffusion_vae`, and the
-    pipeline's decode (untiled, and one tile through `parallel/decode.py`) gives ComfyUI's VAEDecode frames."""
+    pipeline's decode (untiled, and one tile through `splits/decode.py`) gives ComfyUI's VAEDecode frames."""
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.parallel.decode import is_diffusion_decoder
-    from mgpu_backend.parallel.tiling import TileCountConfig
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.splits.decode import is_diffusion_decoder
+    from mgpu_backend.splits.tiling import TileCountConfig
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     tensors, _, _ = golden
     components = load_components(tiny_dir["2.3"]["checkpoint"], video_vae=tiny_file, dtype=torch.float32)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_backend.cli import build_parser
+from mgpu_backend.serving.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_backend import sampling as S
+from mgpu_backend.engine import sampling as S
 from mgpu_backend.models import families as FM
-from mgpu_backend.models.tiny import tiny_transformer_metadata
+from mgpu_backend.testing.tiny import tiny_transformer_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 _VERSION = re.compile(r"^2\.\d$")

@@ -30,13 +30,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import sampling as S
-from mgpu_backend.client import ControllerClient
-from mgpu_backend.models import tiny
+from mgpu_backend.engine import sampling as S
+from mgpu_backend.serving.client import ControllerClient
+from mgpu_backend.testing import tiny
 from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.parallel.tiling import default_tiling
-from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
+from mgpu_backend.splits.tiling import default_tiling
+from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.errors import ControllerError, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetPlan
 from mgpu_backend.protocol.job_requests import FaultSpec, JobSpec, NoopRequest

@@ -1,4 +1,4 @@
-"""`parallel/flops.py` against a count that is not ours: `torch.utils.flop_counter.FlopCounterMode` running the real
+"""`engine/flops.py` against a count that is not ours: `torch.utils.flop_counter.FlopCounterMode` running the real
 diffusers LTX-2 transformer (tiny random weights on CPU, and the released 19B / 22B widths on the meta device, where
 no arithmetic runs but every aten matmul is dispatched with its real shape).
 
@@ -15,16 +15,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mgpu_backend import latents as L
-from mgpu_backend import model_forward
-from mgpu_backend.attention import use_processor
-from mgpu_backend.denoiser import per_item_perturbations, skip_self_attention
+from mgpu_backend.engine import latents as L
+from mgpu_backend.engine import forward as model_forward
+from mgpu_backend.engine.attention import use_processor
+from mgpu_backend.engine.denoiser import per_item_perturbations, skip_self_attention
 from mgpu_backend.models import configs
 from mgpu_backend.models.families import get_family
-from mgpu_backend.models.tiny import tiny_transformer_metadata
-from mgpu_backend.parallel import flops as F
-from mgpu_backend.sampling import GuidancePass
-from mgpu_backend.tokens import TokenBatch
+from mgpu_backend.testing.tiny import tiny_transformer_metadata
+from mgpu_backend.engine import flops as F
+from mgpu_backend.engine.sampling import GuidancePass
+from mgpu_backend.engine.tokens import TokenBatch
 
 GRID = (2, 2, 3)  # latent frames, height, width -> 12 video tokens
 AUDIO, TEXT = 5, 7
@@ -97,7 +97,7 @@ def test_per_row_timesteps_and_isolated_pass():
 
 
 def test_native_cross_timesteps_per_token():
-    """ComfyUI's native forward feeds per-token cross-attention AdaLN inputs (`native.py`): counted per token."""
+    """ComfyUI's native forward feeds per-token cross-attention AdaLN inputs (`stages/native.py`): counted per token."""
     model = _model(tiny_transformer_metadata("2.0"))
     kw = _kwargs(model, 1)
     batch = TokenBatch.from_diffusers(model.config, **kw)

@@ -1,12 +1,11 @@
-"""The native-MODEL forward contract (mgpu_backend/forward.py): valid requests build, bad ones are refused by name."""
+"""The native-MODEL forward contract (mgpu_backend/protocol/native_forward.py): valid requests build, bad ones are refused by name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mgpu_backend.forward import (ForwardContractError, ForwardMiss, ForwardOptions, ForwardRequest,
-                                  GuideAttentionEntry, LoraPatch, LoraSet, PreprocessTextRequest)
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.protocol.native_forward import ForwardContractError, ForwardMiss, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraPatch, LoraSet, PreprocessTextRequest
+from mgpu_backend.protocol.validation import ValidationError
 
 
 def _req(**kw):
@@ -67,7 +66,7 @@ def test_options_lora_miss_preprocess():
 
 
 def test_context_cache_bounds_and_recency():
-    from mgpu_backend.native import ContextCache
+    from mgpu_backend.stages.native import ContextCache
 
     cache = ContextCache(max_rows=3, max_bytes=3 * 4 * 16)
     for k in "abc":

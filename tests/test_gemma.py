@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mgpu_backend.models import tiny_gemma
+from mgpu_backend.testing import tiny_gemma
 from mgpu_backend.models.gemma import (BOS_ID, PAD_ID, GemmaTextEncoder, infer_text_config, load_gemma)
 from mgpu_backend.models.text_projection import (TextProjection, check_gemma_matches, make_conditioning,
                                                  split_video_audio)
-from mgpu_backend.models.tiny_gemma import write_tiny_gemma, write_tiny_gemma_hf_folder
+from mgpu_backend.testing.tiny_gemma import write_tiny_gemma, write_tiny_gemma_hf_folder
 
 torch.set_num_threads(1)
 

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import require_golden_weights
 
-from mgpu_backend.models import tiny_gemma4 as T
+from mgpu_backend.testing import tiny_gemma4 as T
 from mgpu_backend.models.gemma import (BOS_ID, GEMMA4, dequantize_int8, infer_gemma4_text_config, load_gemma,
                                        read_gemma_header)
 from mgpu_backend.models.text_projection import load_bundled_projection, make_conditioning, split_video_audio
@@ -128,7 +128,7 @@ def test_tokenizer_json_encodes_like_the_sentencepiece_model_it_came_from():
     import sentencepiece as spm
     from tokenizers import Tokenizer
 
-    from mgpu_backend.models.tiny_gemma import _CORPUS
+    from mgpu_backend.testing.tiny_gemma import _CORPUS
 
     tok = Tokenizer.from_str(T.tiny_gemma4_tokenizer_json().decode())
     buf = io.BytesIO()  # the same training run as the tiny (deterministic): its SentencePiece model
@@ -308,7 +308,7 @@ def test_multimodal_embedders_are_ignored(files, enc, tmp_path):
 def test_the_family_table_names_the_classes_gemma_py_runs():
     from mgpu_backend.models.families import get_family
     from mgpu_backend.models.gemma import ARCHITECTURES
-    from mgpu_backend.parallel.gemma import NO_SPLIT
+    from mgpu_backend.stages.text_encoder import NO_SPLIT
 
     for name in ("2.0", "2.3", "2.5"):
         spec = get_family(name).text_encoder

@@ -1,4 +1,4 @@
-"""Gemma 4 (LTX-2.5) on the fleet: the text service (parallel/gemma.py) sharded with Accelerate and batch-parallel,
+"""Gemma 4 (LTX-2.5) on the fleet: the text service (stages/text_encoder.py) sharded with Accelerate and batch-parallel,
 with the projection bundled in the Gemma 4 file, on W = 1, 2 and 3 gloo ranks (CPU, float32, one thread).
 
 Reference: the one-process encode of each prompt on its own — `load_gemma(file).encode([prompt])` followed by the
@@ -16,10 +16,10 @@ import torch
 from _dist import run_ranks
 from mgpu_backend.models.gemma import load_gemma, read_gemma_header
 from mgpu_backend.models.text_projection import TextProjection, load_bundled_projection
-from mgpu_backend.models.tiny_gemma4 import write_tiny_gemma4
-from mgpu_backend.parallel import gemma as G
+from mgpu_backend.testing.tiny_gemma4 import write_tiny_gemma4
+from mgpu_backend.stages import text_encoder as G
 from mgpu_backend.protocol.job_requests import EncodeTextRequest
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.protocol.validation import ValidationError
 
 torch.set_num_threads(1)
 
@@ -151,7 +151,7 @@ def test_the_gemma_file_must_be_the_family_s_text_encoder(gemma4):
 def _job_on_ranks(rank: int, world: int, path: str, prompts: list[str]) -> dict:
     from types import SimpleNamespace
 
-    from mgpu_backend.jobs.text import run_encode_text
+    from mgpu_backend.serving.jobs.text import run_encode_text
 
     service = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
                                    plan_tokens=PLAN_TOKENS, mode="batch_parallel")

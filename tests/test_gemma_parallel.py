@@ -1,4 +1,4 @@
-"""Distributed Gemma text encoding (parallel/gemma.py, jobs/text.py; DESIGN.md §7, issue 6).
+"""Distributed Gemma text encoding (stages/text_encoder.py, serving/jobs/text.py; DESIGN.md §7, issue 6).
 
 Reference: the one-process encode of each prompt on its own — `load_gemma(...).encode([prompt])` followed by the
 text projection, valid tokens only. Every mode (replicated, batch_parallel, sharded; W = 1 and 2 gloo ranks on
@@ -28,9 +28,9 @@ from safetensors.torch import load_file, save_file
 
 from mgpu_backend.models.gemma import load_gemma, read_gemma_header
 from mgpu_backend.models.text_projection import TextProjection
-from mgpu_backend.models.tiny_gemma import write_tiny_gemma, write_tiny_gemma_hf_folder
-from mgpu_backend.parallel import gemma as G
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.testing.tiny_gemma import write_tiny_gemma, write_tiny_gemma_hf_folder
+from mgpu_backend.stages import text_encoder as G
+from mgpu_backend.protocol.validation import ValidationError
 
 torch.set_num_threads(1)
 
@@ -380,7 +380,7 @@ def test_refusals(files):
 
 
 def test_pipeline_encode_prompts_goes_through_the_service(files, reference):
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     pipe = object.__new__(TwoStagePipeline)  # only the text half of the pipeline
     pipe.gemma = load_gemma(files["gemma"])
@@ -437,7 +437,7 @@ def test_ranks_every_mode_equals_the_one_process_encode(files, reference, world)
 # ---- the encode_text job on a fleet ---------------------------------------------------------------------------
 
 def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
-    from mgpu_backend.fleet import Fleet
+    from mgpu_backend.serving.fleet import Fleet
     from mgpu_backend.models.loader import load_components
     from mgpu_backend.protocol.errors import ControllerError
     from mgpu_backend.protocol.fleet_config import FleetConfig

@@ -1,4 +1,4 @@
-"""Guidance-pass parallelism (`mgpu_backend/parallel/passes.py`) on real gloo ranks, tiny LTX-2, fp32, CPU.
+"""Guidance-pass parallelism (`mgpu_backend/splits/passes.py`) on real gloo ranks, tiny LTX-2, fp32, CPU.
 
 A guided stage with `guidance_parallel="on"` computes each step's guidance passes on different ranks (pass j on rank
 j % g) and broadcasts their x0 predictions; nothing else changes, so its result must equal the one-process stage
@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from mgpu_backend import sampling as S
-from mgpu_backend.denoiser import text_contexts
+from mgpu_backend.engine import sampling as S
+from mgpu_backend.engine.denoiser import text_contexts
 from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.models.tiny import make_tiny
-from mgpu_backend.parallel import cost as C
-from mgpu_backend.parallel import passes as GP
-from mgpu_backend.parallel.plan import ParallelPlan, SPStage
-from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
-from mgpu_backend.stage import StageSpec
+from mgpu_backend.testing.tiny import make_tiny
+from mgpu_backend.splits import cost as C
+from mgpu_backend.splits import passes as GP
+from mgpu_backend.splits.plan import ParallelPlan, SPStage
+from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
+from mgpu_backend.stages.stage import StageSpec
 
 torch.set_num_threads(1)
 
@@ -94,7 +94,7 @@ class _Forwards:
     """Counts the transformer forwards this process runs (the one forward, `model_forward.run_eager`)."""
 
     def __init__(self, transformer):
-        from mgpu_backend import model_forward
+        from mgpu_backend.engine import forward as model_forward
 
         self.n = 0
         real = model_forward.run_eager
@@ -107,7 +107,7 @@ class _Forwards:
 
 
 def _rank(rank: int, world: int, paths: dict) -> dict:
-    from mgpu_backend.parallel.plan import build_plan
+    from mgpu_backend.splits.plan import build_plan
 
     components = _load(paths)
     plan = build_plan(components.transformer, rank, world, CPU, guidance_parallel="on")
@@ -380,7 +380,7 @@ def test_run_passes_in_the_denoising_loop():
 
 def _fleet_config_from_cli(paths, monkeypatch, *options: str):
     """The FleetConfig `generate` with `options` would hand the controller (a stand-in client stops it there)."""
-    from mgpu_backend import cli, client
+    from mgpu_backend.serving import cli, client
 
     seen = {}
 

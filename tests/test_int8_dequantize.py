@@ -17,7 +17,7 @@ from torch import nn
 from mgpu_backend.models import quant as Q
 from mgpu_backend.models.fp8 import compute_report
 from mgpu_backend.models.loader import load_components, weight_bytes
-from mgpu_backend.models.tiny import write_tiny_transformer
+from mgpu_backend.testing.tiny import write_tiny_transformer
 from mgpu_backend.protocol.fleet_config import (
     INT8_COMPUTE_MODES,
     FleetConfig,
@@ -203,7 +203,7 @@ def test_dequantize_refuses_a_fused_lora_and_a_sharded_view():
 
 
 def test_cli_flag():
-    from mgpu_backend.cli import build_parser
+    from mgpu_backend.serving.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--int8-compute", "dequantize"])
     assert args.int8_compute == "dequantize"
@@ -215,7 +215,7 @@ def test_cli_flag():
 def test_fleet_status_says_which_path_ran(files, mode):
     """A real one-rank CPU fleet on the int8 file: the status (`Fleet.describe`, what the controller's status and
     Fleet (MGPU) show) names the path rank 0 took."""
-    from mgpu_backend.fleet import Fleet
+    from mgpu_backend.serving.fleet import Fleet
 
     config = FleetConfig(devices=("cpu",), checkpoint=str(files["int8"]), gemma=None, transformer_only=True,
                          gemma_unload=True, int8_compute=mode, init_timeout_s=120.0)
@@ -233,7 +233,7 @@ def test_cli_in_process_resolution(files):
     """`generate --int8-compute` without a fleet: resolved for this process's device as a rank resolves it."""
     import argparse
 
-    from mgpu_backend.cli import _int8_path
+    from mgpu_backend.serving.cli import _int8_path
 
     cpu = torch.device("cpu")
     for flag, want in ((None, "w8a8"), ("auto", "w8a8"), ("w8a8", "w8a8"), ("dequantize", "dequantize")):

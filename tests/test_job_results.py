@@ -12,8 +12,8 @@ import pickle
 import pytest
 import torch
 
-from mgpu_backend import frames as F
-from mgpu_backend.client import ControllerClient
+from mgpu_backend.protocol import frames as F
+from mgpu_backend.serving.client import ControllerClient
 from mgpu_backend.protocol import transport
 from mgpu_backend.protocol.errors import ControllerError, ErrorKind
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, FleetPlan, FleetPolicy
@@ -101,7 +101,7 @@ def test_an_older_controllers_dicts_are_refused_naming_the_process(tmp_path):
         old_result.run(handle, JobSpec("noop", NoopRequest(), job_id="j1"))
     assert info.value.kind == ErrorKind.PROTOCOL
     assert "older version of the pack" in str(info.value) and "job j1 (noop)" in str(info.value)
-    assert f"python -m mgpu_backend.controller --runtime-dir {tmp_path}" in str(info.value)
+    assert f"python -m mgpu_backend.serving.controller --runtime-dir {tmp_path}" in str(info.value)
     old_status = _client(tmp_path, StatusReply({"pid": 4242, "fleet": None}))
     with pytest.raises(ControllerError, match=r"for the status .*stop that process \(pid 4242: `python -m "):
         old_status.status()
@@ -111,7 +111,7 @@ def test_an_older_controllers_dicts_are_refused_naming_the_process(tmp_path):
     for half_typed in (ControllerStatus(4242, "s", fleet={"generation": 1}),
                        ControllerStatus(4242, "s", processes=({"pid": 4242, "role": "controller"},))):
         with pytest.raises(ControllerError, match=r"for the status's fleet and processes .*stop that process "
-                                                  r"\(pid 4242: `python -m mgpu_backend.controller"):
+                                                  r"\(pid 4242: `python -m mgpu_backend.serving.controller"):
             _client(tmp_path, StatusReply(half_typed)).status()
     with pytest.raises(ControllerError, match=r"for what the configure replaced .*\(pid 4243: `python -m "):
         _client(tmp_path, Configured(handle, {"generation": 1, "clients": []}), Pong(4243)).configure(config)
@@ -188,7 +188,7 @@ def test_a_fleet_description_gives_one_entry_per_rank():
 
 
 def test_what_a_stop_or_a_rebuild_ended_in_words():
-    from mgpu_backend.cli import describe_stopped
+    from mgpu_backend.serving.cli import describe_stopped
 
     ended = FleetTeardown(_described(), ("pid 1 (python)",), "a noop job (j1)")
     assert describe_stopped(ended, "stopped") == (

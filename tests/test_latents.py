@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mgpu_backend import latents as L
+from mgpu_backend.engine import latents as L
 
 
 # --- constants and shapes -------------------------------------------------------------------------------------------

@@ -1,24 +1,29 @@
-"""DESIGN.md's import rules as a test (issue 17, Build 5): every module's imports — top level, function-local,
-relative and absolute — are read with `ast` (nothing is imported or executed) and checked against the layers:
+"""The pack's import rules as a test (docs/architecture.md, "The layers"): every module's imports — top level,
+function-local, relative and absolute — are read with `ast` (nothing is imported or executed) and checked against
+the layers.
 
-- `nodes/` (the only ComfyUI-aware layer) imports from `mgpu_backend` only the request / contract modules:
-  `client`, `protocol` (its modules), `forward` (the native MODEL's request contract), `stage_params` (guidance, sigma
-  schedules, tile counts) and `resources` (the host's limits and links, standard library only) — never `sampling`,
-  `parallel`, `lora`, `models` or any other engine module;
+`mgpu_backend/` is one package per layer, bottom to top:
+
+    protocol  <  models  <  weights  <  engine  <  splits  <  stages  <  serving
+
+- a module imports only from its own layer and the layers below it (`LAYER_ORDER`);
+- `testing` (the tiny model makers) is imported by no runtime module but the CLI's `demo` / `make-tiny` commands
+  (`serving/cli.py`); it may import any layer below `serving`;
+- `nodes/` (the only ComfyUI-aware layer) imports from `mgpu_backend` only the contracts: `protocol` (its modules)
+  and `serving.client` — never the engine, the splits, the weights or the models;
 - `mgpu_backend` never imports `nodes`, `comfy*`, `folder_paths`, `server` or `comfy_api`;
-- `mgpu_backend/models` and `mgpu_backend/parallel` never import `controller`, `client`, `worker` or `fleet`;
-- a job (`mgpu_backend/jobs`) never imports the worker that runs it (nor `fleet`, `controller`, `client`): what a job
-  hands back goes through `frames` (shared-memory frames) and `protocol`;
-- the pack's `kernels/` folder is imported only through `mgpu_backend/parallel/exchange.py` (today by nothing), and
+- `protocol` and `serving.client` import from `mgpu_backend` only `protocol`, so a node never pulls in the engine
+  through them;
+- a job (`serving/jobs`) never imports the worker that runs it (nor `fleet`, `controller`, `client`): what a job
+  hands back goes through `protocol.frames` (shared-memory frames) and `protocol`;
+- the pack's `kernels/` folder is imported only through `mgpu_backend/splits/exchange.py` (today by nothing), and
   `kernels/` never imports `mgpu_backend`, `nodes` or ComfyUI;
-- those contract modules import from `mgpu_backend` only each other, `validation`, `frames` (the client's half of
-  the frame hand-back) and `resources` (the host's limits, standard library only: the client refuses a fleet size
-  before a controller starts), so a node never pulls in the engine through them;
-- kernels vs `parallel/` vs `models/` (issue 25): `mgpu_backend/ops` (compute kernels in plain PyTorch, e.g.
-  neighborhood attention) imports nothing of the pack; `models/` never imports `parallel/` (the model layer sits
-  below the parallel layer, which may use it);
+- `nodes/testing.py` (the test-only nodes) is imported only by `nodes/extension.py`, behind
+  `LTX2_MGPU_TEST_NODES=1`;
 - no import cycles inside `mgpu_backend`, lazy (function-local) imports included (`KNOWN_CYCLES` would list any
-  left, and can only shrink; it is empty).
+  left, and can only shrink; it is empty);
+- at most 10 packages and modules at the top of `mgpu_backend/` (its `__init__.py`, `__main__.py` and the `py.typed`
+  marker aside): the folders show the layers.
 
 `ALLOWED` lists the exceptions still in the code, each with its reason. It can only shrink: the test fails on any
 import that breaks a rule and is not listed, and on a listed import that no longer exists (remove it from the list).
@@ -30,18 +35,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("mgpu_backend", "nodes", "kernels")
-KERNELS_DOOR = "mgpu_backend.parallel.exchange"
+KERNELS_DOOR = "mgpu_backend.splits.exchange"
 
-NODES_MAY_IMPORT = {"mgpu_backend.client", "mgpu_backend.protocol", "mgpu_backend.forward",
-                    "mgpu_backend.stage_params", "mgpu_backend.resources"}
+LAYER_ORDER = ("protocol", "models", "weights", "engine", "splits", "stages", "serving")
+TESTING = "mgpu_backend.testing"
+TESTING_MAY_BE_IMPORTED_BY = {"mgpu_backend.serving.cli"}  # the demo and make-tiny commands write tiny models
+CONTRACTS = ("mgpu_backend.protocol", "mgpu_backend.serving.client")
 COMFYUI_MODULES = ("comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "server", "nodes")
-BELOW_THE_FLEET = ("mgpu_backend.models", "mgpu_backend.parallel")
-FLEET_MODULES = ("mgpu_backend.controller", "mgpu_backend.client", "mgpu_backend.worker", "mgpu_backend.fleet")
-CONTRACT_MAY_IMPORT = NODES_MAY_IMPORT | {"mgpu_backend.validation", "mgpu_backend.frames", "mgpu_backend.resources"}
-JOBS = ("mgpu_backend.jobs",)
-OPS = ("mgpu_backend.ops",)
-MODELS = ("mgpu_backend.models",)
-PARALLEL = ("mgpu_backend.parallel",)
+FLEET_MODULES = ("mgpu_backend.serving.controller", "mgpu_backend.serving.client", "mgpu_backend.serving.worker",
+                 "mgpu_backend.serving.fleet")
+JOBS = ("mgpu_backend.serving.jobs",)
+TEST_NODES = "nodes.testing"
+MAX_TOP_ENTRIES = 10
 
 # (importing module, imported module) pairs that break a rule today. Only ever remove entries.
 ALLOWED = {
@@ -87,6 +92,13 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 1 and parts[0] == "mgpu_backend" and parts[1] in LAYER_ORDER:
+        return LAYER_ORDER.index(parts[1])
+    return None
+
+
 def _rule_broken(importer: str, imported: str) -> str | None:
     def within(name: str, prefixes) -> bool:
         return any(name == p or name.startswith(p + ".") for p in prefixes)
@@ -95,22 +107,26 @@ def _rule_broken(importer: str, imported: str) -> str | None:
         return f"kernels/ is imported only through {KERNELS_DOOR}"
     if within(importer, ("kernels",)) and within(imported, ("mgpu_backend",) + COMFYUI_MODULES):
         return "kernels/ never imports mgpu_backend, nodes or ComfyUI"
-    if within(importer, ("nodes",)) and within(imported, ("mgpu_backend",)) and not within(imported, NODES_MAY_IMPORT):
-        return f"nodes/ imports from mgpu_backend only {', '.join(sorted(NODES_MAY_IMPORT))}"
+    if within(importer, ("nodes",)) and within(imported, ("mgpu_backend",)) and not within(imported, CONTRACTS):
+        return f"nodes/ imports from mgpu_backend only {', '.join(CONTRACTS)}"
+    if within(imported, (TEST_NODES,)) and importer not in ("nodes.extension", TEST_NODES):
+        return "nodes/testing.py is imported only by nodes/extension.py (behind LTX2_MGPU_TEST_NODES=1)"
     if within(importer, ("mgpu_backend",)) and within(imported, COMFYUI_MODULES):
         return "mgpu_backend never imports nodes or ComfyUI"
-    if within(importer, CONTRACT_MAY_IMPORT) and within(imported, ("mgpu_backend",)) and imported != "mgpu_backend" \
-            and not within(imported, CONTRACT_MAY_IMPORT):
-        return f"a contract module imports from mgpu_backend only {', '.join(sorted(CONTRACT_MAY_IMPORT))}"
-    if within(importer, BELOW_THE_FLEET) and within(imported, FLEET_MODULES):
-        return "models/ and parallel/ never import the controller, client, worker or fleet"
+    if within(imported, (TESTING,)) and within(importer, ("mgpu_backend", "nodes")) \
+            and not within(importer, (TESTING,)) and importer not in TESTING_MAY_BE_IMPORTED_BY:
+        return f"runtime code never imports {TESTING} (only {', '.join(sorted(TESTING_MAY_BE_IMPORTED_BY))} does)"
+    if within(importer, (TESTING,)) and within(imported, ("mgpu_backend.serving",)):
+        return f"{TESTING} imports no layer from serving up"
+    if within(importer, CONTRACTS) and within(imported, ("mgpu_backend",)) and imported != "mgpu_backend" \
+            and not within(imported, ("mgpu_backend.protocol",)):
+        return "a contract module (protocol, serving.client) imports from mgpu_backend only protocol"
     if within(importer, JOBS) and within(imported, FLEET_MODULES):
-        return "a job never imports the worker, fleet, controller or client (frames go through mgpu_backend.frames)"
-    if within(importer, OPS) and within(imported, ("mgpu_backend",)) and not within(imported, OPS) \
-            and imported != "mgpu_backend":
-        return "mgpu_backend/ops (kernels) imports nothing of the pack"
-    if within(importer, MODELS) and within(imported, PARALLEL):
-        return "models/ never imports parallel/ (a kernel both use lives in mgpu_backend/ops)"
+        return "a job never imports the worker, fleet, controller or client (frames go through protocol.frames)"
+    low, high = _layer(importer), _layer(imported)
+    if low is not None and high is not None and high > low:
+        return (f"{LAYER_ORDER[low]} imports only its own layer and those below it "
+                f"({' < '.join(LAYER_ORDER)}), not {LAYER_ORDER[high]}")
     return None
 
 
@@ -211,50 +227,83 @@ def test_the_reader_sees_every_kind_of_import(tmp_path, monkeypatch):
               "from .common import guard\n"
               "import folder_paths\n"
               "def f():\n"
-              "    from ..mgpu_backend.parallel.tiling import TileCountConfig\n"
-              "    import mgpu_backend.sampling\n")
+              "    from ..mgpu_backend.splits.tiling import TileCountConfig\n"
+              "    import mgpu_backend.engine.sampling\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    for name in ("mgpu_backend/__init__.py", "mgpu_backend/protocol.py", "mgpu_backend/parallel/__init__.py",
-                 "mgpu_backend/parallel/tiling.py", "nodes/__init__.py", "nodes/common.py"):
+    for name in ("mgpu_backend/__init__.py", "mgpu_backend/protocol/__init__.py", "mgpu_backend/splits/__init__.py",
+                 "mgpu_backend/splits/tiling.py", "mgpu_backend/engine/__init__.py",
+                 "mgpu_backend/engine/sampling.py", "nodes/__init__.py", "nodes/common.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
     (tmp_path / "nodes" / "x.py").write_text(source)
     found = [name for _, name in imports_of(tmp_path / "nodes" / "x.py")]
     assert sorted(found) == sorted(["mgpu_backend.protocol", "nodes.common", "folder_paths",
-                                    "mgpu_backend.parallel.tiling", "mgpu_backend.sampling"])
-    assert _rule_broken("nodes.x", "mgpu_backend.parallel.tiling")
+                                    "mgpu_backend.splits.tiling", "mgpu_backend.engine.sampling"])
+
+
+def test_the_rules():
+    assert _rule_broken("nodes.x", "mgpu_backend.splits.tiling")
     assert _rule_broken("nodes.x", "mgpu_backend.protocol") is None
     assert _rule_broken("nodes.x", "mgpu_backend.protocol.fleet_config") is None
-    assert _rule_broken("mgpu_backend.protocol.stage_requests", "mgpu_backend.stage_params") is None
-    assert _rule_broken("mgpu_backend.protocol.stage_requests", "mgpu_backend.sampling")
-    assert _rule_broken("mgpu_backend.fleet", "folder_paths")
-    assert _rule_broken("mgpu_backend.parallel.plan", "mgpu_backend.worker")
-    assert _rule_broken("mgpu_backend.parallel.tiled", "kernels.all2all")
-    assert _rule_broken("mgpu_backend.parallel.exchange", "kernels.all2all") is None
+    assert _rule_broken("nodes.x", "mgpu_backend.serving.client") is None
+    assert _rule_broken("nodes.x", "mgpu_backend.serving.controller")
+    assert _rule_broken("nodes.x", "nodes.testing")
+    assert _rule_broken("nodes.extension", "nodes.testing") is None
+    assert _rule_broken("mgpu_backend.protocol.stage_requests", "mgpu_backend.protocol.stage_params") is None
+    assert _rule_broken("mgpu_backend.protocol.stage_requests", "mgpu_backend.engine.sampling")
+    assert _rule_broken("mgpu_backend.serving.client", "mgpu_backend.protocol.frames") is None
+    assert _rule_broken("mgpu_backend.serving.client", "mgpu_backend.models.loader")
+    assert _rule_broken("mgpu_backend.serving.fleet", "folder_paths")
+    assert _rule_broken("mgpu_backend.splits.plan", "mgpu_backend.serving.worker")
+    assert _rule_broken("mgpu_backend.splits.tiled", "kernels.all2all")
+    assert _rule_broken("mgpu_backend.splits.exchange", "kernels.all2all") is None
     assert _rule_broken("kernels.all2all", "mgpu_backend.protocol")
-    assert _rule_broken("mgpu_backend.forward", "mgpu_backend.sampling")
-    assert _rule_broken("mgpu_backend.forward", "mgpu_backend.validation") is None
-    assert _rule_broken("mgpu_backend.jobs.stages", "mgpu_backend.worker")
-    assert _rule_broken("mgpu_backend.jobs.generate", "mgpu_backend.frames") is None
-    assert _rule_broken("mgpu_backend.models.diffusion_decoder", "mgpu_backend.parallel.neighborhood")
-    assert _rule_broken("mgpu_backend.models.diffusion_decoder", "mgpu_backend.ops.neighborhood") is None
-    assert _rule_broken("mgpu_backend.ops.neighborhood", "mgpu_backend.models.loader")
-    assert _rule_broken("mgpu_backend.parallel.decode", "mgpu_backend.models.diffusion_decoder") is None
+    assert _rule_broken("mgpu_backend.protocol.native_forward", "mgpu_backend.engine.sampling")
+    assert _rule_broken("mgpu_backend.protocol.native_forward", "mgpu_backend.protocol.validation") is None
+    assert _rule_broken("mgpu_backend.serving.jobs.stages", "mgpu_backend.serving.worker")
+    assert _rule_broken("mgpu_backend.serving.jobs.generate", "mgpu_backend.protocol.frames") is None
+    # the layer order, both ways
+    assert _rule_broken("mgpu_backend.engine.forward", "mgpu_backend.splits.sequence")  # the engine up into splits
+    assert _rule_broken("mgpu_backend.splits.sequence", "mgpu_backend.engine.forward") is None
+    assert _rule_broken("mgpu_backend.models.diffusion_decoder", "mgpu_backend.splits.decode")
+    assert _rule_broken("mgpu_backend.models.diffusion_decoder", "mgpu_backend.models.neighborhood") is None
+    assert _rule_broken("mgpu_backend.weights.sharding", "mgpu_backend.models.loader") is None
+    assert _rule_broken("mgpu_backend.models.loader", "mgpu_backend.weights.sharding")
+    assert _rule_broken("mgpu_backend.splits.decode", "mgpu_backend.models.diffusion_decoder") is None
+    assert _rule_broken("mgpu_backend.stages.stage", "mgpu_backend.serving.worker")
+    # the testing fence
+    assert _rule_broken("mgpu_backend.serving.worker", "mgpu_backend.testing.tiny")
+    assert _rule_broken("mgpu_backend.models.loader", "mgpu_backend.testing.tiny")
+    assert _rule_broken("nodes.loader", "mgpu_backend.testing.tiny")
+    assert _rule_broken("mgpu_backend.serving.cli", "mgpu_backend.testing.tiny") is None
+    assert _rule_broken("mgpu_backend.testing.tiny", "mgpu_backend.models.loader") is None
+    assert _rule_broken("mgpu_backend.testing.tiny", "mgpu_backend.serving.fleet")
 
 
 def test_a_job_importing_the_worker_fails(tmp_path, monkeypatch):
     """The frame hand-back's old shape — a job reaching back into the worker for `send_frames` — is found, whether
     the import is relative or absolute, at the top or inside the job function."""
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    for name in ("mgpu_backend/__init__.py", "mgpu_backend/worker.py", "mgpu_backend/frames.py",
-                 "mgpu_backend/jobs/__init__.py"):
+    for name in ("mgpu_backend/__init__.py", "mgpu_backend/serving/__init__.py", "mgpu_backend/serving/worker.py",
+                 "mgpu_backend/protocol/__init__.py", "mgpu_backend/protocol/frames.py",
+                 "mgpu_backend/serving/jobs/__init__.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
-    (tmp_path / "mgpu_backend" / "jobs" / "bad.py").write_text(
-        "from ..frames import send_frames\n"
+    (tmp_path / "mgpu_backend" / "serving" / "jobs" / "bad.py").write_text(
+        "from ...protocol.frames import send_frames\n"
         "def run(state, request, ctx):\n"
         "    from ..worker import send_frames\n")
-    (tmp_path / "mgpu_backend" / "jobs" / "bad2.py").write_text("import mgpu_backend.worker\n")
+    (tmp_path / "mgpu_backend" / "serving" / "jobs" / "bad2.py").write_text("import mgpu_backend.serving.worker\n")
     found = _violations()
-    assert set(found) == {("mgpu_backend.jobs.bad", "mgpu_backend.worker"),
-                          ("mgpu_backend.jobs.bad2", "mgpu_backend.worker")}, found
+    assert set(found) == {("mgpu_backend.serving.jobs.bad", "mgpu_backend.serving.worker"),
+                          ("mgpu_backend.serving.jobs.bad2", "mgpu_backend.serving.worker")}, found
+
+
+def test_the_folders_show_the_layers():
+    """At most MAX_TOP_ENTRIES packages and modules at the top of mgpu_backend/, and every layer is a package."""
+    top = sorted(p.name for p in (ROOT / "mgpu_backend").iterdir()
+                 if p.name not in ("__init__.py", "__main__.py", "py.typed", "__pycache__"))
+    assert len(top) <= MAX_TOP_ENTRIES, top
+    for layer in LAYER_ORDER + ("testing",):
+        assert (ROOT / "mgpu_backend" / layer / "__init__.py").is_file(), layer
+    assert set(top) == set(LAYER_ORDER) | {"testing"}, f"a top entry that is not a layer: {top}"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 def test_leaks(tmp_path):
     ready = tmp_path / "ready"
-    # a process named as a pack worker names itself (worker.py: resources.set_process_name)
+    # a process named as a pack worker names itself (serving/worker.py: resources.set_process_name)
     code = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'ltx2mgpu-rank0', 0, 0, 0); "
             f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
     subprocess.Popen([sys.executable, "-c", code], start_new_session=True)

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from mgpu_backend.models import configs, keymaps
 from mgpu_backend.models.loader import (CheckpointError, build_audio_vae, load_components,
                                         load_upsampler)
-from mgpu_backend.models.tiny import tiny_vocoder_metadata
+from mgpu_backend.testing.tiny import tiny_vocoder_metadata
 from _forward import av_forward
 
 P = keymaps.TRANSFORMER_PREFIX

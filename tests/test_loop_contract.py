@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import sampling as S
-from mgpu_backend.stage import StageLimits
-from mgpu_backend.stage_params import TileCountConfig
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.engine import sampling as S
+from mgpu_backend.stages.stage import StageLimits
+from mgpu_backend.protocol.stage_params import TileCountConfig
+from mgpu_backend.protocol.validation import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
-BEFORE = "623f211473576b6acd8d7255761ca60d15208895"  # main before the typed loop inputs (issue 25)
+BEFORE = "befdd65f7d534d84aa93b5b1264b8c74e2e65040"  # main before issue 34 (the layer packages, the executable plan)
 
 
 def test_denoise_loop_bit_identical_to_the_keyword_form(tmp_path):
@@ -40,6 +40,7 @@ def test_denoise_loop_bit_identical_to_the_keyword_form(tmp_path):
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     (old / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "loop_snapshot.py", old / "tests" / "loop_snapshot.py")
+    shutil.copy(ROOT / "tests" / "old_layout.py", old / "tests" / "old_layout.py")
     outputs = {}
     for name, tree in (("before", old), ("after", ROOT)):
         out = tmp_path / f"{name}.pt"

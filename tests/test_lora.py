@@ -3,7 +3,7 @@
 The reference for the fused weights is computed here directly from the file's tensors (safetensors, float64,
 `W + strength · alpha / rank · B @ A`, the PEFT / kohya / ComfyUI `comfy/lora.py` convention) and the model's own
 module paths (for attention and feed-forward Linears the original and diffusers names coincide), without
-`mgpu_backend.lora` or the key maps.
+`mgpu_backend.weights.lora` or the key maps.
 
 Tolerances:
 * fused weight vs the float64 reference: |diff| <= 2 · eps32 · max|W| — the fuser adds a float32 delta to the
@@ -25,10 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from mgpu_backend.lora import LoRAFuser, LoRAReport, parse_lora_arg, read_lora
+from mgpu_backend.weights.lora import LoRAFuser, LoRAReport, parse_lora_arg, read_lora
 from mgpu_backend.models.fp8 import FP8Linear
 from mgpu_backend.models.loader import SafetensorsFile, load_transformer
-from mgpu_backend.stage_params import check_lora_file
+from mgpu_backend.protocol.stage_params import check_lora_file
 from _forward import av_forward
 
 VARIANTS = ("2.0", "2.3")
@@ -313,7 +313,7 @@ def test_lora_of_wrong_width_names_shapes_and_touches_nothing(tiny_dir, tmp_path
 def test_tiny_ic_lora_is_a_lora_with_the_reference_downscale_metadata(tmp_path):
     """The tiny IC-LoRA (the live IC-LoRA template's file): the distilled tiny LoRA's key layout and dtypes, other
     weights, and the `reference_downscale_factor` safetensors metadata that ComfyUI's GetICLoRAParameters reads."""
-    from mgpu_backend.models.tiny import write_tiny_ic_lora, write_tiny_lora
+    from mgpu_backend.testing.tiny import write_tiny_ic_lora, write_tiny_lora
 
     plain = write_tiny_lora(tmp_path / "plain.safetensors", "2.3", seed=0)
     ic = write_tiny_ic_lora(tmp_path / "ic.safetensors", "2.3", seed=0)

@@ -4,7 +4,7 @@ stages and jobs from clean weights sharded over the ranks, without reading the c
 The fleet runs on W = 1, 2 gloo ranks (`_dist.run_ranks`, CPU, one thread per rank) with the tiny LTX-2.0 checkpoint
 in bf16 and its fp8 twin (bf16 compute), the tiny distilled LoRA and a "user" LoRA written here in the real key
 layout (`diffusion_model.<module>.lora_A/lora_B.weight` + `.alpha`; a subset of the layers, rank 2). Each rank runs
-the stage-level `sample` job (`jobs/stages.py`) with a job sequence that switches LoRA sets: stage 1 (sequence
+the stage-level `sample` job (`serving/jobs/stages.py`) with a job sequence that switches LoRA sets: stage 1 (sequence
 parallel) without LoRA, stage 2 (tiled) with the distilled LoRA, stage 1 again, stage 1 with the user LoRA, stage 2
 with user + distilled, and LoRAs that do not fit the model.
 
@@ -41,11 +41,11 @@ from safetensors.torch import save_file
 
 from _dist import run_ranks
 from _procs import process_alive as _alive
-from mgpu_backend import sampling as S
-from mgpu_backend.lora import LoRAError, LoRAFuser, LoRAReport, assign_owners, read_lora, read_loras
+from mgpu_backend.engine import sampling as S
+from mgpu_backend.weights.lora import LoRAError, LoRAFuser, LoRAReport, assign_owners, read_lora, read_loras
 from mgpu_backend.models import loader
 from mgpu_backend.models.fp8 import FP8Linear
-from mgpu_backend.models.tiny import write_tiny_lora
+from mgpu_backend.testing.tiny import write_tiny_lora
 from mgpu_backend.protocol.stage_requests import SampleRequest
 
 torch.set_num_threads(1)
@@ -128,7 +128,7 @@ class _Ctx:
 
 
 def _run_jobs(pipe, rank: int, f: dict) -> dict:
-    from mgpu_backend.jobs import stages
+    from mgpu_backend.serving.jobs import stages
 
     out = {}
     for name, mode, loras in _jobs(f):
@@ -164,7 +164,7 @@ class _ReadSpy:
     def __init__(self):
         import safetensors
 
-        import mgpu_backend.lora as lora_module
+        import mgpu_backend.weights.lora as lora_module
 
         self.paths: list[str] = []
         original = safetensors.safe_open
@@ -180,8 +180,8 @@ class _ReadSpy:
 # ---- rank function ---------------------------------------------------------------------------------------------------
 
 def _fleet_rank(rank: int, world: int, f: dict, weights: str) -> dict:
-    from mgpu_backend.parallel.plan import build_plan
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.splits.plan import build_plan
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     spy = _ReadSpy()
     components = loader.load_components(f[weights], dtype=torch.bfloat16)
@@ -227,7 +227,7 @@ _ONE: dict[str, dict] = {}
 
 def _one_process(f: dict, weights: str) -> dict:
     if weights not in _ONE:
-        from mgpu_backend.pipelines import TwoStagePipeline
+        from mgpu_backend.stages.pipelines import TwoStagePipeline
 
         components = loader.load_components(f[weights], dtype=torch.bfloat16)
         model = components.transformer
@@ -451,7 +451,7 @@ def test_switching_lora_sets_never_rereads_the_checkpoint(files, world, weights)
 
 @pytest.fixture(scope="module")
 def ctl():
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
     from mgpu_backend.protocol.errors import ControllerError
 
     runtime = Path(tempfile.mkdtemp(prefix="ltx2-lora-"))
@@ -515,8 +515,8 @@ def test_generate_with_user_lora_on_both_stages(ctl, files, capsys):
     stage 2, against one process running the same tiled recipe: within the SP tolerance of test_fleet (1e-4). The
     user LoRA changes stage 1 (its audio latent) where the distilled LoRA alone does not."""
     from mgpu_backend.models.gemma import load_gemma
-    from mgpu_backend.parallel.tiling import default_tiling
-    from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
+    from mgpu_backend.splits.tiling import default_tiling
+    from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
     from mgpu_backend.protocol.job_requests import JobSpec
 
     grid = (2, 4, 4)
@@ -636,7 +636,7 @@ def test_lora_node_in_comfyui(files, tmp_path):
 def test_cli_lora_flags(files, tmp_path, capsys):
     """`--lora PATH:STRENGTH` (repeatable) on both stages, `--distilled-lora` on stage 2: the coverage of each is
     printed per stage; a bad strength and a LoRA of another width are refused with exit code 2."""
-    from mgpu_backend import cli
+    from mgpu_backend.serving import cli
 
     common = ["generate", "--checkpoint", files["checkpoint"], "--gemma", files["gemma"], "--upscaler",
               files["upscaler"], "--prompt", "a fox", "--frames", "9", "--width", "128", "--height", "128",

@@ -24,16 +24,15 @@ from safetensors.torch import load_file, save_file
 
 from conftest import require_golden_weights
 
-from mgpu_backend import latents as L
-from mgpu_backend.denoiser import LTX2Denoiser, keyframe_token_mask, text_contexts
+from mgpu_backend.engine import latents as L
+from mgpu_backend.engine.denoiser import LTX2Denoiser, keyframe_token_mask, text_contexts
 from mgpu_backend.models import families as FM
 from mgpu_backend.models import keymaps
 from mgpu_backend.models.fp8 import FP8Linear
 from mgpu_backend.models.loader import CheckpointError, load_components, load_upsampler
 from mgpu_backend.models.quant import Int8Linear, dequantize_int8, encode_comfy_quant, hadamard, quantize_int8
-from mgpu_backend.models.tiny import (build_tiny_modules, tiny_transformer_metadata, write_tiny_component_files,
-                                      write_tiny_transformer)
-from mgpu_backend.sampling import GuidancePass, ModelInputs
+from mgpu_backend.testing.tiny import build_tiny_modules, tiny_transformer_metadata, write_tiny_component_files, write_tiny_transformer
+from mgpu_backend.engine.sampling import GuidancePass, ModelInputs
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "ltx25_golden.safetensors"
 TIGHT = 2e-5      # measured <= 1.9e-6: attention algorithm / summation order only
@@ -443,8 +442,8 @@ def _sp_forward(components, golden, forward=None, grid=SP_GRID):
 
 
 def _sp25_rank(rank: int, world: int, files: dict, golden_path: str) -> dict:
-    from mgpu_backend.parallel.exchange import Exchange
-    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+    from mgpu_backend.splits.exchange import Exchange
+    from mgpu_backend.splits.sequence import SequenceParallelTransformer
 
     comps = load_components(files["transformer"], video_vae=files["video_vae"], audio_vae=files["audio_vae"],
                             dtype=torch.float32)
@@ -472,7 +471,7 @@ def test_folder_files_are_recognized_by_their_tensors(files25, tmp_path):
     assert kinds == {"transformer": "transformer", "transformer_int8": "transformer",
                      "transformer_fp8": "transformer", "video_vae": "video_vae", "audio_vae": "audio_vae",
                      "upsampler": "upsampler"}
-    from mgpu_backend.models.tiny_gemma import write_tiny_gemma
+    from mgpu_backend.testing.tiny_gemma import write_tiny_gemma
 
     assert classify_file(write_tiny_gemma(tmp_path / "gemma.safetensors", seed=0, hidden_size=64,
                                           num_layers=2)) == "text_encoder"
@@ -494,8 +493,8 @@ def test_folder_files_are_recognized_by_their_tensors(files25, tmp_path):
 
 
 def test_cli_takes_a_models_folder_and_names_what_is_missing(files25, tmp_path):
-    from mgpu_backend.cli import _model_files, build_parser
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.serving.cli import _model_files, build_parser
+    from mgpu_backend.protocol.validation import ValidationError
 
     folder = Path(files25["transformer"]).parent
     args = build_parser().parse_args(["generate", "--prompt", "x", "--models", str(folder),
@@ -513,13 +512,13 @@ def test_cli_takes_a_models_folder_and_names_what_is_missing(files25, tmp_path):
 def test_tiles_get_the_marker_of_their_own_tokens(ours, golden, monkeypatch):
     """Tiled stage 2 normalizes each tile's positions to start at 0 (DESIGN.md §5): the keyframe marker must come
     from the clip's positions, so a tile of later frames carries none."""
-    from mgpu_backend.parallel.tiled import TiledTransformer
-    from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig
+    from mgpu_backend.splits.tiled import TiledTransformer
+    from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig
 
     grid = (4, 1, 2)
     tr = ours.transformer
     seen = []
-    from mgpu_backend import model_forward
+    from mgpu_backend.engine import forward as model_forward
 
     real = model_forward.run_eager  # the one forward every tile runs (issue 25)
 
@@ -542,11 +541,11 @@ def test_ltx25_files_run_the_template_recipe_by_default(files25, tmp_path, monke
     """With no pipeline / sampler / sigmas named, LTX-2.5 files run ComfyUI's `video_ltx2_5_t2v` recipe: distilled,
     the 8 template sigmas at half size and 0.85, 0.725, 0.4219, 0 after the upscale, euler_ancestral, no guidance.
     (The Gemma 4 text encoder is another part of issue 18: a tiny Gemma 3 with a 2.5-shaped projection stands in.)"""
-    from mgpu_backend import pipelines
-    from mgpu_backend import sampling as S
+    from mgpu_backend.stages import pipelines
+    from mgpu_backend.engine import sampling as S
     from mgpu_backend.models.gemma import load_gemma
-    from mgpu_backend.models.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
-    from mgpu_backend.models.tiny_gemma import write_tiny_gemma
+    from mgpu_backend.testing.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
+    from mgpu_backend.testing.tiny_gemma import write_tiny_gemma
 
     projection = build_tiny_modules("2.5", 0)["text_projection"]
     proj_path = tmp_path / "projection.safetensors"
@@ -578,8 +577,8 @@ def test_ltx25_files_run_the_template_recipe_by_default(files25, tmp_path, monke
 def test_lora_fuses_onto_resident_int8_layers_and_restores(files25, tmp_path):
     """A LoRA on the int8-convrot transformer: fused weight = dequantized int8 + delta beside the untouched int8
     tensor (`Int8Linear` is handled like `FP8Linear`), every layer matched, exactly undone."""
-    from mgpu_backend.lora import LoRAFuser, read_lora
-    from mgpu_backend.models.tiny import write_tiny_lora
+    from mgpu_backend.weights.lora import LoRAFuser, read_lora
+    from mgpu_backend.testing.tiny import write_tiny_lora
 
     tr = load_components(files25["transformer_int8"], video_vae=files25["video_vae"], audio_vae=files25["audio_vae"],
                          dtype=torch.float32).transformer

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mgpu_backend import media
+from mgpu_backend.stages import media
 
 
 def _tone(seconds: float, sr: int, channels: int = 2) -> torch.Tensor:

@@ -17,10 +17,10 @@ import logging
 import pytest
 import torch
 
-from mgpu_backend import cuda_graphs as G
-from mgpu_backend import native as N
+from mgpu_backend.engine import cuda_graphs as G
+from mgpu_backend.stages import native as N
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.parallel.sequence import SequenceParallelTransformer
+from mgpu_backend.splits.sequence import SequenceParallelTransformer
 from test_cuda_graphs import _CopyExchange  # one simulated W-way exchange on one GPU
 from test_native_forward import golden_requests, load_golden
 
@@ -89,7 +89,7 @@ def test_uncapturable_native_forward_falls_back_by_name(tiny_dir, mark, monkeypa
     eng = _engine(tiny_dir, "cuda", torch.bfloat16)
     req = golden_requests(*load_golden())["t2v_b1"]
     want = _eager(eng, req)
-    from mgpu_backend import model_forward
+    from mgpu_backend.engine import forward as model_forward
 
     block = model_forward.comfy_block  # the one forward's ComfyUI block order (issue 25)
 

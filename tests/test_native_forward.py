@@ -39,8 +39,7 @@ from safetensors import safe_open
 
 from _dist import run_ranks
 from conftest import require_golden_weights
-from mgpu_backend.forward import (ForwardMiss, ForwardOptions, ForwardReply, ForwardRequest, GuideAttentionEntry,
-                                  LoraPatch, LoraSet, PreprocessTextRequest)
+from mgpu_backend.protocol.native_forward import ForwardMiss, ForwardOptions, ForwardReply, ForwardRequest, GuideAttentionEntry, LoraPatch, LoraSet, PreprocessTextRequest
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "ltx23_forward_golden.safetensors"
 ATOL = 3e-5  # two float32 forwards, each <= 1.4e-5 from the exact one (module docstring)
@@ -102,12 +101,12 @@ def _run_lora(state, rank: int, meta: dict, tensors: dict, lora_path: str) -> di
     unknown key, and the clean weights back (exactly) for `lora=None`."""
     import dataclasses
 
-    from mgpu_backend.jobs.forward import run_forward
+    from mgpu_backend.serving.jobs.forward import run_forward
 
     ctx = SimpleNamespace(rank=rank)
     spec = json.loads(meta["lora"])
     base = golden_requests(meta, tensors)[spec["base"]]
-    from mgpu_backend.jobs.forward import run_preprocess_text
+    from mgpu_backend.serving.jobs.forward import run_preprocess_text
 
     lora = lora_set(lora_path, spec["strength"], tensors=tensors)
     raw = tensors["text.raw"][1:]
@@ -184,7 +183,7 @@ def golden(tiny_dir):
 def _run_jobs(state, rank: int, meta: dict, tensors: dict, cases=None) -> dict:
     """Run preprocess_text and the golden cases (`cases`: names, None = all) through the job functions; each case
     again with its context left on the fleet; then a cache miss."""
-    from mgpu_backend.jobs.forward import run_forward, run_preprocess_text
+    from mgpu_backend.serving.jobs.forward import run_forward, run_preprocess_text
 
     ctx = SimpleNamespace(rank=rank)
     text = run_preprocess_text(state, PreprocessTextRequest(tensors["text.raw"]), ctx)
@@ -210,7 +209,7 @@ def _run_jobs(state, rank: int, meta: dict, tensors: dict, cases=None) -> dict:
 def _state(checkpoint: str, rank: int, world: int, guidance_parallel: str, components=None):
     """What a worker's `WorkerState` gives the jobs (components, plan, dtype, device), float32 on the CPU."""
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.parallel.plan import build_plan
+    from mgpu_backend.splits.plan import build_plan
 
     device = torch.device("cpu")
     components = components or load_components(checkpoint, dtype=torch.float32, device=device)
@@ -251,7 +250,7 @@ def test_one_process_equals_comfyui(golden):
     # the other spellings ComfyUI's arguments may take: per-token sigmas [B, N], a frame-wise denoise mask
     import dataclasses
 
-    from mgpu_backend.jobs.forward import run_forward
+    from mgpu_backend.serving.jobs.forward import run_forward
 
     ctx = SimpleNamespace(rank=0)
     reqs = golden_requests(golden.meta, golden.tensors)
@@ -268,7 +267,7 @@ def test_one_process_equals_comfyui(golden):
 def test_atol_catches_a_perturbed_weight(golden):
     """ATOL is loose enough for any CPU's float32 and still tight enough for a bug: one feed-forward matrix of one
     block scaled by 1.0003 (a 0.03 % change; measured 1.7e-4 on t2v_b1) fails the golden comparison."""
-    from mgpu_backend.jobs.forward import run_forward
+    from mgpu_backend.serving.jobs.forward import run_forward
 
     state = _state(golden.checkpoint, 0, 1, "off")
     weight = state.components.transformer.transformer_blocks[0].ff.net[2].weight
@@ -285,7 +284,7 @@ ROW_SPLIT_CASES = ("t2v_b1", "t2v_b2", "guides_s07_b2", "ref_audio_b2")
 def test_ltx20_one_process_equals_comfyui(golden):
     """LTX-2.0 (caption projection inside the forward, no prompt AdaLN, no attention gates): the connectors and three
     B = 1 cases."""
-    from mgpu_backend.jobs.forward import run_forward, run_preprocess_text
+    from mgpu_backend.serving.jobs.forward import run_forward, run_preprocess_text
 
     state = _state(golden.checkpoint20, 0, 1, "off")
     ctx = SimpleNamespace(rank=0)
@@ -320,7 +319,7 @@ def test_ranks_equal_comfyui(golden, world):
 def test_pixel_mask_downsampling_equals_comfyui(golden):
     """`downsample_pixel_mask` against ComfyUI's `_downsample_mask_to_latent` in each of its branches (groups of
     frames, trailing frames dropped, nearest repetition, one pixel frame, one latent frame)."""
-    from mgpu_backend.native import downsample_pixel_mask
+    from mgpu_backend.stages.native import downsample_pixel_mask
 
     names = sorted({k.rsplit(".", 1)[0] for k in golden.tensors if k.startswith("mask.")})
     assert len(names) == 6
@@ -333,9 +332,9 @@ def test_pixel_mask_downsampling_equals_comfyui(golden):
 # ---- refusals ---------------------------------------------------------------------------------------------------
 
 def test_refused_by_name(golden):
-    from mgpu_backend.jobs.forward import run_forward
-    from mgpu_backend.native import NotSupported
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.serving.jobs.forward import run_forward
+    from mgpu_backend.stages.native import NotSupported
+    from mgpu_backend.protocol.validation import ValidationError
     import dataclasses
 
     state = _state(golden.checkpoint, 0, 1, "off")
@@ -370,7 +369,7 @@ def _alive(pid: int) -> bool:
 def test_fleet_jobs(golden):
     """preprocess_text with cache keys, then forwards that leave the context on the fleet, a miss, and a refusal
     that keeps the fleet — through the real controller and two worker processes (W = 2)."""
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
     from mgpu_backend.protocol.errors import ControllerError
     from mgpu_backend.protocol.fleet_config import FleetConfig
     from mgpu_backend.protocol.job_requests import JobSpec
@@ -443,7 +442,7 @@ def _small_grid_requests(meta: dict, tensors: dict) -> list[ForwardRequest]:
 
 
 def _small_rank(rank: int, world: int, checkpoint: str) -> list:
-    from mgpu_backend.jobs.forward import run_forward
+    from mgpu_backend.serving.jobs.forward import run_forward
 
     meta, tensors = load_golden()
     state = _state(checkpoint, rank, world, "off")

@@ -12,7 +12,7 @@ latents. Two transports behind the same proxy:
 - `local`: ComfyUI's own LTXAVModel answers the ForwardRequests (a lossless round trip of the contract: everything
   ComfyUI's forward needs travels; measured bit-identical, 0.0, on every case);
 - `fleet`: the pack's fleet, W = 1, 2, 4 CPU ranks on a 27-token video (not divisible by 2 or 4), configured as
-  Load Diffusion Model (MGPU) does (no Gemma), when the engine has the forward job (mgpu_backend/jobs/forward.py);
+  Load Diffusion Model (MGPU) does (no Gemma), when the engine has the forward job (mgpu_backend/serving/jobs/forward.py);
   equal to float tolerance (measured ≤ 7.6e-6, max |latent| ~6).
 Refused features (SkipLayerGuidanceDiT's block replacement, an attention patch, ModelMergeSimple, core's MultiGPU
 CFG Split on a host of two devices — the second one faked as `meta`) fail with a message naming them.
@@ -64,7 +64,7 @@ def comfyui():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from mgpu_backend.models.tiny import build_tiny_modules, write_tiny_checkpoint, write_tiny_lora
+    from mgpu_backend.testing.tiny import build_tiny_modules, write_tiny_checkpoint, write_tiny_lora
 
     d = tmp_path_factory.mktemp("native_model")
     modules = build_tiny_modules("2.0", 0)
@@ -124,7 +124,7 @@ def test_refused_features_are_named(local_run, case):
 
 def _engine_has_forward_job() -> bool:
     try:
-        from mgpu_backend.jobs import load_all
+        from mgpu_backend.serving.jobs import load_all
 
         return "forward" in load_all()
     except Exception:  # noqa: BLE001
@@ -134,7 +134,7 @@ def _engine_has_forward_job() -> bool:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_whole_sample_on_the_fleet_equals_native(comfyui, tiny, world_size):
     if not _engine_has_forward_job():
-        pytest.skip("the engine has no 'forward' job yet (mgpu_backend/jobs/forward.py)")
+        pytest.skip("the engine has no 'forward' job yet (mgpu_backend/serving/jobs/forward.py)")
     cases = ("t2v", "i2v07", "i2v10", "guides07", "guides10", "stg_modality", "dual_cfg", "euler_a", "lora",
              "lora_stack", "t2v_after_lora", "long126", "ksampler")
     run = run_driver(comfyui, tiny, "fleet", cases, world_size=world_size)
@@ -148,7 +148,7 @@ def test_whole_sample_on_the_fleet_equals_native(comfyui, tiny, world_size):
 
 @pytest.fixture(scope="module")
 def tiny23(tmp_path_factory):
-    from mgpu_backend.models.tiny import build_tiny_modules, write_tiny_checkpoint, write_tiny_lora
+    from mgpu_backend.testing.tiny import build_tiny_modules, write_tiny_checkpoint, write_tiny_lora
 
     d = tmp_path_factory.mktemp("native_model_23")
     modules = build_tiny_modules("2.3", 0)
@@ -163,7 +163,7 @@ def test_ltx23_on_the_fleet_equals_native(comfyui, tiny23):
     LoRA through LoraLoaderModelOnly), a LoRA with pairs on the text connectors too (the fleet fuses those as
     well), the plain model after them."""
     if not _engine_has_forward_job():
-        pytest.skip("the engine has no 'forward' job yet (mgpu_backend/jobs/forward.py)")
+        pytest.skip("the engine has no 'forward' job yet (mgpu_backend/serving/jobs/forward.py)")
     cases = ("t2v", "guides07", "stg_modality", "lora", "connector_lora", "t2v_after_lora")
     run = run_driver(comfyui, tiny23, "fleet", cases, world_size=2)
     for case in cases:

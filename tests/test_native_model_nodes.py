@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from mgpu_backend import forward as F
+from mgpu_backend.protocol import native_forward as F
 from nodes import native_forward as NF
 from nodes import native_patches as NP
 from nodes.native_types import UnsupportedInput
@@ -201,7 +201,7 @@ def test_core_multigpu_cfg_split_is_refused_through_what_core_sets():
 def test_a_fleet_without_gemma_has_no_text_service_check():
     """Load Diffusion Model (MGPU) configures a fleet without Gemma (`FleetConfig.gemma=None`, unloaded): the
     worker's text service then holds no encoder and checks no projection against a Gemma it does not have."""
-    from mgpu_backend.parallel.gemma import TextEncoderService
+    from mgpu_backend.stages.text_encoder import TextEncoderService
     from mgpu_backend.protocol.fleet_config import FleetConfig
 
     config = FleetConfig(devices=("cpu",), checkpoint="ltx.safetensors", gemma=None, gemma_unload=True)

@@ -1,4 +1,4 @@
-"""Neighborhood attention (`mgpu_backend/ops/neighborhood.py`) against a brute-force reference.
+"""Neighborhood attention (`mgpu_backend/models/neighborhood.py`) against a brute-force reference.
 
 The reference is written from NATTEN's definition, not from either implementation: for every query it lists the
 window positions per axis (`s = clamp(i - k // 2, 0, n - k)`, `k = min(kernel, n)`), gathers those keys and values
@@ -13,8 +13,8 @@ import itertools
 import pytest
 import torch
 
-from mgpu_backend.ops import neighborhood
-from mgpu_backend.ops.neighborhood import na3d, na3d_plain
+from mgpu_backend.models import neighborhood
+from mgpu_backend.models.neighborhood import na3d, na3d_plain
 
 torch.set_num_threads(1)
 TOL = 2e-6

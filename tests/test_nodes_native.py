@@ -228,7 +228,7 @@ def test_sigmas_image_audio():
         NT.frames_to_image(torch.zeros(25, 3, 128, 256))
 
 
-# ---- the samplers the SP Sampler node offers (mgpu_backend.sampling) ---------------------------------------------
+# ---- the samplers the SP Sampler node offers (mgpu_backend.engine.sampling) ---------------------------------------------
 
 
 def comfy_euler_ancestral_rf(x, denoised, sigma, sigma_next, noise, eta=1.0):
@@ -245,7 +245,7 @@ def comfy_euler_ancestral_rf(x, denoised, sigma, sigma_next, noise, eta=1.0):
 
 
 def test_ancestral_step_matches_comfyui_formula():
-    from mgpu_backend import sampling as S
+    from mgpu_backend.engine import sampling as S
 
     g = torch.Generator().manual_seed(0)
     x, x0, n = (torch.randn(1, 6, 128, generator=g) for _ in range(3))
@@ -259,7 +259,7 @@ def test_ancestral_step_matches_comfyui_formula():
 
 
 def test_denoise_loop_ancestral_draws_noise_per_step_and_keeps_masked_tokens():
-    from mgpu_backend import sampling as S
+    from mgpu_backend.engine import sampling as S
 
     calls = []
 

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import model_forward
-from mgpu_backend.attention import use_processor
-from mgpu_backend.models.tiny import build_tiny_modules
-from mgpu_backend.parallel.forward_plan import REPLICATED, SEQUENCE, TILES, select_tokens, shard_batch
-from mgpu_backend.semantics import COMFYUI, REFERENCE, Semantics, semantics_named
-from mgpu_backend.tokens import TOKEN_FIELDS, TokenBatch
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.engine import forward as model_forward
+from mgpu_backend.engine.attention import use_processor
+from mgpu_backend.testing.tiny import build_tiny_modules
+from mgpu_backend.splits.forward_plan import REPLICATED, SEQUENCE, TILES, select_tokens, shard_batch
+from mgpu_backend.engine.semantics import COMFYUI, REFERENCE, Semantics, semantics_named
+from mgpu_backend.engine.tokens import TOKEN_FIELDS, TokenBatch
+from mgpu_backend.protocol.validation import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
-BEFORE = "40b2323cddd1435a4b64c4b69833f0daaef0ddde"  # main before the one forward (issue 25)
+BEFORE = "befdd65f7d534d84aa93b5b1264b8c74e2e65040"  # main before issue 34 (the layer packages, the executable plan)
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +72,10 @@ def test_reference_semantics_is_diffusers_forward_bitwise(transformer23, over):
 
 def test_the_engine_never_calls_diffusers_forward(transformer23, monkeypatch):
     """Every path goes through `model_forward`: the plain denoiser forward, the SP wrapper, the tiles."""
-    from mgpu_backend.parallel.exchange import Exchange
-    from mgpu_backend.parallel.sequence import SequenceParallelTransformer
-    from mgpu_backend.parallel.tiled import TiledTransformer
-    from mgpu_backend.parallel.tiling import TileCountConfig
+    from mgpu_backend.splits.exchange import Exchange
+    from mgpu_backend.splits.sequence import SequenceParallelTransformer
+    from mgpu_backend.splits.tiled import TiledTransformer
+    from mgpu_backend.splits.tiling import TileCountConfig
 
     def refuse(*args, **kwargs):
         raise AssertionError("diffusers' LTX2VideoTransformer3DModel.forward was called")
@@ -116,7 +116,7 @@ def test_plans_are_declarative_and_weights_have_their_entry():
     assert set(SEQUENCE.inputs) == set(TOKEN_FIELDS) and SEQUENCE.inputs["video_coords"].dim == 2
     assert SEQUENCE.attention == {"attn1": "ulysses", "video_to_audio_attn": "gathered keys"}
     assert SEQUENCE.outputs["video"].dim == 1
-    assert SEQUENCE.weights == TILES.weights == REPLICATED  # the sharded-weights entry (parallel/sharding.py) to come
+    assert SEQUENCE.weights == TILES.weights == REPLICATED  # the sharded-weights entry (weights/sharding.py) to come
     with pytest.raises(TypeError):
         SEQUENCE.inputs["video"] = None  # type: ignore[index]
 
@@ -133,7 +133,7 @@ def test_semantics_is_a_record():
 
 def test_stage_code_reads_the_record_not_the_name():
     """No string switch on the semantics' name is left in the stage layer (issue 25)."""
-    for path in ("stage.py", "comfy_stage.py", "jobs/stages.py", "pipelines.py", "native.py"):
+    for path in ("stages/stage.py", "stages/comfy_stage.py", "serving/jobs/stages.py", "stages/pipelines.py", "stages/native.py"):
         text = (ROOT / "mgpu_backend" / path).read_text()
         for needle in ('semantics == "', "semantics != \"", '== "comfyui"', '== "reference"'):
             assert needle not in text.replace('noise_layout == "comfyui"', ""), (path, needle)
@@ -151,7 +151,7 @@ def test_outputs_bit_identical_to_main_before_the_one_forward(tmp_path):
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE, "mgpu_backend", "nodes", "kernels",
                               "tests/golden"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    for name in ("stage_snapshot.py", "forward_snapshot.py"):
+    for name in ("stage_snapshot.py", "forward_snapshot.py", "old_layout.py"):
         shutil.copy(ROOT / "tests" / name, old / "tests" / name)
     tiny = tmp_path / "tiny"
     outputs = {}

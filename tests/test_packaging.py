@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import mgpu_backend
-from mgpu_backend import client as C
+from mgpu_backend.serving import client as C
 
 REPO = Path(__file__).resolve().parent.parent
 NOT_OURS = ("kernels", "nodes", "tests", "workflows", "bench")  # never importable as top-level names from the pack

@@ -6,13 +6,13 @@ import pytest
 import torch
 from PIL import Image
 
-from mgpu_backend import cli
-from mgpu_backend import latents as L
-from mgpu_backend.media import probe_mp4
+from mgpu_backend.serving import cli
+from mgpu_backend.engine import latents as L
+from mgpu_backend.stages.media import probe_mp4
 from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.models.tiny import make_tiny
-from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
+from mgpu_backend.testing.tiny import make_tiny
+from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 
 torch.set_num_threads(1)
 
@@ -124,8 +124,8 @@ def test_cli_refuses_bad_frames_before_loading(tmp_path, capsys):
 def test_decode_tiles_of_one_cell_refused_before_sampling(tiny_pipeline, monkeypatch):
     """64 px wide (2 latent cells at full size) in two decode tiles without overlap: 1-cell tiles, which the conv
     decoder's reflection padding cannot take — refused before any sampling, with the rule."""
-    from mgpu_backend.parallel.tiling import TileCountConfig
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.splits.tiling import TileCountConfig
+    from mgpu_backend.protocol.validation import ValidationError
 
     pipeline, paths = tiny_pipeline
     monkeypatch.setattr(pipeline, "run_stage", lambda *a, **k: pytest.fail("sampled before refusing"))

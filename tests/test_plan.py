@@ -9,8 +9,8 @@ import torch
 from _dist import run_ranks
 from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.models.tiny import make_tiny
-from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
+from mgpu_backend.testing.tiny import make_tiny
+from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 
 torch.set_num_threads(1)
 
@@ -23,7 +23,7 @@ def paths(tmp_path_factory):
 
 
 def _degrees(rank, world, checkpoint):
-    from mgpu_backend.parallel.plan import build_plan
+    from mgpu_backend.splits.plan import build_plan
 
     components = load_components(checkpoint, dtype=torch.float32)
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"), min_tokens_per_rank=8)
@@ -39,7 +39,7 @@ def test_stage_degree_keeps_enough_tokens_per_rank(paths):
 
 def _policies(rank, world, checkpoint):
     """The plan's degree policy per device type and configuration (no CUDA needed: only the policy is read)."""
-    from mgpu_backend.parallel.plan import build_plan
+    from mgpu_backend.splits.plan import build_plan
 
     transformer = load_components(checkpoint, dtype=torch.float32).transformer
     out = {}
@@ -56,7 +56,7 @@ def test_cuda_fleets_pick_the_degree_by_the_cost_model(paths):
     """On CUDA (FleetConfig.min_tokens_per_rank None) every degree's group is built and each stage runs at the cost
     model's choice for this transformer's shape, the report saying why; an explicit minimum replaces the model; CPU
     fleets keep the full degree."""
-    from mgpu_backend.parallel import cost as C
+    from mgpu_backend.splits import cost as C
 
     results = run_ranks(_policies, 4, paths["checkpoint"])
     assert all(r == results[0] for r in results[1:])
@@ -72,7 +72,7 @@ def test_cuda_fleets_pick_the_degree_by_the_cost_model(paths):
 
 
 def _generate(rank, world, paths):
-    from mgpu_backend.parallel.plan import build_plan
+    from mgpu_backend.splits.plan import build_plan
 
     components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"), min_tokens_per_rank=10 ** 6)
@@ -99,8 +99,8 @@ def _policy_switches(rank, world, paths):
 
     import torch.distributed as dist
 
-    from mgpu_backend.parallel.plan import ParallelPlan, build_plan
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.splits.plan import ParallelPlan, build_plan
+    from mgpu_backend.protocol.validation import ValidationError
 
     components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"))  # CPU default: full degree
@@ -162,8 +162,8 @@ def test_policy_changes_pick_among_the_groups_built_at_start(paths):
 
 
 def _cancel_on_three(rank, world, paths):
-    from mgpu_backend.parallel.plan import build_plan
-    from mgpu_backend.sampling import SamplingCancelled
+    from mgpu_backend.splits.plan import build_plan
+    from mgpu_backend.engine.sampling import SamplingCancelled
 
     components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"))
@@ -188,8 +188,8 @@ def test_explicit_sp_degree_the_heads_do_not_allow_is_refused_before_any_worker(
                                                                                  capsys):
     """`--sp-degree 3` with 8 heads: refused by the controller from the checkpoint header, before a fleet starts,
     naming the valid degrees; the CLI prints the message (no traceback) and exits 2."""
-    from mgpu_backend import cli
-    from mgpu_backend.controller import check_config
+    from mgpu_backend.serving import cli
+    from mgpu_backend.serving.controller import check_config
     from mgpu_backend.protocol.errors import ControllerError
     from mgpu_backend.protocol.fleet_config import FleetConfig
 
@@ -214,7 +214,7 @@ def test_a_bad_checkpoint_is_refused_before_the_running_fleet_is_torn_down(paths
     """The controller checks the new checkpoint's header first: a non-LTX file is refused with the file named."""
     from safetensors.torch import save_file
 
-    from mgpu_backend.controller import check_config
+    from mgpu_backend.serving.controller import check_config
     from mgpu_backend.protocol.errors import ControllerError
     from mgpu_backend.protocol.fleet_config import FleetConfig
 
@@ -227,7 +227,7 @@ def test_a_bad_checkpoint_is_refused_before_the_running_fleet_is_torn_down(paths
 def test_distilled_job_header_names_each_stages_own_split():
     """The distilled preset splits both stages, possibly differently (the cost model sees different token counts):
     the job header then names each; one line when they agree; the two-stage header is stage 1's."""
-    from mgpu_backend.pipelines import _parallel_summary
+    from mgpu_backend.stages.pipelines import _parallel_summary
 
     differ = {"stage 1": "sequence parallel on 1 of 2 ranks: few tokens",
               "stage 2": "sequence parallel over all 2 ranks: many tokens"}

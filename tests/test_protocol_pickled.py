@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgpu_backend.forward import ForwardReply
+from mgpu_backend.protocol.native_forward import ForwardReply
 from mgpu_backend.protocol import transport
 from mgpu_backend.protocol.job_requests import FramesRequest, JobSpec, NoopRequest
 from mgpu_backend.protocol.transport import Pickled, wire_job

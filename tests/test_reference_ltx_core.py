@@ -47,19 +47,12 @@ import torch
 pytest.importorskip("ltx_core", reason="the reference extra (ltx-core 1.0.0) is not installed")
 pytest.importorskip("einops", reason="ltx-core needs einops")
 
-from mgpu_backend import latents as L  # noqa: E402
-from mgpu_backend.denoiser import LTX2Denoiser, text_contexts  # noqa: E402
+from mgpu_backend.engine import latents as L  # noqa: E402
+from mgpu_backend.engine.denoiser import LTX2Denoiser, text_contexts  # noqa: E402
 from mgpu_backend.models.loader import load_components  # noqa: E402
 from mgpu_backend.models.text_projection import make_conditioning  # noqa: E402
-from mgpu_backend.models.tiny import (  # noqa: E402
-    TINY_GEMMA_HIDDEN,
-    TINY_GEMMA_LAYERS,
-    build_tiny_modules,
-    tiny_vae_metadata,
-    write_tiny_checkpoint,
-    write_tiny_upsampler,
-)
-from mgpu_backend.sampling import GuidancePass, ModelInputs  # noqa: E402
+from mgpu_backend.testing.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS, build_tiny_modules, tiny_vae_metadata, write_tiny_checkpoint, write_tiny_upsampler
+from mgpu_backend.engine.sampling import GuidancePass, ModelInputs  # noqa: E402
 
 from _ltx_core import build, import_ltx_core, load_strict, read_config, read_state  # noqa: E402
 

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_backend import resources as R
-from mgpu_backend.client import ControllerClient, parse_devices
-from mgpu_backend.fleet import Fleet
+from mgpu_backend.protocol import resources as R
+from mgpu_backend.serving.client import ControllerClient, parse_devices
+from mgpu_backend.serving.fleet import Fleet
 from mgpu_backend.protocol.errors import ControllerError, ErrorKind
 from mgpu_backend.protocol.fleet_config import FleetConfig
 from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
 from mgpu_backend.protocol.job_results import ProcessInfo
-from mgpu_backend.worker import EXIT_PARENT_GONE
+from mgpu_backend.serving.worker import EXIT_PARENT_GONE
 from _procs import bound_child, deadline, process_alive, stop_controller, wait_gone
 
 GUARD_S = 240
@@ -375,7 +375,7 @@ def test_a_signal_while_a_fleet_starts_ends_its_workers(tiny_dir, tmp_path):
 def test_a_controller_that_never_answers_is_killed_not_left(monkeypatch):
     """The client's own start: a controller process that does not listen within START_TIMEOUT_S is killed with the
     error (here a stand-in that sleeps, started as the client starts a controller)."""
-    from mgpu_backend import client as client_module
+    from mgpu_backend.serving import client as client_module
 
     launched = []
 
@@ -398,7 +398,7 @@ def test_a_controller_that_never_answers_is_killed_not_left(monkeypatch):
 
 
 def test_the_cli_refuses_an_oversized_fleet_before_a_controller_starts(tiny_dir, tmp_path, monkeypatch, capsys):
-    from mgpu_backend import cli
+    from mgpu_backend.serving import cli
 
     runtime = short_runtime_dir()
     monkeypatch.setenv("LTX2_MGPU_RUNTIME_DIR", str(runtime))

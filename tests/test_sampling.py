@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from mgpu_backend import sampling as S
+from mgpu_backend.engine import sampling as S
 
 # --- schedule ------------------------------------------------------------------------------------------------------------
 
 
 def _formula_f64(steps: int, tokens: int, max_shift=2.05, base_shift=0.95, stretch=True, terminal=0.1) -> list[float]:
-    """Independent float64 evaluation of the LTX-2 scheduler formula (see mgpu_backend.sampling.ltx2_sigmas)."""
+    """Independent float64 evaluation of the LTX-2 scheduler formula (see mgpu_backend.engine.sampling.ltx2_sigmas)."""
     m = (max_shift - base_shift) / (4096 - 1024)
     shift = tokens * m + (base_shift - 1024 * m)
     raw = [1.0 - i / steps for i in range(steps + 1)]

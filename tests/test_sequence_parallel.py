@@ -27,22 +27,20 @@ import torch
 from PIL import Image
 
 from _dist import run_ranks
-from mgpu_backend import client
-from mgpu_backend import latents as L
-from mgpu_backend import sampling as S
-from mgpu_backend.denoiser import LTX2Denoiser, TextContext, text_contexts
+from mgpu_backend.serving import client
+from mgpu_backend.engine import latents as L
+from mgpu_backend.engine import sampling as S
+from mgpu_backend.engine.denoiser import LTX2Denoiser, TextContext, text_contexts
 from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.models.tiny import make_tiny
-from mgpu_backend.parallel.exchange import Exchange
-from mgpu_backend.parallel.plan import ParallelPlan, build_plan
-from mgpu_backend.parallel.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
-from mgpu_backend.parallel.sequence import (
-    GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention, _ForwardState, check_token_cap,
-)
-from mgpu_backend.parallel.tiling import default_tiling
-from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.testing.tiny import make_tiny
+from mgpu_backend.splits.exchange import Exchange
+from mgpu_backend.splits.plan import ParallelPlan, build_plan
+from mgpu_backend.splits.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
+from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention, _ForwardState, check_token_cap
+from mgpu_backend.splits.tiling import default_tiling
+from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
+from mgpu_backend.protocol.validation import ValidationError
 
 torch.set_num_threads(1)
 

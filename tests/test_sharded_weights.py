@@ -1,5 +1,5 @@
 """Sharded weights (issue 26): the transformer's block layers sharded over the ranks with FSDP2
-(`mgpu_backend/parallel/sharding.py`), on real gloo process groups.
+(`mgpu_backend/weights/sharding.py`), on real gloo process groups.
 
 What is asserted:
 - the native MODEL's forward with sharded weights equals the same fleet with replicated weights **bit for bit**
@@ -37,8 +37,8 @@ def _components(checkpoint: str, dtype: torch.dtype, transformer_only: bool):
 
 
 def _state(components, rank: int, world: int, sharded: bool, dtype: torch.dtype):
-    from mgpu_backend.parallel.plan import build_plan
-    from mgpu_backend.parallel.sharding import shard_transformer
+    from mgpu_backend.splits.plan import build_plan
+    from mgpu_backend.weights.sharding import shard_transformer
 
     device = torch.device("cpu")
     report = shard_transformer(components.transformer, device, connectors=(
@@ -51,7 +51,7 @@ def _native_rank(rank: int, world: int, checkpoint: str, lora_path: str, dtype_n
                  transformer_only: bool) -> dict:
     """The golden cases and the LoRA sequence, replicated then sharded, on this rank; rank 0 returns the outputs."""
     from mgpu_backend.models.quant import Int8Linear
-    from mgpu_backend.parallel.sharding import units_of
+    from mgpu_backend.weights.sharding import units_of
 
     meta, tensors = load_golden()
     dtype = getattr(torch, dtype_name)
@@ -131,7 +131,7 @@ def test_native_forward_sharded_quantized_files(golden, tiny_components_23, file
 
 @pytest.fixture(scope="module")
 def tiny_components_23(tmp_path_factory):
-    from mgpu_backend.models.tiny import write_tiny_component_files
+    from mgpu_backend.testing.tiny import write_tiny_component_files
 
     return write_tiny_component_files(tmp_path_factory.mktemp("sharded_files"), "2.3", seed=0)
 
@@ -142,9 +142,9 @@ def _stage_rank(rank: int, world: int, checkpoint: str, distilled: str) -> dict:
     """Stage 1 (sequence parallel), stage 2 (tiled, distilled LoRA), stage 1 again, replicated then sharded."""
     from test_lora_fleet import _Ctx, _payload
 
-    from mgpu_backend.jobs import stages
-    from mgpu_backend.lora import read_loras
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.serving.jobs import stages
+    from mgpu_backend.weights.lora import read_loras
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     jobs = [("stage1", "sequence_parallel", []), ("stage2", "tiled", [(distilled, 1.0)]),
             ("stage1 again", "sequence_parallel", [])]
@@ -159,7 +159,7 @@ def _stage_rank(rank: int, world: int, checkpoint: str, distilled: str) -> dict:
             results[name] = (getattr(r, "video", None), getattr(r, "audio", None), getattr(r, "lora_reports", None))
         read_loras  # noqa: B018 - the LoRA files are read by the job itself
         if sharded:
-            from mgpu_backend.parallel.sharding import units_of
+            from mgpu_backend.weights.sharding import units_of
 
             results["dtypes"] = sorted({str(p.to_local().dtype) for u in units_of(components.transformer)
                                         for p in u.parameters()})
@@ -186,8 +186,8 @@ def test_stage_jobs_sharded_equal_replicated(tiny_dir, file, expect):
 # ---- refusals -------------------------------------------------------------------------------------------------------
 
 def test_sharded_policy_refusals():
-    from mgpu_backend.parallel.degrees import check_sharded_policy
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.splits.degrees import check_sharded_policy
+    from mgpu_backend.protocol.validation import ValidationError
 
     check_sharded_policy(4, None, None, "auto", heads=32)  # the default policy is fine
     check_sharded_policy(2, 2, 0, "off", heads=8)
@@ -199,7 +199,7 @@ def test_sharded_policy_refusals():
         check_sharded_policy(4, None, 4096, "auto")
     with pytest.raises(ValidationError, match="guidance_parallel='on' with sharded weights"):
         check_sharded_policy(2, None, None, "on")
-    from mgpu_backend.parallel.forward_plan import ROWS, SEQUENCE, SHARDED
+    from mgpu_backend.splits.forward_plan import ROWS, SEQUENCE, SHARDED
 
     assert SEQUENCE.with_sharded_weights().weights == SHARDED
     with pytest.raises(ValueError, match="batch rows spread over ranks cannot run with sharded weights"):
@@ -211,12 +211,12 @@ def test_sharded_policy_refusals():
 
 
 def _tiles_rank(rank: int, world: int, checkpoint: str) -> str:
-    from mgpu_backend.parallel.tiling import TileCountConfig
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.splits.tiling import TileCountConfig
+    from mgpu_backend.protocol.validation import ValidationError
 
     components = _components(checkpoint, torch.float32, False)
     state, _ = _state(components, rank, world, True, torch.float32)
-    from mgpu_backend.parallel.forward_plan import SHARDED
+    from mgpu_backend.splits.forward_plan import SHARDED
 
     tiled = state.plan.tiled(components.transformer, (2, 4, 4), TileCountConfig.spatial(1, 2, 1))  # 2 tiles: fine
     assert tiled.plan.weights == SHARDED and state.plan.sp_forward.plan.weights == SHARDED
@@ -266,8 +266,8 @@ def test_weight_bytes_from_the_header_equal_what_a_rank_holds(tiny_dir, tiny_com
 
 
 def test_check_fits_names_the_need_and_what_would_fit():
-    from mgpu_backend.parallel.sharding import GiB, WeightBytes, check_fits
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.weights.sharding import GiB, WeightBytes, check_fits
+    from mgpu_backend.protocol.validation import ValidationError
 
     sizes = WeightBytes(blocks=int(21 * GiB), rest=int(0.8 * GiB))  # the 22B fp8 file of bench_sharded
     check_fits("cuda:0", int(80 * GiB), sizes, "replicated", 1)
@@ -286,7 +286,7 @@ def test_check_fits_names_the_need_and_what_would_fit():
 def test_predicted_gather_seconds_per_link():
     """What the loader node reports per link: the bytes a rank does not hold, once per forward (22B fp8 at W = 2:
     ~1.1 s over PCIe without P2P, as bench/results/sharded_h200.txt predicts)."""
-    from mgpu_backend.resources import LINKS_GBPS, sharded_gather_seconds
+    from mgpu_backend.protocol.resources import LINKS_GBPS, sharded_gather_seconds
 
     bytes_22b_fp8 = 22_603_156_480  # the blocks of the 22B-shaped fp8 file (bench/results/sharded_h200.json)
     assert sharded_gather_seconds(bytes_22b_fp8, 2, LINKS_GBPS["PCIe 4.0 x16 without P2P"]) == pytest.approx(1.13, abs=0.01)

@@ -21,7 +21,7 @@ import torch
 from _procs import deadline, stop_controller
 from test_controller import short_runtime_dir
 
-from mgpu_backend.forward import ForwardReply, ForwardRequest
+from mgpu_backend.protocol.native_forward import ForwardReply, ForwardRequest
 from mgpu_backend.protocol import shm_lane
 from mgpu_backend.protocol.errors import ControllerError
 from mgpu_backend.protocol.job_requests import FaultSpec, JobSpec, NoopRequest
@@ -136,7 +136,7 @@ def test_dead_clients_lanes_are_removed():
 def _client_without_controller(runtime: Path, outcomes: list):
     """A `ControllerClient` whose `_run` (the socket exchange) answers from `outcomes`: an exception to raise or a
     result (its payload as the ranks would read it, to check what was sent)."""
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
 
     client = object.__new__(ControllerClient)
     client.runtime_dir, client.shm_lane = runtime, True
@@ -194,7 +194,7 @@ def _request(seed: int) -> ForwardRequest:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_dir):
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
     from mgpu_backend.protocol.fleet_config import FleetConfig
 
     runtime = short_runtime_dir()
@@ -216,7 +216,7 @@ def test_lane_equals_by_value_and_survives_a_killed_rank(fleet):
     its first job. A rank SIGKILLed as its forward starts: the client gets the fleet's error naming the rank; the
     next forward (a new fleet, which cannot map the old lane: sent again by value, transparently) equals the first
     result, and the one after runs on a new lane. No lane name is left."""
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
 
     client, handle, runtime = fleet
     with deadline(600, "lane fleet test"):
@@ -258,7 +258,7 @@ def test_lane_equals_by_value_and_survives_a_killed_rank(fleet):
 CLIENT = '''
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
-from mgpu_backend.client import ControllerClient
+from mgpu_backend.serving.client import ControllerClient
 from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
 import torch, pickle
 handle = pickle.loads(bytes.fromhex({handle!r}))
@@ -299,7 +299,7 @@ def test_no_lane_is_left_when_a_client_dies_during_its_job_or_the_fleet_stops(fl
 def test_a_rank_stalled_during_a_lane_job_is_named_and_the_next_forward_works(tiny_dir, monkeypatch):
     """A rank that stalls during a job whose tensors are in a lane (the noop, with the test fault switch): the
     client gets the fleet's stall error naming the rank; the next forward runs on a new fleet; no lane is left."""
-    from mgpu_backend.client import ControllerClient
+    from mgpu_backend.serving.client import ControllerClient
     from mgpu_backend.protocol.fleet_config import FleetConfig
 
     monkeypatch.setenv("LTX2_MGPU_TEST_FAULTS", "1")  # inherited by the controller started here

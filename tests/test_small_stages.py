@@ -29,7 +29,7 @@ import torch
 
 from _dist import run_ranks
 from mgpu_backend.protocol import stage_requests as P
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.protocol.validation import ValidationError
 
 torch.set_num_threads(1)
 
@@ -68,10 +68,10 @@ def _requests(grid: tuple[int, int, int]) -> dict[str, object]:
 def _run_sizes(rank: int, world: int, files: dict) -> list[dict]:
     """Every size's jobs on this rank (`world` 1: in one process, no plan). Per job: ("ok", outputs, block
     calls), ("refused", message, block calls) for a ValidationError, or ("error", repr, calls) for anything else."""
-    from mgpu_backend.jobs.stages import run_sample, run_upscale
+    from mgpu_backend.serving.jobs.stages import run_sample, run_upscale
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.parallel.plan import build_plan
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.splits.plan import build_plan
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     cpu = torch.device("cpu")
     components = load_components(files["checkpoint"], upsampler=files["upsampler"], dtype=torch.float32, device=cpu)

@@ -5,13 +5,13 @@ Cases: image-to-video at strength 0.7 with CFG + STG + modality guidance (euler)
 and an LTXVAddGuide guide at strength 0.7 (dense guide-attention bias) with LTXVReferenceAudio tokens.
 
 The MGPU MODEL path is rebuilt here the way ComfyUI drives the proxy model, written out from ComfyUI 0.33's source
-(not from `mgpu_backend/stage.py`): `comfy/samplers.py::KSAMPLER.sample` (start x = CONST.noise_scaling = σ0·noise +
+(not from `mgpu_backend/stages/stage.py`): `comfy/samplers.py::KSAMPLER.sample` (start x = CONST.noise_scaling = σ0·noise +
 (1 − σ0)·latent), `KSamplerX0Inpaint` (x·m + latent·(1 − m) in, out·m + latent·(1 − m) out: `LTXAV.scale_latent_inpaint`
 is the latent), `CFGGuider` batching cond and uncond into ONE forward request of 2 rows, `LTXAV.process_timestep`
 (per-token m·σ), `CONST.calculate_denoised` (x − v·σ), the post-CFG functions of `LTXVSpatioTemporalGuidance` and
 `LTXVModalityGuidance` (one extra single-row request each), and `k_diffusion.sampling.sample_euler` /
 `sample_euler_ancestral_RF` (`default_noise_sampler`: CPU generator seeded with seed + 1, one randn over the packed
-latent). Every forward is the fleet's "forward" job (`jobs/forward.py`), the context from its "preprocess_text" job.
+latent). Every forward is the fleet's "forward" job (`serving/jobs/forward.py`), the context from its "preprocess_text" job.
 
 Tolerance: 2e-5 absolute on latents of max |x| ~5 (measured ≤ 6.2e-6, every split): the two paths differ only in
 float summation order (a 2-row batch vs single rows, the guidance sums in another order, sequence parallel). The
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from mgpu_backend.models.tiny import make_tiny
+from mgpu_backend.testing.tiny import make_tiny
 
 torch.set_num_threads(1)
 
@@ -58,8 +58,8 @@ def _inputs(case: dict) -> dict:
         video_mask[:, :, 0] = 1.0 - case["strength"]
         audio_mask = torch.ones(1, 1, T_AUDIO, 1)
     if case.get("guide") is not None:
-        from mgpu_backend.forward import GuideAttentionEntry
-        from mgpu_backend.native import video_pixel_coords
+        from mgpu_backend.protocol.native_forward import GuideAttentionEntry
+        from mgpu_backend.stages.native import video_pixel_coords
 
         video = torch.cat([video, torch.randn(1, 128, 1, h, w, generator=g)], dim=2)  # the guide frame
         f += 1
@@ -79,7 +79,7 @@ def _inputs(case: dict) -> dict:
 
 def _payload(case: dict, x: dict, semantics: str = "comfyui"):
     from mgpu_backend.protocol.stage_requests import ComfyGuides, SampleRequest
-    from mgpu_backend.sampling import GuidanceParams
+    from mgpu_backend.engine.sampling import GuidanceParams
 
     g = GuidanceParams(cfg_scale=case["cfg"], stg_scale=case["stg"], stg_blocks=(1,), modality_scale=case["modality"])
     return SampleRequest(semantics=semantics, positive=x["positive"], negative=x["negative"], video=x["video"],
@@ -92,8 +92,8 @@ def _payload(case: dict, x: dict, semantics: str = "comfyui"):
 
 def _mgpu_model_path(state, ctx, case: dict, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """ComfyUI's SamplerCustomAdvanced + CFGGuider (+ STG, modality guidance) on the MGPU MODEL, transcribed."""
-    from mgpu_backend.forward import ForwardOptions, ForwardRequest, PreprocessTextRequest
-    from mgpu_backend.jobs.forward import engine, run_forward
+    from mgpu_backend.protocol.native_forward import ForwardOptions, ForwardRequest, PreprocessTextRequest
+    from mgpu_backend.serving.jobs.forward import engine, run_forward
 
     def bcast(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         out = t.contiguous() if ctx.rank == 0 else torch.empty_like(like)
@@ -171,13 +171,13 @@ def _mgpu_model_path(state, ctx, case: dict, x: dict) -> tuple[torch.Tensor, tor
 
 
 def _rank(rank: int, world: int, paths: dict, batch_mode: str = "auto", guidance_parallel: str = "auto") -> dict:
-    from mgpu_backend.comfy_stage import ComfyDenoiser
-    from mgpu_backend.jobs.stages import run_sample
+    from mgpu_backend.stages.comfy_stage import ComfyDenoiser
+    from mgpu_backend.serving.jobs.stages import run_sample
 
     ComfyDenoiser.batch_mode = batch_mode  # "on": cond and uncond as one 2-row request, as ComfyUI batches them
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.parallel.plan import build_plan
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.splits.plan import build_plan
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     components = load_components(paths["checkpoint"], dtype=torch.float32)
     plan = (build_plan(components.transformer, rank, world, torch.device("cpu"), guidance_parallel=guidance_parallel)

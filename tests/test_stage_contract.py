@@ -1,4 +1,4 @@
-"""The stage contract (`mgpu_backend/stage.py`, issue 17 item 1): one frozen `StageSpec` validated when built, and
+"""The stage contract (`mgpu_backend/stages/stage.py`, issue 17 item 1): one frozen `StageSpec` validated when built, and
 the runner the plan picks.
 
 `test_outputs_bit_identical_to_the_code_before_the_contract` runs `tests/stage_snapshot.py` (CLI `generate` in one
@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import latents as L
-from mgpu_backend.denoiser import TextContext
-from mgpu_backend.sampling import GuidanceParams
-from mgpu_backend.stage import (OneDeviceRunner, SamplerSpec, StageEnv, StageSpec, TiledRunner, choose_runner)
-from mgpu_backend.parallel.tiling import TileCountConfig
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.engine import latents as L
+from mgpu_backend.engine.denoiser import TextContext
+from mgpu_backend.engine.sampling import GuidanceParams
+from mgpu_backend.stages.stage import OneDeviceRunner, SamplerSpec, StageEnv, StageSpec, TiledRunner, choose_runner
+from mgpu_backend.splits.tiling import TileCountConfig
+from mgpu_backend.protocol.validation import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
-BEFORE = "99b2b194a465affe4171f2d7e9df2769e1c05b86"  # main before the stage contract
+BEFORE = "befdd65f7d534d84aa93b5b1264b8c74e2e65040"  # main before issue 34 (the layer packages, the executable plan)
 
 
 def _context() -> TextContext:
@@ -124,7 +124,7 @@ def test_comfyui_noise_on_cuda_is_comfyuis_cuda_stream():
 def test_runner_choice_without_a_plan(monkeypatch):
     from types import SimpleNamespace
 
-    from mgpu_backend.parallel import tiled
+    from mgpu_backend.splits import tiled
 
     monkeypatch.setattr(tiled, "TiledTransformer", lambda transformer, grid, tiling: SimpleNamespace(grid=grid))
     env = StageEnv(SimpleNamespace(transformer=torch.nn.Linear(1, 1)), torch.float32, torch.device("cpu"))
@@ -148,6 +148,7 @@ def test_outputs_bit_identical_to_the_code_before_the_contract(tmp_path):
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     (old / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "stage_snapshot.py", old / "tests" / "stage_snapshot.py")
+    shutil.copy(ROOT / "tests" / "old_layout.py", old / "tests" / "old_layout.py")
     tiny = tmp_path / "tiny"
     outputs = {}
     for name, tree in (("before", old), ("after", ROOT)):

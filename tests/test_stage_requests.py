@@ -18,9 +18,9 @@ import torch
 
 from mgpu_backend.protocol.stage_requests import ComfyGuides, DecodeRequest, SampleRequest, UpscaleRequest
 from mgpu_backend.protocol.transport import loads
-from mgpu_backend.forward import GuideAttentionEntry
-from mgpu_backend.stage_params import TileCountConfig
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.protocol.native_forward import GuideAttentionEntry
+from mgpu_backend.protocol.stage_params import TileCountConfig
+from mgpu_backend.protocol.validation import ValidationError
 
 REPO = Path(__file__).resolve().parent.parent
 VIDEO, AUDIO = (1, 128, 2, 3, 4), (1, 8, 5, 16)
@@ -98,7 +98,7 @@ def test_upscale_decode_and_guides_check_themselves():
 
 @pytest.mark.parametrize("kind,job", [("sample", "run_sample"), ("upscale", "run_upscale"), ("decode", "run_decode")])
 def test_the_stage_jobs_refuse_any_other_payload_by_name(kind, job):
-    from mgpu_backend.jobs import stages
+    from mgpu_backend.serving.jobs import stages
 
     ctx = SimpleNamespace(rank=0, world_size=1, progress=lambda *a: None, step_boundary=lambda *a: False)
     expected = {"sample": "SampleRequest", "upscale": "UpscaleRequest", "decode": "DecodeRequest"}[kind]
@@ -117,8 +117,8 @@ MANGLED = textwrap.dedent("""
     import torch
     R = importlib.import_module(name + ".mgpu_backend.protocol.stage_requests")
     J = importlib.import_module(name + ".mgpu_backend.protocol.job_requests")
-    SP = importlib.import_module(name + ".mgpu_backend.stage_params")
-    F = importlib.import_module(name + ".mgpu_backend.forward")
+    SP = importlib.import_module(name + ".mgpu_backend.protocol.stage_params")
+    F = importlib.import_module(name + ".mgpu_backend.protocol.native_forward")
     g = SP.GuidanceParams(cfg_scale=3.0, stg_scale=1.0, stg_blocks=(0,))
     guides = R.ComfyGuides(keyframe_idxs=torch.arange(24.0).reshape(1, 3, 4, 2),
                            guide_attention_entries=(F.GuideAttentionEntry(pre_filter_count=12, strength=0.7),))
@@ -138,7 +138,7 @@ def test_requests_built_under_comfyuis_mangled_import_read_back_as_this_packages
     """The client inside ComfyUI pickles `<mangled>…protocol.stage_requests.SampleRequest` (and its GuidanceParams,
     TileCountConfig, ComfyGuides, GuideAttentionEntry); the controller's unpickler (`transport.loads`) must find this
     package's classes, so the job's `isinstance` check holds."""
-    from mgpu_backend import forward, stage_params
+    from mgpu_backend.protocol import native_forward as forward, stage_params
 
     proc = subprocess.run([sys.executable, "-c", MANGLED, str(REPO)], cwd=tmp_path, capture_output=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin"})

@@ -25,15 +25,15 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from mgpu_backend import latents as L
-from mgpu_backend import sampling as S
-from mgpu_backend.denoiser import text_contexts
+from mgpu_backend.engine import latents as L
+from mgpu_backend.engine import sampling as S
+from mgpu_backend.engine.denoiser import text_contexts
 from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
-from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig, make_tiles
-from mgpu_backend.pipelines import GenerateRequest, TwoStagePipeline
-from mgpu_backend.validation import ValidationError
+from mgpu_backend.splits.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
+from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig, make_tiles
+from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
+from mgpu_backend.protocol.validation import ValidationError
 
 torch.set_num_threads(1)
 
@@ -435,7 +435,7 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
         seen[spec.name] = (spec.audio_clean.clone(), result.audio.clone())
         return result
 
-    from mgpu_backend import model_forward
+    from mgpu_backend.engine import forward as model_forward
 
     real_forward = model_forward.run_eager  # the one forward every tile runs (issue 25)
 

@@ -12,8 +12,8 @@ import torch
 
 from _dist import run_ranks
 from mgpu_backend.protocol.stage_requests import SampleRequest
-from mgpu_backend.parallel.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
-from mgpu_backend.parallel.tiling import DimensionTilingConfig, TileCountConfig, make_tiles
+from mgpu_backend.splits.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
+from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig, make_tiles
 
 GRID = (2, 4, 9)
 TWO = TileCountConfig.spatial(1, 2, overlap=3)
@@ -158,7 +158,7 @@ class _Ctx:
 @pytest.fixture(scope="module")
 def pipe(tiny_dir):
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     return TwoStagePipeline(load_components(tiny_dir["2.0"]["checkpoint"], dtype=torch.float32), None)
 
@@ -176,13 +176,13 @@ def _payload(pipe, **extra):
 
 
 def _run(pipe, payload):
-    from mgpu_backend.jobs.stages import run_sample
+    from mgpu_backend.serving.jobs.stages import run_sample
 
     return run_sample(type("State", (), {"pipeline": pipe})(), payload, _Ctx())
 
 
 def test_stage_job_refuses_the_template_sigmas_by_default_and_runs_them_with_a_raised_bound(pipe):
-    from mgpu_backend.validation import ValidationError
+    from mgpu_backend.protocol.validation import ValidationError
 
     with pytest.raises(ValidationError, match="max_first_sigma"):
         _run(pipe, _payload(pipe))

@@ -119,7 +119,7 @@ def _link_tiny(live, variant: str) -> dict[str, str]:
     import shutil
     import tempfile
 
-    from mgpu_backend.models.tiny import make_tiny
+    from mgpu_backend.testing.tiny import make_tiny
 
     models = Path(os.environ.get("COMFYUI_MODELS_DIR", COMFY_DIR / "models"))
     if not models.is_dir():
@@ -135,7 +135,7 @@ def _link_tiny(live, variant: str) -> dict[str, str]:
         staging.rename(final)
     files = _tiny_files(variant)
     if "ic_lora" in files and not (final / files["ic_lora"][1]).is_file():  # not part of make_tiny's set
-        from mgpu_backend.models.tiny import write_tiny_ic_lora
+        from mgpu_backend.testing.tiny import write_tiny_ic_lora
 
         tmp = final / f".{files['ic_lora'][1]}.{os.getpid()}.tmp"
         write_tiny_ic_lora(tmp, variant, seed=0)
@@ -292,7 +292,7 @@ def run_graph(live, api: dict, tmp_path: Path) -> dict:
 
 def graph_results(live, entry: dict, tmp_path: Path) -> dict:
     """run_graph's answer for a finished history entry."""
-    from mgpu_backend.media import probe_mp4
+    from mgpu_backend.stages.media import probe_mp4
     from safetensors.torch import load
 
     if entry["status"]["status_str"] != "success":

@@ -11,11 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgpu_backend import latents as L
-from mgpu_backend.parallel.tiling import (
-    DimensionTilingConfig, TileCountConfig, axis_weights, balanced_tile_split, default_tiling, fit_overlap, make_tiles,
-    split_axis,
-)
+from mgpu_backend.engine import latents as L
+from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig, axis_weights, balanced_tile_split, default_tiling, fit_overlap, make_tiles, split_axis
 
 torch.set_num_threads(1)
 

@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from mgpu_backend import validation as V
+from mgpu_backend.protocol import validation as V
 from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import SafetensorsFile, load_text_projection
 from mgpu_backend.models.text_projection import check_gemma_matches
-from mgpu_backend.models.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
-from mgpu_backend.models.tiny_gemma import write_tiny_gemma
-from mgpu_backend.pipelines import GenerateRequest
+from mgpu_backend.testing.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
+from mgpu_backend.testing.tiny_gemma import write_tiny_gemma
+from mgpu_backend.stages.pipelines import GenerateRequest
 
 
 def _refused(match: str | None = None, **fields) -> str:
@@ -220,7 +220,7 @@ def test_check_finite_names_stage_and_modality():
 ])
 def test_ctrl_c_says_what_was_interrupted(monkeypatch, capsys, fleet_args, message):
     """Ctrl-C exits with 130; only a fleet run says a fleet job was cancelled (an in-process run has no fleet)."""
-    from mgpu_backend import cli
+    from mgpu_backend.serving import cli
 
     def interrupted(args, paths=None):
         raise KeyboardInterrupt
@@ -235,7 +235,7 @@ def test_ctrl_c_says_what_was_interrupted(monkeypatch, capsys, fleet_args, messa
 
 def test_sigma_messages_print_the_values_given_not_float32_noise():
     """`--stage2-sigmas 0.5,0.3` said "ends in 0.30000001192092896" (the float32 value's repr)."""
-    from mgpu_backend import sampling as S
+    from mgpu_backend.engine import sampling as S
 
     with pytest.raises(ValueError, match=r"must end in 0; ends in 0\.3$"):
         S.as_sigmas([0.5, 0.3])
@@ -246,7 +246,7 @@ def test_sigma_messages_print_the_values_given_not_float32_noise():
 def test_plan_report_gives_the_real_reason_for_a_sub_group():
     """An SP group smaller than the fleet because the user asked for it (`--sp-degree 1` on 2 ranks of 8 heads) was
     reported as "the SP degree must divide the attention heads; 2 does not" — 2 divides 8."""
-    from mgpu_backend.parallel.plan import ParallelPlan
+    from mgpu_backend.splits.plan import ParallelPlan
 
     cpu = torch.device("cpu")
     asked = ParallelPlan.hand_built(0, 2, cpu, 1, None, None, heads=8, requested_sp_degree=1)
@@ -261,7 +261,7 @@ def test_in_process_run_refuses_a_size_over_the_token_cap_before_any_work(tiny_d
     """In process, a huge size ran into the allocator (an OOM traceback mid-stage); a one-rank fleet refused it by
     its token cap. Now both refuse it the same way, before text encoding (no Gemma needed to reach the check)."""
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.pipelines import TwoStagePipeline
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     components = load_components(tiny_dir["2.0"]["checkpoint"], upsampler=tiny_dir["2.0"]["upsampler"],
                                  dtype=torch.float32)

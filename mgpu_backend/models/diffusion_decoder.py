@@ -28,7 +28,7 @@ duplicated leading frame, `(k_t // 2) · 2` replicated trailing latent frames cr
 chunks of which scale/shift 0, 1, 3, 4 are used, timestep `1000 · 1`, a single x0 step. Two differences, both
 resolved to ComfyUI's behaviour here:
 - neighborhood attention: diffusers runs FlexAttention (or NATTEN from the Hub); we install our processor, which calls
-  `comfy_kitchen.na3d` like ComfyUI (`mgpu_backend/ops/neighborhood.py`);
+  `comfy_kitchen.na3d` like ComfyUI (`mgpu_backend/models/neighborhood.py`);
 - grids smaller than a kernel: diffusers' attention raises, ComfyUI (comfy-kitchen) clamps the window to the axis;
   we clamp (short or narrow videos decode as in ComfyUI).
 Noise: ComfyUI draws `x_t` with a fresh `torch.Generator(device).manual_seed(0)` in the latent's dtype on its device
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ops.neighborhood import na3d
+from .neighborhood import na3d
 
 DIFFUSION_VAE_MARKER = "decoder.conv_in_x_t.weight"  # ComfyUI's detection key (comfy/sd.py)
 NOISE_SEED = 0  # ComfyUI's fixed decode noise seed (CausalDiffusionVAE.decode)
@@ -220,7 +220,7 @@ def decoder_state_to_comfy(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 class NeighborhoodAttnProcessor:
     """diffusers attention processor for `LTX2VideoVaeNeighborhoodAttention`: project (norm, scale, RoPE — diffusers'
-    `project_qkv`), `na3d` from `ops/neighborhood.py` (comfy-kitchen when installed), output projection.
+    `project_qkv`), `na3d` from `models/neighborhood.py` (comfy-kitchen when installed), output projection.
     Takes no block mask (the decoder builds none for a processor that is not diffusers' flex one)."""
 
     def __init__(self, backend: str = "auto"):
@@ -246,7 +246,7 @@ def _video_vae_class():
         """diffusers' `LTX2VideoDiffusionDecoderModel` plus the file's conv encoder (`conv_encoder`: an
         `AutoencoderKLLTX2Video` whose decoder is dropped, or None when the file has no encoder), so one module is
         the whole LTX-2.5 video VAE: `encode` as the conv VAE's (`.latent_dist.mode()`), decode through
-        `decode_diffusion` / `parallel/decode.py`."""
+        `decode_diffusion` / `splits/decode.py`."""
 
         def encode(self, x: torch.Tensor, return_dict: bool = True):
             encoder = self._modules.get("conv_encoder")

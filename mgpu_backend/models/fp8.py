@@ -46,7 +46,7 @@ _MODE = os.environ.get("LTX2_MGPU_FP8_COMPUTE", "auto")
 
 WEIGHT_GENERATION = [0]
 """Bumped whenever an `FP8Linear`'s effective weight changes (LoRA fuse / restore): captured CUDA graphs key on it
-(`mgpu_backend.cuda_graphs`), since a fused weight is a new tensor the captured kernels do not read."""
+(`mgpu_backend.engine.cuda_graphs`), since a fused weight is a new tensor the captured kernels do not read."""
 
 
 def set_compute(mode: str) -> None:
@@ -211,7 +211,7 @@ class FP8Linear(nn.Module):
         input_scale: optional 0-d float32 buffer: the file's activation scale, used by the fp8 matmul path.
         bias: `[out_features]` in the compute dtype, or None.
         compute_dtype: dtype the weight is dequantized to per call (bf16 on GPU by default).
-        fused_weight: optional full-precision override set by LoRA fusing (`mgpu_backend.lora`); when present it
+        fused_weight: optional full-precision override set by LoRA fusing (`mgpu_backend.weights.lora`); when present it
             is used instead of the fp8 weight, and dropping it restores the original exactly.
         last_path: the compute path of the last call ("scaled_mm" / "dequantize"; None before the first).
     """

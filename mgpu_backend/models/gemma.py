@@ -225,7 +225,7 @@ class GemmaPromptTokenizer:
 
 def check_prompt_lengths(prompts: list[str], rows: list[list[int]]) -> None:
     """Refuse a prompt longer than `MAX_PROMPT_TOKENS` tokens (ValidationError naming its tokens and characters)."""
-    from ..validation import ValidationError
+    from ..protocol.validation import ValidationError
 
     for i, (prompt, ids) in enumerate(zip(prompts, rows)):
         if len(ids) > MAX_PROMPT_TOKENS:

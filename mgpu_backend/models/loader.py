@@ -333,7 +333,7 @@ def int8_path_for(identity, dtype: torch.dtype, device: torch.device, reserve_by
     worker passes `parallel/sharding.ACTIVATION_RESERVE_BYTES`). Header reads only. ("w8a8", "") for files without
     int8 layers. Raises ValidationError for "dequantize" when the dequantized weights would not fit (naming the
     sizes)."""
-    from ..validation import ValidationError
+    from ..protocol.validation import ValidationError
 
     files = (identity.checkpoint,) if identity.transformer_only else (
         identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)

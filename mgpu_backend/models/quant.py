@@ -266,7 +266,7 @@ class Int8Linear(FP8Linear):
 
     Attributes:
         weight: `[out_features, in_features]` int8 parameter, frozen (on a sharded fleet: a float8_e4m3fn view of
-            the same bytes, `parallel/sharding.py`; read it through `int8_weight`).
+            the same bytes, `weights/sharding.py`; read it through `int8_weight`).
         weight_scale: float32 buffer, 0-d (per tensor) or `[out_features, 1]` (per row).
         convrot_group: Hadamard group size, or None (no rotation).
         bias: `[out_features]` in the compute dtype, or None.

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 DTYPES = ("float32", "bfloat16", "float16")
-GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = parallel/passes.py MODES (not imported: no torch here)
-GEMMA_MODES = ("replicated", "batch_parallel", "sharded")  # = parallel/gemma.py MODES
-WEIGHT_MODES = ("replicated", "sharded")  # the transformer's weights over the ranks (parallel/sharding.py)
+GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = splits/passes.py MODES (not imported: no torch here)
+GEMMA_MODES = ("replicated", "batch_parallel", "sharded")  # = stages/text_encoder.py MODES
+WEIGHT_MODES = ("replicated", "sharded")  # the transformer's weights over the ranks (weights/sharding.py)
 INT8_COMPUTE_MODES = ("auto", "w8a8", "dequantize")  # = models/quant.py INT8_LOAD_MODES
 
 
@@ -40,7 +40,7 @@ class FleetIdentity:
         `diffusion_models/` file is enough): the fleet of the native MODEL (Load Diffusion Model (MGPU)), where
         ComfyUI's own loaders provide the VAEs and the text encoder. Only the transformer's jobs run on it
         (`worker.TRANSFORMER_JOBS`); the stage jobs are refused by name.
-    gemma_mode: Gemma text encoder layout (`GEMMA_MODES`, parallel/gemma.py): "replicated" (a replica per rank, each
+    gemma_mode: Gemma text encoder layout (`GEMMA_MODES`, stages/text_encoder.py): "replicated" (a replica per rank, each
         encodes everything), "batch_parallel" (a replica per rank, prompts split over ranks) or "sharded" (one copy
         over every device, run from rank 0, embeddings broadcast); it decides what is loaded at start (jobs may ask
         for another mode: Gemma is then reloaded).
@@ -51,7 +51,7 @@ class FleetIdentity:
     weights: the transformer's weights over the ranks (`WEIGHT_MODES`): "replicated" (every rank holds the whole
         transformer: the latency mode) or "sharded" (each rank holds 1/W of every block layer, FSDP2, gathered layer by
         layer as it runs: the memory mode for GPUs that cannot hold a replica; every forward then runs sequence
-        parallel over all ranks, and the world size must divide the attention heads — parallel/sharding.py).
+        parallel over all ranks, and the world size must divide the attention heads — weights/sharding.py).
     int8_compute: how an int8(-convrot) transformer file computes (`INT8_COMPUTE_MODES`, models/quant.py
         `resolve_int8_compute`): "w8a8" (int8 weights resident, activations quantized per token: ComfyUI's result),
         "dequantize" (the weights dequantized to `dtype` at load, as ComfyUI dequantizes them: bf16 speed, 2× those
@@ -114,21 +114,21 @@ class FleetIdentity:
 @dataclass(frozen=True)
 class FleetPolicy:
     """How a running fleet splits and watches its jobs: changed per job, never restarting a worker or re-reading a
-    file (the groups of every degree are built at fleet start: `parallel/plan.py build_plan`).
+    file (the groups of every degree are built at fleet start: `splits/plan.py build_plan`).
 
     sp_degree: the largest sequence-parallel degree a stage may use; None = the largest that divides the heads and
         fits the ranks (checked against the checkpoint's heads by the controller, `check_config`).
-    min_tokens_per_rank: None = on CUDA the cost model (parallel/cost.py) picks each SP stage's degree, on CPU the
+    min_tokens_per_rank: None = on CUDA the cost model (splits/cost.py) picks each SP stage's degree, on CPU the
         full degree; an int = SP on fewer ranks when a stage has fewer video tokens per rank than this (0: always the
         full degree).
-    guidance_parallel: guided stages (parallel/passes.py, `GUIDANCE_PARALLEL_MODES`): "auto" (CUDA: the guidance
+    guidance_parallel: guided stages (splits/passes.py, `GUIDANCE_PARALLEL_MODES`): "auto" (CUDA: the guidance
         passes of each step on different ranks when the cost model predicts it faster than the stage's sequence
         parallelism; CPU: sequence parallel), "on" (whenever a stage has more than one pass per step and the fleet
         more than one rank) or "off".
     token_cap: video tokens per rank per SP forward; larger jobs are refused before work (None: no cap).
     init_timeout_s: how long a fleet start may take (used when the controller starts a fleet for this policy).
     stall_timeout_s: a job with no step progress for this long is declared hung and the fleet torn down.
-    compile: regional torch.compile of the transformer blocks (mgpu_backend/compile.py): the first job at each size
+    compile: regional torch.compile of the transformer blocks (mgpu_backend/engine/compile.py): the first job at each size
         pays the compile, later jobs run faster (docs/cli.md, "compile"). Switching it off restores the eager blocks
         (`compile.uncompile_blocks`; dynamo keeps its cache for a later switch on).
 
@@ -211,7 +211,7 @@ class FleetConfig:
 @dataclass(frozen=True)
 class FleetPlan:
     """How a fleet splits its stages under one policy, as the fleet computed it (`Fleet.plan_for`, from the heads of
-    the transformer its workers loaded and the rule in `parallel/degrees.py`): shown by Load Checkpoint (MGPU).
+    the transformer its workers loaded and the rule in `splits/degrees.py`): shown by Load Checkpoint (MGPU).
 
     world_size: ranks in the fleet. heads: the transformer's video attention heads.
     sp_degree: the largest sequence-parallel degree a stage may use (ranks 0..sp_degree-1); 1 when the fleet runs

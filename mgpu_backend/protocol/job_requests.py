@@ -1,7 +1,7 @@
 """A job as the client submits it (`JobSpec`: its kind and its payload; `FaultSpec`, a test fault) and the payloads
 of the small jobs: `EncodeTextRequest` (Text Encode (MGPU)), `NoopRequest` and `FramesRequest` (diagnostics). The
 stage jobs' requests are in `stage_requests.py`; the CLI's and the native MODEL's in `pipelines.GenerateRequest` and
-`forward.py`; what the jobs hand back in `job_results.py`."""
+`protocol/native_forward.py`; what the jobs hand back in `job_results.py`."""
 from __future__ import annotations
 
 import secrets
@@ -83,7 +83,7 @@ DEFAULT_NEGATIVE_PROMPT = (
 
 @dataclass(frozen=True)
 class EncodeTextRequest:
-    """The "encode_text" job (jobs/text.py): prompts -> ComfyUI CONDITIONING on the fleet.
+    """The "encode_text" job (serving/jobs/text.py): prompts -> ComfyUI CONDITIONING on the fleet.
 
     prompts: one or more prompts (a single string is taken as one).
     mode: Gemma's layout for this job (`GEMMA_MODES`); None = the fleet's `FleetIdentity.gemma_mode` (another mode
@@ -116,7 +116,7 @@ class EncodeTextRequest:
 
 @dataclass(frozen=True)
 class NoopRequest:
-    """The "noop" job (jobs/diagnostics.py: controller overhead, busy / cancel tests): `steps` synchronized,
+    """The "noop" job (serving/jobs/diagnostics.py: controller overhead, busy / cancel tests): `steps` synchronized,
     cancellable steps of `sleep_s` seconds each; a `[4]` float32 tensor back. `carry` travels with the job and is
     not read (transport benchmarks). Raises ValueError on construction for a negative or non-integer count."""
 
@@ -133,8 +133,8 @@ class NoopRequest:
 
 @dataclass(frozen=True)
 class FramesRequest:
-    """The "frames" job (jobs/diagnostics.py: the frame hand-back benchmark): rank 0 hands back float32 frames of
-    `shape` `[F, H, W, 3]` (frame i filled with i / F) through shared memory (`frames.py`). Raises ValueError on
+    """The "frames" job (serving/jobs/diagnostics.py: the frame hand-back benchmark): rank 0 hands back float32 frames of
+    `shape` `[F, H, W, 3]` (frame i filled with i / F) through shared memory (`protocol/frames.py`). Raises ValueError on
     construction for a shape that is not four non-negative integers."""
 
     shape: tuple[int, int, int, int]

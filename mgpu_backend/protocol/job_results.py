@@ -23,7 +23,7 @@ from .fleet_config import FleetPlan, FleetPolicy
 
 @dataclass(frozen=True)
 class GenerateJobResult:
-    """The "generate" job (`jobs/generate.py`, CLI `generate --devices`): `pipelines.GenerateResult` as it crosses.
+    """The "generate" job (`serving/jobs/generate.py`, CLI `generate --devices`): `pipelines.GenerateResult` as it crosses.
 
     frames: `[F, H, W, 3]` float32 in [0, 1] (a `frames.FramesRef` on the wire); audio: waveform `[C, S]` float32
     (None: no audio decoder) at `sample_rate` Hz; video_latent `[1, 128, F', H', W']` / audio_latent `[1, 8, T, 16]`
@@ -43,7 +43,7 @@ class GenerateJobResult:
 
 @dataclass(frozen=True)
 class SampleResult:
-    """The "sample" job (`jobs/stages.py`: SP Sampler, TDP Upscale): the stage's final latents in ComfyUI's layout,
+    """The "sample" job (`serving/jobs/stages.py`: SP Sampler, TDP Upscale): the stage's final latents in ComfyUI's layout,
     video `[1, 128, F, H, W]` and audio `[1, 8, T, 16]` float32; report: how the stage was split (the SP degree and
     why, or the tiles); lora_reports: one line per LoRA fused. Tiled stages only (else None): tile_drift (per tile,
     how far its overlap strayed), weights_normalized (the blend weights were normalized), audio_frozen."""

@@ -147,7 +147,7 @@ class Progress:
 @dataclass(frozen=True)
 class JobResult:
     """The job's result: rank 0's answer, a frozen dataclass of `job_results` (or the native MODEL's replies of
-    `forward.py`), pickled once by rank 0 (`transport.Pickled`) for the inline jobs; frames as a `frames.FramesRef`."""
+    `protocol/native_forward.py`), pickled once by rank 0 (`transport.Pickled`) for the inline jobs; frames as a `frames.FramesRef`."""
 
     job_id: str
     result: Any

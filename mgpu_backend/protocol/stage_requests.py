@@ -1,4 +1,4 @@
-"""The stage jobs' requests (jobs/stages.py: SP Sampler, TDP Upscale, Distributed Decode): `SampleRequest`,
+"""The stage jobs' requests (serving/jobs/stages.py: SP Sampler, TDP Upscale, Distributed Decode): `SampleRequest`,
 `UpscaleRequest`, `DecodeRequest` and the guides a "comfyui" sample carries (`ComfyGuides`).
 
 Tensors are CPU torch tensors, latents in model space (what ComfyUI's LATENT holds for LTX-2). torch and the value
@@ -62,7 +62,7 @@ def _check_choice(job: str, name: str, value, choices: tuple[str, ...]) -> None:
 
 
 def _check_tiles(job: str, name: str, tiles) -> None:
-    from ..stage_params import TileCountConfig
+    from .stage_params import TileCountConfig
 
     if tiles is not None and not isinstance(tiles, TileCountConfig):
         raise ValueError(f"{job}: {name}={tiles!r}: must be a stage_params.TileCountConfig or None (a balanced grid "
@@ -75,7 +75,7 @@ class ComfyGuides:
     "comfyui" only), carried into every forward's `forward.ForwardRequest` unchanged: `keyframe_idxs`
     `[1, 3, N, 2]` (LTXVAddGuide), `guide_attention_entries` (`forward.GuideAttentionEntry`, in order), the raw
     video `denoise_mask` `[1, 1, F, H|1, W|1]` (its −1 cells drop tokens), `ref_audio_tokens` `[1, R, 128]`
-    (LTXVReferenceAudio). See `forward.py`. Raises ValueError on construction for a value of another type."""
+    (LTXVReferenceAudio). See `protocol/native_forward.py`. Raises ValueError on construction for a value of another type."""
 
     keyframe_idxs: Any = None
     guide_attention_entries: tuple = ()
@@ -83,7 +83,7 @@ class ComfyGuides:
     ref_audio_tokens: Any = None
 
     def __post_init__(self) -> None:
-        from ..forward import GuideAttentionEntry
+        from .native_forward import GuideAttentionEntry
 
         for name in ("keyframe_idxs", "denoise_mask", "ref_audio_tokens"):
             _check_tensor("guides", name, getattr(self, name), optional=True)
@@ -101,7 +101,7 @@ class ComfyGuides:
 
 @dataclass(frozen=True, eq=False)
 class SampleRequest:
-    """The "sample" job (jobs/stages.py `run_sample`): one denoising stage — SP Sampler (MGPU) (sequence parallel,
+    """The "sample" job (serving/jobs/stages.py `run_sample`): one denoising stage — SP Sampler (MGPU) (sequence parallel,
     semantics "comfyui") and TDP Upscale (MGPU)'s refinement (tiled, the reference recipe).
 
     positive / negative: text embeddings `[1, T, C]` float (CONDITIONING, valid tokens only); negative None when no
@@ -113,7 +113,7 @@ class SampleRequest:
     video_mask: ComfyUI's `noise_mask`, broadcastable to `[1, 1, F, H, W]` (1 = generate); audio_mask: its audio half,
         broadcastable to `[1, 1, T, 1]`; None = generate everything.
     mode: `STAGE_MODES` ("sequence_parallel" | "tiled"). semantics: `STAGE_SEMANTICS` ("comfyui": ComfyUI 0.33's
-        forward and samplers, what SP Sampler sends; "reference": Lightricks' recipe — `stage.py`).
+        forward and samplers, what SP Sampler sends; "reference": Lightricks' recipe — `stages/stage.py`).
     stage: name for progress and errors ("stage 1", "stage 2"); None = "stage 2" for a tiled stage or one starting
         below sigma 1, else "stage 1".
     video_guidance / audio_guidance: `stage_params.GuidanceParams` or None (no guidance). stg_blocks: None (keep the
@@ -162,7 +162,7 @@ class SampleRequest:
     guides: ComfyGuides | None = None
 
     def __post_init__(self) -> None:
-        from ..stage_params import GuidanceParams, as_sigmas
+        from .stage_params import GuidanceParams, as_sigmas
 
         job = "sample"
         _check_choice(job, "mode", self.mode, STAGE_MODES)
@@ -227,7 +227,7 @@ class SampleRequest:
 
 @dataclass(frozen=True, eq=False)
 class UpscaleRequest:
-    """The "upscale" job (jobs/stages.py `run_upscale`): 2× spatial upscale of `video` `[1, 128, F, H, W]` (model
+    """The "upscale" job (serving/jobs/stages.py `run_upscale`): 2× spatial upscale of `video` `[1, 128, F, H, W]` (model
     space) with the fleet's latent upscaler. Raises ValueError on construction for another shape."""
 
     video: Any
@@ -238,7 +238,7 @@ class UpscaleRequest:
 
 @dataclass(frozen=True, eq=False)
 class DecodeRequest:
-    """The "decode" job (jobs/stages.py `run_decode`): `video` `[1, C, F, H, W]` (model space) decoded in tiles over
+    """The "decode" job (serving/jobs/stages.py `run_decode`): `video` `[1, C, F, H, W]` (model space) decoded in tiles over
     the fleet, `audio` `[1, 8, T, 16]` (or None) once on rank 0.
 
     tiles: `stage_params.TileCountConfig` or None (a balanced grid from the device count; one rank: untiled).

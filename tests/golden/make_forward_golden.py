@@ -1,5 +1,5 @@
 """Regenerate `ltx23_forward_golden.safetensors`: single forwards of ComfyUI 0.33's own LTX-AV transformer on the tiny
-LTX-2.3 single file, for the native-MODEL forward contract (issue 19, `mgpu_backend/forward.py`).
+LTX-2.3 single file, for the native-MODEL forward contract (issue 19, `mgpu_backend/protocol/native_forward.py`).
 
 Runs in-process with ComfyUI's interpreter and a ComfyUI 0.33 checkout on the path (no server):
 
@@ -8,7 +8,7 @@ Runs in-process with ComfyUI's interpreter and a ComfyUI 0.33 checkout on the pa
 (`comfyui-harness.sh install <ComfyUI 0.33 git dir> <pack>` makes such a checkout and venv.)
 
 What it does:
-1. writes the tiny LTX-2.3 checkpoint with the project's own writer (`mgpu_backend.models.tiny.write_tiny_checkpoint`,
+1. writes the tiny LTX-2.3 checkpoint with the project's own writer (`mgpu_backend.testing.tiny.write_tiny_checkpoint`,
    seed 0: the tests' `tiny_dir` file) into a temporary folder and loads it the way `CheckpointLoaderSimple` does
    (`comfy.sd.load_checkpoint_guess_config`, `model_options={"dtype": torch.float32}`: float32 compute);
 2. runs `LTXAVModel.preprocess_text_embeds` on a seeded random CONDITIONING tensor (`text.raw` -> `text.processed`);
@@ -102,7 +102,7 @@ def weights_fingerprint(checkpoint: str | Path, prefix: str = "model.diffusion_m
 def write_checkpoint(directory: Path) -> Path:
     """The tiny LTX-2.3 single file both sides load: the file `make_tiny(dir, "2.3", seed=0)` writes (bf16 storage,
     as the tests' session fixture `tiny_dir`); both sides compute in float32 on its exact values."""
-    from mgpu_backend.models.tiny import write_tiny_checkpoint
+    from mgpu_backend.testing.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(Path(directory) / "ltx-2.3-tiny.safetensors", "2.3", seed=0)
 
@@ -247,7 +247,7 @@ def main() -> int:
     # the tiny LTX-2.3 LoRA file, on the inputs of LORA["base"]
     import comfy.model_management
     import comfy.utils
-    from mgpu_backend.models.tiny import write_tiny_lora
+    from mgpu_backend.testing.tiny import write_tiny_lora
 
     lora_path = write_tiny_lora(Path(tmp.name) / "ltx-2.3-tiny-distilled-lora.safetensors", "2.3", seed=0)
     lora_sd = comfy.utils.load_torch_file(str(lora_path))
@@ -277,7 +277,7 @@ def main() -> int:
     print(f"{name}: max |Δ| from {base} {(out[0] - tensors[f'{base}.out.video']).abs().max():.3f}")
     lora_meta = {**LORA, "sha256": weights_fingerprint(lora_path, prefix="")}
     # LTX-2.0 (caption projection inside the forward, no prompt AdaLN, no attention gates): a few cases
-    from mgpu_backend.models.tiny import write_tiny_checkpoint
+    from mgpu_backend.testing.tiny import write_tiny_checkpoint
 
     ckpt20 = write_tiny_checkpoint(Path(tmp.name) / "ltx-2.0-tiny.safetensors", "2.0", seed=0)
     model20, _, _, _ = comfy.sd.load_checkpoint_guess_config(

@@ -5,7 +5,7 @@ Run with ComfyUI's Python, ComfyUI's checkout on the path, from the repository r
     COMFY_DIR=/tmp/comfyui /tmp/comfyvenv/bin/python tests/golden/make_gemma4_golden.py
 
 What it does:
-1. writes the tiny Gemma 4 + LTX-2.5 projection files (`mgpu_backend.models.tiny_gemma4.write_tiny_gemma4`, seed 0,
+1. writes the tiny Gemma 4 + LTX-2.5 projection files (`mgpu_backend.testing.tiny_gemma4.write_tiny_gemma4`, seed 0,
    bf16 and int8-convrot) into a temporary `models/text_encoders/` folder registered with ComfyUI's `folder_paths`;
 2. loads each with ComfyUI's `CLIPLoader` node, `type="ltxv"` (`comfy.sd.load_clip` -> `detect_te_model` finds
    GEMMA_4_12B -> `lt.ltxav_te(... gemma4 ...)` with the `dual_linear` projection, `ltxav_gemma4_tokenizer`). The one
@@ -63,7 +63,7 @@ def main() -> None:
     import folder_paths
     import nodes
 
-    from mgpu_backend.models.tiny_gemma4 import tiny_comfy_config, write_tiny_gemma4
+    from mgpu_backend.testing.tiny_gemma4 import tiny_comfy_config, write_tiny_gemma4
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="gemma4-golden-"))

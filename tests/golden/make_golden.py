@@ -6,7 +6,7 @@ Runs with this project's Python against a live ComfyUI that has this pack (and i
     COMFYUI_URL=http://127.0.0.1:8188 COMFYUI_DIR=/tmp/comfyui python tests/golden/make_golden.py
 
 What it does:
-1. writes the tiny LTX-2.0 set (`mgpu_backend.models.tiny.make_tiny(…, "2.0", seed=0)`, the same files the live
+1. writes the tiny LTX-2.0 set (`mgpu_backend.testing.tiny.make_tiny(…, "2.0", seed=0)`, the same files the live
    tests and `tests/conftest.py` make) and links it into `$COMFYUI_DIR/models/` (as `tests/test_comfyui_live.py`);
 2. for every (case, mode) queues an API graph over HTTP that is ComfyUI's own sampling path:
    `CheckpointLoaderSimple` (our tiny single file) → [`LTX2MGPU_TestLTXAVFix`] → `CFGGuider` (cfg) with

@@ -1,5 +1,5 @@
 """Regenerate `ltx25_diffusion_vae_golden.safetensors`: ComfyUI 0.33's own LTX-2.5 ("LTX 2.4") diffusion video VAE
-decoding latents with the tiny file of `mgpu_backend/models/tiny_vae25.py`.
+decoding latents with the tiny file of `mgpu_backend/testing/tiny_vae25.py`.
 
 Runs in process with ComfyUI's Python (torch 2.14, comfy-kitchen) and a ComfyUI 0.33 checkout on the path — no
 server needed:
@@ -73,7 +73,7 @@ def main() -> None:
     import comfy.sd
     import comfy.utils
     import comfyui_version
-    from mgpu_backend.models.tiny_vae25 import write_tiny_diffusion_vae
+    from mgpu_backend.testing.tiny_vae25 import write_tiny_diffusion_vae
 
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:

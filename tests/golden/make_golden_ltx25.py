@@ -8,7 +8,7 @@ Runs with this project's Python; ComfyUI runs in a subprocess with its own inter
 `github:yzkee/ComfyUI`, DESIGN.md §3).
 
 What it does:
-1. writes the tiny LTX-2.5 per-component files (`mgpu_backend.models.tiny.write_tiny_component_files(…, "2.5",
+1. writes the tiny LTX-2.5 per-component files (`mgpu_backend.testing.tiny.write_tiny_component_files(…, "2.5",
    seed=0)`, what `make-tiny --variant 2.5` writes) and seeded inputs;
 2. in ComfyUI, the way its loader nodes do it: `UNETLoader` → `comfy.sd.load_diffusion_model` on the bf16 transformer
    (compute float32) and on its int8-convrot twin; `VAELoader` → `comfy.sd.VAE` on the audio VAE and on the
@@ -240,7 +240,7 @@ def main() -> int:
     from safetensors.torch import save_file
 
     sys.path.insert(0, str(ROOT))
-    from mgpu_backend.models.tiny import build_tiny_modules, write_tiny_component_files
+    from mgpu_backend.testing.tiny import build_tiny_modules, write_tiny_component_files
 
     comfy_dir = os.environ.get("COMFYUI_DIR")
     python = os.environ.get("COMFYUI_PYTHON", sys.executable)

@@ -1,0 +1,163 @@
+"""`TokenBatch`: everything one transformer forward reads, per token and per row, in one frozen object (issue 25).
+
+Every forward of the engine takes one (`model_forward.run`): the native MODEL builds it from a ComfyUI
+`ForwardRequest` (`native.NativeEngine.prepare`), the reference stages from the diffusers keyword arguments their
+denoiser forms (`TokenBatch.from_diffusers`, the diffusers transformer's own input rules). The parallel plan
+(`splits/forward_plan.py`) says which of its fields carry the video token axis, so a split (sequence parallel,
+tiles) slices them all by name; a new per-token field is one line here and one entry in the plan.
+
+Shapes (B rows, N video tokens, Ta audio tokens, L text tokens; Cv / Ca the latent widths, Dv / Da the context
+widths); every tensor on the compute device, contiguous (a CUDA graph's static copy has the same layout):
+- video `[B, N, Cv]`, audio `[B, Ta, Ca]`: packed latents (plus appended guide / reference-audio tokens) in the
+  compute dtype.
+- video_timestep `[B, N]` (per token) or `[B, 1]` (per row), audio_timestep `[B, Ta]` or `[B, 1]`: the AdaLN
+  timesteps, float32, already × `timestep_scale_multiplier` (sigma × 1000).
+- video_prompt_timestep / audio_prompt_timestep `[B]` float32 scaled: the prompt AdaLN's (LTX-2.3 / 2.5); None when
+  the model has none.
+- video_cross_timestep `[B, N]` | `[B, 1]` | `[B]`, audio_cross_timestep `[B, Ta]` | `[B, 1]` | `[B]`: the inputs
+  of each stream's audio↔video cross-attention scale / shift AdaLN, float32 scaled.
+- a2v_gate_timestep `[B]` (or `[B, N]`), v2a_gate_timestep `[B]` (or `[B, Ta]`): the inputs of the a2v / v2a gate
+  AdaLN, float32, already × the cross-attention gate factor.
+- video_coords `[B, 3, N, 2]`, audio_coords `[B, 1, Ta, 2]`: RoPE positions, [start, end) per token (seconds on the
+  time axis, pixels on height and width), float32.
+- video_context `[B, L, Dv]`, audio_context `[B, L, Da]`: the text contexts (before the LTX-2.0 caption projection).
+- video_text_bias / audio_text_bias: additive `[B, 1, 1, L]` text-attention biases (0 = attend), compute dtype, or
+  None.
+- keyframe_marker `[B, N]` bool: the tokens LTX-2.5's `keyframes_abs_pos_embedding` is added to; None otherwise.
+- guide_log_w `[G]` compute dtype and guide_start (int): ComfyUI's guide-attention bias (queries before guide_start
+  add log w on the G tracked guide keys from guide_start on, and the reverse); None / None without one.
+- audio_prefix (int): leading audio tokens (reference audio) cut from the audio output.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+TOKEN_FIELDS = ("video", "video_timestep", "video_cross_timestep", "a2v_gate_timestep", "video_coords",
+                "keyframe_marker")
+"""The fields that carry the video token axis (dim 1; `video_coords` dim 2) when they are per token."""
+STATIC_FIELDS = ("guide_start", "audio_prefix")
+
+
+@dataclass(frozen=True, eq=False)
+class TokenBatch:
+    """One forward's inputs (see the module docstring for every field's shape, dtype and unit)."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    video_timestep: torch.Tensor
+    audio_timestep: torch.Tensor
+    video_cross_timestep: torch.Tensor
+    audio_cross_timestep: torch.Tensor
+    a2v_gate_timestep: torch.Tensor
+    v2a_gate_timestep: torch.Tensor
+    video_coords: torch.Tensor
+    audio_coords: torch.Tensor
+    video_context: torch.Tensor
+    audio_context: torch.Tensor
+    video_prompt_timestep: torch.Tensor | None = None
+    audio_prompt_timestep: torch.Tensor | None = None
+    video_text_bias: torch.Tensor | None = None
+    audio_text_bias: torch.Tensor | None = None
+    keyframe_marker: torch.Tensor | None = None
+    guide_log_w: torch.Tensor | None = None
+    guide_start: int | None = None
+    audio_prefix: int = 0
+
+    def __post_init__(self):
+        b, n = self.video.shape[:2]
+        if self.video.ndim != 3 or self.audio.ndim != 3 or self.audio.shape[0] != b:
+            raise ValueError(f"TokenBatch: video {tuple(self.video.shape)} and audio {tuple(self.audio.shape)} must be "
+                             f"[B, T, C] with one B")
+        if self.video_coords.shape[0] != b or self.video_coords.shape[2] != n:
+            raise ValueError(f"TokenBatch: video_coords {tuple(self.video_coords.shape)} do not match {n} tokens")
+        if (self.guide_log_w is None) != (self.guide_start is None):
+            raise ValueError("TokenBatch: guide_log_w and guide_start come together")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and not value.is_contiguous():
+                object.__setattr__(self, f.name, value.contiguous())
+
+    @property
+    def rows(self) -> int:
+        return self.video.shape[0]
+
+    @property
+    def video_tokens(self) -> int:
+        return self.video.shape[1]
+
+    def per_token(self, name: str) -> bool:
+        """Whether field `name` carries the video token axis in this batch (a per-row timestep does not)."""
+        value = getattr(self, name)
+        if value is None or name not in TOKEN_FIELDS:
+            return False
+        dim = 2 if name == "video_coords" else 1
+        return value.ndim > dim and value.shape[dim] == self.video_tokens
+
+    def select_rows(self, rows: list[int]) -> "TokenBatch":
+        """The batch of `rows` (every per-row field indexed; the guide bias and statics are shared)."""
+        if rows == list(range(self.rows)):
+            return self
+        changes = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and f.name != "guide_log_w":
+                changes[f.name] = value[rows]
+        return dataclasses.replace(self, **changes)
+
+    def graph_inputs(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensor fields, the other fields): what `cuda_graphs.call` copies into a capture, and what keys it."""
+        tensors, static = {}, {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            (tensors if isinstance(value, torch.Tensor) else static)[f.name] = value
+        return tensors, static
+
+    @classmethod
+    def from_diffusers(cls, config, *, hidden_states, audio_hidden_states, encoder_hidden_states,
+                       audio_encoder_hidden_states, timestep, audio_timestep=None, sigma=None, audio_sigma=None,
+                       encoder_attention_mask=None, audio_encoder_attention_mask=None, video_coords=None,
+                       audio_coords=None, isolate_modalities=False, use_cross_timestep=False,
+                       video_keyframes_mask=None, return_dict=False, **unsupported) -> "TokenBatch":
+        """diffusers' `LTX2VideoTransformer3DModel.forward` keyword arguments -> the batch, by diffusers' own rules
+        (0.42.1): audio timestep / sigma default to the video's; a 2-D text mask becomes the bias
+        `(1 − mask)·−10000`; the cross-attention AdaLN inputs are the other stream's sigma with
+        `use_cross_timestep` (else the stream's own timestep); the gates × `cross_attn_timestep_scale_multiplier /
+        timestep_scale_multiplier`; the keyframe marker is `video_keyframes_mask > 0` on models with the embedding.
+        `isolate_modalities` is a per-call switch (`ForwardOptions`), not part of the batch: the caller passes it.
+        Raises ValueError for an argument the engine does not take (positions must be given explicitly)."""
+        if unsupported or video_coords is None or audio_coords is None or return_dict:
+            raise ValueError(f"the engine's forward takes explicit video_coords / audio_coords and no "
+                             f"{sorted(unsupported) or 'return_dict'}")
+        audio_timestep = audio_timestep if audio_timestep is not None else timestep
+        audio_sigma = audio_sigma if audio_sigma is not None else sigma
+        b = hidden_states.shape[0]
+        factor = config.cross_attn_timestep_scale_multiplier / config.timestep_scale_multiplier
+
+        def bias(mask, dtype):
+            if mask is None or mask.ndim != 2:
+                return None if mask is None else (mask[:, None] if mask.ndim == 3 else mask)
+            return ((1 - mask.to(dtype)) * -10000.0).view(b, 1, 1, -1)
+
+        video_cross = audio_sigma.flatten() if use_cross_timestep else timestep
+        audio_cross = sigma.flatten() if use_cross_timestep else audio_timestep
+        marker = None
+        if config.use_keyframes_abs_pos_embedding and video_keyframes_mask is not None:
+            marker = (video_keyframes_mask > 0).reshape(b, -1)
+        prompt = getattr(config, "use_prompt_adaln_single", False) and sigma is not None
+        return cls(
+            video=hidden_states, audio=audio_hidden_states, video_timestep=timestep, audio_timestep=audio_timestep,
+            video_cross_timestep=video_cross, audio_cross_timestep=audio_cross,
+            a2v_gate_timestep=video_cross * factor, v2a_gate_timestep=audio_cross * factor,
+            video_coords=video_coords, audio_coords=audio_coords, video_context=encoder_hidden_states,
+            audio_context=audio_encoder_hidden_states,
+            video_prompt_timestep=sigma.flatten() if prompt else None,
+            audio_prompt_timestep=audio_sigma.flatten() if prompt else None,
+            video_text_bias=bias(encoder_attention_mask, hidden_states.dtype),
+            audio_text_bias=bias(audio_encoder_attention_mask, audio_hidden_states.dtype),
+            keyframe_marker=marker)
+
+
+__all__ = ["STATIC_FIELDS", "TOKEN_FIELDS", "TokenBatch"]

@@ -1,0 +1,288 @@
+"""One worker process per device: joins the process group, loads the weights once, runs jobs until told to stop.
+
+Every rank runs the same job code in lockstep (SPMD). Cancel is decided by rank 0 and applied by all ranks at the
+same step boundary: before each denoising step rank 0 broadcasts its cancel flag, so no collective is ever left
+half-entered. Rank 0 streams progress and returns the result: latents by value, frames through shared memory
+(`protocol/frames.py`).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..protocol.fleet_config import FleetIdentity, FleetPolicy
+from ..protocol.job_requests import JOB_STAGES, FaultSpec, JobSpec
+from ..protocol.transport import Pickled, send_inline
+from ..protocol.worker_messages import JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerReady
+from ..protocol.validation import ValidationError
+
+# a worker's exit code when its controller is gone (it exits on its own, `bind_to_parent`)
+EXIT_PARENT_GONE = 75
+ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
+TRANSFORMER_JOBS = frozenset({"forward", "preprocess_text", "noop", "frames"})
+
+
+def clean_allocator_env(env: dict[str, str]) -> dict[str, str]:
+    """Drop `backend:cudaMallocAsync` from the allocator settings ComfyUI sets (DESIGN.md §8: inherited by workers
+    it led to OOM at step 2 elsewhere); other allocator options are kept."""
+    env = dict(env)
+    for name in ALLOC_ENV:
+        if name in env:
+            kept = [p for p in env[name].split(",") if p.strip() and "cudaMallocAsync" not in p]
+            if kept:
+                env[name] = ",".join(kept)
+            else:
+                del env[name]
+    return env
+
+
+@dataclass
+class JobContext:
+    """What a job function sees of the fleet: its rank, the device, progress and the synchronized cancel check."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    job_id: str
+    conn: Any
+    cancel_flag: Any  # multiprocessing.Value('i'): set by the controller, read by rank 0 only
+    heartbeat: Any  # multiprocessing.Array('d', 2 * world_size): per rank (steps done, wall time)
+    fault: FaultSpec | None = None
+    plan: Any = None  # parallel.plan.ParallelPlan
+    stage: str = "setup"
+    step: int = 0
+    steps_done: int = 0
+
+    def progress(self, stage: str, done: int, total: int) -> None:
+        self.stage, self.step = stage, done
+        if self.rank == 0:
+            self.conn.send(JobProgress(self.job_id, stage, done, total))
+
+    def step_boundary(self, stage: str, step: int, group=None) -> bool:
+        """Called before each step by every rank of `group` (the process group of ranks 0..d-1 running the stage,
+        as its runner passes it; None: the whole fleet); returns True (on those ranks) when the job is cancelled."""
+        self.stage, self.step = stage, step
+        # a test fault fires before the heartbeat: a rank that hangs (or dies) on its way to the boundary has begun
+        # fewer steps than the ranks waiting for it in the broadcast, which is how the fleet names it
+        self._maybe_fault(stage, step)
+        self.steps_done += 1
+        self.heartbeat[2 * self.rank] = self.steps_done
+        self.heartbeat[2 * self.rank + 1] = time.time()
+        flag = torch.tensor([int(self.cancel_flag.value) if self.rank == 0 else 0], dtype=torch.int32,
+                            device=self.device if self.device.type == "cuda" else "cpu")
+        if self.world_size > 1:
+            dist.broadcast(flag, src=0, group=group)
+        return bool(flag.item())
+
+    def _maybe_fault(self, stage: str, step: int) -> None:
+        f = self.fault
+        if f is None or not f.fires(self.rank, stage, step):
+            return
+        if f.kind in ("error", "error_all"):
+            raise RuntimeError(f"injected fault on rank {self.rank} at {stage} step {step}")
+        if f.kind == "crash":
+            os._exit(17)
+        if f.kind == "stall":
+            time.sleep(3600)
+        if f.kind == "reread":  # counts as one more checkpoint open (tests that status() reports OPEN_COUNT)
+            from ..models import loader
+
+            loader.OPEN_COUNT += 1
+
+
+class WorkerState:
+    """The resident models of one rank (loaded once per fleet from its `FleetIdentity`, kept between jobs), and the
+    policy (`FleetPolicy`) applied to them, which each job may change (`apply_policy`) without reloading."""
+
+    def __init__(self, identity: FleetIdentity, policy: FleetPolicy, rank: int, device: torch.device):
+        from ..models import loader
+        from ..stages.text_encoder import TextEncoderService
+        from ..splits.plan import build_plan
+        from ..stages.pipelines import TwoStagePipeline
+
+        dtype = getattr(torch, identity.dtype)
+        self.config, self.rank, self.device, self.dtype = identity, rank, device, dtype
+        sharded = identity.weights == "sharded"
+        # the int8 path (FleetIdentity.int8_compute), and on CUDA this GPU's free memory against what this rank will
+        # hold, before any weight
+        from ..weights.sharding import ACTIVATION_RESERVE_BYTES
+
+        self.int8_compute, int8_reason = loader.int8_path_for(identity, dtype, device, ACTIVATION_RESERVE_BYTES)
+        if device.type == "cuda":
+            from ..weights.sharding import check_fits
+
+            files = (identity.checkpoint,) if identity.transformer_only else (
+                identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
+            sizes = loader.weight_bytes(files, dtype, transformer_only=identity.transformer_only,
+                                        int8_dequantized=self.int8_compute == "dequantize")
+            check_fits(str(device), torch.cuda.mem_get_info(device)[0], sizes, identity.weights, identity.world_size)
+        # sharded weights: loaded as a memory map on the host, then each rank moves only its shards to the device
+        load_device = torch.device("cpu") if sharded else device
+        if identity.transformer_only:
+            self.components = loader.load_components(identity.checkpoint, dtype=dtype, device=load_device,
+                                                     transformer_only=True, int8_compute=self.int8_compute,
+                                                     int8_reason=int8_reason)
+        else:
+            self.components = loader.load_components(
+                identity.checkpoint, video_vae=identity.video_vae, audio_vae=identity.audio_vae,
+                text_projection=identity.text_projection, upsampler=identity.upscaler, text_encoder=identity.gemma,
+                dtype=dtype, device=load_device, int8_compute=self.int8_compute, int8_reason=int8_reason)
+        self.sharding = None
+        if sharded:
+            from ..weights.sharding import shard_transformer
+
+            c = self.components
+            self.sharding = shard_transformer(c.transformer, device,
+                                              connectors=(c.video_connector, c.audio_connector))
+            for module in c.modules().values():
+                if module not in (c.transformer, c.video_connector, c.audio_connector):
+                    module.to(device)
+        # Gemma as the fleet's text service (mode, memory plan, prompt cache, unload); checks Gemma vs projection
+        self.text = TextEncoderService.for_fleet(identity, rank, device, self.components.text_projection,
+                                                 family=self.components.family)
+        # every group any policy may use is built here, once (build_plan), and kept (`groups`); each job gets a
+        # frozen plan of them under its policy (`apply_policy`)
+        plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy.token_cap,
+                           policy.min_tokens_per_rank, policy.sp_degree, policy.guidance_parallel, sharded=sharded)
+                if identity.sequence_parallel else None)
+        self.groups = plan.groups if plan is not None else None  # parallel.plan.PlanGroups, for the fleet's life
+        self.plan = plan  # the frozen plan of the last job's policy (parallel.plan.ParallelPlan)
+        self.pipeline = TwoStagePipeline(self.components, self.text, device=device, dtype=dtype, plan=self.plan)
+        self.policy: FleetPolicy | None = None
+        self.apply_policy(policy)
+
+    def apply_policy(self, policy: FleetPolicy) -> None:
+        """Make `policy` this rank's (every rank gets the same one with the same job): a new frozen plan of the
+        fleet's groups under it (`ParallelPlan.with_policy`: degree cap, token minimum, guidance-parallel mode, token
+        cap; no collective), handed to the pipeline (`TwoStagePipeline.use_plan`), and the
+        compiled or eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError
+        for a degree the heads or the fleet do not allow, before anything changes."""
+        if policy == self.policy:
+            return
+        if policy.compile and self.sharding is not None:
+            raise ValidationError("compile=True with sharded weights: the blocks' layers are gathered over the ranks "
+                                  "as they run (FSDP hooks), which the compiled blocks do not run; use replicated "
+                                  "weights to compile")
+        if self.plan is not None:
+            self.plan = self.plan.with_policy(policy)  # raises before anything changes
+            self.pipeline.use_plan(self.plan)
+        if self.policy is None or policy.compile != self.policy.compile:
+            from ..engine.compile import compile_blocks, uncompile_blocks
+
+            if policy.compile:
+                compile_blocks(self.components.transformer)
+            elif self.policy is not None:
+                uncompile_blocks(self.components.transformer)
+        self.policy = policy
+
+    @property
+    def gemma(self):
+        """This rank's loaded `GemmaTextEncoder` (None when unloaded, or off rank 0 in sharded mode)."""
+        return self.text.encoder
+
+
+def bind_to_parent(parent_pid: int, watch) -> None:
+    """Make this worker end with the process that spawned it (the controller), within a second, however that one
+    ends (SIGKILL, the OOM killer): Linux's parent-death signal (SIGKILL), and everywhere a thread that waits on
+    `watch`, the read end of a pipe whose only write end the parent holds, and exits when it closes."""
+    from ..protocol.resources import kill_on_parent_death
+
+    kill_on_parent_death()
+    if os.getppid() != parent_pid:  # the parent died before the signal was set
+        os._exit(EXIT_PARENT_GONE)
+
+    def wait_for_close() -> None:
+        try:
+            while True:
+                watch.recv()  # nothing is ever sent: this returns only by EOF when the parent is gone
+        except (EOFError, OSError):
+            os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=wait_for_close, name="ltx2-mgpu-parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, conn, cancel_flag,
+                heartbeat, parent_pid: int, watch) -> None:
+    """Entry point of a spawned worker. Ends with its parent (`bind_to_parent`). Reports `WorkerReady` or
+    `WorkerInitError`, then serves jobs: each `RunJob` runs under its policy (`WorkerState.apply_policy`) and ends
+    with `JobDone`, `JobStopped` or `JobFailed`; a `StopWorker` ends the loop."""
+    from ..protocol.resources import set_process_name
+
+    bind_to_parent(parent_pid, watch)
+    set_process_name(f"ltx2mgpu-rank{rank}")
+
+    from .jobs import load_all
+    from ..models import loader
+    from ..engine.sampling import SamplingCancelled
+    from ..protocol.validation import ValidationError
+
+    jobs = load_all()
+
+    device = torch.device(config.devices[rank])
+    try:
+        torch.set_num_threads(max(1, config.threads_per_worker))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        t0 = time.perf_counter()
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=config.world_size, timeout=timedelta(seconds=config.collective_timeout_s))
+        state = WorkerState(config, policy, rank, device)
+        dist.barrier()
+        heads = int(state.components.transformer.config.num_attention_heads)
+        conn.send(WorkerReady(rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0, heads,
+                              getattr(state.components.transformer, "int8_compute_note", None) or None))
+    except Exception as exc:  # reported to the controller, which tears the fleet down
+        conn.send(WorkerInitError(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+
+    while True:
+        message = conn.recv()
+        if isinstance(message, StopWorker):
+            break
+        if not isinstance(message, RunJob):
+            raise TypeError(f"worker rank {rank}: unknown message {type(message).__name__} from the fleet")
+        spec: JobSpec = message.spec
+        job_policy: FleetPolicy = message.policy
+        ctx = JobContext(rank, config.world_size, device, spec.job_id, conn, cancel_flag, heartbeat, spec.fault,
+                         plan=state.plan, stage=JOB_STAGES.get(spec.kind, spec.kind))
+        # every job-end message ends with this rank's OPEN_COUNT (a re-read checkpoint would show in status())
+        try:
+            if spec.kind not in jobs:
+                raise ValidationError(f"unknown job kind {spec.kind!r} (known: {', '.join(sorted(jobs))})")
+            if config.transformer_only and spec.kind not in TRANSFORMER_JOBS:
+                raise ValidationError(
+                    f"job {spec.kind!r}: this fleet holds the transformer only (Load Diffusion Model (MGPU), "
+                    f"FleetConfig.transformer_only), where ComfyUI's own loaders give the VAEs and the text encoder; "
+                    f"it runs {', '.join(sorted(TRANSFORMER_JOBS))} — load the whole checkpoint (Load Checkpoint "
+                    f"(MGPU)) for the stage jobs")
+            state.apply_policy(job_policy)  # before any work (a refused policy leaves the last one in place)
+            ctx.plan = state.plan
+            pickled = isinstance(spec.payload, Pickled)  # the client's bytes, passed on by the controller
+            result = jobs[spec.kind](state, spec.payload.load() if pickled else spec.payload, ctx)
+            if pickled and rank == 0:
+                result = spec.payload.reply(result)  # its large tensors in the payload's shared-memory lane, if any
+            message = JobDone(spec.job_id, rank, result, loader.OPEN_COUNT)
+            if pickled:  # by value, like the payload (transport.INLINE_JOBS); rank 0's reply is the only large one
+                send_inline((conn,), message)
+            else:
+                conn.send(message)
+        except SamplingCancelled:
+            conn.send(JobStopped(spec.job_id, rank, ctx.stage, ctx.step, loader.OPEN_COUNT))
+        except Exception as exc:
+            conn.send(JobFailed(spec.job_id, rank, type(exc).__name__, str(exc), ctx.stage, ctx.step,
+                                isinstance(exc, (ValidationError, FileNotFoundError)), traceback.format_exc(),
+                                loader.OPEN_COUNT))
+    try:
+        dist.destroy_process_group()
+    finally:
+        conn.close()

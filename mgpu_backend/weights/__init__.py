@@ -1,0 +1,1 @@
+"""What the fleet does to loaded weights: sharding over the ranks, LoRA patches."""

@@ -1,0 +1,500 @@
+"""LoRA files in the LTX / ComfyUI key naming, fused into the transformer and exactly restored — in one process or
+over a fleet of ranks, without ever reading the checkpoint again.
+
+File layout (Lightricks' distilled LoRA, ComfyUI's LoRA loader): for a Linear at original path `P`
+(`transformer_blocks.0.attn1.to_q`, …) the keys `diffusion_model.P.lora_A.weight` `[rank, in]`,
+`diffusion_model.P.lora_B.weight` `[out, rank]` and optionally `diffusion_model.P.alpha` (scalar); the kohya spelling
+`lora_down` / `lora_up` is read the same way. The fused weight is `W + strength · (alpha / rank) · B @ A` (alpha
+defaults to rank; the PEFT / kohya convention ComfyUI follows in `comfy/lora.py`); several LoRAs add their deltas
+(summed in float32 in the order given) before the one rounding to the weight's dtype.
+
+`read_lora` reads only the file's header and the alpha scalars (an index of the pairs with their shapes); the A / B
+tensors are read from the memory-mapped file when a layer is fused, so a rank reads only the pairs it fuses.
+
+Fusing and restoring (`LoRAFuser`), one process: the original tensor of each touched Linear is kept (a clone) and
+copied back on `restore()` — the very same bits: stage 1 after a stage-2 LoRA equals stage 1 with no LoRA. For
+fp8-resident layers (`FP8Linear`) the fused weight is held in the compute dtype beside the untouched fp8 weight
+(`FP8Linear.fused_weight`) and dropped on restore: nothing to keep, nothing to copy back.
+
+On a fleet of W ranks (every rank holds a full working copy of the weights, DESIGN.md §8) each touched layer has one
+owner rank (largest layers first, each to the least-loaded rank: ~1/W of the touched bytes per rank):
+- fuse: the owner alone reads the layer's LoRA pairs, keeps the layer's clean weight (its shard of the clean copies),
+  computes the fused weight in place; then every layer is broadcast from its owner into all ranks (`dist.broadcast`
+  of the tensor's bytes: exact, gloo or NCCL). Reading and computing are split W ways and run on all ranks at once;
+  every rank ends with bit-identical weights, equal to what one process computes.
+- restore: the owner copies its clean weight back and broadcasts it into the layer on every rank. fp8 layers: the
+  fused weight is dropped on every rank (no communication; the fp8 tensors were never touched).
+Clean weights held per rank: ~1/W of the touched layers (`LoRAFuser.clean_bytes`). The checkpoint is not opened.
+
+With sharded weights (`weights/sharding.py`: each rank holds rows of every block layer) each rank fuses every touched
+layer itself: the layer is gathered whole (in model order on every rank), the fused weight computed as one process
+computes it, and the rank's own rows written into its shard, with those rows' clean copy kept; restore copies them
+back. No broadcast; the same bits as one process, row for row.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+
+from ..models import keymaps
+from ..models.fp8 import FP8Linear
+from .sharding import full_weight, is_dtensor, local_rows, local_shard
+from ..protocol.stage_params import LORA_PAIR_SUFFIXES, lora_pair_keys, open_lora
+from ..protocol.validation import ValidationError
+
+_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.")
+# (A suffix, B suffix): PEFT / LTX / ComfyUI spelling, kohya spelling
+_OTHER_SUFFIXES = tuple(s for pair in LORA_PAIR_SUFFIXES for s in pair) + (".alpha",)
+
+
+class LoRAError(ValidationError):
+    """A LoRA that cannot be applied (no pairs, matches nothing, made for another model width): bad input, raised
+    before any weight is touched (on every rank of a fleet alike, so the fleet stays usable)."""
+
+
+@dataclass(frozen=True)
+class LoRAPair:
+    """Where one layer's pair lives in the file, and its shapes (from the header)."""
+
+    a_key: str
+    b_key: str
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+    alpha: float
+
+
+class _LazyPairs(Mapping):
+    """`module -> (A [r,in], B [out,r], alpha)`, read from the file on first access (all pairs at once)."""
+
+    def __init__(self, lora: "LoRAFile"):
+        self._lora, self._data = lora, None
+
+    def _load(self) -> dict:
+        if self._data is None:
+            with self._lora.reader() as get:
+                self._data = {name: get(name) for name in self._lora.index}
+        return self._data
+
+    def __getitem__(self, name):
+        return self._load()[name]
+
+    def __iter__(self):
+        return iter(self._lora.index)  # no tensor read to list the names
+
+    def __len__(self):
+        return len(self._lora.index)
+
+    def __contains__(self, name):
+        return name in self._lora.index
+
+
+@dataclass(eq=False)
+class LoRAFile:
+    """The low-rank pairs of one LoRA file, keyed by the transformer's (diffusers) module path.
+
+    `index` holds each pair's keys, shapes and alpha (from the header); `reader()` reads tensors; `pairs` is the
+    whole file as `module -> (A, B, alpha)` (read on first use)."""
+
+    path: Path
+    strength: float
+    index: dict[str, LoRAPair]
+    unmatched_keys: list[str] = field(default_factory=list)  # file keys that are not LoRA pairs we understand
+    identity: tuple = ()  # (resolved path, size, mtime_ns): a changed file is a different LoRA
+
+    def __post_init__(self):
+        self.pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]] = _LazyPairs(self)
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator:
+        """`with lora.reader() as get: a, b, alpha = get(module)` — one open (memory map) of the file."""
+        with safe_open(str(self.path), framework="pt", device="cpu") as f:
+            def get(name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+                pair = self.index[name]
+                return f.get_tensor(pair.a_key), f.get_tensor(pair.b_key), pair.alpha
+            yield get
+
+    @property
+    def key(self) -> tuple:
+        return (self.identity or (str(self.path),), self.strength)
+
+
+@dataclass
+class LoRAReport:
+    """Coverage of one fused LoRA: how many of its layers found a Linear in the model."""
+
+    path: str
+    strength: float
+    matched: int
+    total: int
+    missing: tuple[str, ...] = field(default=(), compare=False)  # its layers this model does not have
+    stage: str = field(default="", compare=False)
+
+    def __str__(self) -> str:
+        where = f"{self.stage}: " if self.stage else ""
+        return f"{where}{Path(self.path).name} @ {self.strength:g}: {self.matched}/{self.total} layers applied"
+
+    def detail(self, limit: int = 5) -> str:
+        """`str(self)` plus the first `limit` layers that found no Linear in the model."""
+        if not self.missing:
+            return str(self)
+        more = f" and {len(self.missing) - limit} more" if len(self.missing) > limit else ""
+        return f"{self} (not in this model: {', '.join(self.missing[:limit])}{more})"
+
+
+def parse_lora_arg(arg: str) -> tuple[str, float]:
+    """`PATH[:STRENGTH]` -> (path, strength); strength defaults to 1.0. Raises ValueError for a bad strength."""
+    path, sep, strength = arg.rpartition(":")
+    if not sep or "/" in strength or "\\" in strength or not strength:  # no strength; ':' of a Windows drive
+        return arg, 1.0
+    try:
+        value = float(strength)
+    except ValueError:
+        raise ValueError(f"LoRA argument {arg!r}: strength {strength!r} is not a number (use PATH:STRENGTH)") from None
+    if not math.isfinite(value):  # nan / inf would fuse non-finite weights
+        raise ValueError(f"LoRA argument {arg!r}: strength {strength!r} must be a finite number")
+    return path, value
+
+
+def _module_name(base: str) -> str:
+    for prefix in _PREFIXES:
+        if base.startswith(prefix):
+            base = base[len(prefix):]
+            break
+    return keymaps.transformer_to_diffusers(base)
+
+
+def read_lora(path: str | Path, strength: float = 1.0) -> LoRAFile:
+    """Index a LoRA file: its pairs per transformer module path, with shapes and alpha (no A / B tensor is read).
+
+    Raises FileNotFoundError for a missing file and LoRAError (a ValueError) naming the file when it holds no LoRA
+    pairs, a pair lacks its B half, or the strength is not a finite number.
+    """
+    path = Path(path)
+    try:
+        handle = open_lora(path, strength)
+    except ValueError as exc:
+        raise LoRAError(str(exc)) from None
+    with handle as f:
+        keys = list(f.keys())
+        try:
+            pairs = lora_pair_keys(path, keys)
+        except ValueError as exc:
+            raise LoRAError(str(exc)) from None
+        key_set = set(keys)
+        index = {}
+        for base, key, b_key in pairs:
+            a_shape = tuple(f.get_slice(key).get_shape())
+            b_shape = tuple(f.get_slice(b_key).get_shape())
+            if len(a_shape) != 2 or len(b_shape) != 2:
+                raise LoRAError(f"{path}: {key} / {b_key} are not matrices ({a_shape}, {b_shape})")
+            alpha = float(f.get_tensor(base + ".alpha")) if base + ".alpha" in key_set else float(a_shape[0])
+            index[_module_name(base)] = LoRAPair(key, b_key, a_shape, b_shape, alpha)
+    unmatched = [key for key in keys if not key.endswith(_OTHER_SUFFIXES)]
+    st = path.stat()
+    return LoRAFile(path, float(strength), index, unmatched, (str(path.resolve()), st.st_size, st.st_mtime_ns))
+
+
+def read_loras(specs) -> list[LoRAFile]:
+    """`[(path, strength), …]` (or `{"path", "strength"}` dicts, or LoRAFiles, passed through) -> indexed
+    LoRAFiles, in order. Raises LoRAError for an entry of another form, FileNotFoundError for a missing file."""
+    out = []
+    for spec in specs or ():
+        if isinstance(spec, LoRAFile):
+            out.append(spec)
+            continue
+        try:
+            path, strength = (spec["path"], spec.get("strength", 1.0)) if isinstance(spec, dict) else spec
+            strength = float(strength)
+        except (TypeError, ValueError, KeyError):
+            raise LoRAError(f"LoRA entry {spec!r}: expected (path, strength)") from None
+        out.append(read_lora(path, strength))
+    return out
+
+
+def _fused_weight(layer: nn.Module, terms: list[tuple[torch.Tensor, torch.Tensor, float]]) -> torch.Tensor:
+    """The fused weight of one layer: `W + Σ scale_i · B_i @ A_i`, the sum in float32 in the LoRAs' order, rounded
+    once to the weight's dtype (fp8 layers: the dequantized weight, rounded to the compute dtype). One function for
+    one process and every rank of a fleet, so that their fused weights are the same bits. A layer sharded over the
+    ranks (`weights/sharding.py`) is gathered whole first (a collective: every rank calls it for the layer)."""
+    fp8 = isinstance(layer, FP8Linear)
+    sharded = is_dtensor(layer.weight)
+    weight = full_weight(layer.weight) if sharded else layer.weight
+    device = weight.device
+    delta = None
+    for a, b, scale in terms:
+        d = scale * (b.to(device, torch.float32) @ a.to(device, torch.float32))
+        delta = d if delta is None else delta + d
+    if fp8:
+        return (layer.dequantized_weight(weight).float() + delta).to(layer.compute_dtype)
+    return (weight.float() + delta).to(weight.dtype)
+
+
+def assign_owners(sizes: list[int], world_size: int) -> list[int]:
+    """Owner rank of each item: largest first, each to the rank with the fewest bytes so far (ties: lower rank,
+    then earlier item). Deterministic, so every rank computes the same map."""
+    load = [0] * world_size
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += sizes[i]
+    return owners
+
+
+@dataclass
+class _Fused:
+    name: str
+    layer: nn.Module
+    owner: int
+
+
+class LoRAFuser:
+    """Fuses LoRAs into a transformer's Linear weights and restores the originals exactly.
+
+    Usage: `fuser = LoRAFuser(transformer); reports = fuser.fuse([lora, ...]); ...; fuser.restore()`;
+    `fuser.apply(set)` fuses a set unless that very set is already fused (and restores for an empty set).
+
+    Args:
+        model: the transformer (every rank's own full copy on a fleet).
+        rank, world_size, group: this rank in the process group whose ranks fuse together (`world_size` 1: one
+            process, no communication). `rank` is the rank within `group` (None = the default group).
+        backup_device: where the clean copies of plain (non-fp8) layers are kept (None: the weight's device).
+    Every rank of the group must call `fuse` / `apply` / `restore` with the same LoRA sets, in the same order.
+    """
+
+    def __init__(self, model: nn.Module, rank: int = 0, world_size: int = 1, group=None,
+                 backup_device: torch.device | str | None = None):
+        self.model = model
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.backup_device = None if backup_device is None else torch.device(backup_device)
+        self._backup: dict[str, torch.Tensor] = {}  # module path -> clean weight (owned plain Linears only)
+        self._fused: list[_Fused] = []
+        self._key: tuple | None = None
+        self._reports: list[LoRAReport] = []
+        self._modules: dict[str, nn.Module] | None = None
+        self._sharded = False  # the fused set's layers are sharded over the ranks (set by `fuse`)
+        # the last fuse ("layers", "owned", "pairs_read", "clean_bytes", "fused_bytes", "seconds") and restore
+        # ("layers", "seconds")
+        self.stats: dict[str, dict] = {"fuse": {}, "restore": {}}
+
+    # ---- state -----------------------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return bool(self._fused)
+
+    @property
+    def sharded(self) -> bool:
+        """The fused layers are sharded over the ranks (`weights/sharding.py`): each rank fuses every layer itself
+        — its own rows of a sharded layer (gathered whole first, in model order on every rank), the whole of a
+        replicated one — and keeps the clean copy of what it holds; nothing is broadcast."""
+        return self._sharded
+
+    @property
+    def clean_bytes(self) -> int:
+        """Bytes of clean weights this rank keeps for the fused set (its shard)."""
+        return sum(t.numel() * t.element_size() for t in self._backup.values())
+
+    @property
+    def fused_fp8_bytes(self) -> int:
+        """Bytes of the compute-dtype weights held beside fp8 layers while a set is fused (every rank holds all)."""
+        return sum(f.layer.fused_weight.numel() * f.layer.fused_weight.element_size() for f in self._fused
+                   if isinstance(f.layer, FP8Linear) and f.layer.fused_weight is not None)
+
+    @property
+    def fused_names(self) -> list[str]:
+        return [f.name for f in self._fused]
+
+    def owned(self) -> list[str]:
+        """Names of the fused layers this rank owns."""
+        return [f.name for f in self._fused if f.owner == self.rank]
+
+    def _named_modules(self) -> dict[str, nn.Module]:
+        if self._modules is None:
+            self._modules = dict(self.model.named_modules())
+        return self._modules
+
+    # ---- planning (no weight touched, identical on every rank) -----------------------------------------------------
+
+    def check(self, loras: list[LoRAFile], stage: str = "") -> list[LoRAReport]:
+        """Coverage reports of a set, raising LoRAError for a LoRA that matches no layer or whose shapes do not fit
+        the model (another model width), naming the file, the key and both shapes. Touches nothing."""
+        return self._plan(loras, stage)[0]
+
+    def _plan(self, loras: list[LoRAFile], stage: str = ""):
+        modules = self._named_modules()
+        reports = []
+        terms: dict[str, list[tuple[int, str, float]]] = {}  # module -> [(lora index, module, scale)]
+        for i, lora in enumerate(loras):
+            matched, missing = 0, []
+            for name, pair in lora.index.items():
+                layer = modules.get(name)
+                if not isinstance(layer, (nn.Linear, FP8Linear)):
+                    missing.append(name)
+                    continue
+                a, b = pair.a_shape, pair.b_shape
+                if a[1] != layer.in_features or b[0] != layer.out_features or b[1] != a[0]:
+                    raise LoRAError(
+                        f"{lora.path}: LoRA for {name} has A {a}, B {b} but the layer is "
+                        f"{layer.in_features} -> {layer.out_features}; was it made for another model?")
+                terms.setdefault(name, []).append((i, name, lora.strength * pair.alpha / a[0]))
+                matched += 1
+            if matched == 0:
+                raise LoRAError(f"{lora.path}: none of its {len(lora.index)} LoRA layers matches a Linear of this "
+                                f"transformer (e.g. {next(iter(lora.index))})")
+            reports.append(LoRAReport(str(lora.path), lora.strength, matched, len(lora.index), tuple(missing),
+                                      stage))
+        order = [n for n in modules if n in terms]  # model order: the same on every rank, whatever the files
+        return reports, [(n, modules[n], terms[n]) for n in order]
+
+    # ---- fuse / restore --------------------------------------------------------------------------------------------
+
+    def apply(self, loras: list[LoRAFile], stage: str = "") -> list[LoRAReport]:
+        """Make `loras` the fused set: nothing to do when exactly this set (same files, same strengths, same order)
+        is fused; restore for an empty set; otherwise restore and fuse."""
+        key = tuple(lora.key for lora in loras)
+        if not loras:
+            self.restore()
+            return []
+        if self.active and key == self._key:
+            return [LoRAReport(r.path, r.strength, r.matched, r.total, r.missing, stage) for r in self._reports]
+        return self.fuse(loras, stage)
+
+    def fuse(self, loras: list[LoRAFile], stage: str = "") -> list[LoRAReport]:
+        """Add every LoRA's delta to the matching Linears. Restores first if something is fused.
+
+        Raises LoRAError (before touching any weight) for a LoRA that matches no layer, or whose shapes do not fit
+        the model (a LoRA for another model width), naming the file, the key and both shapes.
+        """
+        self.restore()
+        reports, plan = self._plan(loras, stage)
+        t0 = time.perf_counter()
+        owners = assign_owners([layer.weight.numel() for _, layer, _ in plan], self.world_size)
+        self._sharded = any(is_dtensor(layer.weight) for _, layer, _ in plan)
+        if self.sharded:  # every rank fuses every layer into what it holds: no owner, no broadcast
+            owners = [self.rank] * len(plan)
+        fused = [_Fused(name, layer, owner) for (name, layer, _), owner in zip(plan, owners)]
+        pairs_read = 0
+        try:
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                getters = {}
+                # 1. each rank computes the layers it owns (all ranks at once), keeping their clean weights
+                for (name, layer, terms), item in zip(plan, fused):
+                    if item.owner != self.rank:
+                        continue
+                    values = []
+                    for i, module, scale in terms:
+                        if i not in getters:
+                            getters[i] = stack.enter_context(loras[i].reader())
+                        a, b, _ = getters[i](module)
+                        values.append((a, b, scale))
+                        pairs_read += 1
+                    weight = _fused_weight(layer, values)
+                    self._fused.append(item)  # from here on, restore() undoes it
+                    if isinstance(layer, FP8Linear):
+                        layer.fused_weight = weight
+                    else:
+                        shard = local_shard(layer.weight)
+                        self._backup[name] = self._keep(shard.detach())
+                        shard.copy_(local_rows(layer.weight, weight))
+                    del weight, values
+            # 2. every fused layer from its owner into every rank (the same order on all ranks)
+            self._fused = fused  # model order; restore() and the rollback walk this list
+            if self.world_size > 1 and not self.sharded:
+                with torch.no_grad():
+                    for item in fused:
+                        layer = item.layer
+                        if isinstance(layer, FP8Linear):
+                            if item.owner != self.rank:
+                                layer.fused_weight = torch.empty(layer.out_features, layer.in_features,
+                                                                 dtype=layer.compute_dtype, device=layer.weight.device)
+                            self._broadcast(layer.fused_weight, item.owner)
+                        else:
+                            self._broadcast(layer.weight, item.owner)
+        except BaseException:
+            self._rollback_local()
+            raise
+        self._key = tuple(lora.key for lora in loras)
+        self._reports = reports
+        self.stats["fuse"] = {
+            "layers": len(fused), "owned": sum(f.owner == self.rank for f in fused), "pairs_read": pairs_read,
+            "clean_bytes": self.clean_bytes, "fused_bytes": self.fused_fp8_bytes,
+            "seconds": _seconds_since(t0, self._device())}
+        return reports
+
+    def restore(self) -> None:
+        """Put back the exact original weights of every fused layer (on a fleet: from their owners)."""
+        if not self.active:
+            return
+        t0 = time.perf_counter()
+        layers, device = len(self._fused), self._device()
+        with torch.no_grad():
+            for item in self._fused:
+                layer = item.layer
+                if isinstance(layer, FP8Linear):
+                    layer.fused_weight = None  # the fp8 weight was never touched
+                    continue
+                if item.owner == self.rank:
+                    local_shard(layer.weight).copy_(self._backup.pop(item.name))
+                if self.world_size > 1 and not self.sharded:
+                    self._broadcast(layer.weight, item.owner)
+        self._clear()
+        self.stats["restore"] = {"layers": layers, "seconds": _seconds_since(t0, device)}
+
+    def after_error(self) -> None:
+        """After a failed or cancelled job: one process restores now. A fleet keeps its (rank-consistent) fused set
+        until the next `apply` / `restore`, which every rank calls at the start of its next job: a collective
+        restore here could meet ranks that are elsewhere (an SP sub-group cancelled while the other ranks wait for
+        its result; an asymmetric failure, after which the fleet is torn down anyway)."""
+        if self.world_size == 1:
+            self.restore()
+
+    # ---- helpers ---------------------------------------------------------------------------------------------------
+
+    def _clear(self) -> None:
+        self._backup.clear()
+        self._fused = []
+        self._key, self._reports = None, []
+
+    def _rollback_local(self) -> None:
+        """After a failure inside `fuse`: put back what this rank changed, without communication (on a fleet a
+        failure here is not symmetric: the fleet is torn down, this only leaves the process consistent)."""
+        with torch.no_grad():
+            for item in self._fused:
+                layer = item.layer
+                if isinstance(layer, FP8Linear):
+                    layer.fused_weight = None
+                elif item.name in self._backup:
+                    local_shard(layer.weight).copy_(self._backup[item.name])
+        self._clear()
+
+    def _keep(self, clean: torch.Tensor) -> torch.Tensor:
+        """A copy of a clean weight on the backup device (pinned host memory for a GPU weight kept on the host)."""
+        device = self.backup_device or clean.device
+        if device.type == "cpu" and clean.device.type == "cuda":
+            return torch.empty(clean.shape, dtype=clean.dtype, pin_memory=True).copy_(clean)
+        return clean.to(device, copy=True)
+
+    def _broadcast(self, tensor: torch.Tensor, owner: int) -> None:
+        """Broadcast the bytes of `tensor` from group rank `owner` (uint8 view: exact for every dtype and backend)."""
+        src = owner if self.group is None else dist.get_global_rank(self.group, owner)
+        dist.broadcast(tensor.detach().view(torch.uint8), src=src, group=self.group)
+
+    def _device(self) -> torch.device | None:
+        return next((f.layer.weight.device for f in self._fused), None)
+
+
+def _seconds_since(t0: float, device: torch.device | None) -> float:
+    """Wall time since `t0`, after the device's queued work (the broadcasts, the copies) has finished."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
