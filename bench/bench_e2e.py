@@ -608,7 +608,8 @@ def run_ltx25(args, modes, device, dtype, log) -> dict:
         batches[stage] = TokenBatch.from_diffusers(model.config, **kw)
     tally = M.FlopTally(FL.TransformerShape.of(model.config))
     if args.reference:
-        log("reference: no column — ltx-core 1.0.0 (Lightricks' reference) cannot run LTX-2.5 (docs/design/models.md#the-substrate-diffusers)")
+        log("reference: no column — ltx-core 1.0.0 (Lightricks' reference) cannot run LTX-2.5 "
+            "(docs/design/models.md#the-substrate-diffusers)")
     results = {}
     for mode in modes:
         if not _enter_mode(mode, model, device, dtype, log):

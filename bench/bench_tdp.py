@@ -1,7 +1,7 @@
 """Stage 2 with tiled data parallelism (TDP) and the tiled VAE decode: per-tile cost against the untiled work.
 
-For each tile count T (1, 2, 4, 8 by default; the balanced grid of docs/design/tiled-data-parallel.md: 1×2, 2×2, 2×4, overlap 5 latent
-cells) at the stage-2 size (default 1920×1088×121 -> latent 16×34×60 = 32640 tokens):
+For each tile count T (1, 2, 4, 8 by default; the balanced grid of docs/design/tiled-data-parallel.md: 1×2, 2×2, 2×4,
+overlap 5 latent cells) at the stage-2 size (default 1920×1088×121 -> latent 16×34×60 = 32640 tokens):
 - the transformer forward of the largest tile (tiles differ by at most one cell per axis; with one tile per GPU the
   stage waits for the largest) against the untiled forward: `tile/untiled` (ideal between 1/T² for pure attention
   and 1/T for pure linear layers, plus the overlap), `speedup` = untiled / tile (T GPUs, one tile each, the one

@@ -3,7 +3,7 @@ workers.
 
 Needs a running ComfyUI with this pack in `custom_nodes/` and the server's models folder writable from here:
 
-    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python main.py --cpu --port 8188   # in ComfyUI's folder, with its venv: docs/testing.md#a-live-comfyui
+    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python main.py --cpu   # in ComfyUI's folder: docs/testing.md#a-live-comfyui
     COMFYUI_URL=http://127.0.0.1:8188 [COMFYUI_DIR=/tmp/comfyui] pytest -m comfyui tests/test_comfyui_live.py
     LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python -m mgpu_backend stop; then stop the ComfyUI server
 

@@ -100,8 +100,8 @@ class LTX2Components:
     """The modules of one LTX-2 / LTX-2.3 / LTX-2.5 model, as diffusers runs them.
 
     `family` is the model-family record (`families.ModelFamily`): code asks it, never a version string.
-    `text_projection` is the feature extractor (Gemma hidden states -> CONDITIONING, docs/design/comfyui-types.md; None when the
-    family bundles it with a text encoder that was not given); `video_connector` / `audio_connector` turn that
+    `text_projection` is the feature extractor (Gemma hidden states -> CONDITIONING, docs/design/comfyui-types.md; None
+    when the family bundles it with a text encoder that was not given); `video_connector` / `audio_connector` turn that
     CONDITIONING into the transformer's context at sampling time.
     """
 
