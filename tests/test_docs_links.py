@@ -7,7 +7,7 @@ page of `docs/` — from code, tests, bench scripts or the pages themselves — 
   of the machine a run was recorded on (a log line is not a citation); nothing else may.
 - Every `docs/<page>.md` or `docs/<page>.md#anchor` written anywhere, and every Markdown link of a
   `docs/design/` page, resolves: the file exists and the anchor is one of its headings (GitHub's slug).
-- Every page of `docs/design/` is listed in its index, the index is linked from `docs/README.md`, and the
+- Every page of `docs/design/` is listed in its index, the index is linked from `docs/README.md`, and the modules,
   `bench/` and `tests/` files and `bench/results/` files a design page names exist.
 """
 from __future__ import annotations
@@ -33,6 +33,9 @@ TEXT_SUFFIXES = {".py", ".md", ".txt", ".json", ".toml", ".cfg", ".ini", ".yaml"
                  ".css", ".svg"}
 TEXT_NAMES = {".gitignore", "LICENSE", "run"}
 DOC_REF = re.compile(r"(?<![\w/.-])docs/((?:[\w-]+/)*[\w.-]+\.md)(#[\w-]+)?")
+# the pack's folders and layer packages: a path under another folder is a public source's (diffusers, ComfyUI)
+OUR_FOLDERS = ("mgpu_backend", "nodes", "kernels", "protocol", "models", "weights", "engine", "splits", "stages",
+               "serving", "testing")
 MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -146,8 +149,10 @@ def test_the_files_a_design_page_names_exist():
             assert (REPO / path).is_file(), f"docs/design/{page.name} names {path}, which does not exist"
         for name in set(re.findall(r"\b([\w-]+_(?:h200|2xh200|cpu)(?:_[\w]+)?\.(?:txt|json|md))\b", text)):
             assert name in results, f"docs/design/{page.name} names bench/results/{name}: missing"
-        for path in set(re.findall(r"`((?:mgpu_backend|nodes)/[\w/]+\.py)`", text)):
-            assert (REPO / path).is_file(), f"docs/design/{page.name} names {path}, which does not exist"
+        # module paths, from the repository root or (the short form the pages use) from mgpu_backend/
+        for path in set(re.findall(r"`((?:%s)/[\w/]*\w+\.py)" % "|".join(OUR_FOLDERS), text)):
+            assert (REPO / path).is_file() or (REPO / "mgpu_backend" / path).is_file(), \
+                f"docs/design/{page.name} names {path}, which does not exist"
 
 
 def test_the_checks_catch_what_they_are_for():
