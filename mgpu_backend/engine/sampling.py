@@ -32,7 +32,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from ..protocol.stage_params import BASE_SHIFT_ANCHOR, DISTILLED_SIGMAS, DISTILLED_STAGE2_SIGMAS, MAX_SHIFT_ANCHOR, TDP_STAGE2_SIGMAS, GuidanceParams, as_sigmas, ltx2_sigmas, schedule_tokens
+from ..protocol.stage_params import BASE_SHIFT_ANCHOR, DISTILLED_SIGMAS, DISTILLED_STAGE2_SIGMAS, MAX_SHIFT_ANCHOR, TDP_STAGE2_SIGMAS, GuidanceParams, GuidanceScales, as_sigmas, ltx2_sigmas, schedule_tokens
 from ..protocol.validation import ValidationError
 
 TIMESTEP_SCALE = 1000.0
@@ -831,6 +831,7 @@ __all__ = [
     "DISTILLED_SIGMAS",
     "DISTILLED_STAGE2_SIGMAS",
     "GuidanceParams",
+    "GuidanceScales",
     "GuidancePass",
     "LoopHooks",
     "MAX_SHIFT_ANCHOR",
