@@ -305,12 +305,12 @@ def _gemma(models: dict, files: dict, device, dtype, ranks=None) -> dict:
         res = {}
         for mode in ("replicated", "batch_parallel", "sharded"):
             svc.clear_cache()
-            res[mode] = svc.encode(GP.PROMPTS, mode=mode)
-            res[mode + " forwards"] = svc.last_report["forwards_here"]
+            encoding = svc.encode(GP.PROMPTS, mode=mode)
+            res[mode], res[mode + " forwards"] = encoding.embeds, encoding.report.forwards_here
         svc.unload()
         split = G.TextEncoderService(path, projection, mode="sharded",
                                      max_memory=_split_budgets(path, device, dtype), **common)
-        res["split"] = split.encode(GP.PROMPTS)
+        res["split"] = split.encode(GP.PROMPTS).embeds
         res["split map"] = dict(split.device_map)
         split.unload()
         out[variant] = res

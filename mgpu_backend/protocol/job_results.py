@@ -77,17 +77,52 @@ class DecodeResult:
 
 
 @dataclass(frozen=True)
+class TextEncodeReport:
+    """How one text encode ran (`stages.text_encoder.TextEncoderService.encode`).
+
+    mode: the Gemma mode it ran in ("replicated" | "batch_parallel" | "sharded"); requested_mode: the one asked for
+    (batch_parallel with one distinct prompt runs replicated when not strict). prompts / distinct: prompts given /
+    distinct among them; cache_hits: distinct prompts served from the cache; encoded: distinct prompts run through
+    Gemma; forwards_here: Gemma forwards this rank ran; unloaded: Gemma was dropped afterwards; seconds: wall time;
+    device_map: for "sharded", {device: "embed_tokens, rotary_emb, layers.0-11"} (None otherwise).
+    """
+
+    mode: str
+    requested_mode: str
+    prompts: int
+    distinct: int
+    cache_hits: int
+    encoded: int
+    forwards_here: int
+    unloaded: bool
+    seconds: float
+    device_map: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class TextEncoderCounters:
+    """A text-encoder service's counters since its fleet started: Gemma forwards, cache hits and misses (distinct
+    prompts), loads and unloads of Gemma."""
+
+    forwards: int = 0
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    unloads: int = 0
+
+
+@dataclass(frozen=True)
 class EncodeTextResult:
     """The "encode_text" job (Text Encode (MGPU)): per prompt, embeds[i] `[1, T_i, C]` float32 (valid tokens only)
     and conditioning[i], ComfyUI's CONDITIONING `[[embeds[i], {"pooled_output": None, "unprocessed_ltxav_embeds":
-    True[, "frame_rate"]}]]`; report: the encode's {mode, cache_hits, encoded, seconds, device_map, …};
-    forwards_per_rank: Gemma forwards each rank has run since the fleet started; stats: rank 0's counters."""
+    True[, "frame_rate"]}]]`; report: how the encode ran (rank 0's `TextEncodeReport`); forwards_per_rank: Gemma
+    forwards each rank has run since the fleet started; stats: rank 0's `TextEncoderCounters`."""
 
     embeds: tuple
     conditioning: tuple
-    report: dict
+    report: TextEncodeReport
     forwards_per_rank: tuple[int, ...] = ()
-    stats: dict | None = None
+    stats: TextEncoderCounters | None = None
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..protocol.job_results import TextEncodeReport, TextEncoderCounters
 from ..protocol.resources import available_memory
 from ..protocol.validation import ValidationError
 
@@ -366,6 +367,15 @@ def _fingerprint_source(source) -> tuple:
     return ("object", id(source))
 
 
+@dataclass(frozen=True, eq=False)
+class TextEncoding:
+    """What `TextEncoderService.encode` returns: embeds, per prompt in order `[1, T_i, C]` float32 (CPU, valid tokens
+    only); report, how the encode ran (`TextEncodeReport`)."""
+
+    embeds: tuple[torch.Tensor, ...]
+    report: TextEncodeReport
+
+
 class TextEncoderService:
     """Prompts -> CONDITIONING embeddings on one rank of a fleet (or in one process); see the module docstring.
 
@@ -431,8 +441,7 @@ class TextEncoderService:
         self._offload_dir: str | None = None
         self.cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cache_used = 0
-        self.stats = {"forwards": 0, "hits": 0, "misses": 0, "loads": 0, "unloads": 0}
-        self.last_report: dict = {}
+        self.stats = {"forwards": 0, "hits": 0, "misses": 0, "loads": 0, "unloads": 0}  # `counters()`
         self.device_map: dict | None = None
 
     # ---- construction ------------------------------------------------------------------------------------------
@@ -670,9 +679,10 @@ class TextEncoderService:
         self._cache_used = 0
 
     def encode(self, prompts: Sequence[str], mode: str | None = None, unload: bool | None = None,
-               strict: bool = True) -> list[torch.Tensor]:
-        """Embeddings `[1, T_i, C]` (float32, CPU, valid tokens only) for each prompt, in order. Collective: every
-        rank calls it with the same arguments and gets the same tensors.
+               strict: bool = True) -> TextEncoding:
+        """A `TextEncoding`: embeddings `[1, T_i, C]` (float32, CPU, valid tokens only) for each prompt, in order, and
+        how the encode ran (`TextEncodeReport`). Collective: every rank calls it with the same arguments and gets the
+        same tensors.
 
         Args:
             prompts: a non-empty list of strings (duplicates are encoded once).
@@ -727,14 +737,20 @@ class TextEncoderService:
                 self.cache.move_to_end(keys[p])
         if unload:
             self.unload()
-        self.last_report = {"mode": mode, "requested_mode": requested, "prompts": len(prompts),
-                            "distinct": len(distinct), "cache_hits": hits, "encoded": len(misses),
-                            "forwards_here": self.stats["forwards"] - forwards0, "unloaded": unload,
-                            "seconds": time.perf_counter() - t0,
-                            "device_map": _summarize_map(self.device_map) if mode == "sharded" else None}
-        return out
+        report = TextEncodeReport(mode=mode, requested_mode=requested, prompts=len(prompts), distinct=len(distinct),
+                                  cache_hits=hits, encoded=len(misses),
+                                  forwards_here=self.stats["forwards"] - forwards0, unloaded=unload,
+                                  seconds=time.perf_counter() - t0,
+                                  device_map=_summarize_map(self.device_map) if mode == "sharded" else None)
+        return TextEncoding(tuple(out), report)
 
-    encode_embeds = encode  # what pipelines.TwoStagePipeline.encode_prompts calls
+    def encode_embeds(self, prompts: Sequence[str], strict: bool = True) -> list[torch.Tensor]:
+        """`encode(prompts, strict=strict).embeds` as a list: what pipelines.TwoStagePipeline.encode_prompts calls."""
+        return list(self.encode(prompts, strict=strict).embeds)
+
+    def counters(self) -> TextEncoderCounters:
+        """This rank's counters (`TextEncoderCounters`)."""
+        return TextEncoderCounters(**self.stats)
 
     def _encode_sharded(self, prompts: list[str]) -> list[torch.Tensor]:
         outcome = self._guarded(lambda: [self._encode_one(p) for p in prompts]) if self.rank == 0 else None
@@ -752,9 +768,9 @@ class TextEncoderService:
             merged.update(o[1])
         return [merged[i] for i in range(len(prompts))]
 
-    def gather_stats(self) -> list[dict]:
-        """Every rank's counters (forwards, hits, misses, loads, unloads), rank order. Collective."""
-        return self._all_gather(dict(self.stats))
+    def gather_stats(self) -> list[TextEncoderCounters]:
+        """Every rank's counters (`TextEncoderCounters`), rank order. Collective."""
+        return self._all_gather(self.counters())
 
     @staticmethod
     def conditioning(embeds: torch.Tensor, frame_rate: float | None = None) -> list:
