@@ -224,7 +224,7 @@ def _decode(models: dict, device, dtype, ranks=None) -> dict:
         vae = models[variant].video_vae
         for name, (grid, tiling) in DEC.DECODE_CASES.items():
             pixels, report = decode_tiles(vae, DEC._latent(grid), tiling, None, None, world, rank)
-            out[variant, name] = (_cpu(pixels), report["tiles"])
+            out[variant, name] = (_cpu(pixels), report.tiles)
     return out
 
 
@@ -616,7 +616,7 @@ def test_decode_parity(reference, ranks, world, dtype_name):
     for variant in VARIANTS:
         for name, (grid, tiling) in DEC.DECODE_CASES.items():
             assert [r["decode"][variant, name][1] for r in results] == \
-                [list(range(r, tiling.num_tiles, world)) for r in range(world)]
+                [tuple(range(r, tiling.num_tiles, world)) for r in range(world)]
             assert all(r["decode"][variant, name][0] is None for r in results[1:]), "frames only on rank 0"
             want = ref[variant, name][0]
             low = (DEC._pixel_coverage(grid, tiling) <= 2).expand_as(want)

@@ -50,7 +50,7 @@ def _decode_all(path: str, world: int = 1, rank: int = 0, names=tuple(CASES)) ->
     for name in names:
         grid, tiling = CASES[name]
         pixels, report = decode_tiles(vae, denormalize(vae, _latent(grid)), tiling, None, None, world, rank)
-        out[name] = (pixels, report["tiles"])
+        out[name] = (pixels, report.tiles)
     return out
 
 
