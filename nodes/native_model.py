@@ -194,9 +194,9 @@ class FleetTransformer(torch.nn.Module):
         a_timestep = kwargs.pop("a_timestep", timestep)
         with self._lock:
             lora = self._lora(patcher)
-            request = NF.build_request(x, (timestep, a_timestep), context, attention_mask, frame_rate,
-                                       transformer_options, keyframe_idxs, kwargs=kwargs,
-                                       known_contexts=self.known_contexts, lora=lora)
+            call = NF.ComfyForwardCall(x, (timestep, a_timestep), context, attention_mask, frame_rate,
+                                       transformer_options, keyframe_idxs, kwargs)
+            request = NF.build_request(call, known_contexts=self.known_contexts, lora=lora)
             reply = self._run_forward(request, context, patcher)
             self.stats["forwards"] += 1
         return NF.reply_output(reply, x)

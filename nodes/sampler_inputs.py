@@ -24,6 +24,7 @@ except ImportError:
     from mgpu_backend.protocol.stage_requests import SampleRequest
 from .native_types import (GUIDE_CONDITIONING_KEYS, audio_frames_for, comfy_nested, frame_rate_of, guides_payload,
                            sigmas_tensor, split_conditioning, split_latent, split_noise)
+from .widgets import read_widgets
 
 SAMPLERS = ("euler", "euler_ancestral")
 
@@ -143,12 +144,7 @@ class LegacyWidgets:
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> LegacyWidgets:
         """From the node's widget values by name. Raises ValueError naming a missing or unknown widget."""
-        missing = [k for k in LEGACY_WIDGETS if k not in values]
-        unknown = sorted(set(values) - set(LEGACY_WIDGETS))
-        if missing or unknown:
-            raise ValueError(f"SP Sampler widgets: missing {missing}, unknown {unknown} (expected "
-                             f"{list(LEGACY_WIDGETS)})")
-        return cls(**{k: values[k] for k in LEGACY_WIDGETS})
+        return read_widgets(cls, values, "SP Sampler")
 
     @classmethod
     def from_saved(cls, widgets_values: list) -> LegacyWidgets:

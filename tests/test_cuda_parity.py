@@ -299,17 +299,19 @@ def _gemma(models: dict, files: dict, device, dtype, ranks=None) -> dict:
             out[variant] = refs
             continue
         world, rank = ranks
-        common = dict(projection_source=path, device=device, dtype=dtype, rank=rank, world_size=world,
-                      devices=[str(device)] * world, plan_tokens=GEMMA_PLAN_TOKENS)
-        svc = G.TextEncoderService(path, projection, **common)
+        placement = G.EncoderPlacement(device=device, dtype=dtype, rank=rank, world_size=world,
+                                       devices=(str(device),) * world)
+        svc = G.TextEncoderService(path, projection, projection_source=path, placement=placement,
+                                   settings=G.EncoderSettings(plan_tokens=GEMMA_PLAN_TOKENS))
         res = {}
         for mode in ("replicated", "batch_parallel", "sharded"):
             svc.clear_cache()
             encoding = svc.encode(GP.PROMPTS, mode=mode)
             res[mode], res[mode + " forwards"] = encoding.embeds, encoding.report.forwards_here
         svc.unload()
-        split = G.TextEncoderService(path, projection, mode="sharded",
-                                     max_memory=_split_budgets(path, device, dtype), **common)
+        split = G.TextEncoderService(path, projection, projection_source=path, placement=placement,
+                                     settings=G.EncoderSettings(mode="sharded", plan_tokens=GEMMA_PLAN_TOKENS,
+                                                                max_memory=_split_budgets(path, device, dtype)))
         res["split"] = split.encode(GP.PROMPTS).embeds
         res["split map"] = dict(split.device_map)
         split.unload()

@@ -187,8 +187,8 @@ def test_two_ranks_agree_on_the_automatic_tiles(tmp_path):
     want = default_tiling(4, grid, 1)
     assert (want.height.num_tiles, want.width.num_tiles) == (2, 2)
     for r in results:
-        assert r["report"]["auto_tiling"].startswith("tiled 2×2 automatically: 1×2 tiles need ~")
-    assert results[0]["report"]["tiles"] == [0, 2] and results[1]["report"]["tiles"] == [1, 3]
+        assert r["report"].auto_tiling.startswith("tiled 2×2 automatically: 1×2 tiles need ~")
+    assert results[0]["report"].tiles == (0, 2) and results[1]["report"].tiles == (1, 3)
     assert results[1]["frames"] is None and results[1]["explicit"] is None
     assert torch.equal(results[0]["frames"], results[0]["explicit"])
     vae = load_diffusion_vae(path, torch.float32).decoder

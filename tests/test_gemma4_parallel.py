@@ -64,8 +64,8 @@ def _split_budgets(path: str) -> dict[str, int]:
 def _scenarios(rank: int, world: int, path: str) -> dict:
     out: dict = {}
     # projection=None: the service takes the one bundled in the Gemma 4 file
-    svc = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
-                               plan_tokens=PLAN_TOKENS)
+    ranks = G.EncoderPlacement(rank=rank, world_size=world, devices=("cpu",) * world)
+    svc = G.TextEncoderService(path, None, placement=ranks, settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS))
     out["projection"] = (svc.projection.kind, svc.projection_source == path)
     out["replicated"] = svc.encode(PROMPTS).embeds
     svc.clear_cache()
@@ -76,8 +76,9 @@ def _scenarios(rank: int, world: int, path: str) -> dict:
     out["sharded"], out["sharded_report"] = enc.embeds, enc.report
     out["sharded_holds"] = svc.encoder is not None
     svc.unload()
-    split = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
-                                 plan_tokens=PLAN_TOKENS, mode="sharded", max_memory=_split_budgets(path))
+    split = G.TextEncoderService(path, None, placement=ranks,
+                                 settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS, mode="sharded",
+                                                            max_memory=_split_budgets(path)))
     out["split"] = split.encode(PROMPTS).embeds
     out["split_map"] = dict(split.device_map)
     if rank == 0:  # Accelerate's hooks sit on whole decoder layers
@@ -153,8 +154,9 @@ def _job_on_ranks(rank: int, world: int, path: str, prompts: list[str]) -> dict:
 
     from mgpu_backend.serving.jobs.text import run_encode_text
 
-    service = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
-                                   plan_tokens=PLAN_TOKENS, mode="batch_parallel")
+    service = G.TextEncoderService(path, None,
+                                   placement=G.EncoderPlacement(rank=rank, world_size=world, devices=("cpu",) * world),
+                                   settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS, mode="batch_parallel"))
     ctx = SimpleNamespace(rank=rank, step_boundary=lambda stage, step: False, progress=lambda *a: None)
     return run_encode_text(SimpleNamespace(text=service), EncodeTextRequest(prompts=prompts, frame_rate=24.0), ctx)
 

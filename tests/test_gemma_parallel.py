@@ -76,9 +76,15 @@ def reference(files) -> list[torch.Tensor]:
     return _reference(files["gemma"], files["proj"], PROMPTS)
 
 
-def _service(files, **kw) -> G.TextEncoderService:
-    kw.setdefault("plan_tokens", PLAN_TOKENS)
-    return G.TextEncoderService(files["gemma"], _projection(files["proj"]), projection_source=files["proj"], **kw)
+def _service(files, placement: G.EncoderPlacement = G.EncoderPlacement(), **settings) -> G.TextEncoderService:
+    """The service over the tiny Gemma and projection; `settings`: `EncoderSettings` fields (plan_tokens: the tests')."""
+    settings.setdefault("plan_tokens", PLAN_TOKENS)
+    return G.TextEncoderService(files["gemma"], _projection(files["proj"]), projection_source=files["proj"],
+                                placement=placement, settings=G.EncoderSettings(**settings))
+
+
+def _ranks(rank: int, world: int) -> G.EncoderPlacement:
+    return G.EncoderPlacement(rank=rank, world_size=world, devices=("cpu",) * world)
 
 
 def _split_budgets(gemma_path: str) -> dict[str, int]:
@@ -117,7 +123,7 @@ def spawn(fn, world_size: int, *args) -> list:
 def _ranks_scenarios(rank: int, world: int, files: dict) -> dict:
     """Every mode on this rank; returns embeddings, reports and error messages for the parent to check."""
     out: dict = {}
-    svc = _service(files, rank=rank, world_size=world, devices=["cpu"] * world)
+    svc = _service(files, _ranks(rank, world))
     enc = svc.encode(PROMPTS)
     out["replicated"], out["replicated_report"] = enc.embeds, enc.report
     enc = svc.encode(PROMPTS, mode="batch_parallel")  # cache hits, whatever the mode
@@ -138,15 +144,13 @@ def _ranks_scenarios(rank: int, world: int, files: dict) -> dict:
     except ValidationError as exc:
         out["one_prompt_error"] = str(exc)
     # a real two-device split (cpu + disk), planned from synthetic budgets, driven from rank 0
-    split = _service(files, rank=rank, world_size=world, devices=["cpu"] * world, mode="sharded",
-                     max_memory=_split_budgets(files["gemma"]))
+    split = _service(files, _ranks(rank, world), mode="sharded", max_memory=_split_budgets(files["gemma"]))
     out["split"] = split.encode(PROMPTS).embeds
     out["split_map"] = split.device_map
     split.unload()
     # refusal before loading, on every rank
     for mode in ("replicated", "sharded"):
-        small = _service(files, rank=rank, world_size=world, devices=["cpu"] * world, mode=mode,
-                         max_memory={"cpu": "64KiB"})
+        small = _service(files, _ranks(rank, world), mode=mode, max_memory={"cpu": "64KiB"})
         try:
             small.encode(PROMPTS[:2])
         except G.GemmaMemoryError as exc:
@@ -314,7 +318,7 @@ def test_cache_key_follows_the_files(files, reference, tmp_path):
     gemma = tmp_path / "g.safetensors"
     shutil.copy(files["gemma"], gemma)
     svc = G.TextEncoderService(gemma, _projection(files["proj"]), projection_source=files["proj"],
-                               plan_tokens=PLAN_TOKENS)
+                               settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS))
     assert _equal(svc.encode(PROMPTS[:2]).embeds, reference[:2]) and svc.stats["forwards"] == 2
     svc.encode(PROMPTS[:2])
     assert svc.stats["forwards"] == 2
@@ -349,10 +353,11 @@ def test_unload_releases_the_weights_and_a_later_encode_reloads(files, reference
 
 def test_layouts_and_fp8(files, reference):
     hf = G.TextEncoderService(files["hf"], _projection(files["proj"]), projection_source=files["proj"],
-                              plan_tokens=PLAN_TOKENS)
+                              settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS))
     assert _equal(hf.encode(PROMPTS).embeds, reference)  # same bf16 weights as the single file
     fp8 = G.TextEncoderService(files["fp8"], _projection(files["proj"]), projection_source=files["proj"],
-                               mode="sharded", max_memory=_split_budgets(files["fp8"]), plan_tokens=PLAN_TOKENS)
+                               settings=G.EncoderSettings(mode="sharded", max_memory=_split_budgets(files["fp8"]),
+                                                          plan_tokens=PLAN_TOKENS))
     out = fp8.encode(PROMPTS).embeds
     assert _equal(out, _reference(files["fp8"], files["proj"], PROMPTS))
     assert set(fp8.device_map.values()) == {"cpu", "disk"}

@@ -95,7 +95,7 @@ def test_saved_widgets_of_another_length_or_name_are_refused():
         SI.LegacyWidgets.from_saved(SAVED_UI[:-1])
     values = dict(zip(SI.LEGACY_WIDGETS, SAVED_UI))
     values["video_cgf"] = values.pop("video_cfg")
-    with pytest.raises(ValueError, match=r"missing \['video_cfg'\], unknown \['video_cgf'\]"):
+    with pytest.raises(ValueError, match=r"SP Sampler widgets: missing \[.video_cfg.\], unknown \[.video_cgf.\]"):
         SI.LegacyWidgets.from_values(values)
 
 
@@ -142,3 +142,27 @@ def test_sample_request_refuses_scales_of_the_wrong_type():
     with pytest.raises(ValueError, match="video_guidance=dict: must be a stage_params.GuidanceParams, a "
                                          "stage_params.GuidanceScales or None"):
         SampleRequest(**{**fields, "video_guidance": {"cfg_scale": 3.0}})
+
+
+def test_legacy_widget_order_is_the_records():
+    """`LEGACY_WIDGETS` (the saved order) is the record's field order, which the deprecated node's schema lists."""
+    import dataclasses
+
+    assert tuple(f.name for f in dataclasses.fields(SI.LegacyWidgets)) == SI.LEGACY_WIDGETS
+    assert SI.LEGACY_WIDGETS[:2] == ("steps", "sampler") and SI.LEGACY_WIDGETS[-1] == "stg_blocks"
+
+
+def test_read_widgets_fills_defaults_and_names_what_is_wrong():
+    import dataclasses
+
+    from nodes.widgets import read_widgets
+
+    @dataclasses.dataclass(frozen=True)
+    class W:
+        steps: int
+        sampler: str = "euler"
+
+    assert read_widgets(W, {"steps": 3}, "N") == W(3, "euler")
+    with pytest.raises(ValueError, match=r"N widgets: missing \['steps'\], unknown \['stpes'\] \(expected "
+                                         r"\['steps', 'sampler'\]\)"):
+        read_widgets(W, {"stpes": 3}, "N")
