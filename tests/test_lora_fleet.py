@@ -136,7 +136,7 @@ def _run_jobs(pipe, rank: int, f: dict) -> dict:
             result = stages.run_sample(type("State", (), {"pipeline": pipe})(), _payload(mode, loras), _Ctx(rank))
             out[name] = {"video": getattr(result, "video", None), "audio": getattr(result, "audio", None),
                          "lora_reports": None if result is None else list(result.lora_reports),
-                         "fuse": dict(pipe.lora.stats["fuse"]),
+                         "fuse": pipe.lora.fuse_stats,
                          "active_after": pipe.lora.active}
         except LoRAError as exc:
             out[name] = {"error": str(exc), "active_after": pipe.lora.active}
@@ -198,12 +198,12 @@ def _fleet_rank(rank: int, world: int, f: dict, weights: str) -> dict:
     reports = pipe.lora.apply(both, "stage 2")
     fused = _fused_weights(model, pipe.lora)
     held = {"clean_bytes": pipe.lora.clean_bytes, "fp8_fused_bytes": pipe.lora.fused_fp8_bytes,
-            "owned": pipe.lora.owned(), "pairs_read": pipe.lora.stats["fuse"]["pairs_read"],
+            "owned": pipe.lora.owned(), "pairs_read": pipe.lora.fuse_stats.pairs_read,
             "touched_bytes": sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
                                  if n in set(pipe.lora.fused_names))}
-    last_fuse = pipe.lora.stats["fuse"]
+    fuse_before = pipe.lora.fuse_stats
     again = pipe.lora.apply(both, "stage 2")  # the same set again: nothing to do
-    same_set_noop = (pipe.lora.stats["fuse"] is last_fuse and [str(r) for r in again] == [str(r) for r in reports]
+    same_set_noop = (pipe.lora.fuse_stats is fuse_before and [str(r) for r in again] == [str(r) for r in reports]
                      and all(_bytes_equal(v, fused[k]) for k, v in _fused_weights(model, pipe.lora).items()))
     pipe.lora.restore()
     restored_after_apply = all(_bytes_equal(loaded[k], v) for k, v in model.state_dict().items())
