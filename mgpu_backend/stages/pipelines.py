@@ -378,6 +378,8 @@ class TwoStagePipeline:
         with _timed(timings, "stage 2"):  # full size, no guidance, audio frozen; the distilled LoRA (two-stage)
             result2, more = self._run_with_loras(self._stage2_spec(request, job, positive, upscaled, result1.audio),
                                                  job.stage2_loras, progress, cancel_check, restore=True)
+        stage_1 = result1.report if self.plan else "local"
+        stage_2 = self._stage2_report(result2, job.distilled)
         with _timed(timings, "decode video"):
             video_latent = L.unpack_video(result2.video, job.frames, job.h2, job.w2)
             frames, decode = self.decode_video(video_latent, request.seed, job.decode_tiling, request.decode_overlap)
@@ -387,9 +389,8 @@ class TwoStagePipeline:
             waveform, sample_rate = self.decode_audio(audio_latent) if driver else (None, 0)
         timings["total"] = time.perf_counter() - t0
         seconds = GenerateTimings.from_phases(timings)
-        report = RankReport(rank=self.plan.rank if self.plan is not None else 0,
-                            stage_1=result1.report if self.plan else "local",
-                            stage_2=self._stage2_report(result2, job.distilled), decode=decode, timings=seconds,
+        report = RankReport(rank=self.plan.rank if self.plan is not None else 0, stage_1=stage_1, stage_2=stage_2,
+                            decode=decode, timings=seconds,
                             speed=tuple(speed_report(self.components.transformer, self.batch_notes) or ()))
         summary, rank_reports = self._job_report(report, job.distilled)
         return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, seconds, reports + more,
