@@ -16,9 +16,9 @@ from comfy_api.latest import io, ui
 from .common import CATEGORY, NodeError, fleet_input, guard, run_job
 from .lora import loras_input, loras_payload
 from .native_types import join_latent
-from .sampler_inputs import (AUDIO_DEFAULT, LEGACY_WIDGETS, SAMPLERS, VIDEO_DEFAULT, LegacyWidgets,
-                             ModalityGuidanceWidgets, SamplerGuider, SamplerSettings, parse_stg_blocks,  # noqa: F401
-                             sample_request)
+from .sampler_inputs import (AUDIO_DEFAULT, SAMPLERS, VIDEO_DEFAULT, LegacyWidgets, ModalityGuidanceWidgets,
+                             SamplerGuider, SamplerSettings, sample_request)
+from .sampler_inputs import parse_stg_blocks  # noqa: F401 (re-exported: its home before the guidance nodes)
 
 NAME = "SP Sampler (MGPU)"
 GUIDANCE_TYPE = "LTX2_MGPU_GUIDANCE"

@@ -388,7 +388,7 @@ def _fleet_config_from_cli(paths, monkeypatch, *options: str):
         pass
 
     class FakeClient:
-        def configure(self, config):
+        def configure_fleet(self, config):
             seen["config"] = config
             raise Stop
 
