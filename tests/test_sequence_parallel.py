@@ -19,6 +19,7 @@ decodes rank 0's latents to exactly rank 0's media.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 
 import numpy as np
@@ -37,10 +38,17 @@ from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.splits.exchange import Exchange
 from mgpu_backend.splits.plan import ParallelPlan, build_plan
 from mgpu_backend.splits.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
-from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention, _ForwardState, check_token_cap
+from mgpu_backend.splits.apply import apply_plan
+from mgpu_backend.splits.forward_plan import SEQUENCE, pad_and_slice
+from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention, UlyssesSplit, check_token_cap
+from mgpu_backend.engine import forward as model_forward
+from mgpu_backend.engine.attention import VideoKeys
+from mgpu_backend.engine.semantics import REFERENCE
 from mgpu_backend.splits.tiling import default_tiling
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.validation import ValidationError
+
+from _forward import diffusers_batch
 
 torch.set_num_threads(1)
 
@@ -136,6 +144,24 @@ def _forward(fn, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return video.clone(), audio.clone()
 
 
+class _SP:
+    """Test driver: the sequence split over `exchange` (`UlyssesSplit`) on diffusers' keyword arguments
+    (`_forward.diffusers_batch`); its plan is applied when the driver is made and by `activate`."""
+
+    def __init__(self, transformer, exchange: Exchange):
+        self.transformer, self.split = transformer, UlyssesSplit(exchange)
+        self.transformer_blocks = transformer.transformer_blocks
+        self.activate()
+
+    def activate(self) -> None:
+        apply_plan(self.transformer, self.split.plan, self.split.exchange)
+
+    def __call__(self, token_cap=None, return_dict=False, **kwargs):
+        batch, options = diffusers_batch(self.transformer.config, **kwargs)
+        split = dataclasses.replace(self.split, token_cap=token_cap)
+        return model_forward.run_eager(self.transformer, batch, REFERENCE, split, options)
+
+
 def _stage1(components, case: str, contexts: TextContext, forward=None) -> dict:
     """A full guided stage 1 (`sampling.denoise_loop` + `LTX2Denoiser`) of one `STAGE1_CASES` entry."""
     spec = STAGE1_CASES[case]
@@ -154,7 +180,8 @@ def _stage1(components, case: str, contexts: TextContext, forward=None) -> dict:
     negative = _flip(contexts) if b == 2 else contexts.select(1)
     tf = components.transformer
     model = LTX2Denoiser(tf, positive, negative, L.video_coords(tf, b, f, h, w, FPS),
-                         L.audio_coords(tf, b, AUDIO_TOKENS), torch.float32, forward=forward)
+                         L.audio_coords(tf, b, AUDIO_TOKENS), torch.float32,
+                         split=getattr(forward, "split", None))
     video, audio = S.denoise_loop(model, S.ltx2_sigmas(STAGE1_STEPS),
                                   S.ModalityStream(start_v, video_mask, video_clean, VIDEO_GUIDANCE),
                                   S.ModalityStream(start_a, guidance=AUDIO_GUIDANCE))
@@ -185,8 +212,8 @@ def _distilled_request(image: str) -> GenerateRequest:
                            decode_tiles=default_tiling(2, PIPELINE_GRID2, 2), **PIPELINE_SIZE)
 
 
-def _sp_processors(sp: SequenceParallelTransformer) -> list:
-    """The distinct video self-attention / video→audio processors installed by the wrapper (shared by the blocks)."""
+def _sp_processors(sp: _SP) -> list:
+    """The distinct video self-attention / video→audio processors installed by the plan (shared by the blocks)."""
     sp.activate()
     procs = []
     for block in sp.transformer_blocks:
@@ -197,7 +224,7 @@ def _sp_processors(sp: SequenceParallelTransformer) -> list:
     return procs
 
 
-def _spy_masks(sp: SequenceParallelTransformer) -> list:
+def _spy_masks(sp: _SP) -> list:
     """Record (processor kind, key count, additive key mask) of every video self- / video→audio attention call."""
     seen = []
     for proc in _sp_processors(sp):
@@ -208,22 +235,30 @@ def _spy_masks(sp: SequenceParallelTransformer) -> list:
     return seen
 
 
-def _unspy(sp: SequenceParallelTransformer) -> None:
+def _unspy(sp: _SP) -> None:
     for proc in _sp_processors(sp):
         proc.__dict__.pop("attend", None)
 
 
-def _without_mask(sp: SequenceParallelTransformer, processor_type: type, kwargs: dict):
-    """Forward with the key mask removed from the processors of `processor_type` only (negative control): they get
-    a state of their own whose `key_mask` stays None."""
-    procs = [p for p in _sp_processors(sp) if isinstance(p, processor_type)]
+def _without_mask(sp: _SP, processor_type: type, kwargs: dict):
+    """Forward with the key mask removed from the processors of `processor_type` only (negative control): they are
+    replaced by a subclass that drops the mask of the `VideoKeys` it is given."""
+    class NoMask(processor_type):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kw):
+            if isinstance(attention_mask, VideoKeys):
+                attention_mask = VideoKeys(None, attention_mask.self_attention)
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kw)
+
+    sp.activate()
     try:
-        for p in procs:
-            p.state = _ForwardState()
+        for block in sp.transformer_blocks:
+            for name in ("attn1", "video_to_audio_attn"):
+                attn = getattr(block, name)
+                if isinstance(attn.processor, processor_type):
+                    attn.processor = NoMask(sp.split.exchange)
         return _forward(sp, kwargs)
     finally:
-        for p in procs:
-            p.state = sp.state
+        sp.activate()
 
 
 # ---- rank functions ------------------------------------------------------------------------------------------------
@@ -244,9 +279,7 @@ def _round_trip_rank(rank: int, world: int, transformer) -> dict:
     except ValueError as exc:
         odd_heads_error = str(exc)
 
-    # SequenceParallelTransformer.shard + all_gather_seq: the identity on real tensors, with padding (T = 9)
-    stub = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=8), transformer_blocks=[])
-    sp = SequenceParallelTransformer(stub, ex)
+    # the plan's pad-and-slice + all_gather_seq: the identity on real tensors, with padding (T = 9)
     t = 9
     padded = -(-t // world) * world
     tensors = dict(
@@ -255,7 +288,7 @@ def _round_trip_rank(rank: int, world: int, transformer) -> dict:
         positions=(L.video_coords(transformer, 2, 1, 3, 3, FPS), 2),  # [B, 3, T, 2]
         mask=(torch.bernoulli(torch.full((2, t), 0.5), generator=g), 1),
     )
-    sharded = {name: sp.shard(v, dim, padded) for name, (v, dim) in tensors.items()}
+    sharded = {name: pad_and_slice(v, dim, padded, rank, world) for name, (v, dim) in tensors.items()}
     regathered = {name: ex.all_gather_seq(sharded[name], dim) for name, (v, dim) in tensors.items()}
     return dict(local=local, heads=heads, back=back, gathered=gathered, odd_heads_error=odd_heads_error,
                 inputs={k: v for k, (v, _) in tensors.items()}, sharded=sharded, regathered=regathered)
@@ -268,7 +301,7 @@ def _sp_rank(rank: int, world: int, files: dict) -> dict:
         components = _load(files, variant)
         if "round_trip" not in out:
             out["round_trip"] = _round_trip_rank(rank, world, components.transformer)
-        sp = SequenceParallelTransformer(components.transformer, Exchange(None, world, rank))
+        sp = _SP(components.transformer, Exchange(None, world, rank))
         contexts = _contexts(components)
         res: dict = {"forward": {}, "stage1": {}}
         for case in FORWARD_CASES:
@@ -282,7 +315,6 @@ def _sp_rank(rank: int, world: int, files: dict) -> dict:
         finally:
             _unspy(sp)
         res["masks_seen"] = seen
-        res["key_mask_after"] = sp.state.key_mask
         res["no_v2a_mask"] = _without_mask(sp, GatheredKeysCrossAttention, kwargs)
         res["no_self_mask"] = _without_mask(sp, UlyssesSelfAttention, kwargs)
         if world == 2:
@@ -333,7 +365,7 @@ def reference(files) -> dict:
         untouched = _load(files, variant)  # diffusers' own attention processors, never replaced
         plain = _load(files, variant)  # one process: LTX2Denoiser installs our local processor
         wrapped = _load(files, variant)
-        sp1 = SequenceParallelTransformer(wrapped.transformer, Exchange(None, 1, 0))
+        sp1 = _SP(wrapped.transformer, Exchange(None, 1, 0))
         contexts = _contexts(plain)
         res: dict = {"forward": {}, "forward_sp1": {}, "stage1": {}, "stage1_sp1": {}}
         for case in FORWARD_CASES:
@@ -473,7 +505,6 @@ def test_padded_keys_are_masked(reference, sp_run, variant, world):
             expected = torch.zeros(padded)
             expected[t:] = float("-inf")
             assert torch.equal(mask.reshape(-1), expected), f"rank {rank} {kind}: mask {mask.reshape(-1)}"
-        assert r[variant]["key_mask_after"] is None  # the forward state does not leak into the next forward
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -552,11 +583,11 @@ def test_invalid_degree_is_refused_naming_the_valid_ones(reference):
         check_sp_degree(8, 3)
     assert str(exc.value) == ("sequence parallel degree 3 does not divide the 8 attention heads; "
                               "valid degrees: 1, 2, 4, 8")
-    # the wrapper refuses before any work: it installs no processor on the transformer
+    # apply_plan refuses before any work: it installs no processor on the transformer
     components = types.SimpleNamespace(transformer=copy.deepcopy(reference["2.0"]["components"].transformer))
     before = [type(b.attn1.processor) for b in components.transformer.transformer_blocks]
     with pytest.raises(ValueError, match="valid degrees: 1, 2, 4, 8"):
-        SequenceParallelTransformer(components.transformer, Exchange(None, 3, 0))
+        apply_plan(components.transformer, SEQUENCE, Exchange(None, 3, 0))
     assert [type(b.attn1.processor) for b in components.transformer.transformer_blocks] == before
     check_sp_degree(8, 4)  # valid: no error
 
@@ -602,7 +633,7 @@ def test_token_cap_refused_before_any_work(reference, monkeypatch):
         pipeline.generate(GenerateRequest(prompt="x", steps=1, **PIPELINE_SIZE))
 
     tf = copy.deepcopy(ref["components"].transformer)
-    sp = SequenceParallelTransformer(tf, Exchange(None, 1, 0))  # shared by every job: the cap comes with the call
+    sp = _SP(tf, Exchange(None, 1, 0))  # the job's cap comes with its split (StageRun.forward)
     monkeypatch.setattr(tf, "forward", lambda *a, **k: pytest.fail("forward ran above the token cap"))
     kwargs = _forward_kwargs(ref["components"], "odd", ref["contexts"])
     with pytest.raises(ValueError, match="9 video tokens over 1 ranks is 9 tokens per rank, above the cap of 4: use "

@@ -23,6 +23,7 @@ wrappers hold no policy.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -36,8 +37,8 @@ from .decode import decode_tiles
 from .degrees import check_requested_degree, check_sharded_policy, top_sp_degree, valid_sp_degrees
 from .exchange import Exchange
 from .passes import MAX_PASSES, StageSplit, check_mode, choose_split
-from .sequence import SequenceParallelTransformer, check_token_cap
-from .tiled import TiledTransformer
+from .sequence import UlyssesSplit, check_token_cap
+from .tiled import TiledSplit
 from .tiling import TileCountConfig
 
 DEFAULT_TOKEN_CAP = 65536  # video tokens per rank per forward (≈ 241 frames at 1920×1088 on 2 ranks)
@@ -49,7 +50,7 @@ class SPStage:
 
     degree: int
     group: dist.ProcessGroup | None
-    forward: SequenceParallelTransformer | None  # None on ranks outside the group, and for degree 1
+    forward: UlyssesSplit | None  # None on ranks outside the group, and for degree 1
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class PlanGroups:
     """The process groups of one fleet, built once on every rank by `build_plan` (creating a group is collective):
     what any policy may choose among. Frozen: a policy never creates or drops a group.
 
-    stages: SP degree -> `SPStage` (ranks 0..d-1; this rank's `SequenceParallelTransformer` when it is in the group).
+    stages: SP degree -> `SPStage` (ranks 0..d-1; this rank's `UlyssesSplit` when it is in the group).
     pass_groups: guidance-pass group size g -> ranks 0..g-1 (None: the whole fleet).
     heads / model_shape: the transformer's attention heads (the SP degree must divide them) and shape (cost model).
     built: False for a plan made by hand (`ParallelPlan.hand_built`): no other policy can be applied to it.
@@ -119,11 +120,12 @@ class StageRun:
     """What one stage runs on (`ParallelPlan.split`): `split.kind` "sequence" (SP over ranks 0..degree-1 with
     `forward`) or "passes" (the guidance passes spread over ranks 0..degree-1, plain forwards); `group` holds those
     ranks (None: the whole fleet); `report` says which split ran and why; `token_cap`: the job's per-rank video
-    token cap, checked by each SP forward of the stage (`SequenceParallelTransformer.check`; None: no cap)."""
+    token cap, checked by each SP forward of the stage (`UlyssesSplit.shard`; None: no cap); `forward`: the
+    `UlyssesSplit` of the SP group, carrying that cap (None: not sequence parallel on this rank)."""
 
     split: StageSplit
     group: dist.ProcessGroup | None
-    forward: SequenceParallelTransformer | None
+    forward: UlyssesSplit | None
     report: PlanReport = PlanReport()
     token_cap: int | None = DEFAULT_TOKEN_CAP
 
@@ -148,7 +150,7 @@ class ParallelPlan:
 
     @classmethod
     def hand_built(cls, rank: int, world_size: int, device: torch.device, sp_degree: int,
-                   sp_group: dist.ProcessGroup | None = None, sp_forward: SequenceParallelTransformer | None = None,
+                   sp_group: dist.ProcessGroup | None = None, sp_forward: UlyssesSplit | None = None,
                    token_cap: int | None = DEFAULT_TOKEN_CAP, stages: dict[int, SPStage] | None = None,
                    min_tokens_per_rank: int = 0, cost_model: CostModel | None = None, shape: ModelShape | None = None,
                    guidance_parallel: str = "off", pass_groups: dict | None = None, heads: int | None = None,
@@ -232,7 +234,7 @@ class ParallelPlan:
         return self.groups.stages[self.policy.sp_degree].group
 
     @property
-    def sp_forward(self) -> SequenceParallelTransformer | None:
+    def sp_forward(self) -> UlyssesSplit | None:
         return self.groups.stages[self.policy.sp_degree].forward
 
     def choose(self, tokens: int) -> PlanReport:
@@ -276,7 +278,8 @@ class ParallelPlan:
         reason = sp_choice.reason
         if choice.reason:
             reason = f"{reason}; {choice.reason}" if reason else choice.reason
-        return StageRun(choice, sp.group, sp.forward, PlanReport(sp_choice.degree, reason), self.token_cap)
+        forward = None if sp.forward is None else dataclasses.replace(sp.forward, token_cap=self.token_cap)
+        return StageRun(choice, sp.group, forward, PlanReport(sp_choice.degree, reason), self.token_cap)
 
     @property
     def in_sp_group(self) -> bool:
@@ -299,7 +302,7 @@ class ParallelPlan:
 
         if degree != self.world_size:
             status = torch.tensor([0 if failure is None else 1 if isinstance(failure, SamplingCancelled) else 2],
-                                  dtype=torch.int32, device=self._comm_device())
+                                  dtype=torch.int32, device=self.groups.comm_device)
             dist.broadcast(status, src=0)
             code = int(status.item())
             if failure is None and code == 1:
@@ -316,18 +319,16 @@ class ParallelPlan:
             return video, audio
         out = []
         for x, shape in ((video, video_shape), (audio, audio_shape)):
-            buf = (x if x is not None else torch.empty(shape, dtype=torch.float32)).to(self._comm_device())
+            buf = (x if x is not None else torch.empty(shape, dtype=torch.float32)).to(self.groups.comm_device)
             dist.broadcast(buf, src=0)
             out.append(buf.cpu())
         return out[0], out[1]
 
-    def tiled(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig) -> TiledTransformer:
-        """A TDP wrapper over every rank of the fleet (the default group). With sharded weights the tile count must
+    def tiled(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig) -> TiledSplit:
+        """A TDP split over every rank of the fleet (the default group). With sharded weights the tile count must
         be a multiple of the ranks (raises ValidationError before any work): each rank runs the same number of tile
         forwards, in lockstep."""
-        tiled = TiledTransformer(transformer, grid, tiling, None, self.world_size, self.rank)
-        if self.sharded:
-            tiled.plan = tiled.plan.with_sharded_weights()
+        tiled = TiledSplit(transformer, grid, tiling, None, self.world_size, self.rank)
         if self.sharded and len(tiled.tiles) % self.world_size:
             raise ValidationError(
                 f"{len(tiled.tiles)} tiles over {self.world_size} ranks: with sharded weights every rank runs the "
@@ -346,9 +347,6 @@ class ParallelPlan:
         out = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(report, out, dst=0)
         return out
-
-    def _comm_device(self) -> torch.device:
-        return self.groups.comm_device
 
     def describe(self, report: PlanReport | None = None) -> str:
         """The job report's line for a stage split as `report` says (`StageRun.report`; None: no stage ran yet, the
@@ -403,10 +401,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     # every rank creates every group, in the same order; degree 1 gets a group of rank 0 alone (cancel checks)
     for d in valid_sp_degrees(heads, world_size):
         group = None if d == world_size else dist.new_group(list(range(d)))
-        forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank))
-                   if rank < d and d > 1 else None)
-        if forward is not None and sharded:
-            forward.plan = forward.plan.with_sharded_weights()
+        forward = UlyssesSplit(Exchange(group, d, rank)) if rank < d and d > 1 else None
         all_stages[d] = SPStage(d, group, forward)
     all_pass_groups: dict[int, dist.ProcessGroup | None] = {}
     for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
