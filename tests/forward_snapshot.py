@@ -78,10 +78,7 @@ def _native(rank: int, world: int, paths23: dict, guidance_parallel: str) -> dic
     components = load_components(paths23["checkpoint"], dtype=torch.float32)
     plan = None
     if world > 1:
-        from mgpu_backend.splits.plan import build_plan
-
-        plan = build_plan(components.transformer, rank, world, torch.device("cpu"),
-                          guidance_parallel=guidance_parallel)
+        plan = stage_snapshot.cpu_plan(components.transformer, rank, world, guidance_parallel)
     engine = NativeEngine(components, plan, torch.float32, torch.device("cpu"))
     out = {}
     for name, request in _native_requests().items():
@@ -103,9 +100,7 @@ def _comfy_samples(rank: int, world: int, paths20: dict) -> dict:
     components = load_components(paths20["checkpoint"], dtype=torch.float32)
     plan = None
     if world > 1:
-        from mgpu_backend.splits.plan import build_plan
-
-        plan = build_plan(components.transformer, rank, world, torch.device("cpu"), guidance_parallel="off")
+        plan = stage_snapshot.cpu_plan(components.transformer, rank, world, "off")
     pipe = TwoStagePipeline(components, load_gemma(paths20["gemma"]), plan=plan)
     state = SimpleNamespace(pipeline=pipe, components=components, plan=plan, dtype=torch.float32,
                             device=torch.device("cpu"))

@@ -80,6 +80,8 @@ from mgpu_backend.stages import text_encoder as G
 from mgpu_backend.splits.decode import decode_tiles
 from mgpu_backend.splits.exchange import Exchange
 from mgpu_backend.splits.plan import build_plan
+from mgpu_backend.protocol.fleet_config import FleetPolicy
+from mgpu_backend.protocol.fleet_config import FleetPolicy
 from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention
 from mgpu_backend.splits.tiled import TiledSplit
 from mgpu_backend.splits.tiling import TileCountConfig
@@ -340,8 +342,8 @@ def _pipeline(models: dict, files: dict, user_loras: dict, image: str, device, d
     plan = None
     if ranks:
         world, rank = ranks
-        plan = build_plan(components.transformer, rank, world, device, min_tokens_per_rank=0, sp_degree=sp_degree,
-                          guidance_parallel=guidance_parallel)
+        plan = build_plan(components.transformer, rank, world, device,
+                          FleetPolicy(sp_degree=sp_degree, min_tokens_per_rank=0, guidance_parallel=guidance_parallel))
     gemma = load_gemma(files[PIPELINE_VARIANT]["gemma"], device=device, dtype=dtype)
     result = TwoStagePipeline(components, gemma, device=device, dtype=dtype, plan=plan).generate(
         _request(files, user_loras, image))

@@ -36,7 +36,7 @@ from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
 from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.splits.exchange import Exchange
-from mgpu_backend.splits.plan import ParallelPlan, build_plan
+from mgpu_backend.splits.plan import ParallelPlan, PlanPolicy, build_plan
 from mgpu_backend.splits.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
 from mgpu_backend.splits.apply import apply_plan
 from mgpu_backend.splits.forward_plan import SEQUENCE, pad_and_slice
@@ -613,7 +613,7 @@ def test_token_cap_refusals(reference):
                               "least 10 GPUs, fewer frames or a smaller size, or raise the cap")
     check_token_cap(100, 2, 50)  # exactly at the cap: allowed
     check_token_cap(10 ** 9, 1, None)  # no cap
-    plan = ParallelPlan.hand_built(rank=0, world_size=4, device=CPU, sp_degree=4, token_cap=8)
+    plan = ParallelPlan.hand_built(0, 4, CPU, PlanPolicy(4, token_cap=8))
     with pytest.raises(ValidationError) as exc:
         plan.check(100)
     assert "100 video tokens over 4 ranks is 25 tokens per rank, above the cap of 8: use at least 13 GPUs" \
@@ -625,7 +625,7 @@ def test_token_cap_refused_before_any_work(reference, monkeypatch):
     """The pipeline checks the cap of its largest SP stage before encoding a prompt; the SP forward before any
     transformer call."""
     ref = reference["2.0"]
-    plan = ParallelPlan.hand_built(rank=0, world_size=1, device=CPU, sp_degree=1, token_cap=4)
+    plan = ParallelPlan.hand_built(0, 1, CPU, PlanPolicy(1, token_cap=4))
     pipeline = TwoStagePipeline(ref["components"], ref["gemma"], plan=plan)
     monkeypatch.setattr(pipeline, "encode_prompts", lambda *a: pytest.fail("work started before the token cap check"))
     with pytest.raises(ValidationError, match="27 video tokens over 1 ranks is 27 tokens per rank, above the cap of "

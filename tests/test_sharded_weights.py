@@ -37,13 +37,15 @@ def _components(checkpoint: str, dtype: torch.dtype, transformer_only: bool):
 
 
 def _state(components, rank: int, world: int, sharded: bool, dtype: torch.dtype):
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
     from mgpu_backend.weights.sharding import shard_transformer
 
     device = torch.device("cpu")
     report = shard_transformer(components.transformer, device, connectors=(
         components.video_connector, components.audio_connector)) if sharded else None
-    plan = build_plan(components.transformer, rank, world, device, guidance_parallel="off", sharded=sharded)
+    plan = build_plan(components.transformer, rank, world, device,
+                      FleetPolicy(min_tokens_per_rank=0, guidance_parallel="off"), sharded=sharded)
     return SimpleNamespace(components=components, plan=plan, dtype=dtype, device=device), report
 
 

@@ -227,11 +227,37 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.0f} ms"
 
 
-def choose_split(mode: str, tokens: int, passes: int, world_size: int, sp_degree: int,
-                 pass_degrees: Iterable[int], *, cost_model: CostModel | None = None,
-                 shape: ModelShape = LTX2_19B, nbytes: float = 0.0, token_cap: int | None = None,
-                 stage: str = "stage") -> StageSplit:
-    """Sequence parallel at `sp_degree` (the plan's choice for `tokens`) or the guidance passes in parallel.
+@dataclass(frozen=True)
+class StageWork:
+    """What one stage (or native request) asks of the fleet: `stage` (its name in the report), `tokens` video tokens
+    per forward, `passes` branches per step (guidance passes, or a request's batch rows), `nbytes` of one branch's
+    outputs (the per-step exchange when they are spread)."""
+
+    stage: str
+    tokens: int
+    passes: int
+    nbytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class SplitChoices:
+    """What a plan lets a stage choose between (`ParallelPlan.split` fills it): `mode` ("auto" | "on" | "off",
+    `MODES`), the fleet's `world_size`, `sp_degree` (the plan's sequence-parallel choice for the stage's tokens),
+    `pass_degrees` (the guidance-pass group sizes built), the `cost_model` (None: no predictions; CPU fleets) and the
+    transformer's `shape` for it, and the per-rank `token_cap` (None: no cap)."""
+
+    mode: str
+    world_size: int
+    sp_degree: int
+    pass_degrees: tuple[int, ...] = ()
+    cost_model: CostModel | None = None
+    shape: ModelShape = LTX2_19B
+    token_cap: int | None = None
+
+
+def choose_split(work: StageWork, choices: SplitChoices) -> StageSplit:
+    """Sequence parallel at `choices.sp_degree` (the plan's choice for the tokens) or the guidance passes in
+    parallel.
 
     `mode` "off": always SP. "on": the passes in parallel whenever P > 1, W > 1 and a group of 2 or more exists.
     "auto": with a `cost_model` (CUDA fleets), the passes in parallel when their predicted step time
@@ -240,7 +266,12 @@ def choose_split(mode: str, tokens: int, passes: int, world_size: int, sp_degree
     them; the passes do not). `pass_degrees`: the group sizes the plan built (see `pass_degree`).
 
     Returns a `StageSplit`; for "sequence" its `reason` is what the report should add to the SP line (or None).
+    Raises ValueError for an unknown mode.
     """
+    mode, tokens, passes, stage, nbytes = choices.mode, work.tokens, work.passes, work.stage, work.nbytes
+    world_size, sp_degree, cost_model, shape = (choices.world_size, choices.sp_degree, choices.cost_model,
+                                                choices.shape)
+    token_cap, pass_degrees = choices.token_cap, choices.pass_degrees
     check_mode(mode)
     g = pass_degree(passes, pass_degrees, world_size)
     sequence = StageSplit("sequence", sp_degree, passes, stage)
@@ -273,5 +304,5 @@ def choose_split(mode: str, tokens: int, passes: int, world_size: int, sp_degree
     return StageSplit("passes", g, passes, stage, why, t_pass, t_seq)
 
 
-__all__ = ["MAX_PASSES", "MODES", "PassParallel", "StageSplit", "check_mode", "choose_split", "pass_bytes",
-           "pass_degree", "predict_passes", "predict_sequence"]
+__all__ = ["MAX_PASSES", "MODES", "PassParallel", "SplitChoices", "StageSplit", "StageWork", "check_mode",
+           "choose_split", "pass_bytes", "pass_degree", "predict_passes", "predict_sequence"]

@@ -31,17 +31,20 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from ..protocol.fleet_config import FleetPolicy
 from ..protocol.validation import ValidationError
 from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
 from .degrees import check_requested_degree, check_sharded_policy, top_sp_degree, valid_sp_degrees
 from .exchange import Exchange
-from .passes import MAX_PASSES, StageSplit, check_mode, choose_split
+from .passes import MAX_PASSES, SplitChoices, StageSplit, StageWork, check_mode, choose_split
 from .sequence import UlyssesSplit, check_token_cap
 from .tiled import TiledSplit
 from .tiling import TileCountConfig
 
 DEFAULT_TOKEN_CAP = 65536  # video tokens per rank per forward (≈ 241 frames at 1920×1088 on 2 ranks)
+DEFAULT_BUILD_POLICY = FleetPolicy(min_tokens_per_rank=0, token_cap=DEFAULT_TOKEN_CAP)
+"""`build_plan`'s policy when none is given: every stage at the full degree (tests, tools; a fleet passes its own)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class PlanPolicy:
     """
 
     sp_degree: int
-    stage_degrees: tuple[int, ...]
+    stage_degrees: tuple[int, ...] = ()
     pass_degrees: tuple[int, ...] = ()
     token_cap: int | None = DEFAULT_TOKEN_CAP
     min_tokens_per_rank: int = 0
@@ -149,22 +152,19 @@ class ParallelPlan:
     policy: PlanPolicy
 
     @classmethod
-    def hand_built(cls, rank: int, world_size: int, device: torch.device, sp_degree: int,
-                   sp_group: dist.ProcessGroup | None = None, sp_forward: UlyssesSplit | None = None,
-                   token_cap: int | None = DEFAULT_TOKEN_CAP, stages: dict[int, SPStage] | None = None,
-                   min_tokens_per_rank: int = 0, cost_model: CostModel | None = None, shape: ModelShape | None = None,
-                   guidance_parallel: str = "off", pass_groups: dict | None = None, heads: int | None = None,
-                   requested_sp_degree: int | None = None) -> ParallelPlan:
-        """A plan without `build_plan` (tests, tools): the SP `stages` given (default: one of `sp_degree` on
-        `sp_group` with `sp_forward`) and the guidance-pass groups given, under a fixed policy (`with_policy`
-        raises)."""
-        allowed = tuple(stages) if stages else (sp_degree,)
-        every = {**(stages or {}), sp_degree: (stages or {}).get(sp_degree, SPStage(sp_degree, sp_group, sp_forward))}
+    def hand_built(cls, rank: int, world_size: int, device: torch.device, policy: PlanPolicy,
+                   stages: Mapping[int, SPStage] | None = None, pass_groups: Mapping | None = None,
+                   heads: int | None = None) -> ParallelPlan:
+        """A plan without `build_plan` (tests, tools): the SP `stages` given (default: one of `policy.sp_degree`
+        without a group or split) and the guidance-pass groups given, under `policy` fixed (`with_policy` raises);
+        the policy's stage and pass degrees are those of `stages` and `pass_groups`."""
+        sp_degree = policy.sp_degree
+        every = {**(stages or {})}
+        every.setdefault(sp_degree, SPStage(sp_degree, None, None))
         groups = PlanGroups(rank, world_size, device, MappingProxyType(every),
                             MappingProxyType(dict(pass_groups or {})), heads, None, built=False)
-        policy = PlanPolicy(sp_degree, allowed, tuple(pass_groups or {}), token_cap, min_tokens_per_rank, cost_model,
-                            shape, guidance_parallel, requested_sp_degree)
-        return cls(groups, policy)
+        allowed = tuple(stages) if stages else (sp_degree,)
+        return cls(groups, dataclasses.replace(policy, stage_degrees=allowed, pass_degrees=tuple(pass_groups or {})))
 
     @classmethod
     def for_policy(cls, groups: PlanGroups, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
@@ -269,9 +269,10 @@ class ParallelPlan:
         model = self.cost_model
         if model is None and self.device.type == "cuda":
             model = default_model()
-        choice = choose_split(self.guidance_parallel, tokens, passes, self.world_size, sp.degree,
-                              list(self.pass_groups or {}), cost_model=model, shape=self.shape or ModelShape(),
-                              nbytes=pass_bytes, token_cap=self.token_cap, stage=stage)
+        choice = choose_split(StageWork(stage, tokens, passes, pass_bytes),
+                              SplitChoices(self.guidance_parallel, self.world_size, sp.degree,
+                                           tuple(self.pass_groups or {}), model, self.shape or ModelShape(),
+                                           self.token_cap))
         if choice.kind == "passes":
             report = PlanReport(sp_choice.degree, sp_choice.reason, choice)
             return StageRun(choice, self.pass_groups[choice.degree], None, report, self.token_cap)
@@ -371,9 +372,8 @@ class ParallelPlan:
                 f"wait for its result{reason}")
 
 
-def build_plan(transformer, rank: int, world_size: int, device: torch.device,
-               token_cap: int | None = DEFAULT_TOKEN_CAP, min_tokens_per_rank: int | None = 0,
-               sp_degree: int | None = None, guidance_parallel: str = "auto", sharded: bool = False) -> ParallelPlan:
+def build_plan(transformer, rank: int, world_size: int, device: torch.device, policy: FleetPolicy | None = None,
+               sharded: bool = False) -> ParallelPlan:
     """Called by every rank of an initialized default process group (creating the sub-groups is collective).
 
     Every group a policy may use is built here, once, in the same order on every rank: an SP group of ranks
@@ -381,16 +381,21 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     for g = 2..min(W, 4) (sharing the SP group of the same ranks). `torch.distributed.new_group` is collective, so a
     later job's plan (`ParallelPlan.with_policy`, per job, on every rank) only picks among these groups.
 
-    Returns the plan of those groups (`plan.groups`, kept for the fleet's life) under the policy arguments
-    (`FleetPolicy`'s fields, applied by `ParallelPlan.for_policy`):
-    `min_tokens_per_rank`: None = the default policy: on CUDA the cost model (`cost.py`) picks each stage's degree,
-    on CPU the full degree; an int = smaller SP degrees for stages with fewer video tokens per rank than that (0:
-    always the full degree), the cost model off.
+    Returns the plan of those groups (`plan.groups`, kept for the fleet's life) under `policy` (a `FleetPolicy`,
+    applied by `ParallelPlan.for_policy`; None: `DEFAULT_BUILD_POLICY`, the full degree on every stage):
+    `min_tokens_per_rank`: None = on CUDA the cost model (`cost.py`) picks each stage's degree, on CPU the full
+    degree; an int = smaller SP degrees for stages with fewer video tokens per rank than that (0: always the full
+    degree), the cost model off.
     `sp_degree`: an explicit degree (checked by `check_requested_degree`); None = the largest valid one. It is the
     largest degree a stage uses; the policy may still pick fewer ranks.
     `guidance_parallel`: "auto" | "on" | "off" (`passes.py`): whether a guided stage may run its passes in parallel
-    instead ("on", or "auto" on CUDA).
+    instead ("on", or "auto" on CUDA). `token_cap`: video tokens per rank per forward.
+    `sharded`: the weights are sharded over all ranks (every forward on all of them). Raises ValidationError /
+    ValueError for a policy the heads, the fleet or sharded weights do not allow.
     """
+    policy = policy or DEFAULT_BUILD_POLICY
+    sp_degree, min_tokens_per_rank, guidance_parallel = (policy.sp_degree, policy.min_tokens_per_rank,
+                                                         policy.guidance_parallel)
     check_mode(guidance_parallel)
     heads = transformer.config.num_attention_heads
     if sharded:
@@ -410,4 +415,4 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     groups = PlanGroups(rank, world_size, device, MappingProxyType(all_stages), MappingProxyType(all_pass_groups),
                         heads, ModelShape.of(transformer.config), sharded=sharded)
     return ParallelPlan.for_policy(groups, sp_degree=sp_degree, min_tokens_per_rank=min_tokens_per_rank,
-                                   guidance_parallel=guidance_parallel, token_cap=token_cap)
+                                   guidance_parallel=guidance_parallel, token_cap=policy.token_cap)
