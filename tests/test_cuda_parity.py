@@ -84,6 +84,7 @@ from mgpu_backend.protocol.fleet_config import FleetPolicy
 from mgpu_backend.protocol.fleet_config import FleetPolicy
 from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention
 from mgpu_backend.splits.tiled import TiledSplit
+from mgpu_backend.testing.diffusers_inputs import SequenceDriver
 from mgpu_backend.splits.tiling import TileCountConfig
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 
@@ -197,7 +198,7 @@ def _sp(models: dict, inputs: dict, device, dtype, ranks=None) -> dict:
     out = {}
     for variant in VARIANTS:
         components = models[variant]
-        sp = SP._SP(components.transformer, Exchange(None, *ranks)) if ranks else None
+        sp = SequenceDriver(components.transformer, Exchange(None, *ranks)) if ranks else None
         run = _OnDevice(sp or components.transformer, device, dtype)
         run.activate()
         res = {"forward": {case: _cpu(SP._forward(run, kw)) for case, kw in inputs[variant]["forward"].items()},
@@ -259,7 +260,7 @@ def _lora(models: dict, files: dict, user_loras: dict, inputs: dict, device, dty
         fuser = LoRAFuser(tf, rank, world)
         reports = fuser.fuse(loras)
         fused = {name: tf.get_submodule(name).weight.detach().cpu().clone() for name in fuser.fused_names}
-        run = _OnDevice(SP._SP(tf, Exchange(None, *ranks)) if ranks else tf, device, dtype)
+        run = _OnDevice(SequenceDriver(tf, Exchange(None, *ranks)) if ranks else tf, device, dtype)
         run.activate()
         forward = _cpu(SP._forward(run, inputs[variant]["forward"][LORA_FORWARD_CASE]))
         owned = len(fuser.owned())
@@ -413,7 +414,7 @@ def _w1_rank(rank: int, world: int, device_name: str, files: dict, inputs: dict,
             plain = _OnDevice(tf, device, dtype)
             plain.activate()
             res[variant, "plain"] = {c: _cpu(SP._forward(plain, kw)) for c, kw in inputs[variant]["forward"].items()}
-            sp = _OnDevice(SP._SP(tf, Exchange(None, 1, 0)), device, dtype)
+            sp = _OnDevice(SequenceDriver(tf, Exchange(None, 1, 0)), device, dtype)
             res[variant, "sp"] = {c: _cpu(SP._forward(sp, kw)) for c, kw in inputs[variant]["forward"].items()}
         res["collectives"] = _collective_round_trips(models, device, dtype)
         res["pipeline"] = _pipeline(models, files, user_loras, image, device, dtype, ranks=(1, 0))

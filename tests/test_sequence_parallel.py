@@ -19,7 +19,6 @@ decodes rank 0's latents to exactly rank 0's media.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import types
 
 import numpy as np
@@ -40,15 +39,13 @@ from mgpu_backend.splits.plan import ParallelPlan, PlanPolicy, build_plan
 from mgpu_backend.splits.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
 from mgpu_backend.splits.apply import apply_plan
 from mgpu_backend.splits.forward_plan import SEQUENCE, pad_and_slice
-from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention, UlyssesSplit, check_token_cap
-from mgpu_backend.engine import forward as model_forward
+from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention, check_token_cap
 from mgpu_backend.engine.attention import VideoKeys
-from mgpu_backend.engine.semantics import REFERENCE
 from mgpu_backend.splits.tiling import default_tiling
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.validation import ValidationError
 
-from _forward import diffusers_batch
+from _forward import SequenceDriver
 
 torch.set_num_threads(1)
 
@@ -144,24 +141,6 @@ def _forward(fn, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return video.clone(), audio.clone()
 
 
-class _SP:
-    """Test driver: the sequence split over `exchange` (`UlyssesSplit`) on diffusers' keyword arguments
-    (`_forward.diffusers_batch`); its plan is applied when the driver is made and by `activate`."""
-
-    def __init__(self, transformer, exchange: Exchange):
-        self.transformer, self.split = transformer, UlyssesSplit(exchange)
-        self.transformer_blocks = transformer.transformer_blocks
-        self.activate()
-
-    def activate(self) -> None:
-        apply_plan(self.transformer, self.split.plan, self.split.exchange)
-
-    def __call__(self, token_cap=None, return_dict=False, **kwargs):
-        batch, options = diffusers_batch(self.transformer.config, **kwargs)
-        split = dataclasses.replace(self.split, token_cap=token_cap)
-        return model_forward.run_eager(self.transformer, batch, REFERENCE, split, options)
-
-
 def _stage1(components, case: str, contexts: TextContext, forward=None) -> dict:
     """A full guided stage 1 (`sampling.denoise_loop` + `LTX2Denoiser`) of one `STAGE1_CASES` entry."""
     spec = STAGE1_CASES[case]
@@ -212,7 +191,7 @@ def _distilled_request(image: str) -> GenerateRequest:
                            decode_tiles=default_tiling(2, PIPELINE_GRID2, 2), **PIPELINE_SIZE)
 
 
-def _sp_processors(sp: _SP) -> list:
+def _sp_processors(sp: SequenceDriver) -> list:
     """The distinct video self-attention / video→audio processors installed by the plan (shared by the blocks)."""
     sp.activate()
     procs = []
@@ -224,7 +203,7 @@ def _sp_processors(sp: _SP) -> list:
     return procs
 
 
-def _spy_masks(sp: _SP) -> list:
+def _spy_masks(sp: SequenceDriver) -> list:
     """Record (processor kind, key count, additive key mask) of every video self- / video→audio attention call."""
     seen = []
     for proc in _sp_processors(sp):
@@ -235,12 +214,12 @@ def _spy_masks(sp: _SP) -> list:
     return seen
 
 
-def _unspy(sp: _SP) -> None:
+def _unspy(sp: SequenceDriver) -> None:
     for proc in _sp_processors(sp):
         proc.__dict__.pop("attend", None)
 
 
-def _without_mask(sp: _SP, processor_type: type, kwargs: dict):
+def _without_mask(sp: SequenceDriver, processor_type: type, kwargs: dict):
     """Forward with the key mask removed from the processors of `processor_type` only (negative control): they are
     replaced by a subclass that drops the mask of the `VideoKeys` it is given."""
     class NoMask(processor_type):
@@ -301,7 +280,7 @@ def _sp_rank(rank: int, world: int, files: dict) -> dict:
         components = _load(files, variant)
         if "round_trip" not in out:
             out["round_trip"] = _round_trip_rank(rank, world, components.transformer)
-        sp = _SP(components.transformer, Exchange(None, world, rank))
+        sp = SequenceDriver(components.transformer, Exchange(None, world, rank))
         contexts = _contexts(components)
         res: dict = {"forward": {}, "stage1": {}}
         for case in FORWARD_CASES:
@@ -365,7 +344,7 @@ def reference(files) -> dict:
         untouched = _load(files, variant)  # diffusers' own attention processors, never replaced
         plain = _load(files, variant)  # one process: LTX2Denoiser installs our local processor
         wrapped = _load(files, variant)
-        sp1 = _SP(wrapped.transformer, Exchange(None, 1, 0))
+        sp1 = SequenceDriver(wrapped.transformer, Exchange(None, 1, 0))
         contexts = _contexts(plain)
         res: dict = {"forward": {}, "forward_sp1": {}, "stage1": {}, "stage1_sp1": {}}
         for case in FORWARD_CASES:
@@ -633,7 +612,7 @@ def test_token_cap_refused_before_any_work(reference, monkeypatch):
         pipeline.generate(GenerateRequest(prompt="x", steps=1, **PIPELINE_SIZE))
 
     tf = copy.deepcopy(ref["components"].transformer)
-    sp = _SP(tf, Exchange(None, 1, 0))  # the job's cap comes with its split (StageRun.forward)
+    sp = SequenceDriver(tf, Exchange(None, 1, 0))  # the job's cap comes with its split (StageRun.forward)
     monkeypatch.setattr(tf, "forward", lambda *a, **k: pytest.fail("forward ran above the token cap"))
     kwargs = _forward_kwargs(ref["components"], "odd", ref["contexts"])
     with pytest.raises(ValueError, match="9 video tokens over 1 ranks is 9 tokens per rank, above the cap of 4: use "
