@@ -43,7 +43,7 @@ from bench_sp import LTX2_19B, SimulatedExchange, build_transformer, inputs, pla
 
 from mgpu_backend.engine import compile as C  # noqa: E402
 from mgpu_backend.engine import cuda_graphs as G  # noqa: E402
-from mgpu_backend.engine import forward as model_forward  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import call_diffusers  # noqa: E402
 from mgpu_backend.engine import sampling as S  # noqa: E402
 from mgpu_backend.engine.denoiser import LTX2Denoiser, TextContext  # noqa: E402
 from mgpu_backend.models import fp8 as F8  # noqa: E402
@@ -170,7 +170,7 @@ def rank_forward(model, kw, tokens, w):
                   video_coords=base["video_coords"][:, :, :per])
 
     def fwd(**k):  # the engine's one forward on the rank's tokens (model_forward), the simulated exchanges installed
-        return model_forward.call_diffusers(model, **k)
+        return call_diffusers(model, **k)
     return (lambda: fwd(**sim_kw)), (lambda: G.call(model, fwd, sim_kw, extra=("rank", w)))
 
 

@@ -1,26 +1,33 @@
 """The one transformer forward of the engine (issue 25): a `TokenBatch` in, packed velocities out, under a
-`Semantics` record and, optionally, the sequence split of a parallel plan.
+`Semantics` record and, optionally, a `Split` of the parallel plan.
 
 Every path runs it: the native MGPU MODEL (`native.NativeEngine.run_rows`), the stage runners of the CLI and the
-nodes (`denoiser.LTX2Denoiser`, `comfy_stage.ComfyDenoiser`), the sequence-parallel and tiled wrappers
-(`splits/sequence.py`, `splits/tiled.py`). It calls the resident diffusers `LTX2VideoTransformer3DModel`'s
+nodes (`denoiser.LTX2Denoiser`, `comfy_stage.ComfyDenoiser`), sequence parallel and tiles (`splits/sequence.py`'s
+`UlyssesSplit`, `splits/tiled.py`'s `TiledSplit`). It calls the resident diffusers `LTX2VideoTransformer3DModel`'s
 modules (projections, AdaLN embeddings, RoPE, blocks, output layers); diffusers' own `forward` is no longer called.
 
 Steps of `run_eager(transformer, batch, semantics, split, options)`:
-1. the split (if any) takes this rank's share of the per-token fields (`split.shard_batch`: the plan's input entries,
-   `splits/forward_plan.py`);
-2. input projections (+ LTX-2.5's keyframe embedding on the marked tokens), the AdaLN embeddings of every timestep
-   field, the LTX-2.0 caption projection, the RoPE tables of the local positions;
+1. the split (if any) gives this rank's parts of the batch (`Split.shard`: the plan's input entries,
+   `splits/forward_plan.py`) — one part for sequence parallel, one per tile for tiles;
+2. per part: input projections (+ LTX-2.5's keyframe embedding on the marked tokens), the AdaLN embeddings of every
+   timestep field, the LTX-2.0 caption projection, the RoPE tables of the local positions — one `BlockInputs`
+   record, with the split's per-forward `VideoKeys` (the padded-key mask, `Split.key_mask`, and the guide-attention
+   kernel);
 3. the blocks in the semantics' order (`Semantics.block_order`: "diffusers" = the block's own forward, "comfyui" =
-   `comfy_block`), with the padded video keys masked and the guide-attention bias installed in the split's state;
-4. output layers; the split gathers the video tokens (the plan's output entry) and cuts the padding; the audio output
-   loses its `audio_prefix` (reference-audio) tokens.
+   `comfy_block`), each called as `block(blk, video, audio, inputs)`; the `VideoKeys` reach the split's processors
+   (installed beforehand by `splits.apply.apply_plan`) in the `attention_mask` argument of the attentions whose keys
+   are the video tokens;
+4. output layers (the audio output loses its `audio_prefix` reference-audio tokens); the split gathers the parts'
+   outputs (`Split.gather`: the plan's output entries — the video tokens gathered and the padding cut, or the tiles
+   blended).
+The forward reads no state of the split or its processors: everything per forward travels down as arguments.
 Under the REFERENCE semantics this is diffusers 0.42.1's `LTX2VideoTransformer3DModel.forward` operation for
-operation (bit-identical on CPU); under COMFYUI it is ComfyUI 0.33's `LTXAVModel` forward as `stages/native.py` documents.
+operation (bit-identical on CPU); under COMFYUI it is ComfyUI 0.33's `LTXAVModel` forward as `stages/native.py`
+documents.
 
 `run(...)` is the same forward replayed from CUDA graphs where it can be (`cuda_graphs.call`, a pure function of the
 batch's tensors; keyed on the semantics, the options, the batch's static fields and the installed processors), with
-the semantics' q/k eps applied around it.
+the semantics' q/k eps applied around it; a split that is not `cuda_graph_safe` (tiles) runs eagerly.
 
 `Outputs`: video `[B, N, Cv_out]` (all tokens of the batch, on every rank of the split), audio
 `[B, Ta − audio_prefix, Ca_out]`, in the compute dtype.

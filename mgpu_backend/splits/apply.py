@@ -52,8 +52,8 @@ def apply_plan(transformer, plan: ForwardPlan, exchange: Exchange | None = None)
 
 
 def remove_plan(transformer) -> None:
-    """Put the local processor back on the attentions the applied plan named (nothing applied: every attention
-    gets it, so the transformer is local either way)."""
+    """Make every attention of `transformer` local again (`attention.use_processor`): the attentions the applied
+    plan named get the local processor back, the others keep their local one. Nothing applied: the same."""
     use_processor(transformer, LTX2AttnProcessor())
     if hasattr(transformer, _APPLIED):
         object.__delattr__(transformer, _APPLIED)

@@ -15,11 +15,12 @@ step on rank j % g, the x0 predictions broadcast within ranks 0..g-1 — on CUDA
 than the stage's SP choice (`FleetConfig.guidance_parallel`: "auto", "on", "off"); `split` decides per stage and
 `describe(report)` says which ran.
 
-Three objects, apart: `PlanGroups` (the process groups and SP wrappers, built once per fleet by `build_plan`, kept by
-the worker), `ParallelPlan` (those groups under one job's `PlanPolicy`: a frozen value made per job by
-`ParallelPlan.for_policy` / `with_policy`, never changed in place) and `PlanReport` (how one stage was split, returned
-by `split` inside its `StageRun`). The per-rank token cap travels with the `StageRun` to each forward; the shared SP
-wrappers hold no policy.
+Three objects, apart: `PlanGroups` (the process groups and their sequence splits, `UlyssesSplit`, built once per
+fleet by `build_plan`, kept by the worker), `ParallelPlan` (those groups under one job's `PlanPolicy`: a frozen
+value made per job by `ParallelPlan.for_policy` / `with_policy`, never changed in place) and `PlanReport` (how one
+stage was split, returned by `split` inside its `StageRun`). The per-rank token cap travels with the `StageRun`'s
+split to each forward; the shared splits hold no policy. How a stage's branches run (sequence parallel or spread
+over ranks) is asked through `dispatch.py`.
 """
 from __future__ import annotations
 

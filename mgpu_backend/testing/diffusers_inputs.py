@@ -4,7 +4,8 @@ the older benchmarks' inputs, need the translation. Imported by tests/ and bench
 
 - `diffusers_batch`: the keyword arguments -> (`TokenBatch`, `ForwardOptions`) by diffusers' input rules;
 - `SequenceDriver`: the sequence split (`UlyssesSplit`) over an exchange, its plan applied, called with them;
-- `TiledDriver`: a `TiledSplit` called with them (a stand-in transformer runs through the split's shard / gather).
+- `TiledDriver`: a `TiledSplit` called with them (a stand-in transformer runs through the split's shard / gather);
+- `call_diffusers`: the one forward, local, called with them.
 """
 from __future__ import annotations
 
@@ -131,4 +132,14 @@ class SequenceDriver:
         return model_forward.run_eager(self.transformer, batch, REFERENCE, split, options)
 
 
-__all__ = ["SequenceDriver", "TiledDriver", "diffusers_batch"]
+
+
+def call_diffusers(transformer, **kwargs):
+    """The one forward (eagerly, REFERENCE semantics, no split: the installed processors) on diffusers' keyword
+    arguments (`diffusers_batch`) -> `(video, audio)`."""
+    kwargs.pop("return_dict", None)
+    batch, options = diffusers_batch(transformer.config, **kwargs)
+    return model_forward.run_eager(transformer, batch, REFERENCE, None, options)
+
+
+__all__ = ["SequenceDriver", "TiledDriver", "call_diffusers", "diffusers_batch"]
