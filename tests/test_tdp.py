@@ -437,7 +437,7 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
 
     from mgpu_backend.engine import forward as model_forward
 
-    real_forward = model_forward.run_eager  # the one forward every tile runs (issue 25)
+    real_forward = model_forward._local  # noqa: SLF001 (the one forward's local part: every tile runs it)
 
     def forward_spy(transformer, batch, *args, **kwargs):
         if current["stage"] == "stage 2":
@@ -445,7 +445,7 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
         return real_forward(transformer, batch, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "run_stage", spy)
-    monkeypatch.setattr(model_forward, "run_eager", forward_spy)
+    monkeypatch.setattr(model_forward, "_local", forward_spy)
     result = pipeline.generate(GenerateRequest(prompt="a fox", seed=3, tiles=TileCountConfig.spatial(1, 2, overlap=1),
                                                **SMALL))
     stage1_out = seen["stage 1"][1]

@@ -222,8 +222,9 @@ def block_function(order: str):
 class Split(Protocol):
     """One kind of split of the one forward over ranks, as the forward uses it (implemented in `splits/`: Ulysses
     sequence parallel `sequence.UlyssesSplit`, tiles `tiled.TiledSplit`; batch rows and guidance passes split whole
-    forwards, `splits/dispatch.py`). The attention processors the split's plan names are installed beforehand by
-    `splits.apply.apply_plan`; the split itself holds no per-forward state.
+    forwards: `passes.PassParallel` has the same three methods over a step's branches instead of a batch's tokens,
+    made by the dispatcher `splits/dispatch.py`). The attention processors the split's plan names are installed
+    beforehand by `splits.apply.apply_plan`; the split holds no per-forward state.
 
     plan: its `ForwardPlan` (`splits/forward_plan.py`); cuda_graph_safe: a pure function of its tensors
     (`cuda_graphs.call` may capture the forward) or not (it synchronises with the host: eager).

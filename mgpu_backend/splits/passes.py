@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from ..engine.sampling import PASS_KINDS, GuidancePass, run_local
 from .cost import DEFAULT, LTX2_19B, CostModel, ModelShape, predict_sp
+from .forward_plan import ROWS
 
 MAX_PASSES = len(PASS_KINDS)  # cond, uncond, perturbed, isolated
 MODES = ("auto", "on", "off")
@@ -78,7 +79,10 @@ def _layout(out: Output) -> tuple:
 
 
 class PassParallel:
-    """`run_passes` of `sampling.denoise_loop` over ranks 0..size-1 of `group` (see the module docstring).
+    """`run_passes` of `sampling.denoise_loop` over ranks 0..size-1 of `group` (see the module docstring): the `ROWS`
+    plan's split of a step's branches (guidance passes, or a native request's batch rows), with the methods of
+    `engine.forward.Split` over branches — `shard` (this rank's), `key_mask` (none), `gather` (broadcast from each
+    owner) — and `__call__` = gather(shard, each run here). Made by the dispatcher (`dispatch.py`).
 
     Args:
         group: the process group of ranks 0..size-1 (None: the default group, when size is the world size).
@@ -89,6 +93,9 @@ class PassParallel:
     Attributes (statistics of this stage, on this rank): `forwards` run here, `exchanged_bytes` broadcast or
     received here, `steps` exchanged.
     """
+
+    plan = ROWS
+    cuda_graph_safe = False  # not a forward of its own: each branch is one (graphed) forward
 
     def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int,
                  comm_device: torch.device | str = "cpu"):
@@ -104,16 +111,29 @@ class PassParallel:
         """The rank that computes pass `index` (in `plan_passes` order)."""
         return index % self.size
 
-    def __call__(self, passes: Sequence[GuidancePass], denoise: Callable[[GuidancePass], Output]) -> list[Output]:
+    def shard(self, passes: Sequence[GuidancePass]) -> list[GuidancePass]:
+        """The branches this rank computes (pass j on rank j % size), in order (the `engine.forward.Split`
+        methods over a step's branches instead of a batch's tokens). Raises ValueError for fewer branches than
+        ranks."""
+        n = len(passes)
+        if self.size > 1 and n < self.size:
+            raise ValueError(f"{n} guidance passes cannot occupy {self.size} ranks (every rank needs one)")
+        return [passes[j] for j in range(n) if self.owner(j) == self.rank]
+
+    def key_mask(self, passes: Sequence[GuidancePass], part: GuidancePass) -> None:
+        """Whole forwards: nothing is padded."""
+        return None
+
+    def gather(self, passes: Sequence[GuidancePass], outputs: list[Output]) -> list[Output]:
+        """Every branch's outputs on every rank of the group, in `passes` order, from this rank's `outputs` (of
+        `shard(passes)`, in that order): each branch broadcast from its owner. Raises ValueError when this rank's
+        branches returned different layouts."""
         n = len(passes)
         if self.size == 1:
             self.forwards += n
-            return run_local(denoise, list(passes))
-        if n < self.size:
-            raise ValueError(f"{n} guidance passes cannot occupy {self.size} ranks (every rank needs one)")
+            return list(outputs)
         own = [j for j in range(n) if self.owner(j) == self.rank]
-        # several passes on this rank: one batched forward where the model function offers it (sampling.run_local)
-        mine = dict(zip(own, run_local(denoise, [passes[j] for j in own])))
+        mine = dict(zip(own, outputs))
         self.forwards += len(mine)
         layout = _layout(next(iter(mine.values())))
         for j, out in mine.items():
@@ -127,6 +147,10 @@ class PassParallel:
             results.append(mine[j] if src == self.rank else out)
         self.steps += 1
         return results
+
+    def __call__(self, passes: Sequence[GuidancePass], denoise: Callable[[GuidancePass], Output]) -> list[Output]:
+        # several passes on this rank: one batched forward where the model function offers it (sampling.run_local)
+        return self.gather(passes, run_local(denoise, self.shard(passes)))
 
     def _exchange(self, out: Output | None, layout: tuple, src: int) -> Output:
         """Broadcast pass outputs from `src`: one flat buffer when every present tensor has the same dtype (the
