@@ -79,10 +79,6 @@ def _forward(comps, golden, keyframes: bool = True):
     f, h, w, a = spec["frames"], spec["height"], spec["width"], spec["audio_frames"]
     tr = comps.transformer
     ctx = text_contexts(comps, [t["input.cond"]], dtype=torch.float32)
-    if forward is not None:
-        from mgpu_backend.splits.apply import apply_plan
-
-        apply_plan(tr, forward.plan, getattr(forward, "exchange", None))
     denoiser = LTX2Denoiser(tr, ctx, None, L.video_coords(tr, 1, f, h, w, spec["fps"]), L.audio_coords(tr, 1, a),
                             torch.float32)
     if not keyframes:
