@@ -158,9 +158,12 @@ def _stage1(components, case: str, contexts: TextContext, forward=None) -> dict:
     positive = contexts if b == 2 else contexts.select(0)
     negative = _flip(contexts) if b == 2 else contexts.select(1)
     tf = components.transformer
-    model = LTX2Denoiser(tf, positive, negative, L.video_coords(tf, b, f, h, w, FPS),
-                         L.audio_coords(tf, b, AUDIO_TOKENS), torch.float32,
-                         split=getattr(forward, "split", None))
+    # a driver on a device (test_cuda_parity's `_OnDevice`) names the device and compute dtype of the forwards
+    device, dtype = getattr(forward, "device", None), getattr(forward, "dtype", torch.float32)
+    positive, negative = (TextContext(c.video.to(device, dtype), c.audio.to(device, dtype), c.mask.to(device, dtype))
+                          for c in (positive, negative))
+    model = LTX2Denoiser(tf, positive, negative, L.video_coords(tf, b, f, h, w, FPS).to(device),
+                         L.audio_coords(tf, b, AUDIO_TOKENS).to(device), dtype, split=getattr(forward, "split", None))
     video, audio = S.denoise_loop(model, S.ltx2_sigmas(STAGE1_STEPS),
                                   S.ModalityStream(start_v, video_mask, video_clean, VIDEO_GUIDANCE),
                                   S.ModalityStream(start_a, guidance=AUDIO_GUIDANCE))
