@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import os
 import sys
@@ -202,34 +201,43 @@ def _finite(video, audio, counter: list):
 
 
 class TimedForward:
-    """The eager mode's forward: the one-process transformer forward (`LTX2Denoiser`'s former default: the
-    transformer with `LTX2AttnProcessor`), CUDA-synchronized and timed per stage, FLOPs counted; a non-finite output
-    is replaced and counted."""
+    """The eager mode's forward: every `engine.forward.run` of the stages runs eagerly (`run_eager`, no CUDA graphs,
+    under the stage's split), CUDA-synchronized and timed per stage, FLOPs counted; a non-finite output is replaced
+    and counted. `installed()` puts it in place of `engine.forward.run` for a block."""
 
     def __init__(self, transformer, device, tally: M.FlopTally):
         self.transformer, self.device, self.tally = transformer, device, tally
-        self.transformer_blocks = transformer.transformer_blocks
         self.stage = None
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.bad: list = []
 
-    def activate(self) -> None:
-        use_processor(self.transformer, LTX2AttnProcessor())
-
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
 
-    def __call__(self, **kwargs):
-        self.tally.count_diffusers(self.transformer, kwargs)
-        sync(self.device)
-        start = time.perf_counter()
-        video, audio = self.transformer(**kwargs)
-        sync(self.device)
-        self.seconds[self.stage] += time.perf_counter() - start
-        self.calls[self.stage] += 1
-        return _finite(video, audio, self.bad)
+    @contextlib.contextmanager
+    def installed(self):
+        from mgpu_backend.engine import forward as model_forward
+
+        original = model_forward.run
+
+        def run(transformer, batch, semantics=model_forward.REFERENCE, split=None, options=model_forward.PLAIN,
+                what="forward"):
+            self.tally.count(transformer, batch, options)
+            sync(self.device)
+            start = time.perf_counter()
+            video, audio = model_forward.run_eager(transformer, batch, semantics, split, options)
+            sync(self.device)
+            self.seconds[self.stage] += time.perf_counter() - start
+            self.calls[self.stage] += 1
+            return _finite(video, audio, self.bad)
+
+        model_forward.run = run
+        try:
+            yield
+        finally:
+            model_forward.run = original
 
 
 class TimedPipeline(TwoStagePipeline):
@@ -242,10 +250,6 @@ class TimedPipeline(TwoStagePipeline):
         self.timer = TimedForward(self.components.transformer, self.device, self.tally)
         self.mode = "default"
         self.stage_seconds: dict[str, float] = defaultdict(float)
-
-    def stage_env(self):
-        env = super().stage_env()
-        return dataclasses.replace(env, forward=self.timer) if self.mode == "eager" else env
 
     def run_stage(self, spec, *args, **kwargs):
         self.timer.stage = self.tally.stage = spec.name
@@ -341,7 +345,7 @@ def run_mode(args, mode, pipeline: TimedPipeline, gemma, request, prompt_tokens,
     pipeline.mode = mode
     tally = pipeline.tally
     bad = pipeline.timer.bad
-    ctx = counting_forward(tally, bad) if mode != "eager" else contextlib.nullcontext()
+    ctx = counting_forward(tally, bad) if mode != "eager" else pipeline.timer.installed()
     per_step_estimate = None
     with ctx:
         if not args.no_warmup:
@@ -556,9 +560,11 @@ def summary(results: dict, refs: dict, tally: M.FlopTally, scale: float, log, re
 # ---- the LTX-2.5 distilled transformer stages (preset ltx25-distilled) --------------------------------------------
 
 def ltx25_inputs(model, frames, width, height, fps, text_tokens, device, dtype):
-    """The diffusers keyword arguments of one distilled-stage forward at this size (per-token timesteps as the
-    reference denoiser passes them, sigma 0.9 × 1000, random latents and contexts)."""
+    """The one forward's `TokenBatch` of one distilled-stage forward at this size, by the reference denoiser's input
+    rules (`denoiser.LTX2Denoiser.token_batch`: per-token timesteps, sigma 0.9 × 1000 on both streams, the
+    cross-attention inputs from the other stream's sigma; random latents and contexts, every text token attended)."""
     from mgpu_backend.engine import latents as L
+    from mgpu_backend.engine.tokens import TokenBatch
 
     f, h, w = L.latent_frames(frames), height // 32, width // 32
     n = f * h * w
@@ -569,23 +575,27 @@ def ltx25_inputs(model, frames, width, height, fps, text_tokens, device, dtype):
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device, dtype)
 
-    return dict(hidden_states=rnd(1, n, cfg.in_channels), audio_hidden_states=rnd(1, ta, cfg.audio_in_channels),
-                encoder_hidden_states=rnd(1, text_tokens, cfg.cross_attention_dim),
-                audio_encoder_hidden_states=rnd(1, text_tokens, cfg.audio_cross_attention_dim),
-                timestep=torch.full((1, n), 900.0, device=device), audio_timestep=torch.full((1, ta), 900.0,
-                                                                                            device=device),
-                sigma=torch.tensor([900.0], device=device), audio_sigma=torch.tensor([900.0], device=device),
-                encoder_attention_mask=torch.ones(1, text_tokens, device=device),
-                audio_encoder_attention_mask=torch.ones(1, text_tokens, device=device),
-                video_coords=L.video_coords(model, 1, f, h, w, fps, device=device),
-                audio_coords=L.audio_coords(model, 1, ta, device=device), use_cross_timestep=True)
+    video, audio = rnd(1, n, cfg.in_channels), rnd(1, ta, cfg.audio_in_channels)
+    video_context = rnd(1, text_tokens, cfg.cross_attention_dim)
+    audio_context = rnd(1, text_tokens, cfg.audio_cross_attention_dim)
+    sigma = torch.tensor([900.0], device=device)
+    factor = cfg.cross_attn_timestep_scale_multiplier / cfg.timestep_scale_multiplier
+    prompt = sigma if getattr(cfg, "use_prompt_adaln_single", False) else None
+    bias = torch.zeros(1, 1, 1, text_tokens, device=device, dtype=dtype)  # every text token attended
+    return TokenBatch(
+        video=video, audio=audio, video_timestep=torch.full((1, n), 900.0, device=device),
+        audio_timestep=torch.full((1, ta), 900.0, device=device), video_cross_timestep=sigma,
+        audio_cross_timestep=sigma, a2v_gate_timestep=sigma * factor, v2a_gate_timestep=sigma * factor,
+        video_coords=L.video_coords(model, 1, f, h, w, fps, device=device),
+        audio_coords=L.audio_coords(model, 1, ta, device=device), video_context=video_context,
+        audio_context=audio_context, video_prompt_timestep=prompt, audio_prompt_timestep=prompt,
+        video_text_bias=bias, audio_text_bias=bias)
 
 
 def run_ltx25(args, modes, device, dtype, log) -> dict:
     from mgpu_backend.engine import forward as model_forward
     from mgpu_backend.models.families import get_family
     from mgpu_backend.testing.tiny import tiny_transformer_metadata
-    from mgpu_backend.engine.tokens import TokenBatch
 
     family = get_family("2.5")
     meta = tiny_transformer_metadata("2.5") if args.tiny else {**LTX2_19B, **family.transformer_flags,
@@ -604,8 +614,7 @@ def run_ltx25(args, modes, device, dtype, log) -> dict:
     sizes = {"stage 1": (args.width // 2, args.height // 2), "stage 2": (args.width, args.height)}
     batches = {}
     for stage, (w, h) in sizes.items():
-        kw = ltx25_inputs(model, args.frames, w, h, args.fps, args.text_tokens, device, dtype)
-        batches[stage] = TokenBatch.from_diffusers(model.config, **kw)
+        batches[stage] = ltx25_inputs(model, args.frames, w, h, args.fps, args.text_tokens, device, dtype)
     tally = M.FlopTally(FL.TransformerShape.of(model.config))
     if args.reference:
         log("reference: no column — ltx-core 1.0.0 (Lightricks' reference) cannot run LTX-2.5 "

@@ -5,9 +5,9 @@ memory with random weights, either all bf16 or with every transformer-block Line
 `FP8Linear` — swapped in by the loader's own `swap_in_fp8_linears`, as `load_module` does for an fp8 checkpoint
 (`ltx-2-19b-dev-fp8`: block Linears fp8 + per-tensor scale, everything else bf16). For each size (121 frames at
 640×352, 1280×704, 1920×1088 by default) and each W (1, 2, 4, 8) one no-grad forward runs through
-`SequenceParallelTransformer` with a one-GPU stand-in for the W-way exchange (`MemoryExchange`: this rank holds
-T/W video tokens; the all_to_all / all_gather buffers are allocated with the shapes the real `Exchange` allocates,
-so attention runs over all T tokens with H/W heads). Reported per forward (a warm-up forward first):
+`testing.diffusers_inputs.SequenceDriver` (the sequence split on diffusers' arguments) with a one-GPU stand-in
+for the W-way exchange (`MemoryExchange`: this rank holds T/W video tokens; the all_to_all / all_gather buffers
+are allocated with the shapes the real `Exchange` allocates, so attention runs over all T tokens with H/W heads). Reported per forward (a warm-up forward first):
 - weights: `torch.cuda.memory_allocated()` after the build, and the parameter bytes split into the blocks and the
   rest; the 48-block figure is extrapolated linearly: rest + 48 × (block bytes / built blocks);
 - act: `max_memory_allocated()` during the forward minus what was allocated before it (weights + inputs), after
@@ -42,7 +42,7 @@ from mgpu_backend.engine import latents as L  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.models.fp8 import FP8Linear, swap_in_fp8_linears  # noqa: E402
 from mgpu_backend.splits.exchange import Exchange  # noqa: E402
-from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import SequenceDriver  # noqa: E402
 
 GiB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -292,7 +292,7 @@ def run_dtype(kind: str, args, meta: dict, device, dtype, sizes, worlds, log) ->
         for w in worlds:
             key = (width, height, w)
             try:
-                wrapper = SequenceParallelTransformer(model, MemoryExchange(w))
+                wrapper = SequenceDriver(model, MemoryExchange(w))
                 wrapper.activate()
                 row = measure_forward(model, wrapper, kw, device, scale)
                 row["tokens"], row["per_rank"] = tokens, -(-tokens // w)

@@ -36,7 +36,7 @@ from mgpu_backend.engine import cuda_graphs as G  # noqa: E402
 from mgpu_backend.protocol.native_forward import ForwardRequest  # noqa: E402
 from mgpu_backend.models.families import get_family  # noqa: E402
 from mgpu_backend.stages.native import NativeEngine  # noqa: E402
-from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.splits.sequence import UlyssesSplit  # noqa: E402
 
 
 def request(engine: NativeEngine, batch: int, frames: int, height: int, width: int, dtype, audio_steps: int = 126,
@@ -110,15 +110,14 @@ def main():
                 torch.cuda.empty_cache()
             engine = NativeEngine(SimpleNamespace(transformer=model, video_connector=None, audio_connector=None),
                                   None, dtype, device)
-            local = engine._local  # noqa: SLF001
+            local = engine.local_split
             for width, height in (tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")):
                 for batch in (int(b) for b in args.batches.split(",")):
                     req = request(engine, batch, args.frames, height, width, dtype)
                     context = req.context.to(device, dtype)
                     tokens = req.video_tokens
                     for w in (int(v) for v in args.world.split(",")):
-                        engine._local = local if w == 1 else SequenceParallelTransformer(  # noqa: SLF001
-                            model, SimulatedExchange(w))
+                        engine.local_split = local if w == 1 else UlyssesSplit(SimulatedExchange(w))
 
                         def eager():
                             G.set_mode("off")
@@ -147,7 +146,7 @@ def main():
                               f"{row['graphed_ms'] / row['eager_ms']:6.2f} {row['segments']:8d} {err:8.1e}"
                               f"{'  ' + '; '.join(row['fallbacks']) if row['fallbacks'] else ''}", flush=True)
                         cache.clear()
-            engine._local = local  # noqa: SLF001
+            engine.local_split = local
             del engine, model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from mgpu_backend.engine import latents as L  # noqa: E402
 from mgpu_backend.splits.exchange import Exchange  # noqa: E402
-from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
-from mgpu_backend.splits.tiled import TiledTransformer  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import SequenceDriver  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import TiledDriver  # noqa: E402
 from mgpu_backend.splits.tiling import default_tiling  # noqa: E402
 
 PARITY_TOL = 1e-2
@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, args, port: int, out_dir: str) -> None:
         width, height = (int(v) for v in size.split("x"))
         kw, tokens = inputs(model, args.frames, height, width, 24.0, device, torch.bfloat16)
         kw = {k: v for k, v in kw.items() if k != "return_dict"}
-        sp = SequenceParallelTransformer(model, Exchange(None, world, rank))
+        sp = SequenceDriver(model, Exchange(None, world, rank))
         sp.activate()
         with torch.no_grad():
             t_sp = _timed(lambda: sp(**kw), args.iters) * scale
@@ -77,8 +77,7 @@ def _rank(rank: int, world: int, args, port: int, out_dir: str) -> None:
             grid = (L.latent_frames(args.frames), height // 32, width // 32)
             t_tdp = float("nan")
             if world > 1:
-                tiled = TiledTransformer(model, grid, default_tiling(world, grid, 5), None, world, rank)
-                tiled.activate()
+                tiled = TiledDriver(model, grid, default_tiling(world, grid, 5), None, world, rank)
                 t_tdp = _timed(lambda: tiled(**kw), args.iters) * scale
         if rank == 0:
             torch.save({"video": video.float().cpu(), "audio": audio.float().cpu()},

@@ -135,7 +135,7 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
 
     from bench_memory import MemoryExchange, quiet_diffusers
     from mgpu_backend.models.loader import load_components
-    from mgpu_backend.splits.sequence import SequenceParallelTransformer
+    from mgpu_backend.testing.diffusers_inputs import SequenceDriver
     from mgpu_backend.weights.sharding import shard_transformer
 
     quiet_diffusers()
@@ -181,7 +181,7 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
         try:
             kw, tokens = _inputs(model, frames, width, height, batch, device, dtype)
             row["tokens"] = tokens
-            wrapper = SequenceParallelTransformer(model, MemoryExchange(world))
+            wrapper = SequenceDriver(model, MemoryExchange(world))
             wrapper.activate()
             with torch.no_grad():
                 wrapper(**kw)  # warm-up

@@ -3,7 +3,8 @@ per-rank compute of a W-way sequence-parallel split simulated on one GPU (issue 
 
 19B-shaped random bf16 weights are built directly in GPU memory (the real LTX-2.0 config, `--blocks` of the 48;
 times are scaled to 48 blocks, the embeddings and output layers being negligible). On the same shapes, in one run:
-- ours: our attention processor and fused norms through `SequenceParallelTransformer` at W = 1 (what a stage runs);
+- ours: our attention processor and fused norms through `testing.diffusers_inputs.SequenceDriver` (the sequence
+  split on diffusers' arguments) at W = 1 (what a stage runs);
 - plain diffusers 0.42.1: `LTX2VideoTransformer3DModel` with its default processor and norms (a fresh module with
   the same weights);
 - reference: `ltx_core.model.transformer.LTXModel` (ltx-core 1.0.0, installed for the benchmark only) loaded with
@@ -37,10 +38,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mgpu_backend.engine import latents as L  # noqa: E402
 from mgpu_backend.engine import compile as C  # noqa: E402
-from mgpu_backend.engine import forward as model_forward  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import call_diffusers  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.splits.exchange import Exchange  # noqa: E402
-from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import SequenceDriver  # noqa: E402
 
 LTX2_19B = {  # LTX-2.0 transformer metadata (docs/design/models.md#the-releases; diffusers' converter config)
     "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
@@ -232,13 +233,13 @@ def reference_call(lc, ref, kw):
 
 def simulated_rank(model, kw, tokens, w, exchange):
     """The forward of one rank of a W-way split (T/W tokens held, `exchange` standing in for the collectives)."""
-    sim = SequenceParallelTransformer(model, exchange)
+    sim = SequenceDriver(model, exchange)
     sim.activate()
     per = tokens // w
     sim_kw = dict(kw, hidden_states=kw["hidden_states"][:, :per], timestep=kw["timestep"][:, :per],
                   video_coords=kw["video_coords"][:, :, :per])
     # the simulated rank already holds its T/W tokens: the engine's one forward on them (model_forward)
-    return lambda: model_forward.call_diffusers(model, **sim_kw)
+    return lambda: call_diffusers(model, **sim_kw)
 
 
 def main():
@@ -288,7 +289,7 @@ def main():
         ours_kw = {k: v for k, v in kw.items() if k != "return_dict"}
         row = {"tokens": tokens}
         with torch.no_grad():
-            sp = SequenceParallelTransformer(model, Exchange(None, 1, 0))
+            sp = SequenceDriver(model, Exchange(None, 1, 0))
             sp.activate()
             out_ours = sp(**ours_kw)
             fns = {"ours": lambda: sp(**ours_kw), "diffusers": lambda: plain(**kw)}

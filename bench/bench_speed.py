@@ -43,12 +43,12 @@ from bench_sp import LTX2_19B, SimulatedExchange, build_transformer, inputs, pla
 
 from mgpu_backend.engine import compile as C  # noqa: E402
 from mgpu_backend.engine import cuda_graphs as G  # noqa: E402
-from mgpu_backend.engine import forward as model_forward  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import call_diffusers  # noqa: E402
 from mgpu_backend.engine import sampling as S  # noqa: E402
 from mgpu_backend.engine.denoiser import LTX2Denoiser, TextContext  # noqa: E402
 from mgpu_backend.models import fp8 as F8  # noqa: E402
 from mgpu_backend.splits.exchange import Exchange  # noqa: E402
-from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import SequenceDriver  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -160,17 +160,17 @@ def rank_forward(model, kw, tokens, w):
     """(eager fn, graphed fn) of one rank of a W-way split (W = 1: the whole forward through the SP wrapper)."""
     base = {k: v for k, v in kw.items() if k != "return_dict"}
     if w == 1:
-        sp = SequenceParallelTransformer(model, Exchange(None, 1, 0))
+        sp = SequenceDriver(model, Exchange(None, 1, 0))
         sp.activate()
         return (lambda: sp(**base)), (lambda: G.call(model, sp, base, extra="sp"))
-    sim = SequenceParallelTransformer(model, SimulatedExchange(w))
+    sim = SequenceDriver(model, SimulatedExchange(w))
     sim.activate()
     per = tokens // w
     sim_kw = dict(base, hidden_states=base["hidden_states"][:, :per], timestep=base["timestep"][:, :per],
                   video_coords=base["video_coords"][:, :, :per])
 
     def fwd(**k):  # the engine's one forward on the rank's tokens (model_forward), the simulated exchanges installed
-        return model_forward.call_diffusers(model, **k)
+        return call_diffusers(model, **k)
     return (lambda: fwd(**sim_kw)), (lambda: G.call(model, fwd, sim_kw, extra=("rank", w)))
 
 
@@ -300,8 +300,8 @@ def bench_fp8(args, model, meta, device, dtype, scale):
     for width, height in sizes(args.fp8_sizes):
         kw, tokens = inputs(model, args.frames, height, width, 24.0, device, dtype)
         base = {k: v for k, v in kw.items() if k != "return_dict"}
-        sp_b = SequenceParallelTransformer(model, Exchange(None, 1, 0))
-        sp_f = SequenceParallelTransformer(twin, Exchange(None, 1, 0))
+        sp_b = SequenceDriver(model, Exchange(None, 1, 0))
+        sp_f = SequenceDriver(twin, Exchange(None, 1, 0))
         for mode in ("eager", "graphed", "compiled"):
             if mode == "compiled":
                 C.compile_blocks(model)
@@ -309,19 +309,19 @@ def bench_fp8(args, model, meta, device, dtype, scale):
             G.set_mode("auto" if mode == "graphed" else "off")
 
             def run_b():
-                sp_b.ensure_active()
+                sp_b.activate()
                 return G.call(model, sp_b, base, extra="bf16")
 
             def run_deq():
                 F8.set_compute("off")
-                sp_f.ensure_active()
+                sp_f.activate()
                 try:
                     return G.call(twin, sp_f, base, extra="deq")
                 finally:
                     F8.set_compute("auto")
 
             def run_mm():
-                sp_f.ensure_active()
+                sp_f.activate()
                 return G.call(twin, sp_f, base, extra="mm")
             with torch.no_grad():
                 ref, deq, mm = run_b(), run_deq(), run_mm()

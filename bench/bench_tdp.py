@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mgpu_backend.engine import forward as model_forward  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import call_diffusers  # noqa: E402
 from mgpu_backend.engine import latents as L  # noqa: E402
 from mgpu_backend.engine.attention import LTX2AttnProcessor, use_processor  # noqa: E402
 from mgpu_backend.models import configs  # noqa: E402
@@ -158,7 +158,7 @@ def bench_transformer(args, device, dtype, grid, counts):
     def forward_time(tile_grid):
         kw = transformer_inputs(model, tile_grid, audio_tokens, args.fps, device, dtype)
         with torch.no_grad():
-            seconds = timeit(lambda: model_forward.call_diffusers(model, **kw), args.iters) * scale  # the engine's
+            seconds = timeit(lambda: call_diffusers(model, **kw), args.iters) * scale  # the engine's
         del kw
         return seconds
 

@@ -126,13 +126,6 @@ class FlopTally:
             self.shapes[stage] = StageShape(n, ta, batch.video_context.shape[1], row)
         return total
 
-    def count_diffusers(self, transformer, kwargs: dict) -> int:
-        """The same for a call of the diffusers keyword API (the eager mode's timing wrapper)."""
-        kw = {k: v for k, v in kwargs.items() if k not in ("isolate_modalities", "return_dict")}
-        isolate = bool(kwargs.get("isolate_modalities", False))
-        batch = TokenBatch.from_diffusers(transformer.config, **kw)
-        return self.count(transformer, batch, ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate))
-
 
 @contextlib.contextmanager
 def counting_run(tally: FlopTally):

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_sp import LTX2_19B, build_reference, build_transformer, inputs  # noqa: E402
 from mgpu_backend.engine import compile as C  # noqa: E402
 from mgpu_backend.splits.exchange import Exchange  # noqa: E402
-from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
+from mgpu_backend.testing.diffusers_inputs import SequenceDriver  # noqa: E402
 
 
 def profile(fn, label: str, top: int) -> None:
@@ -61,7 +61,7 @@ def main() -> None:
     model = build_transformer(meta, device, torch.bfloat16)
     kw, _ = inputs(model, args.frames, height, width, 24.0, device, torch.bfloat16)
     ours_kw = {k: v for k, v in kw.items() if k != "return_dict"}
-    sp = SequenceParallelTransformer(model, Exchange(None, 1, 0))
+    sp = SequenceDriver(model, Exchange(None, 1, 0))
     sp.activate()
     if args.compile:
         C.compile_blocks(model, mode=args.mode)

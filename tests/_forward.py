@@ -27,3 +27,8 @@ def av_forward(transformer, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
             num_frames=frames, height=height, width=width, fps=24.0, audio_num_frames=audio_frames,
             use_cross_timestep=True, return_dict=False)
     return out_v, out_a
+
+
+
+# the diffusers-keyword drivers live with the other test-only code of the package (bench/ uses them too)
+from mgpu_backend.testing.diffusers_inputs import SequenceDriver, TiledDriver, diffusers_batch  # noqa: E402,F401

@@ -78,10 +78,7 @@ def _native(rank: int, world: int, paths23: dict, guidance_parallel: str) -> dic
     components = load_components(paths23["checkpoint"], dtype=torch.float32)
     plan = None
     if world > 1:
-        from mgpu_backend.splits.plan import build_plan
-
-        plan = build_plan(components.transformer, rank, world, torch.device("cpu"),
-                          guidance_parallel=guidance_parallel)
+        plan = stage_snapshot.cpu_plan(components.transformer, rank, world, guidance_parallel)
     engine = NativeEngine(components, plan, torch.float32, torch.device("cpu"))
     out = {}
     for name, request in _native_requests().items():
@@ -105,9 +102,7 @@ def _comfy_samples(rank: int, world: int, paths20: dict) -> dict:
     components = load_components(paths20["checkpoint"], dtype=torch.float32)
     plan = None
     if world > 1:
-        from mgpu_backend.splits.plan import build_plan
-
-        plan = build_plan(components.transformer, rank, world, torch.device("cpu"), guidance_parallel="off")
+        plan = stage_snapshot.cpu_plan(components.transformer, rank, world, "off")
     pipe = TwoStagePipeline(components, load_gemma(paths20["gemma"]), plan=plan)
     state = SimpleNamespace(pipeline=pipe, components=components, plan=plan, dtype=torch.float32,
                             device=torch.device("cpu"))
@@ -143,26 +138,52 @@ def _ltx25(rank: int, world: int) -> dict:
     inputs = ModelInputs(video, audio, torch.full((1, f * h * w), 0.6), torch.full((1, a), 0.6), sigma, sigma,
                          GuidancePass("cond"), 0)
     out = {}
+    try:  # this tree executes plans (issue 34): the split's plan is applied, the denoiser takes the split
+        from mgpu_backend.splits.apply import apply_plan, remove_plan
+    except ImportError:  # an older tree: the wrapper installs its own processors
+        apply_plan = remove_plan = None
 
-    def run(key, forward):
-        d = LTX2Denoiser(tr, ctx, None, L.video_coords(tr, 1, f, h, w, 25.0), L.audio_coords(tr, 1, a),
-                         torch.float32, forward=forward)
+    def run(key, split):
+        vc, ac = L.video_coords(tr, 1, f, h, w, 25.0), L.audio_coords(tr, 1, a)
+        if apply_plan is None:
+            d = LTX2Denoiser(tr, ctx, None, vc, ac, torch.float32, forward=split)
+        else:
+            if split is not None:
+                apply_plan(tr, split.plan, getattr(split, "exchange", None))
+            d = LTX2Denoiser(tr, ctx, None, vc, ac, torch.float32, split=split)
         v, au = d(inputs)
+        if split is not None and remove_plan is not None:
+            remove_plan(tr)
         if rank == 0:
             out[key] = {"video": v, "audio": au}
 
     if world == 1:
-        from mgpu_backend.splits.tiled import TiledTransformer
         from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig
 
+        tiling = TileCountConfig(frames=DimensionTilingConfig(2, 1))
         run("ltx25.one", None)
-        run("ltx25.tiled", TiledTransformer(tr, (f, h, w), TileCountConfig(frames=DimensionTilingConfig(2, 1))))
-    else:
-        from mgpu_backend.splits.exchange import Exchange
-        from mgpu_backend.splits.sequence import SequenceParallelTransformer
+        if apply_plan is None:
+            from mgpu_backend.splits.tiled import TiledTransformer
 
+            run("ltx25.tiled", TiledTransformer(tr, (f, h, w), tiling))
+        else:
+            from mgpu_backend.splits.tiled import TiledSplit
+
+            run("ltx25.tiled", TiledSplit(tr, (f, h, w), tiling))
+    else:
         import torch.distributed as dist
-        run("ltx25.sp", SequenceParallelTransformer(tr, Exchange(dist.group.WORLD, world, rank)))
+
+        from mgpu_backend.splits.exchange import Exchange
+
+        exchange = Exchange(dist.group.WORLD, world, rank)
+        if apply_plan is None:
+            from mgpu_backend.splits.sequence import SequenceParallelTransformer
+
+            run("ltx25.sp", SequenceParallelTransformer(tr, exchange))
+        else:
+            from mgpu_backend.splits.sequence import UlyssesSplit
+
+            run("ltx25.sp", UlyssesSplit(exchange))
     return out
 
 

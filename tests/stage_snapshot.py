@@ -101,6 +101,21 @@ def _ctx(rank: int, world: int):
                            stage="setup")
 
 
+def cpu_plan(transformer, rank: int, world: int, guidance_parallel: str):
+    """`build_plan` on the CPU with every stage at the full degree and this guidance-parallel mode, on this tree's
+    signature (a `FleetPolicy` since issue 34; the policy's fields as keywords before)."""
+    import inspect
+
+    from mgpu_backend.splits.plan import build_plan
+
+    if "policy" in inspect.signature(build_plan).parameters:
+        from mgpu_backend.protocol.fleet_config import FleetPolicy
+
+        return build_plan(transformer, rank, world, torch.device("cpu"),
+                          FleetPolicy(min_tokens_per_rank=0, guidance_parallel=guidance_parallel))
+    return build_plan(transformer, rank, world, torch.device("cpu"), guidance_parallel=guidance_parallel)
+
+
 def _run(rank: int, world: int, paths: dict, image: str, guidance_parallel: str) -> dict:
     """Everything on this rank (world 1: one process, no plan)."""
     from types import SimpleNamespace
@@ -113,10 +128,7 @@ def _run(rank: int, world: int, paths: dict, image: str, guidance_parallel: str)
     components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
     plan = None
     if world > 1:
-        from mgpu_backend.splits.plan import build_plan
-
-        plan = build_plan(components.transformer, rank, world, torch.device("cpu"),
-                          guidance_parallel=guidance_parallel)
+        plan = cpu_plan(components.transformer, rank, world, guidance_parallel)
     pipe = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
     out = {}
     if guidance_parallel != "on":  # the recipe's stage 1 is guided: "on" gives it to the passes split

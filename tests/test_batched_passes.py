@@ -131,16 +131,19 @@ def test_auto_does_not_batch_on_cpu_and_refusals_name_the_reason(setup, tiny_dir
 
 
 def test_batched_under_the_sequence_parallel_wrapper(setup):
-    """The batch through `SequenceParallelTransformer` (W = 1 here; W = 2 on gloo below): the per-item wrappers of
-    the STG and isolation passes must survive the wrapper's own check that its processors are installed."""
+    """The batch under the sequence split (W = 1 here; W = 2 on gloo below): the per-item wrappers of the STG and
+    isolation passes wrap the split's processors and hand them its keys."""
+    from mgpu_backend.splits.apply import apply_plan
     from mgpu_backend.splits.exchange import Exchange
-    from mgpu_backend.splits.sequence import SequenceParallelTransformer
+    from mgpu_backend.splits.sequence import UlyssesSplit
 
     denoiser, inputs, _ = setup
     plain = denoiser("on")
     transformer = plain.transformer
+    split = UlyssesSplit(Exchange(None, 1, 0))
+    apply_plan(transformer, split.plan, split.exchange)
     d = LTX2Denoiser(transformer, plain.positive, plain.negative, plain.video_coords, plain.audio_coords,
-                     torch.float32, forward=SequenceParallelTransformer(transformer, Exchange(None, 1, 0)))
+                     torch.float32, split=split)
     passes = S.plan_passes(VIDEO, AUDIO)
     batched = d.batch(inputs, passes)
     singles = [d(dataclasses.replace(inputs, guidance=p)) for p in passes]
@@ -151,8 +154,9 @@ def test_batched_under_the_sequence_parallel_wrapper(setup):
 def _sp_rank(rank: int, world: int, checkpoint: str) -> list:
     import torch.distributed as dist
 
+    from mgpu_backend.splits.apply import apply_plan
     from mgpu_backend.splits.exchange import Exchange
-    from mgpu_backend.splits.sequence import SequenceParallelTransformer
+    from mgpu_backend.splits.sequence import UlyssesSplit
 
     components = load_components(checkpoint, dtype=torch.float32)
     transformer = components.transformer
@@ -166,10 +170,11 @@ def _sp_rank(rank: int, world: int, checkpoint: str) -> list:
     a = torch.randn(1, AUDIO_TOKENS, 128, generator=g)
     inputs = S.ModelInputs(x, a, torch.full((1, f * h * w), 0.6), torch.full((1, AUDIO_TOKENS), 0.6),
                            torch.tensor([0.6]), torch.tensor([0.6]), S.GuidancePass("cond"), 0)
-    forward = SequenceParallelTransformer(transformer, Exchange(dist.group.WORLD if world > 1 else None, world, rank))
+    split = UlyssesSplit(Exchange(dist.group.WORLD if world > 1 else None, world, rank))
+    apply_plan(transformer, split.plan, split.exchange)
     d = LTX2Denoiser(transformer, contexts.select(0), contexts.select(1),
                      L.video_coords(transformer, 1, f, h, w, 24.0), L.audio_coords(transformer, 1, AUDIO_TOKENS),
-                     torch.float32, forward=forward)
+                     torch.float32, split=split)
     passes = S.plan_passes(VIDEO, AUDIO)
     return [d.batch(inputs, passes), [d(dataclasses.replace(inputs, guidance=p)) for p in passes]]
 

@@ -330,6 +330,7 @@ def _our_comfy_forward(run: dict, eps: float | None = None):
     `eps` None: ComfyUI's q/k eps (1e-5) as the engine runs it; else that eps in the connectors and the transformer
     (the driver's "scaled_eps" run)."""
     from mgpu_backend.protocol.native_forward import ForwardRequest, PreprocessTextRequest
+    from mgpu_backend.splits.apply import apply_plan
     from mgpu_backend.stages.native import NativeEngine, comfy_qk_eps, qk_norms
 
     comps, inputs = run["ours"], run["inputs"]
@@ -351,7 +352,8 @@ def _our_comfy_forward(run: dict, eps: float | None = None):
         tc = text_contexts(comps, [inputs["cond"]], dtype=torch.float32)
         req = request(torch.cat([tc.video, tc.audio], dim=-1))
         prepared = engine.prepare(req, req.context)
-        video, audio = engine.run_rows(prepared, [0], engine._local, req.options)  # noqa: SLF001
+        apply_plan(engine.transformer, engine.local_split.plan, engine.local_split.exchange)
+        video, audio = engine.run_rows(prepared, [0], engine.local_split, req.options)
         return engine.unpack(prepared, video, audio, torch.float32)
 
 

@@ -18,7 +18,7 @@ from _dist import run_ranks
 from mgpu_backend.engine import compile as C
 from mgpu_backend.engine.denoiser import skip_self_attention
 from mgpu_backend.splits.exchange import Exchange
-from mgpu_backend.splits.sequence import SequenceParallelTransformer
+from _forward import SequenceDriver
 from test_sequence_parallel import _contexts, _forward, _forward_kwargs, _load
 
 WORLD = 2
@@ -31,7 +31,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _compile_rank(rank: int, world: int, files: dict) -> dict:
     components = _load(files, "2.0")
-    sp = SequenceParallelTransformer(components.transformer, Exchange(None, world, rank))
+    sp = SequenceDriver(components.transformer, Exchange(None, world, rank))
     kwargs = _forward_kwargs(components, "odd", _contexts(components))  # 9 tokens over 2 ranks: padded keys
     out = {"eager": _forward(sp, kwargs)}
     with skip_self_attention(components.transformer, (1,), (0,)):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mgpu_backend.splits import cost as C
-from mgpu_backend.splits.plan import ParallelPlan, SPStage
+from mgpu_backend.splits.plan import ParallelPlan, PlanPolicy, SPStage
 
 CPU = torch.device("cpu")
 DEGREES = [1, 2, 4, 8]
@@ -171,8 +171,7 @@ def test_choice_reason_names_the_degree_and_why():
 
 def _plan(world: int, **kw) -> ParallelPlan:
     stages = {d: SPStage(d, None, None) for d in DEGREES if d <= world}
-    return ParallelPlan.hand_built(rank=0, world_size=world, device=CPU, sp_degree=world,
-                                   stages=stages, **kw)
+    return ParallelPlan.hand_built(0, world, CPU, PlanPolicy(world, **kw), stages=stages)
 
 
 def test_plan_picks_the_cost_models_degree_and_reports_why():

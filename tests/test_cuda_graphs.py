@@ -23,7 +23,8 @@ from mgpu_backend.engine.denoiser import LTX2Denoiser, skip_self_attention, text
 from mgpu_backend.models import fp8 as F8
 from mgpu_backend.models.loader import load_components
 from mgpu_backend.splits.exchange import Exchange
-from mgpu_backend.splits.sequence import SequenceParallelTransformer
+from mgpu_backend.splits.apply import apply_plan
+from mgpu_backend.splits.sequence import UlyssesSplit
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
@@ -49,10 +50,12 @@ def _setup(tiny_dir, variant: str, device: str, dtype: torch.dtype, checkpoint: 
                              dtype=dtype)
     f, h, w = GRID
 
-    def denoiser(forward=None) -> LTX2Denoiser:
+    def denoiser(split=None) -> LTX2Denoiser:
+        if split is not None:
+            apply_plan(transformer, split.plan, split.exchange)
         return LTX2Denoiser(transformer, contexts.select(0), contexts.select(1),
                             L.video_coords(transformer, 1, f, h, w, 24.0, device=device),
-                            L.audio_coords(transformer, 1, AUDIO_TOKENS, device=device), dtype, forward=forward)
+                            L.audio_coords(transformer, 1, AUDIO_TOKENS, device=device), dtype, split=split)
 
     x = torch.randn(1, f * h * w, 128, generator=g)
     a = torch.randn(1, AUDIO_TOKENS, 128, generator=g)
@@ -95,8 +98,7 @@ def test_key_separates_what_the_kernels_depend_on(tiny_dir):
     assert G.forward_key(transformer, kwargs) == base  # processors restored
     F8.WEIGHT_GENERATION[0] += 1  # what setting FP8Linear.fused_weight does
     assert G.forward_key(transformer, kwargs) != base
-    sp = SequenceParallelTransformer(transformer, Exchange(None, 1, 0))
-    sp.activate()
+    apply_plan(transformer, UlyssesSplit(Exchange(None, 1, 0)).plan, Exchange(None, 1, 0))
     assert G.forward_key(transformer, kwargs) != G.forward_key(transformer, kwargs, extra="other")
 
 
@@ -179,7 +181,7 @@ def test_piecewise_around_collectives_and_compiled(tiny_dir, mark):
 
     transformer, denoiser, inputs = _setup(tiny_dir, "2.0", "cuda", torch.bfloat16)
     exchange = _CopyExchange(2)
-    d = denoiser(SequenceParallelTransformer(transformer, exchange))
+    d = denoiser(UlyssesSplit(exchange))
     G.set_mode("off")
     try:
         want = d(inputs)

@@ -80,8 +80,11 @@ from mgpu_backend.stages import text_encoder as G
 from mgpu_backend.splits.decode import decode_tiles
 from mgpu_backend.splits.exchange import Exchange
 from mgpu_backend.splits.plan import build_plan
-from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention
-from mgpu_backend.splits.tiled import TiledTransformer
+from mgpu_backend.protocol.fleet_config import FleetPolicy
+from mgpu_backend.protocol.fleet_config import FleetPolicy
+from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention
+from mgpu_backend.splits.tiled import TiledSplit
+from mgpu_backend.testing.diffusers_inputs import SequenceDriver
 from mgpu_backend.splits.tiling import TileCountConfig
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 
@@ -175,6 +178,11 @@ class _OnDevice:
         else:
             use_processor(self.inner, LTX2AttnProcessor())  # what a one-process stage installs
 
+    @property
+    def split(self):
+        """The SP driver's split (None: the plain transformer)."""
+        return getattr(self.inner, "split", None)
+
     def __call__(self, **kwargs):
         return self.inner(**_cast(kwargs, self.device, self.dtype))
 
@@ -190,7 +198,7 @@ def _sp(models: dict, inputs: dict, device, dtype, ranks=None) -> dict:
     out = {}
     for variant in VARIANTS:
         components = models[variant]
-        sp = SequenceParallelTransformer(components.transformer, Exchange(None, *ranks)) if ranks else None
+        sp = SequenceDriver(components.transformer, Exchange(None, *ranks)) if ranks else None
         run = _OnDevice(sp or components.transformer, device, dtype)
         run.activate()
         res = {"forward": {case: _cpu(SP._forward(run, kw)) for case, kw in inputs[variant]["forward"].items()},
@@ -212,7 +220,7 @@ def _tdp(models: dict, inputs: dict, device, dtype, ranks=None) -> dict:
         kwargs = _cast(inputs[variant]["tdp"], device, dtype)
         for name, tiling in TDP.TILINGS.items():
             video, audio = TDP._tiled_forward(tf, TDP.GRID, tiling, kwargs, world, rank)
-            mine = [t.index for t in TiledTransformer(tf, TDP.GRID, tiling, None, world, rank).my_tiles]
+            mine = [t.index for t in TiledSplit(tf, TDP.GRID, tiling, None, world, rank).my_tiles]
             out[variant, name] = (video.cpu(), audio.cpu(), mine)
     return out
 
@@ -252,7 +260,7 @@ def _lora(models: dict, files: dict, user_loras: dict, inputs: dict, device, dty
         fuser = LoRAFuser(tf, rank, world)
         reports = fuser.fuse(loras)
         fused = {name: tf.get_submodule(name).weight.detach().cpu().clone() for name in fuser.fused_names}
-        run = _OnDevice(SequenceParallelTransformer(tf, Exchange(None, *ranks)) if ranks else tf, device, dtype)
+        run = _OnDevice(SequenceDriver(tf, Exchange(None, *ranks)) if ranks else tf, device, dtype)
         run.activate()
         forward = _cpu(SP._forward(run, inputs[variant]["forward"][LORA_FORWARD_CASE]))
         owned = len(fuser.owned())
@@ -337,8 +345,8 @@ def _pipeline(models: dict, files: dict, user_loras: dict, image: str, device, d
     plan = None
     if ranks:
         world, rank = ranks
-        plan = build_plan(components.transformer, rank, world, device, min_tokens_per_rank=0, sp_degree=sp_degree,
-                          guidance_parallel=guidance_parallel)
+        plan = build_plan(components.transformer, rank, world, device,
+                          FleetPolicy(sp_degree=sp_degree, min_tokens_per_rank=0, guidance_parallel=guidance_parallel))
     gemma = load_gemma(files[PIPELINE_VARIANT]["gemma"], device=device, dtype=dtype)
     result = TwoStagePipeline(components, gemma, device=device, dtype=dtype, plan=plan).generate(
         _request(files, user_loras, image))
@@ -408,7 +416,7 @@ def _w1_rank(rank: int, world: int, device_name: str, files: dict, inputs: dict,
             plain = _OnDevice(tf, device, dtype)
             plain.activate()
             res[variant, "plain"] = {c: _cpu(SP._forward(plain, kw)) for c, kw in inputs[variant]["forward"].items()}
-            sp = _OnDevice(SequenceParallelTransformer(tf, Exchange(None, 1, 0)), device, dtype)
+            sp = _OnDevice(SequenceDriver(tf, Exchange(None, 1, 0)), device, dtype)
             res[variant, "sp"] = {c: _cpu(SP._forward(sp, kw)) for c, kw in inputs[variant]["forward"].items()}
         res["collectives"] = _collective_round_trips(models, device, dtype)
         res["pipeline"] = _pipeline(models, files, user_loras, image, device, dtype, ranks=(1, 0))

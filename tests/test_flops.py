@@ -24,10 +24,18 @@ from mgpu_backend.models.families import get_family
 from mgpu_backend.testing.tiny import tiny_transformer_metadata
 from mgpu_backend.engine import flops as F
 from mgpu_backend.engine.sampling import GuidancePass
-from mgpu_backend.engine.tokens import TokenBatch
+
+from _forward import diffusers_batch
 
 GRID = (2, 2, 3)  # latent frames, height, width -> 12 video tokens
 AUDIO, TEXT = 5, 7
+
+
+def _call_diffusers(model, **kw):
+    """The engine's one forward (REFERENCE) on diffusers' keyword arguments (`_forward.diffusers_batch`)."""
+    kw.pop("return_dict", None)
+    batch, options = diffusers_batch(model.config, **kw)
+    return model_forward.run_eager(model, batch, options=options)
 
 
 def _model(meta: dict, device: str = "cpu"):
@@ -80,7 +88,7 @@ def test_tiny_forward_matches_flop_counter(variant, batch):
     shape = F.TransformerShape.of(model.config)
     expected = F.forward_flops(shape, 12, AUDIO, TEXT, batch)
     # the engine's one forward and diffusers' own forward, both counted by torch
-    assert _counted(lambda: model_forward.call_diffusers(model, **kw)) == expected.total
+    assert _counted(lambda: _call_diffusers(model, **kw)) == expected.total
     assert _counted(lambda: model(**kw, return_dict=False)) == expected.total
 
 
@@ -89,10 +97,10 @@ def test_per_row_timesteps_and_isolated_pass():
     kw = _kwargs(model, 1)
     shape = F.TransformerShape.of(model.config)
     per_row = dict(kw, timestep=torch.full((1, 1), 700.0), audio_timestep=torch.full((1, 1), 700.0))
-    assert _counted(lambda: model_forward.call_diffusers(model, **per_row)) == \
+    assert _counted(lambda: _call_diffusers(model, **per_row)) == \
         F.forward_flops(shape, 12, AUDIO, TEXT, variant=F.ForwardVariant(timestep_per_token=False)).total
     isolated = F.forward_flops(shape, 12, AUDIO, TEXT, variant=F.ForwardVariant(cross_modal=False))
-    assert _counted(lambda: model_forward.call_diffusers(model, **kw, isolate_modalities=True)) == isolated.total
+    assert _counted(lambda: _call_diffusers(model, **kw, isolate_modalities=True)) == isolated.total
     assert isolated.parts["cross-modal linear"] == isolated.parts["cross-modal attention"] == 0
 
 
@@ -100,7 +108,7 @@ def test_native_cross_timesteps_per_token():
     """ComfyUI's native forward feeds per-token cross-attention AdaLN inputs (`stages/native.py`): counted per token."""
     model = _model(tiny_transformer_metadata("2.0"))
     kw = _kwargs(model, 1)
-    batch = TokenBatch.from_diffusers(model.config, **kw)
+    batch, _ = diffusers_batch(model.config, **kw)
     n = batch.video_tokens
     import dataclasses
 
@@ -117,7 +125,7 @@ def test_stg_pass_skips_its_blocks_self_attention():
     kw = _kwargs(model, 1)
     shape = F.TransformerShape.of(model.config)
     with skip_self_attention(model, (1,), (0, 1)):
-        got = _counted(lambda: model_forward.call_diffusers(model, **kw))
+        got = _counted(lambda: _call_diffusers(model, **kw))
     assert got == F.forward_flops(shape, 12, AUDIO, TEXT,
                                 variant=F.ForwardVariant(video_skip_blocks=1, audio_skip_blocks=2)).total
     assert got < F.forward_flops(shape, 12, AUDIO, TEXT).total
@@ -135,7 +143,7 @@ def test_batched_guidance_forward_executes_every_pass_in_full():
     passes = [GuidancePass("cond"), GuidancePass("uncond"), GuidancePass("perturbed", (1,), (1,)),
               GuidancePass("isolated")]
     with per_item_perturbations(model, passes):
-        got = _counted(lambda: model_forward.call_diffusers(model, **kw))
+        got = _counted(lambda: _call_diffusers(model, **kw))
     d, da = shape.video_dim, shape.audio_dim
     extra_value_path = 4 * (2 * 12 * 2 * d * d + 2 * AUDIO * 2 * da * da)  # v + out of attn1 / audio_attn1, 4 items
     assert got == F.forward_flops(shape, 12, AUDIO, TEXT, 4).total + extra_value_path
@@ -154,9 +162,9 @@ def test_released_widths_on_the_meta_device(family):
     assert F.TransformerShape.of(model.config) == two
     grid, audio, text = (2, 4, 6), 9, 16
     kw = _kwargs(model, 1, grid, audio, text, device="meta")
-    assert _counted(lambda: model_forward.call_diffusers(model, **kw)) == F.forward_flops(two, 48, audio, text).total
-    # per video token, 48 blocks: the blocks' linear layers ≈ 25.8 GFLOP (docs/design/models.md#shapes; exactly
-    # 2·48·(14·D² + 4·D·Da) = 25.770 G on 2.0, + the 2.3 / 2.5 gate logits 0.038 G)
+    assert _counted(lambda: _call_diffusers(model, **kw)) == F.forward_flops(two, 48, audio, text).total
+    # per video token, 48 blocks: the blocks' linear layers ≈ 25.8 GFLOP (docs/design/models.md#shapes; exactly 2·48·(14·D² + 4·D·Da)
+    # = 25.770 G on 2.0, + the 2.3 / 2.5 gate logits 0.038 G)
     per_token = F.linear_flops_per_video_token(shape48)
     assert per_token == 48 * 2 * (14 * 4096**2 + 4 * 4096 * 2048) + (0 if family == "2.0" else 48 * 2 * 4096 * 96)
     assert per_token / 1e9 == pytest.approx(25.8, abs=0.05)

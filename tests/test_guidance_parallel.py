@@ -31,7 +31,7 @@ from mgpu_backend.models.loader import load_components
 from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.splits import cost as C
 from mgpu_backend.splits import passes as GP
-from mgpu_backend.splits.plan import ParallelPlan, SPStage
+from mgpu_backend.splits.plan import ParallelPlan, PlanPolicy, SPStage
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.stages.stage import StageSpec
 
@@ -107,10 +107,11 @@ class _Forwards:
 
 
 def _rank(rank: int, world: int, paths: dict) -> dict:
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
 
     components = _load(paths)
-    plan = build_plan(components.transformer, rank, world, CPU, guidance_parallel="on")
+    plan = build_plan(components.transformer, rank, world, CPU, FleetPolicy(min_tokens_per_rank=0, guidance_parallel="on"))
     pipeline = TwoStagePipeline(components, None, plan=plan)
     count = _Forwards(components.transformer)
     out: dict = {"stages": {}, "pass_groups": sorted(plan.pass_groups)}
@@ -265,10 +266,10 @@ def _cuda_plan(world: int, mode: str = "auto", **kw) -> ParallelPlan:
     """A CUDA-like plan as build_plan makes it for the LTX-2 19B shape (no GPU needed: only the policy is read, no
     collective runs)."""
     degrees = [d for d in (1, 2, 4, 8) if d <= world]
-    return ParallelPlan.hand_built(rank=0, world_size=world, device=torch.device("cuda"), sp_degree=max(degrees),
+    policy = PlanPolicy(max(degrees), cost_model=C.DEFAULT, shape=C.LTX2_19B, guidance_parallel=mode, **kw)
+    return ParallelPlan.hand_built(0, world, torch.device("cuda"), policy,
                                    stages={d: SPStage(d, None, None) for d in degrees},
-                                   cost_model=C.DEFAULT, shape=C.LTX2_19B, guidance_parallel=mode,
-                                   pass_groups={g: None for g in range(2, min(world, 4) + 1)}, **kw)
+                                   pass_groups={g: None for g in range(2, min(world, 4) + 1)})
 
 
 @pytest.mark.parametrize("tokens,passes,world", [(3520, 4, 4), (3520, 4, 2), (3520, 2, 8), (14080, 4, 4),
@@ -312,8 +313,7 @@ def test_auto_on_cuda_flagship_stage1_and_a_large_three_pass_stage():
 
 
 def test_modes_cpu_off_on_and_the_token_cap():
-    cpu = ParallelPlan.hand_built(rank=0, world_size=4, device=CPU, sp_degree=4,
-                                  guidance_parallel="auto", pass_groups={})
+    cpu = ParallelPlan.hand_built(0, 4, CPU, PlanPolicy(4, guidance_parallel="auto"), pass_groups={})
     run = cpu.split("stage 1", 3520, 4)
     assert run.kind == "sequence"  # CPU "auto": SP as before
     assert cpu.describe(run.report) == "sequence parallel over all 4 ranks"

@@ -430,8 +430,12 @@ def _sp_forward(components, golden, forward=None, grid=SP_GRID):
     spec, t = golden["spec"], golden["t"]
     tr = components.transformer
     ctx = text_contexts(components, [t["input.cond"]], dtype=torch.float32)
+    if forward is not None:
+        from mgpu_backend.splits.apply import apply_plan
+
+        apply_plan(tr, forward.plan, getattr(forward, "exchange", None))
     denoiser = LTX2Denoiser(tr, ctx, None, L.video_coords(tr, 1, f, h, w, spec["fps"]),
-                            L.audio_coords(tr, 1, spec["audio_frames"]), torch.float32, forward=forward)
+                            L.audio_coords(tr, 1, spec["audio_frames"]), torch.float32, split=forward)
     g = torch.Generator().manual_seed(5)
     video = torch.randn(1, f * h * w, 128, generator=g)
     audio = torch.randn(1, spec["audio_frames"], 128, generator=g)
@@ -443,12 +447,12 @@ def _sp_forward(components, golden, forward=None, grid=SP_GRID):
 
 def _sp25_rank(rank: int, world: int, files: dict, golden_path: str) -> dict:
     from mgpu_backend.splits.exchange import Exchange
-    from mgpu_backend.splits.sequence import SequenceParallelTransformer
+    from mgpu_backend.splits.sequence import UlyssesSplit
 
     comps = load_components(files["transformer"], video_vae=files["video_vae"], audio_vae=files["audio_vae"],
                             dtype=torch.float32)
     golden = {"spec": json.loads(safe_open(golden_path, "pt").metadata()["spec"]), "t": load_file(golden_path)}
-    return _sp_forward(comps, golden, SequenceParallelTransformer(comps.transformer, Exchange(None, world, rank)))
+    return _sp_forward(comps, golden, UlyssesSplit(Exchange(None, world, rank)))
 
 
 def test_sequence_parallel_shards_the_keyframe_marker(files25, ours, golden):
@@ -510,9 +514,9 @@ def test_cli_takes_a_models_folder_and_names_what_is_missing(files25, tmp_path):
 
 
 def test_tiles_get_the_marker_of_their_own_tokens(ours, golden, monkeypatch):
-    """Tiled stage 2 normalizes each tile's positions to start at 0 (docs/design/tiled-data-parallel.md): the keyframe
-    marker must come from the clip's positions, so a tile of later frames carries none."""
-    from mgpu_backend.splits.tiled import TiledTransformer
+    """Tiled stage 2 normalizes each tile's positions to start at 0 (docs/design/tiled-data-parallel.md): the keyframe marker must come
+    from the clip's positions, so a tile of later frames carries none."""
+    from mgpu_backend.splits.tiled import TiledSplit
     from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig
 
     grid = (4, 1, 2)
@@ -520,14 +524,14 @@ def test_tiles_get_the_marker_of_their_own_tokens(ours, golden, monkeypatch):
     seen = []
     from mgpu_backend.engine import forward as model_forward
 
-    real = model_forward.run_eager  # the one forward every tile runs (issue 25)
+    real = model_forward._local  # noqa: SLF001 (the one forward's local part: every tile runs it, issue 25)
 
     def spy(transformer, batch, *args, **kwargs):
         seen.append((batch.video_coords[0, 0, :, 0].clone(), batch.keyframe_marker[0].float()))
         return real(transformer, batch, *args, **kwargs)
 
-    monkeypatch.setattr(model_forward, "run_eager", spy)
-    tiled = TiledTransformer(tr, grid, TileCountConfig(frames=DimensionTilingConfig(2, 1)))
+    monkeypatch.setattr(model_forward, "_local", spy)
+    tiled = TiledSplit(tr, grid, TileCountConfig(frames=DimensionTilingConfig(2, 1)))
     _sp_forward(ours, golden, tiled, grid)
     assert len(seen) == 2
     (coords0, mask0), (coords1, mask1) = seen

@@ -20,7 +20,7 @@ import torch
 from mgpu_backend.engine import cuda_graphs as G
 from mgpu_backend.stages import native as N
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.splits.sequence import SequenceParallelTransformer
+from mgpu_backend.splits.sequence import UlyssesSplit
 from test_cuda_graphs import _CopyExchange  # one simulated W-way exchange on one GPU
 from test_native_forward import golden_requests, load_golden
 
@@ -60,7 +60,7 @@ def test_cpu_native_forward_never_touches_graphs(tiny_dir):
 def test_graphed_native_equals_eager_bitwise(tiny_dir, world, mark):
     eng = _engine(tiny_dir, "cuda", torch.bfloat16)
     if world > 1:  # one simulated rank of a W-way sequence-parallel split
-        eng._local = SequenceParallelTransformer(eng.transformer, _CopyExchange(world))
+        eng.local_split = UlyssesSplit(_CopyExchange(world))
     requests = golden_requests(*load_golden())
     eager = {name: _eager(eng, req) for name, req in requests.items()}
     for _ in range(3):  # warm-up, capture, replay

@@ -209,11 +209,13 @@ def _run_jobs(state, rank: int, meta: dict, tensors: dict, cases=None) -> dict:
 def _state(checkpoint: str, rank: int, world: int, guidance_parallel: str, components=None):
     """What a worker's `WorkerState` gives the jobs (components, plan, dtype, device), float32 on the CPU."""
     from mgpu_backend.models.loader import load_components
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
 
     device = torch.device("cpu")
     components = components or load_components(checkpoint, dtype=torch.float32, device=device)
-    plan = build_plan(components.transformer, rank, world, device, guidance_parallel=guidance_parallel) \
+    plan = build_plan(components.transformer, rank, world, device,
+                      FleetPolicy(min_tokens_per_rank=0, guidance_parallel=guidance_parallel)) \
         if world > 1 else None
     return SimpleNamespace(components=components, plan=plan, dtype=torch.float32, device=device)
 

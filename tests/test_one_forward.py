@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ import torch
 from mgpu_backend.engine import forward as model_forward
 from mgpu_backend.engine.attention import use_processor
 from mgpu_backend.testing.tiny import build_tiny_modules
-from mgpu_backend.splits.forward_plan import REPLICATED, SEQUENCE, TILES, select_tokens, shard_batch
+from mgpu_backend.splits.forward_plan import SEQUENCE, TILES, select_tokens, shard_batch
 from mgpu_backend.engine.semantics import COMFYUI, REFERENCE, Semantics, semantics_named
 from mgpu_backend.engine.tokens import TOKEN_FIELDS, TokenBatch
 from mgpu_backend.protocol.validation import ValidationError
+
+from _forward import diffusers_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "befdd65f7d534d84aa93b5b1264b8c74e2e65040"  # main before issue 34 (the layer packages, the executable plan)
@@ -59,39 +62,83 @@ def _kwargs(tr, n=7, ta=5, b=1, seed=0, **over):
     return kw
 
 
+def _batch(tr, kw):
+    return diffusers_batch(tr.config, **kw)
+
+
 @pytest.mark.parametrize("over", [{}, {"use_cross_timestep": False}, {"isolate_modalities": True},
                                   {"audio_sigma": None}, {"timestep": torch.full((1, 1), 500.0)}])
 def test_reference_semantics_is_diffusers_forward_bitwise(transformer23, over):
-    """`call_diffusers` (TokenBatch.from_diffusers + the one forward, REFERENCE) = diffusers 0.42.1's own forward."""
+    """The one forward (REFERENCE) on diffusers' inputs (`_forward.diffusers_batch`) = diffusers 0.42.1's own
+    forward."""
     kw = _kwargs(transformer23, **over)
     with torch.no_grad():
         want = transformer23(return_dict=False, **kw)
-        got = model_forward.call_diffusers(transformer23, **kw)
+        batch, options = _batch(transformer23, kw)
+        got = model_forward.run_eager(transformer23, batch, REFERENCE, None, options)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_the_engine_never_calls_diffusers_forward(transformer23, monkeypatch):
-    """Every path goes through `model_forward`: the plain denoiser forward, the SP wrapper, the tiles."""
+    """Every path goes through `model_forward`: the plain forward, the sequence split, the tiles (each under its
+    applied plan)."""
+    from mgpu_backend.splits.apply import apply_plan, remove_plan
     from mgpu_backend.splits.exchange import Exchange
-    from mgpu_backend.splits.sequence import SequenceParallelTransformer
-    from mgpu_backend.splits.tiled import TiledTransformer
+    from mgpu_backend.splits.sequence import UlyssesSplit
+    from mgpu_backend.splits.tiled import TiledSplit
     from mgpu_backend.splits.tiling import TileCountConfig
 
     def refuse(*args, **kwargs):
         raise AssertionError("diffusers' LTX2VideoTransformer3DModel.forward was called")
 
-    kw = _kwargs(transformer23, n=6)
+    batch, options = _batch(transformer23, _kwargs(transformer23, n=6))
+    sp = UlyssesSplit(Exchange(None, 1, 0))
+    tiles = TiledSplit(transformer23, (1, 2, 3), TileCountConfig.spatial(1, 1, overlap=0), normalize_positions=False)
     with torch.no_grad():
-        want = model_forward.call_diffusers(transformer23, **kw)
+        want = model_forward.run_eager(transformer23, batch, REFERENCE, None, options)
         monkeypatch.setattr(type(transformer23), "forward", refuse)
-        sp = SequenceParallelTransformer(transformer23, Exchange(None, 1, 0))(**kw)
-        tiled = TiledTransformer(transformer23, (1, 2, 3), TileCountConfig.spatial(1, 1, overlap=0),
-                                 normalize_positions=False)(**kw)
-    assert torch.equal(sp[0], want[0]) and torch.equal(tiled[0], want[0].float().to(tiled[0].dtype))
+        try:
+            apply_plan(transformer23, sp.plan, sp.exchange)
+            got_sp = model_forward.run(transformer23, batch, REFERENCE, sp, options)
+            apply_plan(transformer23, tiles.plan)
+            got_tiles = model_forward.run(transformer23, batch, REFERENCE, tiles, options)
+        finally:
+            remove_plan(transformer23)
+    assert torch.equal(got_sp[0], want[0]) and torch.equal(got_tiles[0], want[0].float().to(got_tiles[0].dtype))
+
+
+def test_apply_plan_installs_exactly_the_plans_processors(transformer23):
+    """`apply_plan` puts the processor of each attention entry's kind on that attention of every block (the others
+    local), refuses a plan it cannot execute, and `remove_plan` makes every attention local again."""
+    from mgpu_backend.engine.attention import ATTENTIONS, LTX2AttnProcessor
+    from mgpu_backend.splits.apply import applied_plan, apply_plan, remove_plan
+    from mgpu_backend.splits.exchange import Exchange
+    from mgpu_backend.splits.forward_plan import ForwardPlan
+    from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention
+
+    try:
+        apply_plan(transformer23, SEQUENCE, Exchange(None, 1, 0))
+        assert applied_plan(transformer23) is SEQUENCE
+        for block in transformer23.transformer_blocks:
+            kinds = {name: type(getattr(block, name).processor) for name in ATTENTIONS}
+            assert kinds.pop("attn1") is UlyssesSelfAttention
+            assert kinds.pop("video_to_audio_attn") is GatheredKeysCrossAttention
+            assert set(kinds.values()) == {LTX2AttnProcessor}
+        with pytest.raises(ValueError, match="needs an exchange"):
+            apply_plan(transformer23, SEQUENCE)
+        with pytest.raises(ValueError, match=r"kind\(s\) \['ring'\] have no processor"):
+            apply_plan(transformer23, ForwardPlan("ring", attention=MappingProxyType({"attn1": "ring"})))
+        with pytest.raises(ValueError, match="does not divide"):
+            apply_plan(transformer23, SEQUENCE, Exchange(None, 3, 0))
+    finally:
+        remove_plan(transformer23)
+    assert applied_plan(transformer23) is None
+    assert {type(getattr(b, n).processor) for b in transformer23.transformer_blocks for n in ATTENTIONS} == \
+        {LTX2AttnProcessor}
 
 
 def test_token_batch_is_frozen_and_selects_rows(transformer23):
-    batch = TokenBatch.from_diffusers(transformer23.config, **_kwargs(transformer23, b=2))
+    batch, _ = _batch(transformer23, _kwargs(transformer23, b=2))
     with pytest.raises(AttributeError):
         batch.video = batch.audio  # type: ignore[misc]
     one = batch.select_rows([1])
@@ -100,7 +147,7 @@ def test_token_batch_is_frozen_and_selects_rows(transformer23):
 
 
 def test_sequence_plan_pads_and_slices_only_the_per_token_fields(transformer23):
-    batch = TokenBatch.from_diffusers(transformer23.config, **_kwargs(transformer23, n=7))
+    batch, _ = _batch(transformer23, _kwargs(transformer23, n=7))
     parts = [shard_batch(SEQUENCE, batch, r, 2) for r in range(2)]
     assert {padded for _, padded in parts} == {8}
     assert torch.equal(torch.cat([p.video for p, _ in parts], 1)[:, :7], batch.video)
@@ -115,8 +162,7 @@ def test_sequence_plan_pads_and_slices_only_the_per_token_fields(transformer23):
 def test_plans_are_declarative_and_weights_have_their_entry():
     assert set(SEQUENCE.inputs) == set(TOKEN_FIELDS) and SEQUENCE.inputs["video_coords"].dim == 2
     assert SEQUENCE.attention == {"attn1": "ulysses", "video_to_audio_attn": "gathered keys"}
-    assert SEQUENCE.outputs["video"].dim == 1
-    assert SEQUENCE.weights == TILES.weights == REPLICATED  # the sharded-weights entry (weights/sharding.py) to come
+    assert SEQUENCE.outputs["video"].dim == 1 and not TILES.attention
     with pytest.raises(TypeError):
         SEQUENCE.inputs["video"] = None  # type: ignore[index]
 

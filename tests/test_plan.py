@@ -23,10 +23,11 @@ def paths(tmp_path_factory):
 
 
 def _degrees(rank, world, checkpoint):
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
 
     components = load_components(checkpoint, dtype=torch.float32)
-    plan = build_plan(components.transformer, rank, world, torch.device("cpu"), min_tokens_per_rank=8)
+    plan = build_plan(components.transformer, rank, world, torch.device("cpu"), FleetPolicy(min_tokens_per_rank=8))
     return {tokens: plan.stage(tokens).degree for tokens in (40, 32, 20, 12, 3)}
 
 
@@ -39,13 +40,14 @@ def test_stage_degree_keeps_enough_tokens_per_rank(paths):
 
 def _policies(rank, world, checkpoint):
     """The plan's degree policy per device type and configuration (no CUDA needed: only the policy is read)."""
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
 
     transformer = load_components(checkpoint, dtype=torch.float32).transformer
     out = {}
     for name, device, min_tokens in (("cuda default", "cuda", None), ("cuda explicit", "cuda", 8),
                                      ("cpu default", "cpu", None)):
-        plan = build_plan(transformer, rank, world, torch.device(device), min_tokens_per_rank=min_tokens)
+        plan = build_plan(transformer, rank, world, torch.device(device), FleetPolicy(min_tokens_per_rank=min_tokens))
         degrees = {tokens: plan.stage(tokens).degree for tokens in (40, 12, 10 ** 6)}
         out[name] = {"cost": plan.cost_model is not None, "stages": sorted(plan.stages), "degrees": degrees,
                      "describe": plan.describe(plan.choose(10 ** 6)), "shape": plan.shape}
@@ -72,10 +74,11 @@ def test_cuda_fleets_pick_the_degree_by_the_cost_model(paths):
 
 
 def _generate(rank, world, paths):
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
 
     components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
-    plan = build_plan(components.transformer, rank, world, torch.device("cpu"), min_tokens_per_rank=10 ** 6)
+    plan = build_plan(components.transformer, rank, world, torch.device("cpu"), FleetPolicy(min_tokens_per_rank=10 ** 6))
     pipeline = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
     result = pipeline.generate(GenerateRequest(**REQUEST))
     return {"audio_latent": result.audio_latent, "report": result.parallel_report}
@@ -162,6 +165,7 @@ def test_policy_changes_pick_among_the_groups_built_at_start(paths):
 
 
 def _cancel_on_three(rank, world, paths):
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
     from mgpu_backend.engine.sampling import SamplingCancelled
 

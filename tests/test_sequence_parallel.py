@@ -36,12 +36,17 @@ from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
 from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.splits.exchange import Exchange
-from mgpu_backend.splits.plan import ParallelPlan, build_plan
+from mgpu_backend.splits.plan import ParallelPlan, PlanPolicy, build_plan
 from mgpu_backend.splits.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
-from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention, _ForwardState, check_token_cap
+from mgpu_backend.splits.apply import apply_plan
+from mgpu_backend.splits.forward_plan import SEQUENCE, pad_and_slice
+from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention, check_token_cap
+from mgpu_backend.engine.attention import VideoKeys
 from mgpu_backend.splits.tiling import default_tiling
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.validation import ValidationError
+
+from _forward import SequenceDriver
 
 torch.set_num_threads(1)
 
@@ -154,8 +159,12 @@ def _stage1(components, case: str, contexts: TextContext, forward=None) -> dict:
     positive = contexts if b == 2 else contexts.select(0)
     negative = _flip(contexts) if b == 2 else contexts.select(1)
     tf = components.transformer
-    model = LTX2Denoiser(tf, positive, negative, L.video_coords(tf, b, f, h, w, FPS),
-                         L.audio_coords(tf, b, AUDIO_TOKENS), torch.float32, forward=forward)
+    # a driver on a device (test_cuda_parity's `_OnDevice`) names the device and compute dtype of the forwards
+    device, dtype = getattr(forward, "device", None), getattr(forward, "dtype", torch.float32)
+    positive, negative = (TextContext(c.video.to(device, dtype), c.audio.to(device, dtype), c.mask.to(device, dtype))
+                          for c in (positive, negative))
+    model = LTX2Denoiser(tf, positive, negative, L.video_coords(tf, b, f, h, w, FPS).to(device),
+                         L.audio_coords(tf, b, AUDIO_TOKENS).to(device), dtype, split=getattr(forward, "split", None))
     video, audio = S.denoise_loop(model, S.ltx2_sigmas(STAGE1_STEPS),
                                   S.ModalityStream(start_v, video_mask, video_clean, VIDEO_GUIDANCE),
                                   S.ModalityStream(start_a, guidance=AUDIO_GUIDANCE))
@@ -186,8 +195,8 @@ def _distilled_request(image: str) -> GenerateRequest:
                            decode_tiles=default_tiling(2, PIPELINE_GRID2, 2), **PIPELINE_SIZE)
 
 
-def _sp_processors(sp: SequenceParallelTransformer) -> list:
-    """The distinct video self-attention / video→audio processors installed by the wrapper (shared by the blocks)."""
+def _sp_processors(sp: SequenceDriver) -> list:
+    """The distinct video self-attention / video→audio processors installed by the plan (shared by the blocks)."""
     sp.activate()
     procs = []
     for block in sp.transformer_blocks:
@@ -198,7 +207,7 @@ def _sp_processors(sp: SequenceParallelTransformer) -> list:
     return procs
 
 
-def _spy_masks(sp: SequenceParallelTransformer) -> list:
+def _spy_masks(sp: SequenceDriver) -> list:
     """Record (processor kind, key count, additive key mask) of every video self- / video→audio attention call."""
     seen = []
     for proc in _sp_processors(sp):
@@ -209,22 +218,30 @@ def _spy_masks(sp: SequenceParallelTransformer) -> list:
     return seen
 
 
-def _unspy(sp: SequenceParallelTransformer) -> None:
+def _unspy(sp: SequenceDriver) -> None:
     for proc in _sp_processors(sp):
         proc.__dict__.pop("attend", None)
 
 
-def _without_mask(sp: SequenceParallelTransformer, processor_type: type, kwargs: dict):
-    """Forward with the key mask removed from the processors of `processor_type` only (negative control): they get
-    a state of their own whose `key_mask` stays None."""
-    procs = [p for p in _sp_processors(sp) if isinstance(p, processor_type)]
+def _without_mask(sp: SequenceDriver, processor_type: type, kwargs: dict):
+    """Forward with the key mask removed from the processors of `processor_type` only (negative control): they are
+    replaced by a subclass that drops the mask of the `VideoKeys` it is given."""
+    class NoMask(processor_type):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kw):
+            if isinstance(attention_mask, VideoKeys):
+                attention_mask = VideoKeys(None, attention_mask.self_attention)
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kw)
+
+    sp.activate()
     try:
-        for p in procs:
-            p.state = _ForwardState()
+        for block in sp.transformer_blocks:
+            for name in ("attn1", "video_to_audio_attn"):
+                attn = getattr(block, name)
+                if isinstance(attn.processor, processor_type):
+                    attn.processor = NoMask(sp.split.exchange)
         return _forward(sp, kwargs)
     finally:
-        for p in procs:
-            p.state = sp.state
+        sp.activate()
 
 
 # ---- rank functions ------------------------------------------------------------------------------------------------
@@ -245,9 +262,7 @@ def _round_trip_rank(rank: int, world: int, transformer) -> dict:
     except ValueError as exc:
         odd_heads_error = str(exc)
 
-    # SequenceParallelTransformer.shard + all_gather_seq: the identity on real tensors, with padding (T = 9)
-    stub = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=8), transformer_blocks=[])
-    sp = SequenceParallelTransformer(stub, ex)
+    # the plan's pad-and-slice + all_gather_seq: the identity on real tensors, with padding (T = 9)
     t = 9
     padded = -(-t // world) * world
     tensors = dict(
@@ -256,7 +271,7 @@ def _round_trip_rank(rank: int, world: int, transformer) -> dict:
         positions=(L.video_coords(transformer, 2, 1, 3, 3, FPS), 2),  # [B, 3, T, 2]
         mask=(torch.bernoulli(torch.full((2, t), 0.5), generator=g), 1),
     )
-    sharded = {name: sp.shard(v, dim, padded) for name, (v, dim) in tensors.items()}
+    sharded = {name: pad_and_slice(v, dim, padded, rank, world) for name, (v, dim) in tensors.items()}
     regathered = {name: ex.all_gather_seq(sharded[name], dim) for name, (v, dim) in tensors.items()}
     return dict(local=local, heads=heads, back=back, gathered=gathered, odd_heads_error=odd_heads_error,
                 inputs={k: v for k, (v, _) in tensors.items()}, sharded=sharded, regathered=regathered)
@@ -269,7 +284,7 @@ def _sp_rank(rank: int, world: int, files: dict) -> dict:
         components = _load(files, variant)
         if "round_trip" not in out:
             out["round_trip"] = _round_trip_rank(rank, world, components.transformer)
-        sp = SequenceParallelTransformer(components.transformer, Exchange(None, world, rank))
+        sp = SequenceDriver(components.transformer, Exchange(None, world, rank))
         contexts = _contexts(components)
         res: dict = {"forward": {}, "stage1": {}}
         for case in FORWARD_CASES:
@@ -283,7 +298,6 @@ def _sp_rank(rank: int, world: int, files: dict) -> dict:
         finally:
             _unspy(sp)
         res["masks_seen"] = seen
-        res["key_mask_after"] = sp.state.key_mask
         res["no_v2a_mask"] = _without_mask(sp, GatheredKeysCrossAttention, kwargs)
         res["no_self_mask"] = _without_mask(sp, UlyssesSelfAttention, kwargs)
         if world == 2:
@@ -334,7 +348,7 @@ def reference(files) -> dict:
         untouched = _load(files, variant)  # diffusers' own attention processors, never replaced
         plain = _load(files, variant)  # one process: LTX2Denoiser installs our local processor
         wrapped = _load(files, variant)
-        sp1 = SequenceParallelTransformer(wrapped.transformer, Exchange(None, 1, 0))
+        sp1 = SequenceDriver(wrapped.transformer, Exchange(None, 1, 0))
         contexts = _contexts(plain)
         res: dict = {"forward": {}, "forward_sp1": {}, "stage1": {}, "stage1_sp1": {}}
         for case in FORWARD_CASES:
@@ -474,7 +488,6 @@ def test_padded_keys_are_masked(reference, sp_run, variant, world):
             expected = torch.zeros(padded)
             expected[t:] = float("-inf")
             assert torch.equal(mask.reshape(-1), expected), f"rank {rank} {kind}: mask {mask.reshape(-1)}"
-        assert r[variant]["key_mask_after"] is None  # the forward state does not leak into the next forward
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -553,11 +566,11 @@ def test_invalid_degree_is_refused_naming_the_valid_ones(reference):
         check_sp_degree(8, 3)
     assert str(exc.value) == ("sequence parallel degree 3 does not divide the 8 attention heads; "
                               "valid degrees: 1, 2, 4, 8")
-    # the wrapper refuses before any work: it installs no processor on the transformer
+    # apply_plan refuses before any work: it installs no processor on the transformer
     components = types.SimpleNamespace(transformer=copy.deepcopy(reference["2.0"]["components"].transformer))
     before = [type(b.attn1.processor) for b in components.transformer.transformer_blocks]
     with pytest.raises(ValueError, match="valid degrees: 1, 2, 4, 8"):
-        SequenceParallelTransformer(components.transformer, Exchange(None, 3, 0))
+        apply_plan(components.transformer, SEQUENCE, Exchange(None, 3, 0))
     assert [type(b.attn1.processor) for b in components.transformer.transformer_blocks] == before
     check_sp_degree(8, 4)  # valid: no error
 
@@ -583,7 +596,7 @@ def test_token_cap_refusals(reference):
                               "least 10 GPUs, fewer frames or a smaller size, or raise the cap")
     check_token_cap(100, 2, 50)  # exactly at the cap: allowed
     check_token_cap(10 ** 9, 1, None)  # no cap
-    plan = ParallelPlan.hand_built(rank=0, world_size=4, device=CPU, sp_degree=4, token_cap=8)
+    plan = ParallelPlan.hand_built(0, 4, CPU, PlanPolicy(4, token_cap=8))
     with pytest.raises(ValidationError) as exc:
         plan.check(100)
     assert "100 video tokens over 4 ranks is 25 tokens per rank, above the cap of 8: use at least 13 GPUs" \
@@ -595,7 +608,7 @@ def test_token_cap_refused_before_any_work(reference, monkeypatch):
     """The pipeline checks the cap of its largest SP stage before encoding a prompt; the SP forward before any
     transformer call."""
     ref = reference["2.0"]
-    plan = ParallelPlan.hand_built(rank=0, world_size=1, device=CPU, sp_degree=1, token_cap=4)
+    plan = ParallelPlan.hand_built(0, 1, CPU, PlanPolicy(1, token_cap=4))
     pipeline = TwoStagePipeline(ref["components"], ref["gemma"], plan=plan)
     monkeypatch.setattr(pipeline, "encode_prompts", lambda *a: pytest.fail("work started before the token cap check"))
     with pytest.raises(ValidationError, match="27 video tokens over 1 ranks is 27 tokens per rank, above the cap of "
@@ -603,7 +616,7 @@ def test_token_cap_refused_before_any_work(reference, monkeypatch):
         pipeline.generate(GenerateRequest(prompt="x", steps=1, **PIPELINE_SIZE))
 
     tf = copy.deepcopy(ref["components"].transformer)
-    sp = SequenceParallelTransformer(tf, Exchange(None, 1, 0))  # shared by every job: the cap comes with the call
+    sp = SequenceDriver(tf, Exchange(None, 1, 0))  # the job's cap comes with its split (StageRun.forward)
     monkeypatch.setattr(tf, "forward", lambda *a, **k: pytest.fail("forward ran above the token cap"))
     kwargs = _forward_kwargs(ref["components"], "odd", ref["contexts"])
     with pytest.raises(ValueError, match="9 video tokens over 1 ranks is 9 tokens per rank, above the cap of 4: use "

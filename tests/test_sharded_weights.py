@@ -37,13 +37,15 @@ def _components(checkpoint: str, dtype: torch.dtype, transformer_only: bool):
 
 
 def _state(components, rank: int, world: int, sharded: bool, dtype: torch.dtype):
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
     from mgpu_backend.weights.sharding import shard_transformer
 
     device = torch.device("cpu")
     report = shard_transformer(components.transformer, device, connectors=(
         components.video_connector, components.audio_connector)) if sharded else None
-    plan = build_plan(components.transformer, rank, world, device, guidance_parallel="off", sharded=sharded)
+    plan = build_plan(components.transformer, rank, world, device,
+                      FleetPolicy(min_tokens_per_rank=0, guidance_parallel="off"), sharded=sharded)
     return SimpleNamespace(components=components, plan=plan, dtype=dtype, device=device), report
 
 
@@ -199,11 +201,6 @@ def test_sharded_policy_refusals():
         check_sharded_policy(4, None, 4096, "auto")
     with pytest.raises(ValidationError, match="guidance_parallel='on' with sharded weights"):
         check_sharded_policy(2, None, None, "on")
-    from mgpu_backend.splits.forward_plan import ROWS, SEQUENCE, SHARDED
-
-    assert SEQUENCE.with_sharded_weights().weights == SHARDED
-    with pytest.raises(ValueError, match="batch rows spread over ranks cannot run with sharded weights"):
-        ROWS.with_sharded_weights()
     from mgpu_backend.protocol.fleet_config import FleetIdentity
 
     with pytest.raises(ValueError, match="weights='fsdp': choose one of replicated, sharded"):
@@ -216,10 +213,8 @@ def _tiles_rank(rank: int, world: int, checkpoint: str) -> str:
 
     components = _components(checkpoint, torch.float32, False)
     state, _ = _state(components, rank, world, True, torch.float32)
-    from mgpu_backend.splits.forward_plan import SHARDED
-
     tiled = state.plan.tiled(components.transformer, (2, 4, 4), TileCountConfig.spatial(1, 2, 1))  # 2 tiles: fine
-    assert tiled.plan.weights == SHARDED and state.plan.sp_forward.plan.weights == SHARDED
+    assert len(tiled.my_tiles) == 1  # each rank one of the 2 tiles, in lockstep
     try:
         state.plan.tiled(components.transformer, (2, 4, 6), TileCountConfig.spatial(1, 3, 1))
     except ValidationError as exc:

@@ -176,12 +176,13 @@ def _rank(rank: int, world: int, paths: dict, batch_mode: str = "auto", guidance
 
     ComfyDenoiser.batch_mode = batch_mode  # "on": cond and uncond as one 2-row request, as ComfyUI batches them
     from mgpu_backend.models.loader import load_components
+    from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
     from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     components = load_components(paths["checkpoint"], dtype=torch.float32)
-    plan = (build_plan(components.transformer, rank, world, torch.device("cpu"), guidance_parallel=guidance_parallel)
-            if world > 1 else None)
+    policy = FleetPolicy(min_tokens_per_rank=0, guidance_parallel=guidance_parallel)
+    plan = build_plan(components.transformer, rank, world, torch.device("cpu"), policy) if world > 1 else None
     pipe = TwoStagePipeline(components, None, plan=plan)
     state = SimpleNamespace(pipeline=pipe, components=components, plan=plan, dtype=torch.float32,
                             device=torch.device("cpu"))

@@ -126,7 +126,7 @@ def test_runner_choice_without_a_plan(monkeypatch):
 
     from mgpu_backend.splits import tiled
 
-    monkeypatch.setattr(tiled, "TiledTransformer", lambda transformer, grid, tiling: SimpleNamespace(grid=grid))
+    monkeypatch.setattr(tiled, "TiledSplit", lambda transformer, grid, tiling: SimpleNamespace(grid=grid))
     env = StageEnv(SimpleNamespace(transformer=torch.nn.Linear(1, 1)), torch.float32, torch.device("cpu"))
     assert isinstance(choose_runner(_spec(), env), OneDeviceRunner)
     runner = choose_runner(_spec(grid=(1, 2, 3), audio_frames=4, video_clean=torch.zeros(1, 6, 128),

@@ -1,6 +1,6 @@
-"""Tiled data parallelism for stage 2 (docs/design/tiled-data-parallel.md): `TiledTransformer` on stand-ins, on the tiny
-LTX-2 / LTX-2.3 checkpoints (fp32, CPU) in one process (W = 1) and on W = 2 / 4 gloo ranks (`tests/_dist.py`), and in
-the two-stage pipeline.
+"""Tiled data parallelism for stage 2 (docs/design/tiled-data-parallel.md): `TiledSplit` (tests/_forward.py
+`TiledDriver`) on stand-ins, on the tiny LTX-2 / LTX-2.3 checkpoints (fp32, CPU) in one process (W = 1) and on
+W = 2 / 4 gloo ranks (`tests/_dist.py`), and in the two-stage pipeline.
 
 Tolerances, and why:
 - one tile vs the plain transformer forward: `torch.equal`. With one tile the wrapper runs the same forward on a
@@ -30,7 +30,9 @@ from mgpu_backend.engine import sampling as S
 from mgpu_backend.engine.denoiser import text_contexts
 from mgpu_backend.models.gemma import load_gemma
 from mgpu_backend.models.loader import load_components
-from mgpu_backend.splits.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
+from mgpu_backend.splits.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
+
+from _forward import TiledDriver  # the TiledSplit's shard / gather on diffusers' arguments
 from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig, make_tiles
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.validation import ValidationError
@@ -68,7 +70,6 @@ class StandIn:
     """A stand-in "transformer": records what each tile forward received; returns the input (identity) or a one-hot
     of the call number in the channels (so the blended output reads back each token's weight per tile)."""
 
-    transformer_blocks: list = []  # TiledTransformer.activate installs processors on these: none here
 
     def __init__(self, mode: str = "identity"):
         self.mode, self.calls = mode, []
@@ -117,7 +118,7 @@ def _stand_in_kwargs(grid, hidden):
 
 def _identity_ramp(case: str, world: int = 1, rank: int = 0) -> torch.Tensor:
     grid, tiling = RAMP_CASES[case]
-    tiled = TiledTransformer(StandIn("identity"), grid, tiling, None, world, rank)
+    tiled = TiledDriver(StandIn("identity"), grid, tiling, None, world, rank)
     with torch.no_grad():
         return tiled(**_stand_in_kwargs(grid, _ramp(grid)))[0]
 
@@ -156,8 +157,7 @@ def _model_kwargs(components, grid, hidden=None, cond=True, seed=3) -> dict:
 
 
 def _tiled_forward(transformer, grid, tiling, kwargs, world=1, rank=0) -> tuple[torch.Tensor, torch.Tensor]:
-    tiled = TiledTransformer(transformer, grid, tiling, None, world, rank)
-    tiled.activate()
+    tiled = TiledDriver(transformer, grid, tiling, None, world, rank)
     with torch.no_grad():
         video, audio = tiled(**kwargs)
     return video.clone(), audio.clone()
@@ -166,7 +166,7 @@ def _tiled_forward(transformer, grid, tiling, kwargs, world=1, rank=0) -> tuple[
 def _coverage(grid, tiling, kwargs) -> torch.Tensor:
     """How many tiles compute each token (generated and conditioning), via the recording stand-in."""
     standin = StandIn("identity")
-    TiledTransformer(standin, grid, tiling)(**dict(kwargs, hidden_states=torch.arange(
+    TiledDriver(standin, grid, tiling)(**dict(kwargs, hidden_states=torch.arange(
         kwargs["hidden_states"].shape[1], dtype=torch.float32)[None, :, None].expand(1, -1, 4).contiguous()))
     count = torch.zeros(kwargs["hidden_states"].shape[1], dtype=torch.int64)
     for call in standin.calls:
@@ -185,7 +185,7 @@ def test_one_tile_equals_plain_forward(tiny_dir, variant, cond):
     kwargs = _model_kwargs(components, grid, cond=cond)
     video, audio = _tiled_forward(tf, grid, TileCountConfig(), kwargs)
     with torch.no_grad():
-        plain_video, plain_audio = tf(**kwargs, return_dict=False)  # the processors TiledTransformer installed
+        plain_video, plain_audio = tf(**kwargs, return_dict=False)  # the processors the TILES plan installed
     assert torch.equal(video, plain_video)
     # the stage-2 audio is frozen: the wrapper hands back no audio velocity (zeros), never a blend
     assert torch.equal(audio, torch.zeros_like(plain_audio))
@@ -214,7 +214,7 @@ def test_hand_built_positions_and_conditioning_weights():
     hidden = torch.zeros(1, t, 8)
     hidden[0, :, 0] = torch.arange(t, dtype=torch.float32)  # token ids, to read back what each tile received
     kwargs = dict(_stand_in_kwargs(grid, hidden), video_coords=all_coords)
-    video, audio = TiledTransformer(standin, grid, tiling)(**kwargs)
+    video, audio = TiledDriver(standin, grid, tiling)(**kwargs)
     assert len(standin.calls) == 4 and torch.equal(audio, torch.zeros_like(kwargs["audio_hidden_states"]))
     weights = video[0, :, :4]
     expect = torch.zeros(t, 4)
@@ -247,13 +247,13 @@ def test_hand_built_positions_and_conditioning_weights():
         assert (seen[0, 0, n_tile:, 0] < 0).sum() == 1  # the reference token keeps its negative time
     # without normalization the positions pass through unchanged
     raw = StandIn("onehot")
-    TiledTransformer(raw, grid, tiling, normalize_positions=False)(**kwargs)
+    TiledDriver(raw, grid, tiling, normalize_positions=False)(**kwargs)
     for call in raw.calls:
         assert torch.equal(call["coords"], all_coords[:, :, call["hidden"][0, :, 0].long()])
 
     # (3) identity stand-in: output = Σ weights × identity = the input for every token some tile keeps
     ramp = torch.cat([_ramp(grid, 8), torch.rand(1, 5, 8, generator=torch.Generator().manual_seed(1))], dim=1)
-    video, _ = TiledTransformer(StandIn("identity"), grid, tiling)(**dict(kwargs, hidden_states=ramp))
+    video, _ = TiledDriver(StandIn("identity"), grid, tiling)(**dict(kwargs, hidden_states=ramp))
     kept_tokens = [i for i in range(t) if i != n_gen + 3]
     torch.testing.assert_close(video[:, kept_tokens], ramp[:, kept_tokens], rtol=0, atol=RAMP_TOL)
     assert (video[:, n_gen + 3] == 0).all()
@@ -272,7 +272,7 @@ def test_identity_blend_reproduces_ramp(case):
 def test_identity_blend_can_fail():
     """The ramp check detects a wrong blend: break the partition of unity of one tile."""
     grid, tiling = RAMP_CASES["uneven"]
-    tiled = TiledTransformer(StandIn("identity"), grid, tiling)
+    tiled = TiledDriver(StandIn("identity"), grid, tiling)
     tiled.tiles[1].weight = torch.ones_like(tiled.tiles[1].weight)  # a hard tile pasted over its neighbours
     out = tiled(**_stand_in_kwargs(grid, _ramp(grid)))[0]
     assert float((out - _ramp(grid)).abs().max()) > 1e-2
@@ -280,10 +280,10 @@ def test_identity_blend_can_fail():
 
 def test_wrapper_refuses_bad_inputs():
     grid = (1, 2, 4)
-    tiled = TiledTransformer(StandIn(), grid, TileCountConfig.spatial(1, 2, overlap=1))
+    tiled = TiledDriver(StandIn(), grid, TileCountConfig.spatial(1, 2, overlap=1))
     kwargs = _stand_in_kwargs(grid, _ramp(grid, 8))
     with pytest.raises(ValueError, match="7 video tokens for a"):
-        tiled(**dict(kwargs, hidden_states=kwargs["hidden_states"][:, :7]))
+        tiled(**dict(kwargs, hidden_states=kwargs["hidden_states"][:, :7], video_coords=kwargs["video_coords"][:, :, :7]))
     with pytest.raises(ValueError, match="per-token timesteps"):
         tiled(**dict(kwargs, timestep=torch.ones(1)))
 
@@ -298,7 +298,7 @@ def _rank_fn(rank: int, world: int, checkpoints: dict) -> dict:
         kwargs = _model_kwargs(components, GRID)
         for name, tiling in TILINGS.items():
             video, audio = _tiled_forward(components.transformer, GRID, tiling, kwargs, world, rank)
-            tiled = TiledTransformer(components.transformer, GRID, tiling, None, world, rank)
+            tiled = TiledDriver(components.transformer, GRID, tiling, None, world, rank)
             out[variant, name] = (video, audio, [t.index for t in tiled.my_tiles])
     for case in RAMP_CASES:
         out["ramp", case] = _identity_ramp(case, world, rank)
@@ -437,7 +437,7 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
 
     from mgpu_backend.engine import forward as model_forward
 
-    real_forward = model_forward.run_eager  # the one forward every tile runs (issue 25)
+    real_forward = model_forward._local  # noqa: SLF001 (the one forward's local part: every tile runs it)
 
     def forward_spy(transformer, batch, *args, **kwargs):
         if current["stage"] == "stage 2":
@@ -445,7 +445,7 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
         return real_forward(transformer, batch, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "run_stage", spy)
-    monkeypatch.setattr(model_forward, "run_eager", forward_spy)
+    monkeypatch.setattr(model_forward, "_local", forward_spy)
     result = pipeline.generate(GenerateRequest(prompt="a fox", seed=3, tiles=TileCountConfig.spatial(1, 2, overlap=1),
                                                **SMALL))
     stage1_out = seen["stage 1"][1]

@@ -12,7 +12,9 @@ import torch
 
 from _dist import run_ranks
 from mgpu_backend.protocol.stage_requests import SampleRequest
-from mgpu_backend.splits.tiled import DEFAULT_MAX_FIRST_SIGMA, TiledTransformer, check_tdp_sigmas
+from mgpu_backend.splits.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
+
+from _forward import TiledDriver  # the TiledSplit's shard / gather on diffusers' arguments
 from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig, make_tiles
 
 GRID = (2, 4, 9)
@@ -69,7 +71,7 @@ def _brute_drift(grid, tiling, kwargs) -> float:
 @pytest.mark.parametrize("tiling", [TWO, FOUR, NORMALIZED], ids=["1x2", "2x2", "1x3-normalized"])
 def test_drift_matches_the_definition(tiling):
     kwargs = _inputs()
-    tiled = TiledTransformer(Disagreeing(), GRID, tiling)
+    tiled = TiledDriver(Disagreeing(), GRID, tiling)
     tiled(**kwargs)
     tiled(**kwargs)
     assert len(tiled.drift) == 2  # one value per forward
@@ -83,7 +85,7 @@ def test_drift_matches_the_definition(tiling):
 
 def test_two_tiles_drift_is_the_relative_difference():
     """1×2: drift = ‖v₁ − v₂‖ / ‖(v₁ + v₂)/2‖ over the overlap (v₂ = 1.1 v₁ here: 0.1 / 1.05)."""
-    tiled = TiledTransformer(Disagreeing(), GRID, TWO)
+    tiled = TiledDriver(Disagreeing(), GRID, TWO)
     tiled(**_inputs())
     assert tiled.drift[0] == pytest.approx(0.1 / 1.05, rel=1e-5)
 
@@ -93,20 +95,20 @@ def test_agreeing_tiles_have_zero_drift_and_one_tile_has_none():
         def __call__(self, *, hidden_states, audio_hidden_states, return_dict=False, **kwargs):
             return hidden_states.clone(), audio_hidden_states
 
-    tiled = TiledTransformer(Identity(), GRID, FOUR)
+    tiled = TiledDriver(Identity(), GRID, FOUR)
     tiled(**_inputs())
     assert tiled.drift[0] == pytest.approx(0.0, abs=1e-6)
-    one = TiledTransformer(Identity(), GRID, TileCountConfig())
+    one = TiledDriver(Identity(), GRID, TileCountConfig())
     one(**_inputs())
     assert one.drift == [] and "n/a" in one.describe()
 
 
 def test_audio_frozen_by_default_and_averaged_when_re_denoised():
     kwargs = _inputs()
-    frozen = TiledTransformer(Disagreeing(), GRID, FOUR)
+    frozen = TiledDriver(Disagreeing(), GRID, FOUR)
     _, audio = frozen(**kwargs)
     assert torch.equal(audio, torch.zeros_like(audio)) and "frozen stage-1 audio" in frozen.describe()
-    denoised = TiledTransformer(Disagreeing(), GRID, FOUR)
+    denoised = TiledDriver(Disagreeing(), GRID, FOUR)
     denoised.denoise_audio = True
     _, audio = denoised(**kwargs)
     # tiles 0..3 return audio + k: the average is audio + 1.5
@@ -127,7 +129,7 @@ def test_first_sigma_bound_is_a_parameter():
 def _ranks(rank: int, world: int, denoise: bool) -> dict:
     out = {}
     for name, tiling in (("1x2", TWO), ("2x2", FOUR), ("normalized", NORMALIZED)):
-        tiled = TiledTransformer(Disagreeing(first=rank, step=world), GRID, tiling, None, world, rank)
+        tiled = TiledDriver(Disagreeing(first=rank, step=world), GRID, tiling, None, world, rank)
         tiled.denoise_audio = denoise
         video, audio = tiled(**_inputs())
         out[name] = (video, audio, list(tiled.drift))

@@ -246,13 +246,13 @@ def test_sigma_messages_print_the_values_given_not_float32_noise():
 def test_plan_report_gives_the_real_reason_for_a_sub_group():
     """An SP group smaller than the fleet because the user asked for it (`--sp-degree 1` on 2 ranks of 8 heads) was
     reported as "the SP degree must divide the attention heads; 2 does not" — 2 divides 8."""
-    from mgpu_backend.splits.plan import ParallelPlan
+    from mgpu_backend.splits.plan import ParallelPlan, PlanPolicy
 
     cpu = torch.device("cpu")
-    asked = ParallelPlan.hand_built(0, 2, cpu, 1, None, None, heads=8, requested_sp_degree=1)
+    asked = ParallelPlan.hand_built(0, 2, cpu, PlanPolicy(1, requested_sp_degree=1), heads=8)
     assert asked.describe() == ("sequence parallel on ranks 0-0 of 2 (sp_degree 1 requested); the other ranks wait "
                                 "for its result")
-    heads = ParallelPlan.hand_built(0, 3, cpu, 2, None, None, heads=8)
+    heads = ParallelPlan.hand_built(0, 3, cpu, PlanPolicy(2), heads=8)
     assert heads.describe() == ("sequence parallel on ranks 0-1 of 3 (the SP degree must divide the 8 attention "
                                 "heads; 3 does not); the other ranks wait for its result")
 

@@ -17,6 +17,7 @@ In float32 both are the reference's arithmetic exactly.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,40 @@ def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask.ndim == 3:
         return mask[:, None]
     return mask
+
+
+VIDEO_KEY_ATTENTIONS = ("attn1", "video_to_audio_attn")
+"""The attentions whose keys are the video tokens: what a split's padding mask and the guide-attention kernel
+concern (`VideoKeys`)."""
+
+
+@dataclass(frozen=True, eq=False)
+class VideoKeys:
+    """What the attentions of `VIDEO_KEY_ATTENTIONS` need per forward under a split, made by the forward
+    (`engine/forward.py`) and passed down the blocks in those attentions' `attention_mask` argument (diffusers'
+    block hands that argument to the processor unchanged), so no processor keeps per-forward state.
+
+    mask: additive `[1, 1, 1, Tp]` over the split's padded video sequence (0 on real keys, −inf on padding), or
+        None (no padding).
+    self_attention: the video self-attention kernel `(q, k, v, mask) -> out` on the whole sequence (`[B, Tp, H, D]`,
+        this rank's heads), e.g. `GuideBias.attend`; None: scaled-dot-product attention.
+    """
+
+    mask: torch.Tensor | None = None
+    self_attention: Callable | None = None
+
+
+def video_keys(attention_mask, where: str) -> VideoKeys:
+    """The `VideoKeys` a split's processor was given in its `attention_mask` argument (None: none). Raises
+    NotImplementedError for a tensor mask (IC-LoRA's self-attention mask, a v2a mask): not supported under a split."""
+    if attention_mask is None:
+        return NO_KEYS
+    if isinstance(attention_mask, VideoKeys):
+        return attention_mask
+    raise NotImplementedError(f"a {where} attention mask is not supported under sequence parallel")
+
+
+NO_KEYS = VideoKeys()
 
 
 class LTX2AttnProcessor:

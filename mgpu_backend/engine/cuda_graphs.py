@@ -266,7 +266,7 @@ def call(transformer, forward: Callable[..., Any], kwargs: dict, extra: Any = No
 
     Args:
         transformer: the module whose blocks the forward runs (the cache lives on it; its processors key it).
-        forward: the callable (the transformer itself, a `SequenceParallelTransformer`, …); must be a pure function
+        forward: the callable (the one forward of `engine.forward.run`, …); must be a pure function
             of its tensor arguments' values and of what the key holds.
         kwargs: keyword arguments (tensors are copied into the captured inputs; others are part of the key).
         extra: more key (e.g. the kind of wrapper).

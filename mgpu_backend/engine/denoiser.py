@@ -18,7 +18,7 @@ import torch
 from diffusers.models.transformers.transformer_ltx2 import LTX2PerturbedAttnProcessor
 
 from . import cuda_graphs, forward as model_forward
-from .attention import LTX2AttnProcessor, use_processor
+from .attention import LTX2AttnProcessor, VideoKeys, use_processor
 from ..protocol.native_forward import ForwardOptions
 from .sampling import TIMESTEP_SCALE, GuidancePass, ModelInputs
 from .semantics import REFERENCE
@@ -128,6 +128,8 @@ class _SkipSelfAttention:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None, **_):
+        if isinstance(attention_mask, VideoKeys):  # a split's keys: the value projection attends to nothing
+            attention_mask = None
         return self._inner(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
                            key_rotary_emb, perturbation_mask=None, all_perturbed=True)
 
@@ -236,24 +238,23 @@ class LTX2Denoiser:
         positive / negative: `TextContext` of batch 1 each (negative may be None when no pass needs it).
         video_coords: `[1, 3, Tv, 2]`, audio_coords: `[1, 1, Ta, 2]` (see `latents.video_coords/audio_coords`).
         dtype: compute dtype of the forward.
-        forward: what runs the forward (default the transformer itself; a `SequenceParallelTransformer` for SP).
+        split: the `engine.forward.Split` every forward runs under (`splits/`: `UlyssesSplit` for sequence parallel,
+            carrying the job's token cap; `TiledSplit` for tiles), whose plan the caller applied
+            (`splits.apply.apply_plan`); None: the whole forward here, with local processors (installed here).
         num_generated: generated video tokens (later tokens are conditioning / guides); None: all of them.
-        token_cap: the per-rank video token cap each split forward checks (the job's, `plan.StageRun.token_cap`;
-            None: no cap).
-    A transformer with LTX-2.5's `keyframes_abs_pos_embedding` gets its frame-0 marker (`keyframe_token_mask`) as
-    the per-token `video_keyframes_mask` on every forward, as ComfyUI applies it.
+    Each forward's `TokenBatch` is built here by the reference's (diffusers') input rules (`token_batch`):
+    timesteps and sigmas × 1000, the cross-attention AdaLN inputs from the other stream's sigma
+    (`use_cross_timestep`), the gates × the cross-attention timestep factor, the prompt AdaLN from the sigmas
+    (LTX-2.3 / 2.5), the text masks as additive biases `(1 − mask)·−10000`; a transformer with LTX-2.5's
+    `keyframes_abs_pos_embedding` gets its frame-0 marker (`keyframe_token_mask`), as ComfyUI applies it.
     Returns velocities in float32 (diffusers convention: v = noise - x0).
     """
 
     def __init__(self, transformer, positive: TextContext, negative: TextContext | None,
-                 video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, forward=None,
-                 num_generated: int | None = None, token_cap: int | None = None):
-        self.transformer, self.token_cap = transformer, token_cap
-        self.forward = forward or transformer  # e.g. a SequenceParallelTransformer around `transformer`
-        # the resident transformer is shared by every stage: install this stage's attention processors
-        if hasattr(self.forward, "activate"):
-            self.forward.activate()
-        else:
+                 video_coords: torch.Tensor, audio_coords: torch.Tensor, dtype: torch.dtype, split=None,
+                 num_generated: int | None = None):
+        self.transformer, self.split = transformer, split
+        if split is None:  # the resident transformer is shared by every stage: this one runs locally
             use_processor(transformer, LTX2AttnProcessor())
         self.positive, self.negative = positive, negative
         self.video_coords, self.audio_coords = video_coords, audio_coords
@@ -275,7 +276,7 @@ class LTX2Denoiser:
         if ok and self.batch_mode == "auto":
             device = self.video_coords.device
             tokens = video.shape[1] if video is not None else 0
-            world = getattr(getattr(self.forward, "exchange", None), "world_size", 1)
+            world = getattr(getattr(self.split, "exchange", None), "world_size", 1)
             per_rank = -(-tokens // world)
             if device.type != "cuda":
                 return False  # CPU: unchanged, one forward per pass, nothing to report
@@ -300,31 +301,52 @@ class LTX2Denoiser:
         return "guidance passes: " + "; ".join(f"{n} step{'s' if n != 1 else ''}: {note}"
                                                for note, n in self.batch_notes.items())
 
-    def run_forward(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of `self.forward` on the diffusers keyword arguments the reference recipe forms (without
-        `return_dict`): for the plain transformer and the sequence-parallel wrapper, the `TokenBatch` they describe
-        (`TokenBatch.from_diffusers`) through the one forward (`model_forward.run`: replayed from CUDA graphs where
-        it can be); any other wrapper (tiled: it synchronises with the host) is called with them, eagerly."""
-        forward = self.forward
-        if forward is self.transformer or getattr(forward, "cuda_graph_safe", False):
-            split = None if forward is self.transformer else forward
-            if split is not None:
-                split.check(kwargs["hidden_states"].shape[1], kwargs["timestep"], self.token_cap)
-            isolate = bool(kwargs.pop("isolate_modalities", False))
-            batch = TokenBatch.from_diffusers(self.transformer.config, **kwargs)
-            options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)
-            return model_forward.run(self.transformer, batch, REFERENCE, split, options)
-        if cuda_graphs.eligible(kwargs) is None:
-            cuda_graphs.graphs_of(self.transformer).note_eager(
-                f"{type(forward).__name__} forwards eager (the wrapper synchronises with the host)")
-        return forward(return_dict=False, **kwargs)
+    def token_batch(self, inputs: ModelInputs, contexts: list[TextContext], rows: int = 1) -> TokenBatch:
+        """The one forward's inputs for `inputs` with one text context per pass (`contexts`; several: a batch of
+        passes stacked along the batch, each context repeated over the `rows` latent rows), by the reference's
+        input rules (see the class docstring), on the model's device."""
+        cfg, device, dtype = self.transformer.config, self.video_coords.device, self.dtype
+        n = len(contexts)
 
-    def _keyframes_kwargs(self, batch=None) -> dict:
-        """LTX-2.5's `video_keyframes_mask` argument (empty for the families without the keyframe embedding);
-        `batch` repeats it along the batch like the other per-token inputs of a batched forward."""
-        if self.keyframes_mask is None:
-            return {}
-        return {"video_keyframes_mask": batch(self.keyframes_mask) if batch else self.keyframes_mask}
+        def rep(x: torch.Tensor) -> torch.Tensor:
+            x = x.to(device)
+            return x if n == 1 else x.repeat(n, *([1] * (x.ndim - 1)))
+
+        video, audio = rep(inputs.video.to(device, dtype)), rep(inputs.audio.to(device, dtype))
+        b = video.shape[0]
+        video_sigma = rep(inputs.video_sigma) * TIMESTEP_SCALE
+        audio_sigma = rep(inputs.audio_sigma) * TIMESTEP_SCALE
+        video_cross, audio_cross = audio_sigma.flatten(), video_sigma.flatten()  # diffusers' use_cross_timestep
+        factor = cfg.cross_attn_timestep_scale_multiplier / cfg.timestep_scale_multiplier
+        if n == 1:
+            mask, video_context, audio_context = contexts[0].mask, contexts[0].video, contexts[0].audio
+        else:
+            mask = torch.cat([c.mask.expand(rows, -1) for c in contexts])
+            video_context = torch.cat([c.video.expand(rows, -1, -1) for c in contexts])
+            audio_context = torch.cat([c.audio.expand(rows, -1, -1) for c in contexts])
+        prompt = getattr(cfg, "use_prompt_adaln_single", False)
+        marker = None
+        if cfg.use_keyframes_abs_pos_embedding and self.keyframes_mask is not None:
+            marker = (rep(self.keyframes_mask) > 0).reshape(b, -1)
+        return TokenBatch(
+            video=video, audio=audio, video_timestep=rep(inputs.video_timesteps) * TIMESTEP_SCALE,
+            audio_timestep=rep(inputs.audio_timesteps) * TIMESTEP_SCALE,
+            video_cross_timestep=video_cross, audio_cross_timestep=audio_cross,
+            a2v_gate_timestep=video_cross * factor, v2a_gate_timestep=audio_cross * factor,
+            video_coords=rep(self.video_coords), audio_coords=rep(self.audio_coords),
+            video_context=video_context, audio_context=audio_context,
+            video_prompt_timestep=video_sigma.flatten() if prompt else None,
+            audio_prompt_timestep=audio_sigma.flatten() if prompt else None,
+            video_text_bias=((1 - mask.to(video.dtype)) * -10000.0).view(b, 1, 1, -1),
+            audio_text_bias=((1 - mask.to(audio.dtype)) * -10000.0).view(b, 1, 1, -1),
+            keyframe_marker=marker)
+
+    def run_forward(self, batch: TokenBatch, isolate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of `batch` under this denoiser's split (`model_forward.run`: replayed from CUDA graphs where
+        it can be; a split that synchronises with the host runs eagerly); `isolate` severs both cross-modal
+        attentions (modality guidance)."""
+        options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)
+        return model_forward.run(self.transformer, batch, REFERENCE, self.split, options)
 
     def _context(self, p: GuidancePass) -> TextContext:
         if p.kind == "uncond":
@@ -340,8 +362,8 @@ class LTX2Denoiser:
         lengths = {self._context(p).video.shape[1] for p in passes}
         if len(lengths) > 1:
             return f"the prompts' contexts have different lengths {sorted(lengths)}"
-        if self.forward is not self.transformer and not getattr(self.forward, "cuda_graph_safe", False):
-            return f"{type(self.forward).__name__} forwards one pass at a time"
+        if self.split is not None and not self.split.cuda_graph_safe:
+            return f"{type(self.split).__name__} forwards one pass at a time"
         return None
 
     def batch(self, inputs: ModelInputs, passes: list[GuidancePass]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -360,29 +382,8 @@ class LTX2Denoiser:
         n = len(passes)
         b = inputs.video.shape[0]
         contexts = [self._context(p) for p in passes]
-        device = self.video_coords.device
-
-        def rep(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device).repeat(n, *([1] * (x.ndim - 1)))
-
         with per_item_perturbations(self.transformer, [p for p in passes for _ in range(b)]), torch.no_grad():
-            video, audio = self.run_forward(
-                hidden_states=rep(inputs.video.to(device, self.dtype)),
-                audio_hidden_states=rep(inputs.audio.to(device, self.dtype)),
-                encoder_hidden_states=torch.cat([c.video.expand(b, -1, -1) for c in contexts]),
-                audio_encoder_hidden_states=torch.cat([c.audio.expand(b, -1, -1) for c in contexts]),
-                timestep=rep(inputs.video_timesteps) * TIMESTEP_SCALE,
-                audio_timestep=rep(inputs.audio_timesteps) * TIMESTEP_SCALE,
-                sigma=rep(inputs.video_sigma) * TIMESTEP_SCALE,
-                audio_sigma=rep(inputs.audio_sigma) * TIMESTEP_SCALE,
-                encoder_attention_mask=torch.cat([c.mask.expand(b, -1) for c in contexts]),
-                audio_encoder_attention_mask=torch.cat([c.mask.expand(b, -1) for c in contexts]),
-                video_coords=rep(self.video_coords),
-                audio_coords=rep(self.audio_coords),
-                isolate_modalities=False,
-                use_cross_timestep=True,
-                **self._keyframes_kwargs(rep),
-            )
+            video, audio = self.run_forward(self.token_batch(inputs, contexts, rows=b))
         self.forwards += 1
         self.batched_forwards = getattr(self, "batched_forwards", 0) + 1
         return [(video[i * b:(i + 1) * b].float().to(inputs.video.device),
@@ -394,25 +395,8 @@ class LTX2Denoiser:
         perturb = skip_self_attention(self.transformer, p.video_stg_blocks, p.audio_stg_blocks) \
             if p.kind == "perturbed" else contextlib.nullcontext()
         # the sampling state stays where the loop keeps it (small); each forward runs on the model's device
-        device = self.video_coords.device
         with perturb, torch.no_grad():
-            video, audio = self.run_forward(
-                hidden_states=inputs.video.to(device, self.dtype),
-                audio_hidden_states=inputs.audio.to(device, self.dtype),
-                encoder_hidden_states=context.video,
-                audio_encoder_hidden_states=context.audio,
-                timestep=inputs.video_timesteps.to(device) * TIMESTEP_SCALE,
-                audio_timestep=inputs.audio_timesteps.to(device) * TIMESTEP_SCALE,
-                sigma=inputs.video_sigma.to(device) * TIMESTEP_SCALE,
-                audio_sigma=inputs.audio_sigma.to(device) * TIMESTEP_SCALE,
-                encoder_attention_mask=context.mask,
-                audio_encoder_attention_mask=context.mask,
-                video_coords=self.video_coords,
-                audio_coords=self.audio_coords,
-                isolate_modalities=p.kind == "isolated",
-                use_cross_timestep=True,
-                **self._keyframes_kwargs(),
-            )
+            video, audio = self.run_forward(self.token_batch(inputs, [context]), isolate=p.kind == "isolated")
         self.forwards += 1
         return video.float().to(inputs.video.device), audio.float().to(inputs.audio.device)
 

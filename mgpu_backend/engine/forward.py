@@ -1,26 +1,33 @@
 """The one transformer forward of the engine (issue 25): a `TokenBatch` in, packed velocities out, under a
-`Semantics` record and, optionally, the sequence split of a parallel plan.
+`Semantics` record and, optionally, a `Split` of the parallel plan.
 
 Every path runs it: the native MGPU MODEL (`native.NativeEngine.run_rows`), the stage runners of the CLI and the
-nodes (`denoiser.LTX2Denoiser`, `comfy_stage.ComfyDenoiser`), the sequence-parallel and tiled wrappers
-(`splits/sequence.py`, `splits/tiled.py`). It calls the resident diffusers `LTX2VideoTransformer3DModel`'s
+nodes (`denoiser.LTX2Denoiser`, `comfy_stage.ComfyDenoiser`), sequence parallel and tiles (`splits/sequence.py`'s
+`UlyssesSplit`, `splits/tiled.py`'s `TiledSplit`). It calls the resident diffusers `LTX2VideoTransformer3DModel`'s
 modules (projections, AdaLN embeddings, RoPE, blocks, output layers); diffusers' own `forward` is no longer called.
 
 Steps of `run_eager(transformer, batch, semantics, split, options)`:
-1. the split (if any) takes this rank's share of the per-token fields (`split.shard_batch`: the plan's input entries,
-   `splits/forward_plan.py`);
-2. input projections (+ LTX-2.5's keyframe embedding on the marked tokens), the AdaLN embeddings of every timestep
-   field, the LTX-2.0 caption projection, the RoPE tables of the local positions;
+1. the split (if any) gives this rank's parts of the batch (`Split.shard`: the plan's input entries,
+   `splits/forward_plan.py`) — one part for sequence parallel, one per tile for tiles;
+2. per part: input projections (+ LTX-2.5's keyframe embedding on the marked tokens), the AdaLN embeddings of every
+   timestep field, the LTX-2.0 caption projection, the RoPE tables of the local positions — one `BlockInputs`
+   record, with the split's per-forward `VideoKeys` (the padded-key mask, `Split.key_mask`, and the guide-attention
+   kernel);
 3. the blocks in the semantics' order (`Semantics.block_order`: "diffusers" = the block's own forward, "comfyui" =
-   `comfy_block`), with the padded video keys masked and the guide-attention bias installed in the split's state;
-4. output layers; the split gathers the video tokens (the plan's output entry) and cuts the padding; the audio output
-   loses its `audio_prefix` (reference-audio) tokens.
+   `comfy_block`), each called as `block(blk, video, audio, inputs)`; the `VideoKeys` reach the split's processors
+   (installed beforehand by `splits.apply.apply_plan`) in the `attention_mask` argument of the attentions whose keys
+   are the video tokens;
+4. output layers (the audio output loses its `audio_prefix` reference-audio tokens); the split gathers the parts'
+   outputs (`Split.gather`: the plan's output entries — the video tokens gathered and the padding cut, or the tiles
+   blended).
+The forward reads no state of the split or its processors: everything per forward travels down as arguments.
 Under the REFERENCE semantics this is diffusers 0.42.1's `LTX2VideoTransformer3DModel.forward` operation for
-operation (bit-identical on CPU); under COMFYUI it is ComfyUI 0.33's `LTXAVModel` forward as `stages/native.py` documents.
+operation (bit-identical on CPU); under COMFYUI it is ComfyUI 0.33's `LTXAVModel` forward as `stages/native.py`
+documents.
 
 `run(...)` is the same forward replayed from CUDA graphs where it can be (`cuda_graphs.call`, a pure function of the
 batch's tensors; keyed on the semantics, the options, the batch's static fields and the installed processors), with
-the semantics' q/k eps applied around it.
+the semantics' q/k eps applied around it; a split that is not `cuda_graph_safe` (tiles) runs eagerly.
 
 `Outputs`: video `[B, N, Cv_out]` (all tokens of the batch, on every rank of the split), audio
 `[B, Ta − audio_prefix, Ca_out]`, in the compute dtype.
@@ -28,11 +35,15 @@ the semantics' q/k eps applied around it.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Protocol
 
 import torch
 
 from . import cuda_graphs
-from .attention import GuideBias
+from .attention import GuideBias, VideoKeys
 from ..protocol.native_forward import ForwardOptions
 from ..weights.sharding import gathered
 from .semantics import REFERENCE, Semantics
@@ -81,40 +92,75 @@ def _mod(table: torch.Tensor, temb: torch.Tensor, b: int):
     return (table[None, None].to(temb.dtype) + temb.reshape(b, temb.shape[1], table.shape[0], -1)).unbind(dim=2)
 
 
-def diffusers_block(block, vx, ax, *, v_ctx, a_ctx, v_text_bias, a_text_bias, temb, temb_audio, video_ca_ss,
-                    audio_ca_ss, a2v_gate, v2a_gate, temb_prompt, temb_prompt_audio, rope, run_vx=True, run_ax=True,
-                    a2v=True, v2a=True):
+@dataclass(frozen=True, eq=False)
+class BlockInputs:
+    """What every block of one forward reads besides the two hidden streams (made once per forward by `run_eager`).
+
+    video_context / audio_context `[B, L, D]` (after the LTX-2.0 caption projection); video_text_bias /
+    audio_text_bias additive `[B, 1, 1, L]` or None; temb / temb_audio: the AdaLN embeddings `[B, N | 1, k·D]` of each
+    stream; video_ca_ss / audio_ca_ss: the audio↔video cross-attention scale / shift embeddings; a2v_gate /
+    v2a_gate: their gate embeddings; temb_prompt / temb_prompt_audio: the prompt AdaLN embeddings (LTX-2.3 / 2.5) or
+    None; rope: the RoPE tables (`video_rotary_emb`, `audio_rotary_emb`, `ca_video_rotary_emb`,
+    `ca_audio_rotary_emb`); options: ComfyUI's per-call switches (`ForwardOptions`: run_vx / run_ax, a2v / v2a
+    cross-attention; STG is the caller's processor swap); keys: the split's `VideoKeys` for the attentions of
+    `VIDEO_KEY_ATTENTIONS` (None: no split, or nothing to pass).
+    """
+
+    video_context: torch.Tensor
+    audio_context: torch.Tensor
+    video_text_bias: torch.Tensor | None
+    audio_text_bias: torch.Tensor | None
+    temb: torch.Tensor
+    temb_audio: torch.Tensor
+    video_ca_ss: torch.Tensor
+    audio_ca_ss: torch.Tensor
+    a2v_gate: torch.Tensor
+    v2a_gate: torch.Tensor
+    temb_prompt: torch.Tensor | None
+    temb_prompt_audio: torch.Tensor | None
+    rope: Mapping[str, tuple]
+    options: ForwardOptions = PLAIN
+    keys: VideoKeys | None = None
+
+
+def diffusers_block(block, vx, ax, inputs: BlockInputs):
     """diffusers' `LTX2VideoTransformerBlock.forward` (the reference's order), called as diffusers' transformer calls
-    it. a2v / v2a False skip those attentions (`isolate_modalities`). Raises ValueError for `run_vx` / `run_ax`
-    False (ComfyUI's switches: the "comfyui" block order only)."""
-    if not (run_vx and run_ax):
+    it; the split's `VideoKeys` go in the masks of `attn1` and `video_to_audio_attn`. a2v / v2a False skip those
+    attentions (`isolate_modalities`). Raises ValueError for `run_vx` / `run_ax` False (ComfyUI's switches: the
+    "comfyui" block order only)."""
+    i, o = inputs, inputs.options
+    if not (o.run_vx and o.run_ax):
         raise ValueError("run_vx / run_ax False need ComfyUI's block order (semantics 'comfyui')")
-    return block(hidden_states=vx, audio_hidden_states=ax, encoder_hidden_states=v_ctx,
-                 audio_encoder_hidden_states=a_ctx, temb=temb, temb_audio=temb_audio,
-                 temb_ca_scale_shift=video_ca_ss, temb_ca_audio_scale_shift=audio_ca_ss, temb_ca_gate=a2v_gate,
-                 temb_ca_audio_gate=v2a_gate, temb_prompt=temb_prompt, temb_prompt_audio=temb_prompt_audio,
+    rope = i.rope
+    return block(hidden_states=vx, audio_hidden_states=ax, encoder_hidden_states=i.video_context,
+                 audio_encoder_hidden_states=i.audio_context, temb=i.temb, temb_audio=i.temb_audio,
+                 temb_ca_scale_shift=i.video_ca_ss, temb_ca_audio_scale_shift=i.audio_ca_ss, temb_ca_gate=i.a2v_gate,
+                 temb_ca_audio_gate=i.v2a_gate, temb_prompt=i.temb_prompt, temb_prompt_audio=i.temb_prompt_audio,
                  video_rotary_emb=rope["video_rotary_emb"], audio_rotary_emb=rope["audio_rotary_emb"],
                  ca_video_rotary_emb=rope["ca_video_rotary_emb"], ca_audio_rotary_emb=rope["ca_audio_rotary_emb"],
-                 encoder_attention_mask=v_text_bias, audio_encoder_attention_mask=a_text_bias,
-                 self_attention_mask=None, audio_self_attention_mask=None, a2v_cross_attention_mask=None,
-                 v2a_cross_attention_mask=None, use_a2v_cross_attention=a2v, use_v2a_cross_attention=v2a,
-                 perturbation_mask=None, all_perturbed=False)
+                 encoder_attention_mask=i.video_text_bias, audio_encoder_attention_mask=i.audio_text_bias,
+                 self_attention_mask=i.keys, audio_self_attention_mask=None, a2v_cross_attention_mask=None,
+                 v2a_cross_attention_mask=i.keys, use_a2v_cross_attention=o.a2v_cross_attn,
+                 use_v2a_cross_attention=o.v2a_cross_attn, perturbation_mask=None, all_perturbed=False)
 
 
-def comfy_block(block, vx, ax, *, v_ctx, a_ctx, v_text_bias, a_text_bias, temb, temb_audio, video_ca_ss, audio_ca_ss,
-                a2v_gate, v2a_gate, temb_prompt, temb_prompt_audio, rope, run_vx=True, run_ax=True, a2v=True,
-                v2a=True):
+def comfy_block(block, vx, ax, inputs: BlockInputs):
     """ComfyUI 0.33 `BasicAVTransformerBlock.forward` on a diffusers `LTX2VideoTransformerBlock`'s modules.
 
     Differences from diffusers' block order (ComfyUI's win): the video→audio cross-attention normalizes the video
     stream *after* the audio→video update of the same block; `run_vx` / `run_ax` False skip a stream's self-attention,
     text cross-attention and feed-forward (a2v needs run_vx, v2a run_ax); a2v / v2a False skip those attentions.
     STG is the attention processor's business (`denoiser.skip_self_attention`)."""
+    i, o = inputs, inputs.options
+    run_vx, run_ax, rope, keys = o.run_vx, o.run_ax, i.rope, i.keys
+    temb, temb_audio, temb_prompt, temb_prompt_audio = i.temb, i.temb_audio, i.temb_prompt, i.temb_prompt_audio
+    video_ca_ss, audio_ca_ss, a2v_gate, v2a_gate = i.video_ca_ss, i.audio_ca_ss, i.a2v_gate, i.v2a_gate
+    v_ctx, a_ctx, v_text_bias, a_text_bias = i.video_context, i.audio_context, i.video_text_bias, i.audio_text_bias
     b = vx.shape[0]
     v_vals = _mod(block.scale_shift_table, temb, b)
     a_vals = _mod(block.audio_scale_shift_table, temb_audio, b)
-    run_a2v = run_vx and a2v and ax.shape[1] > 0
-    run_v2a = run_ax and v2a and ax.shape[1] > 0
+    run_a2v = run_vx and o.a2v_cross_attn and ax.shape[1] > 0
+    run_v2a = run_ax and o.v2a_cross_attn and ax.shape[1] > 0
     if block.cross_attn_adaln:
         kv = (_mod(block.prompt_scale_shift_table, temb_prompt, b) if temb_prompt is not None else
               block.prompt_scale_shift_table[None, None].to(vx.dtype).unbind(dim=2))
@@ -122,7 +168,7 @@ def comfy_block(block, vx, ax, *, v_ctx, a_ctx, v_text_bias, a_text_bias, temb, 
                 else block.audio_prompt_scale_shift_table[None, None].to(ax.dtype).unbind(dim=2))
     if run_vx:
         shift, scale, gate = v_vals[:3]
-        vx = vx + block.attn1(block.norm1(vx) * (1 + scale) + shift, None, None, rope["video_rotary_emb"], None) * gate
+        vx = vx + block.attn1(block.norm1(vx) * (1 + scale) + shift, None, keys, rope["video_rotary_emb"], None) * gate
         q = block.norm2(vx)
         ctx = v_ctx
         if block.video_cross_attn_adaln:
@@ -155,7 +201,7 @@ def comfy_block(block, vx, ax, *, v_ctx, a_ctx, v_text_bias, a_text_bias, temb, 
         if run_v2a:
             a_in = ax_norm * (1 + a_ss[2]) + a_ss[3]
             v_in = block.audio_to_video_norm(vx) * (1 + v_ss[2]) + v_ss[3]
-            out = block.video_to_audio_attn(a_in, v_in, None, rope["ca_audio_rotary_emb"], rope["ca_video_rotary_emb"])
+            out = block.video_to_audio_attn(a_in, v_in, keys, rope["ca_audio_rotary_emb"], rope["ca_video_rotary_emb"])
             ax = ax + out * _mod(block.audio_a2v_cross_attn_scale_shift_table[4:], v2a_gate, b)[0]
     if run_vx:
         shift, scale, gate = v_vals[3:6]
@@ -173,80 +219,117 @@ def block_function(order: str):
 
 # ---- the forward ----------------------------------------------------------------------------------------------------
 
-def run_eager(transformer, batch: TokenBatch, semantics: Semantics = REFERENCE, split=None,
-              options: ForwardOptions = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward of `batch` (see the module docstring), eagerly. `split`: the sequence split of the plan (a
-    `parallel.sequence.SequenceParallelTransformer`, whose processors are installed) or None (the whole batch here,
-    with whatever processors are installed). `options`: ComfyUI's per-call switches (a2v / v2a cross-attention,
-    run_vx / run_ax; STG is the caller's processor swap). Raises ValueError for a guide bias without a split."""
+class Split(Protocol):
+    """One kind of split of the one forward over ranks, as the forward uses it (implemented in `splits/`: Ulysses
+    sequence parallel `sequence.UlyssesSplit`, tiles `tiled.TiledSplit`; batch rows and guidance passes split whole
+    forwards: `passes.PassParallel` has the same three methods over a step's branches instead of a batch's tokens,
+    made by the dispatcher `splits/dispatch.py`). The attention processors the split's plan names are installed
+    beforehand by `splits.apply.apply_plan`; the split holds no per-forward state.
+
+    plan: its `ForwardPlan` (`splits/forward_plan.py`); cuda_graph_safe: a pure function of its tensors
+    (`cuda_graphs.call` may capture the forward) or not (it synchronises with the host: eager).
+    """
+
+    plan: object
+    cuda_graph_safe: bool
+
+    def shard(self, batch: TokenBatch) -> list[TokenBatch]:
+        """This rank's parts of `batch` (its inputs split by the plan's input entries); each part is one local
+        forward."""
+
+    def key_mask(self, batch: TokenBatch, part: TokenBatch) -> torch.Tensor | None:
+        """The additive `[1, 1, 1, Tp]` mask of `part`'s video keys (−inf on padding), None without padding."""
+
+    def gather(self, batch: TokenBatch, outputs: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts' `(video, audio)` outputs -> the whole batch's (the plan's output entries), on every rank."""
+
+
+def _local(transformer, batch: TokenBatch, semantics: Semantics, options: ForwardOptions,
+           keys: VideoKeys | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2–4 of the module docstring on one part of a batch (all of it without a split)."""
     t, cfg = transformer, transformer.config
-    n, b = batch.video_tokens, batch.rows
-    local, padded = (batch, n) if split is None else split.shard_batch(batch)
-    hidden = t.proj_in(local.video)
-    audio_hidden = t.audio_proj_in(local.audio)
+    b = batch.rows
+    hidden = t.proj_in(batch.video)
+    audio_hidden = t.audio_proj_in(batch.audio)
     dt, adt = hidden.dtype, audio_hidden.dtype
-    if local.keyframe_marker is not None:
-        hidden = hidden + local.keyframe_marker.to(dt).unsqueeze(-1) * t.keyframes_abs_pos_embedding.to(dt)
+    if batch.keyframe_marker is not None:
+        hidden = hidden + batch.keyframe_marker.to(dt).unsqueeze(-1) * t.keyframes_abs_pos_embedding.to(dt)
 
     def embed(module, ts, dtype):
         out, emb = module(ts.flatten(), batch_size=b, hidden_dtype=dtype)
         return out.view(b, -1, out.shape[-1]), emb.view(b, -1, emb.shape[-1])
 
-    temb, emb = embed(t.time_embed, local.video_timestep, dt)
-    temb_audio, a_emb = embed(t.audio_time_embed, local.audio_timestep, adt)
+    temb, emb = embed(t.time_embed, batch.video_timestep, dt)
+    temb_audio, a_emb = embed(t.audio_time_embed, batch.audio_timestep, adt)
     temb_prompt = temb_prompt_audio = None
     if t.prompt_modulation and cfg.use_prompt_adaln_single:
-        temb_prompt = embed(t.prompt_adaln, local.video_prompt_timestep, dt)[0]
-        temb_prompt_audio = embed(t.audio_prompt_adaln, local.audio_prompt_timestep, adt)[0]
-    video_ca_ss = embed(t.av_cross_attn_video_scale_shift, local.video_cross_timestep, dt)[0]
-    a2v_gate = embed(t.av_cross_attn_video_a2v_gate, local.a2v_gate_timestep, dt)[0]
-    audio_ca_ss = embed(t.av_cross_attn_audio_scale_shift, local.audio_cross_timestep, adt)[0]
-    v2a_gate = embed(t.av_cross_attn_audio_v2a_gate, local.v2a_gate_timestep, adt)[0]
-    v_ctx, a_ctx = local.video_context, local.audio_context
+        temb_prompt = embed(t.prompt_adaln, batch.video_prompt_timestep, dt)[0]
+        temb_prompt_audio = embed(t.audio_prompt_adaln, batch.audio_prompt_timestep, adt)[0]
+    v_ctx, a_ctx = batch.video_context, batch.audio_context
     if cfg.use_prompt_embeddings:  # LTX-2.0: the caption projection inside the forward
         v_ctx = t.caption_projection(v_ctx).view(b, -1, hidden.shape[-1])
         a_ctx = t.audio_caption_projection(a_ctx).view(b, -1, audio_hidden.shape[-1])
-    coords, a_coords = local.video_coords, local.audio_coords
-    rope = dict(video_rotary_emb=t.rope(coords, device=hidden.device),
-                audio_rotary_emb=t.audio_rope(a_coords, device=audio_hidden.device),
-                ca_video_rotary_emb=t.cross_attn_rope(coords[:, 0:1], device=hidden.device),
-                ca_audio_rotary_emb=t.cross_attn_audio_rope(a_coords[:, 0:1], device=audio_hidden.device))
+    coords, a_coords = batch.video_coords, batch.audio_coords
+    inputs = BlockInputs(
+        video_context=v_ctx, audio_context=a_ctx, video_text_bias=batch.video_text_bias,
+        audio_text_bias=batch.audio_text_bias, temb=temb, temb_audio=temb_audio,
+        video_ca_ss=embed(t.av_cross_attn_video_scale_shift, batch.video_cross_timestep, dt)[0],
+        audio_ca_ss=embed(t.av_cross_attn_audio_scale_shift, batch.audio_cross_timestep, adt)[0],
+        a2v_gate=embed(t.av_cross_attn_video_a2v_gate, batch.a2v_gate_timestep, dt)[0],
+        v2a_gate=embed(t.av_cross_attn_audio_v2a_gate, batch.v2a_gate_timestep, adt)[0],
+        temb_prompt=temb_prompt, temb_prompt_audio=temb_prompt_audio,
+        rope=MappingProxyType(dict(
+            video_rotary_emb=t.rope(coords, device=hidden.device),
+            audio_rotary_emb=t.audio_rope(a_coords, device=audio_hidden.device),
+            ca_video_rotary_emb=t.cross_attn_rope(coords[:, 0:1], device=hidden.device),
+            ca_audio_rotary_emb=t.cross_attn_audio_rope(a_coords[:, 0:1], device=audio_hidden.device))),
+        options=options, keys=keys)
     block = block_function(semantics.block_order)
-    state = split.state if split is not None else None
-    if local.guide_log_w is not None and state is None:
-        raise ValueError("a guide-attention bias needs the sequence split's processors (a degree-1 split at least)")
-    if state is not None:
-        state.key_mask = split.key_mask(n, padded, hidden.device)
-        state.self_attention = (GuideBias(local.guide_start, local.guide_log_w).attend
-                                if local.guide_log_w is not None else None)
-    try:
-        for blk in gathered(t.transformer_blocks):  # sharded weights: each block gathered as it runs
-            hidden, audio_hidden = block(
-                blk, hidden, audio_hidden, v_ctx=v_ctx, a_ctx=a_ctx, v_text_bias=local.video_text_bias,
-                a_text_bias=local.audio_text_bias, temb=temb, temb_audio=temb_audio, video_ca_ss=video_ca_ss,
-                audio_ca_ss=audio_ca_ss, a2v_gate=a2v_gate, v2a_gate=v2a_gate, temb_prompt=temb_prompt,
-                temb_prompt_audio=temb_prompt_audio, rope=rope, run_vx=options.run_vx, run_ax=options.run_ax,
-                a2v=options.a2v_cross_attn, v2a=options.v2a_cross_attn)
-    finally:
-        if state is not None:
-            state.key_mask = state.self_attention = None
+    for blk in gathered(t.transformer_blocks):  # sharded weights: each block gathered as it runs
+        hidden, audio_hidden = block(blk, hidden, audio_hidden, inputs)
     shift, scale = (t.scale_shift_table[None, None].to(dt) + emb[:, :, None]).unbind(dim=2)
     out = t.proj_out(t.norm_out(hidden) * (1 + scale) + shift)
-    if split is not None:
-        out = split.gather(out, n)
     a_shift, a_scale = (t.audio_scale_shift_table[None, None].to(adt) + a_emb[:, :, None]).unbind(dim=2)
     audio_out = t.audio_proj_out(t.audio_norm_out(audio_hidden) * (1 + a_scale) + a_shift)
     return out, audio_out[:, batch.audio_prefix:]
 
 
-def run(transformer, batch: TokenBatch, semantics: Semantics = REFERENCE, split=None,
+def _keys(split: Split, batch: TokenBatch, part: TokenBatch) -> VideoKeys | None:
+    """The per-forward `VideoKeys` of one part under `split` (None: nothing to pass)."""
+    mask = split.key_mask(batch, part)
+    kernel = GuideBias(part.guide_start, part.guide_log_w).attend if part.guide_log_w is not None else None
+    return None if mask is None and kernel is None else VideoKeys(mask, kernel)
+
+
+def run_eager(transformer, batch: TokenBatch, semantics: Semantics = REFERENCE, split: Split | None = None,
+              options: ForwardOptions = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of `batch` (see the module docstring), eagerly. `split`: a `Split` whose plan's processors are
+    installed (`splits.apply.apply_plan`), or None (the whole batch here, with whatever processors are installed).
+    `options`: ComfyUI's per-call switches (a2v / v2a cross-attention, run_vx / run_ax; STG is the caller's
+    processor swap). Raises ValueError for a guide bias without a split."""
+    if split is None:
+        if batch.guide_log_w is not None:
+            raise ValueError("a guide-attention bias needs a split's processors (a degree-1 sequence split at least)")
+        return _local(transformer, batch, semantics, options, None)
+    outputs = [_local(transformer, part, semantics, options, _keys(split, batch, part))
+               for part in split.shard(batch)]
+    return split.gather(batch, outputs)
+
+
+def run(transformer, batch: TokenBatch, semantics: Semantics = REFERENCE, split: Split | None = None,
         options: ForwardOptions = PLAIN, what: str = "forward") -> tuple[torch.Tensor, torch.Tensor]:
     """`run_eager`, replayed from CUDA graphs where it can be (`cuda_graphs.call`; CPU forwards never touch the
-    graph machinery), with the semantics' q/k eps on the transformer's attention norms. `what` names the forward in
-    a fallback reason of the job report."""
-    if split is not None:
-        split.ensure_active()  # another job may have used the shared transformer since
+    graph machinery), with the semantics' q/k eps on the transformer's attention norms. A split that is not
+    `cuda_graph_safe` (tiles) runs eagerly, the reason noted once for the report. `what` names the forward in a
+    fallback reason of the job report."""
     tensors, static = batch.graph_inputs()
+    if split is not None and not split.cuda_graph_safe:
+        if cuda_graphs.eligible(tensors) is None:
+            cuda_graphs.graphs_of(transformer).note_eager(
+                f"{type(split).__name__} forwards eager (the split synchronises with the host)")
+        with qk_eps(_transformer_qk_norms(transformer), semantics.qk_eps):
+            return run_eager(transformer, batch, semantics, split, options)
 
     def forward(**kw):
         return run_eager(transformer, TokenBatch(**kw, **static), semantics, split, options)
@@ -257,15 +340,5 @@ def run(transformer, batch: TokenBatch, semantics: Semantics = REFERENCE, split=
         return cuda_graphs.call(transformer, forward, tensors, extra=key, what=what)
 
 
-def call_diffusers(transformer, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The diffusers transformer's keyword API (`hidden_states`, `timestep`, `video_coords`, …, as
-    `TokenBatch.from_diffusers` reads them) served by the one forward, eagerly, on this process (reference
-    semantics; `isolate_modalities` severs both cross-modal attentions)."""
-    isolate = bool(kwargs.get("isolate_modalities", False))
-    batch = TokenBatch.from_diffusers(transformer.config, **kwargs)
-    options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate) if isolate else PLAIN
-    return run_eager(transformer, batch, REFERENCE, None, options)
-
-
-__all__ = ["PLAIN", "block_function", "call_diffusers", "comfy_block", "diffusers_block", "qk_eps", "qk_norms",
+__all__ = ["BlockInputs", "PLAIN", "Split", "block_function", "comfy_block", "diffusers_block", "qk_eps", "qk_norms",
            "run", "run_eager"]

@@ -1,8 +1,8 @@
 """`TokenBatch`: everything one transformer forward reads, per token and per row, in one frozen object (issue 25).
 
-Every forward of the engine takes one (`model_forward.run`): the native MODEL builds it from a ComfyUI
-`ForwardRequest` (`native.NativeEngine.prepare`), the reference stages from the diffusers keyword arguments their
-denoiser forms (`TokenBatch.from_diffusers`, the diffusers transformer's own input rules). The parallel plan
+Every forward of the engine takes one (`engine.forward.run`): the native MODEL builds it from a ComfyUI
+`ForwardRequest` (`native.NativeEngine.prepare`), the reference stages from their sampling state by the diffusers
+transformer's input rules (`denoiser.LTX2Denoiser.token_batch`). The parallel plan
 (`splits/forward_plan.py`) says which of its fields carry the video token axis, so a split (sequence parallel,
 tiles) slices them all by name; a new per-token field is one line here and one entry in the plan.
 
@@ -114,50 +114,6 @@ class TokenBatch:
             value = getattr(self, f.name)
             (tensors if isinstance(value, torch.Tensor) else static)[f.name] = value
         return tensors, static
-
-    @classmethod
-    def from_diffusers(cls, config, *, hidden_states, audio_hidden_states, encoder_hidden_states,
-                       audio_encoder_hidden_states, timestep, audio_timestep=None, sigma=None, audio_sigma=None,
-                       encoder_attention_mask=None, audio_encoder_attention_mask=None, video_coords=None,
-                       audio_coords=None, isolate_modalities=False, use_cross_timestep=False,
-                       video_keyframes_mask=None, return_dict=False, **unsupported) -> "TokenBatch":
-        """diffusers' `LTX2VideoTransformer3DModel.forward` keyword arguments -> the batch, by diffusers' own rules
-        (0.42.1): audio timestep / sigma default to the video's; a 2-D text mask becomes the bias
-        `(1 − mask)·−10000`; the cross-attention AdaLN inputs are the other stream's sigma with
-        `use_cross_timestep` (else the stream's own timestep); the gates × `cross_attn_timestep_scale_multiplier /
-        timestep_scale_multiplier`; the keyframe marker is `video_keyframes_mask > 0` on models with the embedding.
-        `isolate_modalities` is a per-call switch (`ForwardOptions`), not part of the batch: the caller passes it.
-        Raises ValueError for an argument the engine does not take (positions must be given explicitly)."""
-        if unsupported or video_coords is None or audio_coords is None or return_dict:
-            raise ValueError(f"the engine's forward takes explicit video_coords / audio_coords and no "
-                             f"{sorted(unsupported) or 'return_dict'}")
-        audio_timestep = audio_timestep if audio_timestep is not None else timestep
-        audio_sigma = audio_sigma if audio_sigma is not None else sigma
-        b = hidden_states.shape[0]
-        factor = config.cross_attn_timestep_scale_multiplier / config.timestep_scale_multiplier
-
-        def bias(mask, dtype):
-            if mask is None or mask.ndim != 2:
-                return None if mask is None else (mask[:, None] if mask.ndim == 3 else mask)
-            return ((1 - mask.to(dtype)) * -10000.0).view(b, 1, 1, -1)
-
-        video_cross = audio_sigma.flatten() if use_cross_timestep else timestep
-        audio_cross = sigma.flatten() if use_cross_timestep else audio_timestep
-        marker = None
-        if config.use_keyframes_abs_pos_embedding and video_keyframes_mask is not None:
-            marker = (video_keyframes_mask > 0).reshape(b, -1)
-        prompt = getattr(config, "use_prompt_adaln_single", False) and sigma is not None
-        return cls(
-            video=hidden_states, audio=audio_hidden_states, video_timestep=timestep, audio_timestep=audio_timestep,
-            video_cross_timestep=video_cross, audio_cross_timestep=audio_cross,
-            a2v_gate_timestep=video_cross * factor, v2a_gate_timestep=audio_cross * factor,
-            video_coords=video_coords, audio_coords=audio_coords, video_context=encoder_hidden_states,
-            audio_context=audio_encoder_hidden_states,
-            video_prompt_timestep=sigma.flatten() if prompt else None,
-            audio_prompt_timestep=audio_sigma.flatten() if prompt else None,
-            video_text_bias=bias(encoder_attention_mask, hidden_states.dtype),
-            audio_text_bias=bias(audio_encoder_attention_mask, audio_hidden_states.dtype),
-            keyframe_marker=marker)
 
 
 __all__ = ["STATIC_FIELDS", "TOKEN_FIELDS", "TokenBatch"]

@@ -151,8 +151,7 @@ class WorkerState:
                                                  family=self.components.family)
         # every group any policy may use is built here, once (build_plan), and kept (`groups`); each job gets a
         # frozen plan of them under its policy (`apply_policy`)
-        plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy.token_cap,
-                           policy.min_tokens_per_rank, policy.sp_degree, policy.guidance_parallel, sharded=sharded)
+        plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy, sharded=sharded)
                 if identity.sequence_parallel else None)
         self.groups = plan.groups if plan is not None else None  # parallel.plan.PlanGroups, for the fleet's life
         self.plan = plan  # the frozen plan of the last job's policy (parallel.plan.ParallelPlan)

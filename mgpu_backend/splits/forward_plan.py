@@ -1,19 +1,23 @@
 """The parallel plan of the one forward, declared as data (issue 25), in the style of diffusers' `_cp_plan` and
 PyTorch's `parallelize_module` plan dicts: which `TokenBatch` inputs are split along which dim, which outputs are
-gathered, which attentions exchange what — one `ForwardPlan` per kind of split, applied by one function each.
+gathered, which attentions exchange what — one `ForwardPlan` per kind of split.
 
-| plan | inputs | attention | outputs | weights |
-|---|---|---|---|---|
-| `SEQUENCE` (sequence parallel, docs/design/sequence-parallel.md) | the video token fields (`tokens.TOKEN_FIELDS`) split on the token dim into W contiguous slices after zero-padding to a multiple of W; the rest replicated | `attn1`: Ulysses (all_to_all to head slices and back); `video_to_audio_attn`: the video K/V all_gathered; padded keys masked in both | video gathered on the token dim, padding cut | replicated |
-| `TILES` (tiled data parallel, docs/design/tiled-data-parallel.md) | the video token fields indexed by each tile's tokens (+ the conditioning tokens it keeps), positions re-based per tile | local | video: weighted sum over the tiles' tokens, one all_reduce | replicated |
-| `ROWS` (guidance passes / batch rows, `passes.py`) | whole rows (dim 0) round-robin to ranks | local | each row's outputs broadcast from its owner | replicated |
+| plan | inputs | attention | outputs |
+|---|---|---|---|
+| `SEQUENCE` (sequence parallel, `sequence.py`) | the video token fields (`tokens.TOKEN_FIELDS`) split on the token dim into W contiguous slices after zero-padding to a multiple of W; the rest replicated | `attn1`: Ulysses (all_to_all to head slices and back); `video_to_audio_attn`: the video K/V all_gathered; padded keys masked in both | video gathered on the token dim, padding cut |
+| `TILES` (tiled data parallel, `tiled.py`) | the video token fields indexed by each tile's tokens (+ the conditioning tokens it keeps), positions re-based per tile | local | video: weighted sum over the tiles' tokens, one all_reduce |
+| `ROWS` (guidance passes / batch rows, `dispatch.py`) | whole rows (dim 0) round-robin to ranks | local | each row's outputs broadcast from its owner |
 
-`weights`: "replicated", or `SHARDED` on a fleet whose weights are sharded (`FleetIdentity.weights`, FSDP2
-`fully_shard` per transformer block, `weights/sharding.py`: each block gathered as it runs, the arithmetic
-unchanged). With sharded weights every rank runs every forward: `SEQUENCE` over all ranks and `TILES` with a multiple
-of W tiles; `ROWS` and sequence-parallel sub-groups are refused (`ParallelPlan.for_policy`). A new kind of split is a new `ForwardPlan`
-here plus the one function that applies it (`shard_batch` for token splits); the forward itself
-(`model_forward.run_eager`) does not change.
+The plan is executed, not only described: `apply.apply_plan(transformer, plan, exchange)` installs the processors of
+its `attention` entries (by kind, `apply.PROCESSORS`; every other attention local) and `apply.remove_plan` puts the
+local ones back; the split that implements it (`engine.forward.Split`: `sequence.UlyssesSplit`, `tiled.TiledSplit`)
+shards the inputs by its `inputs` entries (`shard_batch`, `select_tokens`) and gathers by its `outputs` entries. A new
+kind of split is a new `ForwardPlan` here, its processors (if any) in `apply.PROCESSORS`, and one class implementing
+`engine.forward.Split`; the forward itself (`engine.forward.run_eager`) does not change.
+
+Weights: replicated, or sharded over all ranks on a fleet whose weights are sharded (FSDP2 per block,
+`weights/sharding.py`: the forward gathers each block as it runs, the arithmetic unchanged); then every rank runs
+every forward, which `ParallelPlan.for_policy` and `ParallelPlan.tiled` enforce.
 
 Which plan a stage or a native forward runs is chosen once per job by `ParallelPlan.split` (the cost model,
 `cost.py`) and carried down as a `StageRun`.
@@ -44,11 +48,9 @@ class Gather:
     dim: int
 
 
-REPLICATED = "replicated"
 ULYSSES = "ulysses"  # all_to_all sequence -> heads, attend over every token, back (splits/sequence.py)
 GATHERED_KEYS = "gathered keys"  # replicated queries, the sharded keys / values all_gathered (splits/sequence.py)
 LOCAL = "local"
-SHARDED = "sharded"  # the weights entry of a fleet with sharded weights (FSDP2 per block)
 
 
 @dataclass(frozen=True)
@@ -59,14 +61,6 @@ class ForwardPlan:
     inputs: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # field -> Split
     attention: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # attention module -> kind
     outputs: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # "video" | "audio" -> Gather
-    weights: str = REPLICATED  # the weight-sharding entry: REPLICATED or SHARDED (weights/sharding.py)
-
-    def with_sharded_weights(self) -> "ForwardPlan":
-        """The same split on a fleet whose weights are sharded. Raises ValueError for `ROWS` (ranks would run
-        different forwards, and every block's gather needs all of them)."""
-        if self.name == ROWS.name:
-            raise ValueError("batch rows spread over ranks cannot run with sharded weights")
-        return dataclasses.replace(self, weights=SHARDED)
 
 
 SEQUENCE = ForwardPlan(
@@ -112,5 +106,5 @@ def select_tokens(plan: ForwardPlan, batch: TokenBatch, index: torch.Tensor, **r
     return dataclasses.replace(batch, **changes)
 
 
-__all__ = ["ForwardPlan", "GATHERED_KEYS", "Gather", "LOCAL", "PLANS", "REPLICATED", "ROWS", "SEQUENCE", "SHARDED", "Split",
-           "TILES", "ULYSSES", "pad_and_slice", "select_tokens", "shard_batch"]
+__all__ = ["ForwardPlan", "GATHERED_KEYS", "Gather", "LOCAL", "PLANS", "ROWS", "SEQUENCE", "Split", "TILES", "ULYSSES",
+           "pad_and_slice", "select_tokens", "shard_batch"]

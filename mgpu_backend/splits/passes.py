@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from ..engine.sampling import PASS_KINDS, GuidancePass, run_local
 from .cost import DEFAULT, LTX2_19B, CostModel, ModelShape, predict_sp
+from .forward_plan import ROWS
 
 MAX_PASSES = len(PASS_KINDS)  # cond, uncond, perturbed, isolated
 MODES = ("auto", "on", "off")
@@ -78,7 +79,10 @@ def _layout(out: Output) -> tuple:
 
 
 class PassParallel:
-    """`run_passes` of `sampling.denoise_loop` over ranks 0..size-1 of `group` (see the module docstring).
+    """`run_passes` of `sampling.denoise_loop` over ranks 0..size-1 of `group` (see the module docstring): the `ROWS`
+    plan's split of a step's branches (guidance passes, or a native request's batch rows), with the methods of
+    `engine.forward.Split` over branches — `shard` (this rank's), `key_mask` (none), `gather` (broadcast from each
+    owner) — and `__call__` = gather(shard, each run here). Made by the dispatcher (`dispatch.py`).
 
     Args:
         group: the process group of ranks 0..size-1 (None: the default group, when size is the world size).
@@ -89,6 +93,9 @@ class PassParallel:
     Attributes (statistics of this stage, on this rank): `forwards` run here, `exchanged_bytes` broadcast or
     received here, `steps` exchanged.
     """
+
+    plan = ROWS
+    cuda_graph_safe = False  # not a forward of its own: each branch is one (graphed) forward
 
     def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int,
                  comm_device: torch.device | str = "cpu"):
@@ -104,16 +111,29 @@ class PassParallel:
         """The rank that computes pass `index` (in `plan_passes` order)."""
         return index % self.size
 
-    def __call__(self, passes: Sequence[GuidancePass], denoise: Callable[[GuidancePass], Output]) -> list[Output]:
+    def shard(self, passes: Sequence[GuidancePass]) -> list[GuidancePass]:
+        """The branches this rank computes (pass j on rank j % size), in order (the `engine.forward.Split`
+        methods over a step's branches instead of a batch's tokens). Raises ValueError for fewer branches than
+        ranks."""
+        n = len(passes)
+        if self.size > 1 and n < self.size:
+            raise ValueError(f"{n} guidance passes cannot occupy {self.size} ranks (every rank needs one)")
+        return [passes[j] for j in range(n) if self.owner(j) == self.rank]
+
+    def key_mask(self, passes: Sequence[GuidancePass], part: GuidancePass) -> None:
+        """Whole forwards: nothing is padded."""
+        return None
+
+    def gather(self, passes: Sequence[GuidancePass], outputs: list[Output]) -> list[Output]:
+        """Every branch's outputs on every rank of the group, in `passes` order, from this rank's `outputs` (of
+        `shard(passes)`, in that order): each branch broadcast from its owner. Raises ValueError when this rank's
+        branches returned different layouts."""
         n = len(passes)
         if self.size == 1:
             self.forwards += n
-            return run_local(denoise, list(passes))
-        if n < self.size:
-            raise ValueError(f"{n} guidance passes cannot occupy {self.size} ranks (every rank needs one)")
+            return list(outputs)
         own = [j for j in range(n) if self.owner(j) == self.rank]
-        # several passes on this rank: one batched forward where the model function offers it (sampling.run_local)
-        mine = dict(zip(own, run_local(denoise, [passes[j] for j in own])))
+        mine = dict(zip(own, outputs))
         self.forwards += len(mine)
         layout = _layout(next(iter(mine.values())))
         for j, out in mine.items():
@@ -127,6 +147,10 @@ class PassParallel:
             results.append(mine[j] if src == self.rank else out)
         self.steps += 1
         return results
+
+    def __call__(self, passes: Sequence[GuidancePass], denoise: Callable[[GuidancePass], Output]) -> list[Output]:
+        # several passes on this rank: one batched forward where the model function offers it (sampling.run_local)
+        return self.gather(passes, run_local(denoise, self.shard(passes)))
 
     def _exchange(self, out: Output | None, layout: tuple, src: int) -> Output:
         """Broadcast pass outputs from `src`: one flat buffer when every present tensor has the same dtype (the
@@ -227,11 +251,37 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.0f} ms"
 
 
-def choose_split(mode: str, tokens: int, passes: int, world_size: int, sp_degree: int,
-                 pass_degrees: Iterable[int], *, cost_model: CostModel | None = None,
-                 shape: ModelShape = LTX2_19B, nbytes: float = 0.0, token_cap: int | None = None,
-                 stage: str = "stage") -> StageSplit:
-    """Sequence parallel at `sp_degree` (the plan's choice for `tokens`) or the guidance passes in parallel.
+@dataclass(frozen=True)
+class StageWork:
+    """What one stage (or native request) asks of the fleet: `stage` (its name in the report), `tokens` video tokens
+    per forward, `passes` branches per step (guidance passes, or a request's batch rows), `nbytes` of one branch's
+    outputs (the per-step exchange when they are spread)."""
+
+    stage: str
+    tokens: int
+    passes: int
+    nbytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class SplitChoices:
+    """What a plan lets a stage choose between (`ParallelPlan.split` fills it): `mode` ("auto" | "on" | "off",
+    `MODES`), the fleet's `world_size`, `sp_degree` (the plan's sequence-parallel choice for the stage's tokens),
+    `pass_degrees` (the guidance-pass group sizes built), the `cost_model` (None: no predictions; CPU fleets) and the
+    transformer's `shape` for it, and the per-rank `token_cap` (None: no cap)."""
+
+    mode: str
+    world_size: int
+    sp_degree: int
+    pass_degrees: tuple[int, ...] = ()
+    cost_model: CostModel | None = None
+    shape: ModelShape = LTX2_19B
+    token_cap: int | None = None
+
+
+def choose_split(work: StageWork, choices: SplitChoices) -> StageSplit:
+    """Sequence parallel at `choices.sp_degree` (the plan's choice for the tokens) or the guidance passes in
+    parallel.
 
     `mode` "off": always SP. "on": the passes in parallel whenever P > 1, W > 1 and a group of 2 or more exists.
     "auto": with a `cost_model` (CUDA fleets), the passes in parallel when their predicted step time
@@ -240,7 +290,12 @@ def choose_split(mode: str, tokens: int, passes: int, world_size: int, sp_degree
     them; the passes do not). `pass_degrees`: the group sizes the plan built (see `pass_degree`).
 
     Returns a `StageSplit`; for "sequence" its `reason` is what the report should add to the SP line (or None).
+    Raises ValueError for an unknown mode.
     """
+    mode, tokens, passes, stage, nbytes = choices.mode, work.tokens, work.passes, work.stage, work.nbytes
+    world_size, sp_degree, cost_model, shape = (choices.world_size, choices.sp_degree, choices.cost_model,
+                                                choices.shape)
+    token_cap, pass_degrees = choices.token_cap, choices.pass_degrees
     check_mode(mode)
     g = pass_degree(passes, pass_degrees, world_size)
     sequence = StageSplit("sequence", sp_degree, passes, stage)
@@ -273,5 +328,5 @@ def choose_split(mode: str, tokens: int, passes: int, world_size: int, sp_degree
     return StageSplit("passes", g, passes, stage, why, t_pass, t_seq)
 
 
-__all__ = ["MAX_PASSES", "MODES", "PassParallel", "StageSplit", "check_mode", "choose_split", "pass_bytes",
-           "pass_degree", "predict_passes", "predict_sequence"]
+__all__ = ["MAX_PASSES", "MODES", "PassParallel", "SplitChoices", "StageSplit", "StageWork", "check_mode",
+           "choose_split", "pass_bytes", "pass_degree", "predict_passes", "predict_sequence"]

@@ -15,14 +15,16 @@ step on rank j % g, the x0 predictions broadcast within ranks 0..g-1 — on CUDA
 than the stage's SP choice (`FleetConfig.guidance_parallel`: "auto", "on", "off"); `split` decides per stage and
 `describe(report)` says which ran.
 
-Three objects, apart: `PlanGroups` (the process groups and SP wrappers, built once per fleet by `build_plan`, kept by
-the worker), `ParallelPlan` (those groups under one job's `PlanPolicy`: a frozen value made per job by
-`ParallelPlan.for_policy` / `with_policy`, never changed in place) and `PlanReport` (how one stage was split, returned
-by `split` inside its `StageRun`). The per-rank token cap travels with the `StageRun` to each forward; the shared SP
-wrappers hold no policy.
+Three objects, apart: `PlanGroups` (the process groups and their sequence splits, `UlyssesSplit`, built once per
+fleet by `build_plan`, kept by the worker), `ParallelPlan` (those groups under one job's `PlanPolicy`: a frozen
+value made per job by `ParallelPlan.for_policy` / `with_policy`, never changed in place) and `PlanReport` (how one
+stage was split, returned by `split` inside its `StageRun`). The per-rank token cap travels with the `StageRun`'s
+split to each forward; the shared splits hold no policy. How a stage's branches run (sequence parallel or spread
+over ranks) is asked through `dispatch.py`.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -30,18 +32,21 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from ..protocol.fleet_config import FleetPolicy
 from ..protocol.job_results import RankReport
 from ..protocol.validation import ValidationError
 from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
 from .degrees import check_requested_degree, check_sharded_policy, top_sp_degree, valid_sp_degrees
 from .exchange import Exchange
-from .passes import MAX_PASSES, StageSplit, check_mode, choose_split
-from .sequence import SequenceParallelTransformer, check_token_cap
-from .tiled import TiledTransformer
+from .passes import MAX_PASSES, SplitChoices, StageSplit, StageWork, check_mode, choose_split
+from .sequence import UlyssesSplit, check_token_cap
+from .tiled import TiledSplit
 from .tiling import TileCountConfig
 
 DEFAULT_TOKEN_CAP = 65536  # video tokens per rank per forward (≈ 241 frames at 1920×1088 on 2 ranks)
+DEFAULT_BUILD_POLICY = FleetPolicy(min_tokens_per_rank=0, token_cap=DEFAULT_TOKEN_CAP)
+"""`build_plan`'s policy when none is given: every stage at the full degree (tests, tools; a fleet passes its own)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class SPStage:
 
     degree: int
     group: dist.ProcessGroup | None
-    forward: SequenceParallelTransformer | None  # None on ranks outside the group, and for degree 1
+    forward: UlyssesSplit | None  # None on ranks outside the group, and for degree 1
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class PlanGroups:
     """The process groups of one fleet, built once on every rank by `build_plan` (creating a group is collective):
     what any policy may choose among. Frozen: a policy never creates or drops a group.
 
-    stages: SP degree -> `SPStage` (ranks 0..d-1; this rank's `SequenceParallelTransformer` when it is in the group).
+    stages: SP degree -> `SPStage` (ranks 0..d-1; this rank's `UlyssesSplit` when it is in the group).
     pass_groups: guidance-pass group size g -> ranks 0..g-1 (None: the whole fleet).
     heads / model_shape: the transformer's attention heads (the SP degree must divide them) and shape (cost model).
     built: False for a plan made by hand (`ParallelPlan.hand_built`): no other policy can be applied to it.
@@ -94,7 +99,7 @@ class PlanPolicy:
     """
 
     sp_degree: int
-    stage_degrees: tuple[int, ...]
+    stage_degrees: tuple[int, ...] = ()
     pass_degrees: tuple[int, ...] = ()
     token_cap: int | None = DEFAULT_TOKEN_CAP
     min_tokens_per_rank: int = 0
@@ -120,11 +125,12 @@ class StageRun:
     """What one stage runs on (`ParallelPlan.split`): `split.kind` "sequence" (SP over ranks 0..degree-1 with
     `forward`) or "passes" (the guidance passes spread over ranks 0..degree-1, plain forwards); `group` holds those
     ranks (None: the whole fleet); `report` says which split ran and why; `token_cap`: the job's per-rank video
-    token cap, checked by each SP forward of the stage (`SequenceParallelTransformer.check`; None: no cap)."""
+    token cap, checked by each SP forward of the stage (`UlyssesSplit.shard`; None: no cap); `forward`: the
+    `UlyssesSplit` of the SP group, carrying that cap (None: not sequence parallel on this rank)."""
 
     split: StageSplit
     group: dist.ProcessGroup | None
-    forward: SequenceParallelTransformer | None
+    forward: UlyssesSplit | None
     report: PlanReport = PlanReport()
     token_cap: int | None = DEFAULT_TOKEN_CAP
 
@@ -148,22 +154,19 @@ class ParallelPlan:
     policy: PlanPolicy
 
     @classmethod
-    def hand_built(cls, rank: int, world_size: int, device: torch.device, sp_degree: int,
-                   sp_group: dist.ProcessGroup | None = None, sp_forward: SequenceParallelTransformer | None = None,
-                   token_cap: int | None = DEFAULT_TOKEN_CAP, stages: dict[int, SPStage] | None = None,
-                   min_tokens_per_rank: int = 0, cost_model: CostModel | None = None, shape: ModelShape | None = None,
-                   guidance_parallel: str = "off", pass_groups: dict | None = None, heads: int | None = None,
-                   requested_sp_degree: int | None = None) -> ParallelPlan:
-        """A plan without `build_plan` (tests, tools): the SP `stages` given (default: one of `sp_degree` on
-        `sp_group` with `sp_forward`) and the guidance-pass groups given, under a fixed policy (`with_policy`
-        raises)."""
-        allowed = tuple(stages) if stages else (sp_degree,)
-        every = {**(stages or {}), sp_degree: (stages or {}).get(sp_degree, SPStage(sp_degree, sp_group, sp_forward))}
+    def hand_built(cls, rank: int, world_size: int, device: torch.device, policy: PlanPolicy,
+                   stages: Mapping[int, SPStage] | None = None, pass_groups: Mapping | None = None,
+                   heads: int | None = None) -> ParallelPlan:
+        """A plan without `build_plan` (tests, tools): the SP `stages` given (default: one of `policy.sp_degree`
+        without a group or split) and the guidance-pass groups given, under `policy` fixed (`with_policy` raises);
+        the policy's stage and pass degrees are those of `stages` and `pass_groups`."""
+        sp_degree = policy.sp_degree
+        every = {**(stages or {})}
+        every.setdefault(sp_degree, SPStage(sp_degree, None, None))
         groups = PlanGroups(rank, world_size, device, MappingProxyType(every),
                             MappingProxyType(dict(pass_groups or {})), heads, None, built=False)
-        policy = PlanPolicy(sp_degree, allowed, tuple(pass_groups or {}), token_cap, min_tokens_per_rank, cost_model,
-                            shape, guidance_parallel, requested_sp_degree)
-        return cls(groups, policy)
+        allowed = tuple(stages) if stages else (sp_degree,)
+        return cls(groups, dataclasses.replace(policy, stage_degrees=allowed, pass_degrees=tuple(pass_groups or {})))
 
     @classmethod
     def for_policy(cls, groups: PlanGroups, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
@@ -233,7 +236,7 @@ class ParallelPlan:
         return self.groups.stages[self.policy.sp_degree].group
 
     @property
-    def sp_forward(self) -> SequenceParallelTransformer | None:
+    def sp_forward(self) -> UlyssesSplit | None:
         return self.groups.stages[self.policy.sp_degree].forward
 
     def choose(self, tokens: int) -> PlanReport:
@@ -268,16 +271,18 @@ class ParallelPlan:
         model = self.cost_model
         if model is None and self.device.type == "cuda":
             model = default_model()
-        choice = choose_split(self.guidance_parallel, tokens, passes, self.world_size, sp.degree,
-                              list(self.pass_groups or {}), cost_model=model, shape=self.shape or ModelShape(),
-                              nbytes=pass_bytes, token_cap=self.token_cap, stage=stage)
+        choice = choose_split(StageWork(stage, tokens, passes, pass_bytes),
+                              SplitChoices(self.guidance_parallel, self.world_size, sp.degree,
+                                           tuple(self.pass_groups or {}), model, self.shape or ModelShape(),
+                                           self.token_cap))
         if choice.kind == "passes":
             report = PlanReport(sp_choice.degree, sp_choice.reason, choice)
             return StageRun(choice, self.pass_groups[choice.degree], None, report, self.token_cap)
         reason = sp_choice.reason
         if choice.reason:
             reason = f"{reason}; {choice.reason}" if reason else choice.reason
-        return StageRun(choice, sp.group, sp.forward, PlanReport(sp_choice.degree, reason), self.token_cap)
+        forward = None if sp.forward is None else dataclasses.replace(sp.forward, token_cap=self.token_cap)
+        return StageRun(choice, sp.group, forward, PlanReport(sp_choice.degree, reason), self.token_cap)
 
     @property
     def in_sp_group(self) -> bool:
@@ -300,7 +305,7 @@ class ParallelPlan:
 
         if degree != self.world_size:
             status = torch.tensor([0 if failure is None else 1 if isinstance(failure, SamplingCancelled) else 2],
-                                  dtype=torch.int32, device=self._comm_device())
+                                  dtype=torch.int32, device=self.groups.comm_device)
             dist.broadcast(status, src=0)
             code = int(status.item())
             if failure is None and code == 1:
@@ -317,18 +322,16 @@ class ParallelPlan:
             return video, audio
         out = []
         for x, shape in ((video, video_shape), (audio, audio_shape)):
-            buf = (x if x is not None else torch.empty(shape, dtype=torch.float32)).to(self._comm_device())
+            buf = (x if x is not None else torch.empty(shape, dtype=torch.float32)).to(self.groups.comm_device)
             dist.broadcast(buf, src=0)
             out.append(buf.cpu())
         return out[0], out[1]
 
-    def tiled(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig) -> TiledTransformer:
-        """A TDP wrapper over every rank of the fleet (the default group). With sharded weights the tile count must
+    def tiled(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig) -> TiledSplit:
+        """A TDP split over every rank of the fleet (the default group). With sharded weights the tile count must
         be a multiple of the ranks (raises ValidationError before any work): each rank runs the same number of tile
         forwards, in lockstep."""
-        tiled = TiledTransformer(transformer, grid, tiling, None, self.world_size, self.rank)
-        if self.sharded:
-            tiled.plan = tiled.plan.with_sharded_weights()
+        tiled = TiledSplit(transformer, grid, tiling, None, self.world_size, self.rank)
         if self.sharded and len(tiled.tiles) % self.world_size:
             raise ValidationError(
                 f"{len(tiled.tiles)} tiles over {self.world_size} ranks: with sharded weights every rank runs the "
@@ -347,9 +350,6 @@ class ParallelPlan:
         out = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(report, out, dst=0)
         return out
-
-    def _comm_device(self) -> torch.device:
-        return self.groups.comm_device
 
     def describe(self, report: PlanReport | None = None) -> str:
         """The job report's line for a stage split as `report` says (`StageRun.report`; None: no stage ran yet, the
@@ -374,9 +374,8 @@ class ParallelPlan:
                 f"wait for its result{reason}")
 
 
-def build_plan(transformer, rank: int, world_size: int, device: torch.device,
-               token_cap: int | None = DEFAULT_TOKEN_CAP, min_tokens_per_rank: int | None = 0,
-               sp_degree: int | None = None, guidance_parallel: str = "auto", sharded: bool = False) -> ParallelPlan:
+def build_plan(transformer, rank: int, world_size: int, device: torch.device, policy: FleetPolicy | None = None,
+               sharded: bool = False) -> ParallelPlan:
     """Called by every rank of an initialized default process group (creating the sub-groups is collective).
 
     Every group a policy may use is built here, once, in the same order on every rank: an SP group of ranks
@@ -384,16 +383,21 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     for g = 2..min(W, 4) (sharing the SP group of the same ranks). `torch.distributed.new_group` is collective, so a
     later job's plan (`ParallelPlan.with_policy`, per job, on every rank) only picks among these groups.
 
-    Returns the plan of those groups (`plan.groups`, kept for the fleet's life) under the policy arguments
-    (`FleetPolicy`'s fields, applied by `ParallelPlan.for_policy`):
-    `min_tokens_per_rank`: None = the default policy: on CUDA the cost model (`cost.py`) picks each stage's degree,
-    on CPU the full degree; an int = smaller SP degrees for stages with fewer video tokens per rank than that (0:
-    always the full degree), the cost model off.
+    Returns the plan of those groups (`plan.groups`, kept for the fleet's life) under `policy` (a `FleetPolicy`,
+    applied by `ParallelPlan.for_policy`; None: `DEFAULT_BUILD_POLICY`, the full degree on every stage):
+    `min_tokens_per_rank`: None = on CUDA the cost model (`cost.py`) picks each stage's degree, on CPU the full
+    degree; an int = smaller SP degrees for stages with fewer video tokens per rank than that (0: always the full
+    degree), the cost model off.
     `sp_degree`: an explicit degree (checked by `check_requested_degree`); None = the largest valid one. It is the
     largest degree a stage uses; the policy may still pick fewer ranks.
     `guidance_parallel`: "auto" | "on" | "off" (`passes.py`): whether a guided stage may run its passes in parallel
-    instead ("on", or "auto" on CUDA).
+    instead ("on", or "auto" on CUDA). `token_cap`: video tokens per rank per forward.
+    `sharded`: the weights are sharded over all ranks (every forward on all of them). Raises ValidationError /
+    ValueError for a policy the heads, the fleet or sharded weights do not allow.
     """
+    policy = policy or DEFAULT_BUILD_POLICY
+    sp_degree, min_tokens_per_rank, guidance_parallel = (policy.sp_degree, policy.min_tokens_per_rank,
+                                                         policy.guidance_parallel)
     check_mode(guidance_parallel)
     heads = transformer.config.num_attention_heads
     if sharded:
@@ -404,10 +408,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     # every rank creates every group, in the same order; degree 1 gets a group of rank 0 alone (cancel checks)
     for d in valid_sp_degrees(heads, world_size):
         group = None if d == world_size else dist.new_group(list(range(d)))
-        forward = (SequenceParallelTransformer(transformer, Exchange(group, d, rank))
-                   if rank < d and d > 1 else None)
-        if forward is not None and sharded:
-            forward.plan = forward.plan.with_sharded_weights()
+        forward = UlyssesSplit(Exchange(group, d, rank)) if rank < d and d > 1 else None
         all_stages[d] = SPStage(d, group, forward)
     all_pass_groups: dict[int, dist.ProcessGroup | None] = {}
     for g in range(2, min(world_size, MAX_PASSES) + 1):  # same order on every rank; reuse the SP groups
@@ -416,4 +417,4 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device,
     groups = PlanGroups(rank, world_size, device, MappingProxyType(all_stages), MappingProxyType(all_pass_groups),
                         heads, ModelShape.of(transformer.config), sharded=sharded)
     return ParallelPlan.for_policy(groups, sp_degree=sp_degree, min_tokens_per_rank=min_tokens_per_rank,
-                                   guidance_parallel=guidance_parallel, token_cap=token_cap)
+                                   guidance_parallel=guidance_parallel, token_cap=policy.token_cap)

@@ -26,16 +26,13 @@ TDP is an approximation (each tile sees only local context): it is an upscaler, 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..engine import forward as model_forward
-from ..engine.attention import LTX2AttnProcessor, use_processor
-from ..protocol.native_forward import ForwardOptions
-from ..engine.semantics import REFERENCE
 from ..engine.tokens import TokenBatch
-from .forward_plan import TILES, select_tokens
+from .forward_plan import TILES, ForwardPlan, select_tokens
 from .tiling import Tile, TileCountConfig, make_tiles
 
 DEFAULT_MAX_FIRST_SIGMA = 0.7  # TDP refused above this first sigma: tiles drift apart (seed: "Do not run TDP first")
@@ -53,24 +50,37 @@ def check_tdp_sigmas(sigmas, max_first_sigma: float = DEFAULT_MAX_FIRST_SIGMA) -
                          f"0.625, 0.4, 0) or raise the bound (max_first_sigma) and check the reported tile drift")
 
 
-class TiledTransformer:
-    """Wraps an `LTX2VideoTransformer3DModel` for one stage on a latent grid (F, H, W).
+@dataclass(frozen=True, eq=False)
+class _TilePart:
+    """One tile's share of a batch: its token indices (generated tokens, then the conditioning tokens it keeps),
+    their blend weights `[n]` float32 and the tile's (re-based) positions."""
 
-    Call with the transformer's keyword arguments (full, replicated inputs on every rank): `hidden_states
-    [B, T, C]` with T ≥ F·H·W (tokens past F·H·W are conditioning tokens), per-token `timestep [B, T]`,
-    `video_coords [B, 3, T, 2]`, optional per-token `video_keyframes_mask [B, T, 1]` (indexed with each tile).
-    Returns `(video [B, T, C], zeros like audio)`, the same on every rank.
+    index: torch.Tensor
+    weights: torch.Tensor
+    coords: torch.Tensor
+
+
+class TiledSplit:
+    """The `TILES` plan of one stage on a latent grid (F, H, W), as the one forward uses it (`engine.forward.Split`).
+
+    A forward's batch has `video [B, T, C]` with T ≥ F·H·W (tokens past F·H·W are conditioning tokens), per-token
+    `video_timestep [B, T]` and `video_coords [B, 3, T, 2]`; `shard` gives this rank's tiles (the plan's input
+    entries indexed by each tile's tokens, positions re-based), `gather` blends them and returns `(video [B, T, C],
+    audio)` — the same on every rank (audio: zeros like the input, or the tiles' average with `denoise_audio`).
+    It synchronises with the host (`cuda_graph_safe` False: eager forwards). Its processors are local
+    (`apply.apply_plan(transformer, TILES)`).
 
     `group=None` with `world_size=1` computes every tile here (the single-process reference of the same tiling).
+    Statistics of the stage on this rank: `forwards` (tile forwards), `compute_seconds`, `drift` (per forward).
     """
 
-    plan = TILES  # the declarative plan it applies (splits/forward_plan.py)
+    plan: ForwardPlan = TILES
+    cuda_graph_safe = False  # every forward's blend waits on an all_reduce and host-side index math
 
     def __init__(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig,
                  group: dist.ProcessGroup | None = None, world_size: int = 1, rank: int = 0,
                  normalize_positions: bool = True):
         self.transformer, self.grid, self.tiling = transformer, tuple(grid), tiling
-        self.transformer_blocks = transformer.transformer_blocks  # for STG's processor swap
         self.group, self.world_size, self.rank = group, world_size, rank
         self.normalize_positions = normalize_positions
         self.tiles, self.normalized = make_tiles(self.grid, tiling)
@@ -79,7 +89,7 @@ class TiledTransformer:
         self.forwards = 0
         self.denoise_audio = False  # True: average the tiles' audio outputs (audio re-denoised in this stage)
         self.drift: list[float] = []  # per forward call; empty when no token is covered by two tiles
-        self._local = LTX2AttnProcessor()
+        self._started: float | None = None
         n_gen = self.grid[0] * self.grid[1] * self.grid[2]
         cover = torch.zeros(n_gen, dtype=torch.int64)
         for tile in self.tiles:
@@ -88,34 +98,6 @@ class TiledTransformer:
         self._overlap_count = cover[overlap].float()  # [N_ov] tiles per overlap token
         self._overlap_slot = torch.full((n_gen,), -1, dtype=torch.int64)  # token -> row in the overlap buffers
         self._overlap_slot[overlap] = torch.arange(overlap.numel())
-
-    def _tile_forwards(self, hidden_states, timestep, video_coords, audio_hidden_states, kwargs: dict):
-        """`(token index, the tile's positions) -> (video, audio)`: the one forward (`model_forward.run_eager`,
-        local) on the tile's share of ONE `TokenBatch` of the whole latent (the plan's `TILES` entry:
-        `forward_plan.select_tokens`). A stand-in without the LTX-2 modules (tests) is called with the tile's
-        keyword arguments instead."""
-        rest = {k: v for k, v in kwargs.items() if k != "return_dict"}
-        if not hasattr(self.transformer, "proj_in"):
-            def stand_in(idx, coords):
-                per_token = ({"video_keyframes_mask": rest["video_keyframes_mask"][:, idx]}
-                             if rest.get("video_keyframes_mask") is not None else {})
-                return self.transformer(hidden_states=hidden_states[:, idx], timestep=timestep[:, idx],
-                                        video_coords=coords, audio_hidden_states=audio_hidden_states,
-                                        return_dict=False, **{**rest, **per_token})
-            return stand_in
-        isolate = bool(rest.pop("isolate_modalities", False))
-        batch = TokenBatch.from_diffusers(self.transformer.config, hidden_states=hidden_states, timestep=timestep,
-                                          video_coords=video_coords, audio_hidden_states=audio_hidden_states, **rest)
-        options = ForwardOptions(a2v_cross_attn=not isolate, v2a_cross_attn=not isolate)
-
-        def tile(idx, coords):  # the keyframe marker comes from the clip's positions, not the tile's
-            return model_forward.run_eager(self.transformer, select_tokens(self.plan, batch, idx, video_coords=coords),
-                                           REFERENCE, None, options)
-        return tile
-
-    def activate(self) -> None:
-        """Install local attention processors (tiles run the whole model on this rank)."""
-        use_processor(self.transformer, self._local)
 
     def describe(self) -> str:
         drift = (", ".join(f"{d:.3g}" for d in self.drift) if self.drift
@@ -147,17 +129,18 @@ class TiledTransformer:
         overlaps = ((cond[..., 0] < hi[:, None]) & (cond[..., 1] > lo[:, None])).all(dim=0)
         return overlaps | (cond[0, :, 0] < 0)
 
-    def __call__(self, *, hidden_states, timestep, video_coords, audio_hidden_states, **kwargs):
-        blocks = self.transformer.transformer_blocks
-        if blocks and blocks[0].video_to_audio_attn.processor is not self._local:
-            self.activate()  # another stage used the shared transformer since (STG never swaps this one)
-        b, t, c = hidden_states.shape
+    def _parts(self, batch: TokenBatch) -> list[_TilePart]:
+        """This rank's tiles of `batch` (index math only, the same on every call with the same batch). Raises
+        ValueError for fewer tokens than the grid, or timesteps that are not per token."""
+        video_coords, t = batch.video_coords, batch.video_tokens
         n_gen = self.grid[0] * self.grid[1] * self.grid[2]
         if t < n_gen:
             raise ValueError(f"{t} video tokens for a {self.grid} latent grid ({n_gen} tokens)")
+        timestep = batch.video_timestep
         if timestep.ndim != 2 or timestep.shape[1] != t:
             raise ValueError(f"tiled stages need per-token timesteps [B, {t}]; got {tuple(timestep.shape)}")
         n_cond = t - n_gen
+        device = batch.video.device
         # how many tiles keep each conditioning token (every rank computes it for all tiles: cheap, no comm)
         keep = {}
         if n_cond:
@@ -166,25 +149,42 @@ class TiledTransformer:
                 idx = tile.token_index(self.grid).to(video_coords.device)
                 keep[tile.index] = self._conditioning_selection(tile, video_coords, video_coords[:, :, idx], n_gen)
                 counts += keep[tile.index].float().cpu()
-        out = torch.zeros(b, t, c, dtype=torch.float32, device=hidden_states.device)
-        n_ov = self._overlap_count.numel()
-        sums = torch.zeros(2, b, n_ov, c, dtype=torch.float32, device=out.device)  # Σ v and Σ v² on overlaps
-        audio_sum = None
-        tile_forward = self._tile_forwards(hidden_states, timestep, video_coords, audio_hidden_states, kwargs)
-        start = time.perf_counter()
+        parts = []
         for tile in self.my_tiles:
-            idx = tile.token_index(self.grid).to(hidden_states.device)
-            weights = tile.weight.reshape(-1).to(out.device, torch.float32)
+            idx = tile.token_index(self.grid).to(device)
+            weights = tile.weight.reshape(-1).to(device, torch.float32)
             if n_cond:
-                kept = keep[tile.index].nonzero().flatten().to(hidden_states.device)
+                kept = keep[tile.index].nonzero().flatten().to(device)
                 idx = torch.cat([idx, n_gen + kept])
-                weights = torch.cat([weights, (1.0 / counts[kept.cpu()]).to(out.device)])
+                weights = torch.cat([weights, (1.0 / counts[kept.cpu()]).to(device)])
             coords = video_coords[:, :, idx]
             if self.normalize_positions:
                 offset = video_coords[:, :, tile.token_index(self.grid).to(coords.device), 0].amin(dim=2)  # [B, 3]
                 coords = coords - offset[:, :, None, None]
-            video, audio = tile_forward(idx, coords)
-            out[:, idx] += video.float() * weights[None, :, None]
+            parts.append(_TilePart(idx, weights, coords))
+        return parts
+
+    def shard(self, batch: TokenBatch) -> list[TokenBatch]:
+        """This rank's tiles of `batch`: every field the plan splits indexed by the tile's tokens, the tile's
+        positions (the keyframe marker comes from the clip's positions, not the tile's)."""
+        self._started = time.perf_counter()
+        return [select_tokens(self.plan, batch, p.index, video_coords=p.coords) for p in self._parts(batch)]
+
+    def key_mask(self, batch: TokenBatch, part: TokenBatch) -> None:
+        """Tiles are never padded."""
+        return None
+
+    def gather(self, batch: TokenBatch, outputs: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tiles' outputs (in `shard`'s order) blended over all ranks with one all_reduce (see the module
+        docstring); the drift of this forward appended."""
+        b, t, c = batch.video.shape
+        out = torch.zeros(b, t, c, dtype=torch.float32, device=batch.video.device)
+        n_ov = self._overlap_count.numel()
+        sums = torch.zeros(2, b, n_ov, c, dtype=torch.float32, device=out.device)  # Σ v and Σ v² on overlaps
+        audio_sum = None
+        for tile, part, (video, audio) in zip(self.my_tiles, self._parts(batch), outputs):
+            out[:, part.index] += video.float() * part.weights[None, :, None]
             if n_ov:
                 gen = tile.token_index(self.grid)
                 slot = self._overlap_slot[gen]
@@ -196,9 +196,11 @@ class TiledTransformer:
             if self.denoise_audio:
                 audio_sum = audio.float() if audio_sum is None else audio_sum + audio.float()
             self.forwards += 1
-        self.compute_seconds += time.perf_counter() - start
+        if self._started is not None:
+            self.compute_seconds += time.perf_counter() - self._started
+            self._started = None
         if self.denoise_audio and audio_sum is None:  # a rank without a tile joins with zeros
-            audio_sum = torch.zeros(audio_hidden_states.shape[:2] + (self._audio_channels(audio_hidden_states),),
+            audio_sum = torch.zeros(batch.audio.shape[:2] + (self._audio_channels(batch.audio),),
                                     dtype=torch.float32, device=out.device)
         if self.world_size > 1:
             # one collective: the blended video, the overlap sums, and (re-denoised audio) the audio sum
@@ -212,12 +214,15 @@ class TiledTransformer:
         if n_ov:
             self.drift.append(self.drift_of(sums[0], sums[1], self._overlap_count.to(out.device)))
         if self.denoise_audio:
-            audio_out = (audio_sum / len(self.tiles)).to(audio_hidden_states.dtype)
+            audio_out = (audio_sum / len(self.tiles)).to(batch.audio.dtype)
         else:
-            audio_out = torch.zeros_like(audio_hidden_states)
-        return out.to(hidden_states.dtype), audio_out
+            audio_out = torch.zeros_like(batch.audio)
+        return out.to(batch.video.dtype), audio_out
 
-    def _audio_channels(self, audio_hidden_states: torch.Tensor) -> int:
+    def _audio_channels(self, audio: torch.Tensor) -> int:
         """Width of the transformer's audio output (its audio patch size: the input width for LTX-2)."""
         proj = getattr(self.transformer, "audio_proj_out", None)
-        return int(proj.out_features) if proj is not None else int(audio_hidden_states.shape[-1])
+        return int(proj.out_features) if proj is not None else int(audio.shape[-1])
+
+
+__all__ = ["DEFAULT_MAX_FIRST_SIGMA", "TiledSplit", "check_tdp_sigmas"]

@@ -41,16 +41,16 @@ class ComfyDenoiser:
     Args:
         engine: this rank's `native.NativeEngine`.
         spec: the `stage.StageSpec` (contexts, grid, fps, masks, guides).
-        forward: the `SequenceParallelTransformer` of the stage's SP group (None: the engine's degree-1 wrapper —
-            one device, or one pass per rank under the guidance-pass split).
+        split: the `UlyssesSplit` of the stage's SP group (None: the engine's degree-1 split — one device, or one pass
+            per rank under the guidance-pass split); the stage runner applies its plan (`stage.applied`).
     `batch_mode` (class default "auto", `BATCH_MODES`): whether plain passes of a step may share one request.
     """
 
     batch_mode = "auto"
 
-    def __init__(self, engine, spec, forward=None):
+    def __init__(self, engine, spec, split=None):
         self.engine, self.spec = engine, spec
-        self.sp = forward if forward is not None else engine._local  # noqa: SLF001
+        self.split = split if split is not None else engine.local_split
         dev, dt = engine.device, engine.dtype
         self.contexts = {"cond": torch.cat([spec.positive.video, spec.positive.audio], dim=-1).to(dev, dt)}
         if spec.negative is not None:
@@ -94,7 +94,7 @@ class ComfyDenoiser:
         engine.check(request)
         with torch.no_grad(), comfy_qk_eps(engine._qk_norms):  # noqa: SLF001
             prepared = engine.prepare(request, request.context)
-            video, audio = engine.run_rows(prepared, list(range(request.batch)), self.sp, request.options)
+            video, audio = engine.run_rows(prepared, list(range(request.batch)), self.split, request.options)
             if prepared.keep is not None:  # IC-LoRA's dropped cells come back as zeros
                 video, audio = (L.pack_video(x) if x.ndim == 5 else L.pack_audio(x)
                                 for x in engine.unpack(prepared, video, audio, torch.float32))
@@ -122,7 +122,7 @@ class ComfyDenoiser:
         elif len({tuple(self._context(p).shape) for p in passes}) > 1:
             why = "the prompts' contexts have different lengths"
         elif self.batch_mode == "auto":
-            per_rank = -(-self.spec.video_tokens // self.sp.exchange.world_size)
+            per_rank = -(-self.spec.video_tokens // self.split.exchange.world_size)
             if per_rank > BATCH_TOKENS:
                 why = f"{per_rank:,} video tokens per rank > {BATCH_TOKENS:,} (a batch would not pay)"
         note = f"{len(passes)} passes as one request" if why is None else f"passes one at a time: {why}"

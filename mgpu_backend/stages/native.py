@@ -59,8 +59,10 @@ from ..protocol.native_forward import ForwardContractError, ForwardOptions, Forw
 from ..weights.lora import LoRAFile, LoRAFuser, LoRAPair
 from ..engine.forward import comfy_block, qk_eps, qk_norms  # noqa: F401 (re-exported)
 from ..models import keymaps
+from ..splits.apply import apply_plan, remove_plan
+from ..splits.dispatch import dispatch
 from ..splits.exchange import Exchange
-from ..splits.sequence import SequenceParallelTransformer
+from ..splits.sequence import UlyssesSplit
 from ..engine.semantics import COMFYUI
 from ..engine.tokens import TokenBatch
 from ..protocol.validation import ValidationError
@@ -297,8 +299,8 @@ class NativeEngine:
                                                "audio_connector": components.audio_connector})
         self.connector_lora = (LoRAFuser(self.connectors) if plan is None else
                                LoRAFuser(self.connectors, rank=plan.rank, world_size=plan.world_size))
-        # a degree-1 "sequence parallel" wrapper: the same processors (and the guide-bias hook) without collectives
-        self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, 0))
+        # a degree-1 sequence split: the same processors (and the guide-bias kernel) without collectives
+        self.local_split = UlyssesSplit(Exchange(None, 1, 0))
         self.forwards = 0
         self.graph_fallbacks: list[str] = []  # why native forwards ran eagerly on CUDA (cuda_graphs' reasons)
 
@@ -462,20 +464,20 @@ class NativeEngine:
         return _Prepared(batch, keep, (f, h, w), t_steps)
 
     # ---- run ----
-    def run_rows(self, p: _Prepared, rows: list[int], sp: SequenceParallelTransformer,
+    def run_rows(self, p: _Prepared, rows: list[int], split: UlyssesSplit,
                  options: ForwardOptions) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward of batch `rows` over `sp`'s group (degree 1: local): the one forward (`model_forward.run`,
-        ComfyUI's semantics; replayed from CUDA graphs where it can be — a forward that cannot be captured runs
-        eagerly, the reason logged once by name and kept for the report). -> packed video `[b, N, 128]` (kept
-        tokens) and audio `[b, T, 128]` (reference tokens cut), on every rank of the group."""
+        """The forward of batch `rows` under `split` (its group; degree 1: local), whose plan the caller applied
+        (`splits.apply.apply_plan`): the one forward (`model_forward.run`, ComfyUI's semantics; replayed from CUDA
+        graphs where it can be — a forward that cannot be captured runs eagerly, the reason logged once by name and
+        kept for the report). -> packed video `[b, N, 128]` (kept tokens) and audio `[b, T, 128]` (reference tokens
+        cut), on every rank of the group."""
         t = self.transformer
         batch = p.batch.select_rows(rows)
-        sp.ensure_active()  # another job used the shared transformer since
         cache = cuda_graphs.graphs_of(t) if batch.video.is_cuda and cuda_graphs.mode() != "off" else None
         seen = len(cache.events) if cache is not None else 0
         stg = options.stg_self_attn_blocks
         with skip_self_attention(t, stg, stg):
-            out = model_forward.run(t, batch, COMFYUI, sp, options, what="native forward")
+            out = model_forward.run(t, batch, COMFYUI, split, options, what="native forward")
         if cache is not None:
             for reason in cache.events[seen:]:
                 log.warning("native forward runs eagerly: %s", reason)
@@ -503,26 +505,24 @@ class NativeEngine:
         with torch.no_grad(), comfy_qk_eps(self._qk_norms):
             p = self.prepare(request, context)
             rows = list(range(request.batch))
-            run = None
-            if self.plan is not None and self.plan.world_size > 1:
-                nbytes = 4 * (p.batch.video.shape[1] + p.batch.audio.shape[1]) * 128  # one row's outputs, float32
-                run = self.plan.split("forward", p.batch.video.shape[1], request.batch, nbytes)
-            if run is not None and run.kind == "passes":
-                from ..splits.passes import PassParallel
-
-                if self.plan.rank >= run.degree:
-                    return NativeForwardResult(None, None, "", time.perf_counter() - t0)
-                spread = PassParallel(run.group, run.degree, self.plan.rank, self.plan._comm_device())  # noqa: SLF001
-                rows_out = spread([_Row(r) for r in rows], lambda r: self.run_rows(p, [r.index], self._local, o))
-                video = torch.cat([v for v, _ in rows_out])
-                audio = torch.cat([a for _, a in rows_out])
-                report = run.split.describe(self.plan.world_size).replace("guidance passes", "batch rows")
-            else:
-                sp = self._local if run is None or run.forward is None else run.forward
-                if run is not None and self.plan.rank >= run.degree:
-                    return NativeForwardResult(None, None, "", time.perf_counter() - t0)
-                video, audio = self.run_rows(p, rows, sp, o)
-                report = self.plan.describe(run.report) if run is not None else "one rank"
+            fleet = self.plan if self.plan is not None and self.plan.world_size > 1 else None
+            nbytes = 4 * (p.batch.video.shape[1] + p.batch.audio.shape[1]) * 128  # one row's outputs, float32
+            chosen = dispatch(fleet, "forward", p.batch.video.shape[1], request.batch, nbytes)
+            if not chosen.joins:
+                return NativeForwardResult(None, None, "", time.perf_counter() - t0)
+            split = chosen.split or self.local_split
+            apply_plan(self.transformer, split.plan, split.exchange)
+            try:
+                if chosen.kind == "passes":
+                    rows_out = chosen.spread([_Row(r) for r in rows], lambda r: self.run_rows(p, [r.index], split, o))
+                    video = torch.cat([v for v, _ in rows_out])
+                    audio = torch.cat([a for _, a in rows_out])
+                    report = chosen.run.split.describe(self.plan.world_size).replace("guidance passes", "batch rows")
+                else:
+                    video, audio = self.run_rows(p, rows, split, o)
+                    report = self.plan.describe(chosen.run.report) if chosen.run is not None else "one rank"
+            finally:
+                remove_plan(self.transformer)
             self.forwards += 1
             video, audio = self.unpack(p, video, audio, request.video.dtype)
         return NativeForwardResult(video, audio, report, time.perf_counter() - t0)

@@ -22,6 +22,7 @@ name.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from abc import ABC, abstractmethod
@@ -351,15 +352,13 @@ def stage_contexts(components, embeds: list[torch.Tensor], semantics: Semantics 
 @dataclass
 class StageEnv:
     """What a stage runs on (one rank): the loaded components, compute dtype and device, the fleet's plan (None: one
-    process), `native`, a callable returning this rank's `native.NativeEngine` (semantics "comfyui"), and
-    `forward`, what runs an unsplit reference forward (None: the transformer; e.g. a timing wrapper in bench/)."""
+    process), and `native`, a callable returning this rank's `native.NativeEngine` (semantics "comfyui")."""
 
     components: object
     dtype: torch.dtype
     device: torch.device
     plan: object = None
     native: Callable[[], object] | None = None
-    forward: object = None
 
 
 @dataclass(frozen=True)
@@ -385,34 +384,50 @@ class StageResult:
 
 # ---- the denoising loop of one spec --------------------------------------------------------------------------------
 
-def _reference_denoiser(spec: StageSpec, env: StageEnv, forward=None, token_cap: int | None = None):
-    """The reference's inputs (`latents.video_coords` / `audio_coords` positions, per-token timesteps as
-    diffusers' keyword arguments) -> `denoiser.LTX2Denoiser` (its split forwards checked against `token_cap`)."""
+def _reference_denoiser(spec: StageSpec, env: StageEnv, split=None):
+    """The reference's inputs (`latents.video_coords` / `audio_coords` positions, per-token timesteps) ->
+    `denoiser.LTX2Denoiser` on `split` (None: local)."""
     transformer = env.components.transformer
     f, h, w = spec.grid
     video_coords = L.video_coords(transformer, 1, f, h, w, spec.fps, device=env.device)
     audio_coords = L.audio_coords(transformer, 1, spec.audio_frames, device=env.device)
-    return LTX2Denoiser(transformer, spec.positive, spec.negative, video_coords, audio_coords, env.dtype,
-                        forward=forward or env.forward, token_cap=token_cap)
+    return LTX2Denoiser(transformer, spec.positive, spec.negative, video_coords, audio_coords, env.dtype, split=split)
 
 
-def _comfy_denoiser(spec: StageSpec, env: StageEnv, forward=None, token_cap: int | None = None):
+def _comfy_denoiser(spec: StageSpec, env: StageEnv, split=None):
     """ComfyUI's inputs (a `ForwardRequest` per pass, prepared by this rank's `native.NativeEngine`) ->
-    `comfy_stage.ComfyDenoiser`."""
+    `comfy_stage.ComfyDenoiser` on `split` (None: the engine's degree-1 sequence split)."""
     from .comfy_stage import ComfyDenoiser
 
-    return ComfyDenoiser(env.native(), spec, forward)
+    return ComfyDenoiser(env.native(), spec, split)
 
 
 DENOISERS = {"reference": _reference_denoiser, "comfyui": _comfy_denoiser}
 """`Semantics.token_inputs` -> how a stage's latents become the one forward's `TokenBatch`."""
 
 
-def model_fn(spec: StageSpec, env: StageEnv, forward=None, token_cap: int | None = None):
-    """The loop's model function for `spec` on `forward` (None: the plain transformer; a
-    `SequenceParallelTransformer` or a `TiledTransformer`), by the semantics' `token_inputs`; `token_cap`: the
-    job's per-rank video token cap for the split forwards (`plan.StageRun.token_cap`; None: no cap)."""
-    return DENOISERS[spec.semantics.token_inputs](spec, env, forward, token_cap)
+def model_fn(spec: StageSpec, env: StageEnv, split=None):
+    """The loop's model function for `spec` on `split` (an `engine.forward.Split`: `UlyssesSplit`, `TiledSplit`;
+    None: the semantics' own default), by the semantics' `token_inputs`. The denoiser's `split` says which plan
+    the stage runs under (`applied`)."""
+    return DENOISERS[spec.semantics.token_inputs](spec, env, split)
+
+
+@contextlib.contextmanager
+def applied(transformer, split):
+    """Within the block, `split`'s plan is applied to the resident transformer (`splits.apply.apply_plan`: its
+    processors installed); removed after (`remove_plan`: local processors). `split` None: nothing is installed
+    (the denoiser runs locally and installed its local processors)."""
+    from ..splits.apply import apply_plan, remove_plan
+
+    if split is None:
+        yield
+        return
+    apply_plan(transformer, split.plan, getattr(split, "exchange", None))
+    try:
+        yield
+    finally:
+        remove_plan(transformer)
 
 
 def denoise(spec: StageSpec, fn, hooks: StageHooks, group=None, run_passes=None
@@ -471,7 +486,9 @@ class OneDeviceRunner(StageRunner):
     kind = "one device"
 
     def run(self, spec, env, hooks):
-        video, audio, note = denoise(spec, model_fn(spec, env), hooks)
+        fn = model_fn(spec, env)
+        with applied(env.components.transformer, fn.split):
+            video, audio, note = denoise(spec, fn, hooks)
         return StageResult(video, audio, "one rank", note, self)
 
 
@@ -485,26 +502,30 @@ class TiledRunner(StageRunner):
 
     def run(self, spec, env, hooks):
         self.tiled.denoise_audio = not spec.audio_frozen
-        video, audio, note = denoise(spec, model_fn(spec, env, forward=self.tiled), hooks)
+        with applied(env.components.transformer, self.tiled):
+            video, audio, note = denoise(spec, model_fn(spec, env, split=self.tiled), hooks)
         return StageResult(video, audio, self.tiled.describe(), note, self)
 
 
 class _GroupRunner(StageRunner):
-    """A stage on ranks 0..degree-1 of the plan's `run.group`; the others skip it and receive rank 0's result."""
+    """A stage on ranks 0..degree-1 of the plan's group (`splits.dispatch.Dispatch`); the others skip it and
+    receive rank 0's result."""
 
-    def __init__(self, run):
-        self.run_split = run
+    def __init__(self, chosen):
+        self.dispatch = chosen
 
-    def _inputs(self, spec: StageSpec, env: StageEnv):
-        raise NotImplementedError
+    @property
+    def run_split(self):
+        return self.dispatch.run
 
     def run(self, spec, env, hooks):
-        plan, run = env.plan, self.run_split
+        plan, run = env.plan, self.dispatch.run
         video = audio = note = failure = None
-        if plan.rank < run.degree:
-            fn, passes = self._inputs(spec, env)
+        if self.dispatch.joins:
+            fn = model_fn(spec, env, split=self.dispatch.split)
             try:
-                video, audio, note = denoise(spec, fn, hooks, group=run.group, run_passes=passes)
+                with applied(env.components.transformer, fn.split):
+                    video, audio, note = denoise(spec, fn, hooks, group=run.group, run_passes=self.dispatch.spread)
             except Exception as exc:  # the ranks outside the group must hear of it, or they wait in the broadcast
                 failure = exc
         plan.announce(spec.name, failure, run.degree, self.who)  # raises on every rank when the group stopped
@@ -518,9 +539,6 @@ class SequenceParallelRunner(_GroupRunner):
     kind = "sequence parallel"
     who = "sequence-parallel ranks"
 
-    def _inputs(self, spec, env):
-        return model_fn(spec, env, forward=self.run_split.forward, token_cap=self.run_split.token_cap), None
-
 
 class GuidancePassRunner(_GroupRunner):
     """The guidance passes of each step spread over ranks 0..g-1 (`splits/passes.py::PassParallel`), each pass a
@@ -529,31 +547,26 @@ class GuidancePassRunner(_GroupRunner):
     kind = "guidance passes"
     who = "guidance-parallel ranks"
 
-    def _inputs(self, spec, env):
-        from ..splits.passes import PassParallel
-
-        plan = env.plan
-        return model_fn(spec, env), PassParallel(self.run_split.group, self.run_split.degree, plan.rank,
-                                                 plan._comm_device())  # noqa: SLF001
-
 
 def choose_runner(spec: StageSpec, env: StageEnv) -> StageRunner:
     """The plan's choice for `spec` (the same on every rank): tiled when the spec has tiles; one device without a
-    plan; else `ParallelPlan.split` — sequence parallel, or the guidance passes in parallel."""
+    plan; else the dispatcher's (`splits.dispatch.dispatch`: the plan's split) — sequence parallel, or the guidance
+    passes in parallel."""
+    from ..splits.dispatch import dispatch
     from ..splits.passes import pass_bytes
 
     plan, transformer = env.plan, env.components.transformer
     if spec.tiling is not None:
-        from ..splits.tiled import TiledTransformer
+        from ..splits.tiled import TiledSplit
 
         tiled = (plan.tiled(transformer, spec.grid, spec.tiling) if plan is not None
-                 else TiledTransformer(transformer, spec.grid, spec.tiling))
+                 else TiledSplit(transformer, spec.grid, spec.tiling))
         return TiledRunner(tiled)
     if plan is None:
         return OneDeviceRunner()
-    run = plan.split(spec.name, spec.video_tokens, spec.passes,
-                     pass_bytes(spec.video_clean.shape, spec.audio_clean.shape))
-    return GuidancePassRunner(run) if run.kind == "passes" else SequenceParallelRunner(run)
+    chosen = dispatch(plan, spec.name, spec.video_tokens, spec.passes,
+                      pass_bytes(spec.video_clean.shape, spec.audio_clean.shape))
+    return GuidancePassRunner(chosen) if chosen.kind == "passes" else SequenceParallelRunner(chosen)
 
 
 def run_stage(spec: StageSpec, env: StageEnv, hooks: StageHooks | None = None) -> StageResult:
@@ -563,5 +576,5 @@ def run_stage(spec: StageSpec, env: StageEnv, hooks: StageHooks | None = None) -
 
 __all__ = ["ComfyGuides", "GuidancePassRunner", "NOISE_LAYOUTS", "OneDeviceRunner", "SAMPLERS", "SEMANTICS",
            "SamplerSpec", "SequenceParallelRunner", "StageEnv", "StageHooks", "StageLimits", "StageResult",
-           "StageRunner", "StageSpec", "TiledRunner", "choose_runner", "denoise", "model_fn", "resolve_tiling",
+           "StageRunner", "StageSpec", "TiledRunner", "applied", "choose_runner", "denoise", "model_fn", "resolve_tiling",
            "run_stage", "stage_contexts"]

@@ -62,7 +62,7 @@ def run_sample(state, request: SampleRequest, ctx) -> SampleResult | None:
     are broadcast — and restored after it, exactly, without reading the checkpoint.
     Returns on rank 0 a `SampleResult`: video `[1, 128, F, H, W]`, audio `[1, 8, T, 16]`, the split's report and
     the LoRA reports (matched / total layers per LoRA); a tiled stage adds `tile_drift` (one relative difference of
-    overlapping tiles per forward, `TiledTransformer.drift`), `weights_normalized` and `audio_frozen`. None
+    overlapping tiles per forward, `TiledSplit.drift`), `weights_normalized` and `audio_frozen`. None
     elsewhere.
     Raises ValidationError on every rank before any work for another payload type, NaN / Inf inputs, STG blocks,
     tile counts, masks, sigmas of a tiled stage or token counts that do not fit the model and the fleet, and LoRAs
