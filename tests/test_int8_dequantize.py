@@ -46,8 +46,11 @@ def _max(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def test_modes_match_the_protocol():
-    assert Q.INT8_LOAD_MODES == INT8_COMPUTE_MODES == ("auto", "w8a8", "dequantize")
+def test_modes_are_the_rules():
+    from mgpu_backend.protocol import fleet_rules
+
+    assert INT8_COMPUTE_MODES is fleet_rules.INT8_COMPUTE_MODES == ("auto", "w8a8", "dequantize")
+    assert not hasattr(Q, "INT8_LOAD_MODES") and not hasattr(Q, "resolve_int8_compute")  # one copy: fleet_rules
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -153,7 +156,8 @@ def test_weight_bytes_dequantized_is_what_the_ranks_hold(files):
 
 def test_resolve_rules():
     kw = {"int8_bytes": 22 * GiB, "dequantized_bytes": 44 * GiB, "reserve_bytes": 3 * GiB}
-    r = Q.resolve_int8_compute
+    from mgpu_backend.protocol.fleet_rules import resolve_int8_compute as r
+
     assert r("auto", device_type="cuda", weights="replicated", free_bytes=139 * GiB, **kw)[0] == "dequantize"
     mode, why = r("auto", device_type="cuda", weights="replicated", free_bytes=40 * GiB, **kw)
     assert mode == "w8a8" and "44.0 GiB dequantized" in why and "40.0 GiB free" in why

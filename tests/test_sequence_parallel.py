@@ -36,7 +36,7 @@ from mgpu_backend.models.loader import load_components
 from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.splits.exchange import Exchange
 from mgpu_backend.splits.plan import ParallelPlan, build_plan
-from mgpu_backend.splits.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
+from mgpu_backend.protocol.fleet_rules import check_sp_degree, largest_sp_degree, valid_sp_degrees
 from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, SequenceParallelTransformer, UlyssesSelfAttention, _ForwardState, check_token_cap
 from mgpu_backend.splits.tiling import default_tiling
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline

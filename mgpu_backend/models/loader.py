@@ -29,21 +29,16 @@ from torch import nn
 from . import configs, keymaps, quant
 from .diffusion_decoder import (DIFFUSION_VAE_MARKER, REFUSED_SUFFIXES, STATISTICS, UNUSED_STATISTICS,
                                 DiffusionDecoderConfig, build_decoder, decoder_key_to_diffusers, diffusers_key_to_file)
+from ..protocol.fleet_rules import ACTIVATION_RESERVE_BYTES, WeightBytes, resolve_int8_compute
 from .families import ModelFamily, detect_family
 from .fp8 import FP8_DTYPES, INPUT_SCALE_SUFFIX, SCALE_SUFFIX, swap_in_fp8_linears
-
-# a key every LTX-2 audio+video transformer has (ComfyUI's detection uses the same two)
-_LTX_MARKER = "adaln_single.emb.timestep_embedder.linear_1.bias"
-_AV_MARKER = "audio_adaln_single.linear.weight"
+from .headers import LTX_MARKER as _LTX_MARKER
+from .headers import CheckpointError, transformer_prefix  # noqa: F401 - the loader's names too (headers.py)
 # LTX-2.5(.1+): learned embedding of single-pixel-frame tokens; ComfyUI builds it when the key is present
 KEYFRAME_EMBEDDING_KEY = "keyframes_abs_pos_embedding"
 
 
 OPEN_COUNT = 0  # safetensors files opened by this process (the fleet reports it: weights are read once per worker)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be used: wrong family, missing or unexpected keys, bad metadata."""
 
 
 class SafetensorsFile:
@@ -262,33 +257,6 @@ def _quantized_layers(file: SafetensorsFile, component: str, mapped: dict[str, s
     return int8_layers, fp8_weights
 
 
-def transformer_prefix(file: SafetensorsFile) -> str:
-    """`model.diffusion_model.` for a single file, '' for a `diffusion_models/` transformer-only file."""
-    for prefix in (keymaps.TRANSFORMER_PREFIX, ""):
-        if prefix + _LTX_MARKER in file.keys:
-            if prefix + _AV_MARKER not in file.keys:
-                raise CheckpointError(f"{file.path}: an LTX-Video (video-only) transformer, not an LTX-2 audio+video "
-                                      f"model (no '{prefix}{_AV_MARKER}')")
-            return prefix
-    raise CheckpointError(f"{file.path}: not an LTX-2 checkpoint (no '{keymaps.TRANSFORMER_PREFIX}{_LTX_MARKER}' "
-                          f"key); is it a checkpoint of another model family?")
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    """The bytes a rank holds of a model's files, as the loader keeps them (floating tensors in the compute dtype,
-    fp8 / int8 weights and their scales as stored): `blocks` (transformer and text-connector blocks: sharded in the
-    memory mode) and `rest` (everything else: held whole by every rank)."""
-
-    blocks: int
-    rest: int
-
-    def per_rank(self, weights: str, world_size: int) -> int:
-        if weights == "sharded":
-            return -(-self.blocks // world_size) + self.rest
-        return self.blocks + self.rest
-
-
 def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
                  int8_dequantized: bool = False) -> WeightBytes:
     """The bytes the ranks will hold of these files (header reads only): a `WeightBytes` with the
@@ -326,24 +294,31 @@ def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
     return WeightBytes(blocks, rest)
 
 
-def int8_path_for(identity, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0) -> tuple[str, str]:
+def identity_files(identity) -> tuple[str | None, ...]:
+    """The files a fleet's ranks load of a `FleetIdentity`: the checkpoint alone for a transformer-only fleet."""
+    if identity.transformer_only:
+        return (identity.checkpoint,)
+    return (identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
+
+
+def int8_path_for(identity, dtype: torch.dtype, device: torch.device,
+                  reserve_bytes: int = ACTIVATION_RESERVE_BYTES) -> tuple[str, str]:
     """The int8 path ("w8a8" or "dequantize") and its reason for a rank of a fleet (`FleetIdentity`, its compute
-    `dtype`, the rank's `device`), from the fleet option `identity.int8_compute` (`quant.resolve_int8_compute`: on
-    CUDA against this GPU's free memory, `torch.cuda.mem_get_info`, with `reserve_bytes` kept for one forward: the
-    worker passes `parallel/sharding.ACTIVATION_RESERVE_BYTES`). Header reads only. ("w8a8", "") for files without
-    int8 layers. Raises ValidationError for "dequantize" when the dequantized weights would not fit (naming the
+    `dtype`, the rank's `device`), from the fleet option `identity.int8_compute` (the fleet's rule,
+    `protocol.fleet_rules.resolve_int8_compute`: on CUDA against this GPU's free memory, `torch.cuda.mem_get_info`,
+    with `reserve_bytes` kept for one forward). Header reads only. ("w8a8", "") for files without int8 layers.
+    Raises ValidationError naming the device for "dequantize" when the dequantized weights would not fit (naming the
     sizes)."""
     from ..protocol.validation import ValidationError
 
-    files = (identity.checkpoint,) if identity.transformer_only else (
-        identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
+    files = identity_files(identity)
     as_int8 = weight_bytes(files, dtype, transformer_only=identity.transformer_only)
     dequantized = weight_bytes(files, dtype, transformer_only=identity.transformer_only, int8_dequantized=True)
     if as_int8 == dequantized:
         return "w8a8", ""
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     try:
-        return quant.resolve_int8_compute(
+        return resolve_int8_compute(
             identity.int8_compute, device_type=device.type, weights=identity.weights,
             int8_bytes=as_int8.per_rank(identity.weights, identity.world_size),
             dequantized_bytes=dequantized.per_rank(identity.weights, identity.world_size), free_bytes=free,

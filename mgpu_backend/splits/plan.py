@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..protocol.validation import ValidationError
 from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
-from .degrees import check_requested_degree, check_sharded_policy, top_sp_degree, valid_sp_degrees
+from ..protocol.fleet_rules import check_requested_degree, check_sharded_policy, top_sp_degree, valid_sp_degrees
 from .exchange import Exchange
 from .passes import MAX_PASSES, StageSplit, check_mode, choose_split
 from .sequence import SequenceParallelTransformer, check_token_cap

@@ -17,7 +17,7 @@ Every rank runs the same denoising loop on the same full latent (DESIGN.md §4).
 The result equals the single-process forward up to floating-point reduction order.
 
 Valid degrees: W must divide the video heads (32 for LTX-2/2.3 → 1, 2, 4, 8, 16, 32; 8 for the tiny models): the
-rule is `degrees.py`.
+rule is `protocol/fleet_rules.py`.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from ..protocol.native_forward import ForwardOptions
 from ..engine import forward as model_forward
 from ..engine.semantics import REFERENCE
 from ..engine.tokens import TokenBatch
-from .degrees import check_sp_degree
+from ..protocol.fleet_rules import check_sp_degree
 from .exchange import Exchange
 from .forward_plan import SEQUENCE, pad_and_slice, shard_batch
 
