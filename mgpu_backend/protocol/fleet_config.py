@@ -52,7 +52,7 @@ class FleetIdentity:
     weights: the transformer's weights over the ranks (`WEIGHT_MODES`): "replicated" (every rank holds the whole
         transformer: the latency mode) or "sharded" (each rank holds 1/W of every block layer, FSDP2, gathered layer by
         layer as it runs: the memory mode for GPUs that cannot hold a replica; every forward then runs sequence
-        parallel over all ranks, and the world size must divide the attention heads — weights/sharding.py).
+        parallel over all ranks, and the world size must divide the attention heads — fleet_rules.py).
     int8_compute: how an int8(-convrot) transformer file computes (`INT8_COMPUTE_MODES`, fleet_rules.py
         `resolve_int8_compute`): "w8a8" (int8 weights resident, activations quantized per token: ComfyUI's result),
         "dequantize" (the weights dequantized to `dtype` at load, as ComfyUI dequantizes them: bf16 speed, 2× those

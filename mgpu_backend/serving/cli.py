@@ -201,7 +201,7 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
 
     # the in-process path is a loader: it loads through models/ itself (the fleet path reads headers only)
     from ..models.gemma import load_gemma
-    from ..models.loader import int8_path_for, load_components
+    from ..models.loader import ComponentFiles, int8_path_for, load_components
     from ..models.text_projection import check_gemma_matches
     from ..protocol.fleet_config import FleetPolicy
     from ..protocol.fleet_rules import check_fleet
@@ -216,10 +216,11 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     check_fleet(identity, FleetPolicy(compile=bool(args.compile)))  # the fleet's rules, as for a fleet
     t = time.perf_counter()
     int8_mode, int8_reason = int8_path_for(identity, dtype, device)
-    components = load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=dtype, device=device,
-                                 video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
-                                 text_projection=files.get("text_projection"), text_encoder=files["gemma"],
-                                 int8_compute=int8_mode, int8_reason=int8_reason)
+    slots = ComponentFiles(video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
+                           text_projection=files.get("text_projection"), upsampler=files["upscaler"],
+                           text_encoder=files["gemma"])
+    components = load_components(files["checkpoint"], slots, dtype=dtype, device=device, int8_compute=int8_mode,
+                                 int8_reason=int8_reason)
     if args.compile:
         from ..engine.compile import compile_blocks
 

@@ -128,10 +128,11 @@ class WorkerState:
                                                      transformer_only=True, int8_compute=self.int8_compute,
                                                      int8_reason=int8_reason)
         else:
-            self.components = loader.load_components(
-                identity.checkpoint, video_vae=identity.video_vae, audio_vae=identity.audio_vae,
-                text_projection=identity.text_projection, upsampler=identity.upscaler, text_encoder=identity.gemma,
-                dtype=dtype, device=load_device, int8_compute=self.int8_compute, int8_reason=int8_reason)
+            files = loader.ComponentFiles(video_vae=identity.video_vae, audio_vae=identity.audio_vae,
+                                          text_projection=identity.text_projection, upsampler=identity.upscaler,
+                                          text_encoder=identity.gemma)
+            self.components = loader.load_components(identity.checkpoint, files, dtype=dtype, device=load_device,
+                                                     int8_compute=self.int8_compute, int8_reason=int8_reason)
         self.sharding = None
         if sharded:
             from ..weights.sharding import shard_transformer
