@@ -208,6 +208,12 @@ def test_headers_refuse_by_name(tmp_path, tiny_dir):
     junk.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
     with pytest.raises(CheckpointError, match="junk.safetensors: not a readable safetensors file"):
         read_header(junk)
+    data = Path(tiny_dir["2.0"]["checkpoint"]).read_bytes()
+    for cut in (len(data) // 2, 100):  # torn data section; torn header
+        torn = tmp_path / f"torn-{cut}.safetensors"
+        torn.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=f"torn-{cut}.safetensors: not a readable safetensors file"):
+            checkpoint_facts(torn)
     with pytest.raises(CheckpointError, match="not an LTX-2 checkpoint"):
         checkpoint_facts(tiny_dir["2.0"]["upsampler"])
     other = tmp_path / "heads.safetensors"

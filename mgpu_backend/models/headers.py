@@ -88,8 +88,13 @@ def read_header(path: str | Path) -> Header:
         metadata = raw.pop("__metadata__", None) or {}
         dtypes = {k: v["dtype"] for k, v in raw.items()}
         shapes = {k: tuple(v["shape"]) for k, v in raw.items()}
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        end = 8 + length + max((int(v["data_offsets"][1]) for v in raw.values()), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, IndexError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    size = path.stat().st_size
+    if size < end:  # a torn download or copy: the header names more data than the file holds
+        raise CheckpointError(f"{path}: not a readable safetensors file (truncated: its header names {end} bytes, "
+                              f"the file has {size})")
     return Header(path, tuple(raw), dtypes, shapes, dict(metadata))
 
 
