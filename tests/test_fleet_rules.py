@@ -73,6 +73,14 @@ def test_sharded_policy():
         F.check_sharded_policy(2, None, None, "on")
 
 
+def test_sharded_tiles():
+    F.check_sharded_tiles(4, 2)
+    F.check_sharded_tiles(2, 2)
+    with pytest.raises(ValidationError, match=r"^3 tiles over 2 ranks: with sharded weights .* must be a multiple of "
+                                              r"2; choose tiles such as 1x2$"):
+        F.check_sharded_tiles(3, 2)
+
+
 def test_compile():
     F.check_compile("replicated", True)
     F.check_compile("sharded", False)

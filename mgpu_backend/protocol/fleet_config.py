@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from .fleet_rules import INT8_COMPUTE_MODES, WEIGHT_MODES, check_int8_mode
+from .fleet_rules import INT8_COMPUTE_MODES, WEIGHT_MODES, check_int8_mode  # noqa: F401 - the modes, for the nodes
 
 DTYPES = ("float32", "bfloat16", "float16")
 GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = splits/passes.py MODES (not imported: no torch here)

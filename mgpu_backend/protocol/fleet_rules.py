@@ -11,7 +11,8 @@ The rules:
   must divide the heads and be at most the rank count (`valid_sp_degrees`, `check_requested_degree`,
   `top_sp_degree`);
 - sharded weights × the split: every layer is gathered by all ranks at once, so every forward runs on all ranks —
-  sequence parallel over all of them, never an SP sub-group, no guidance passes over ranks (`check_sharded_policy`);
+  sequence parallel over all of them, never an SP sub-group, no guidance passes over ranks, tiles a multiple of the
+  ranks (`check_sharded_policy`, `check_sharded_tiles`);
 - sharded weights × compile: the compiled blocks do not run the gathers (`check_compile`);
 - int8 modes: "dequantize" doubles what each GPU holds, so not with sharded weights; "auto" picks a path per rank
   from the sizes (`check_int8_mode`, `resolve_int8_compute`);
@@ -142,6 +143,16 @@ def check_sharded_policy(world_size: int, sp_degree: int | None, min_tokens_per_
                               "together (each layer is gathered by all of them); use 'auto' or 'off'")
 
 
+def check_sharded_tiles(tiles: int, world_size: int) -> None:
+    """A tiled stage on a sharded-weights fleet: every rank runs the same number of tile forwards in lockstep (each
+    layer is gathered by all ranks at once), so the tile count is a multiple of the ranks. Raises ValidationError."""
+    if tiles % world_size:
+        raise ValidationError(
+            f"{tiles} tiles over {world_size} ranks: with sharded weights every rank runs the same number of tile "
+            f"forwards (each layer is gathered by all ranks at once), so the tile count must be a multiple of "
+            f"{world_size}; choose tiles such as 1x{world_size}")
+
+
 def check_compile(weights: str, compile: bool) -> None:
     """compile=True needs replicated weights: with sharded weights the blocks' layers are gathered over the ranks
     as they run (FSDP hooks), which compiled blocks do not run. Raises ValidationError."""
@@ -258,5 +269,5 @@ def check_fleet(identity, policy, heads: int | None = None) -> None:
 
 __all__ = ["ACTIVATION_RESERVE_BYTES", "CheckpointFacts", "GiB", "INT8_COMPUTE_MODES", "WEIGHT_MODES", "WeightBytes",
            "check_compile", "check_fits", "check_fleet", "check_int8_mode", "check_policy", "check_requested_degree",
-           "check_sharded_policy", "check_sp_degree", "largest_sp_degree", "resolve_int8_compute", "top_sp_degree",
-           "valid_sp_degrees"]
+           "check_sharded_policy", "check_sharded_tiles", "check_sp_degree", "largest_sp_degree",
+           "resolve_int8_compute", "top_sp_degree", "valid_sp_degrees"]

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from ..protocol.validation import ValidationError
 from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
-from ..protocol.fleet_rules import check_requested_degree, check_sharded_policy, top_sp_degree, valid_sp_degrees
+from ..protocol.fleet_rules import (check_requested_degree, check_sharded_policy, check_sharded_tiles, top_sp_degree,
+                                    valid_sp_degrees)
 from .exchange import Exchange
 from .passes import MAX_PASSES, StageSplit, check_mode, choose_split
 from .sequence import SequenceParallelTransformer, check_token_cap
@@ -328,11 +329,8 @@ class ParallelPlan:
         tiled = TiledTransformer(transformer, grid, tiling, None, self.world_size, self.rank)
         if self.sharded:
             tiled.plan = tiled.plan.with_sharded_weights()
-        if self.sharded and len(tiled.tiles) % self.world_size:
-            raise ValidationError(
-                f"{len(tiled.tiles)} tiles over {self.world_size} ranks: with sharded weights every rank runs the "
-                f"same number of tile forwards (each layer is gathered by all ranks at once), so the tile count "
-                f"must be a multiple of {self.world_size}; choose tiles such as 1x{self.world_size}")
+        if self.sharded:
+            check_sharded_tiles(len(tiled.tiles), self.world_size)
         return tiled
 
     def decode(self, vae, latent: torch.Tensor, tiling: TileCountConfig, temb=None):
