@@ -32,7 +32,7 @@ int8 fractions are of a mixed workload against the low-precision peak.
 `--reference` adds Lightricks' reference beside each transformer stage: ltx-core's `LTXModel` forward (bf16,
 eager, the same weights, bench_sp.py's `build_reference`) timed at the stage's shape, × the stage's unbatched
 forward count. ltx-core's whole pipeline is not run (ltx-core 1.0.0 cannot run its Gemma text path on
-transformers 5 nor LTX-2.5, DESIGN.md §2): only its transformer forward is.
+transformers 5 nor LTX-2.5, docs/design/models.md#the-substrate-diffusers): only its transformer forward is.
 
 `--preset ltx25-distilled`: the LTX-2.5 distilled template's transformer stages at the 22B shape (2.5 flags:
 gated attention, 9-parameter AdaLN, prompt AdaLN, no video feed-forward bias): stage 1 at half size, 8 steps, stage 2
@@ -550,7 +550,7 @@ def summary(results: dict, refs: dict, tally: M.FlopTally, scale: float, log, re
     if reference:
         log("reference column: ltx-core's LTXModel forward (compute dtype, eager, same weights) at the stage's shape × the "
             "stage's unbatched forward count (scaled like the others); ltx-core's whole pipeline is not run (its "
-            "1.0.0 Gemma path does not run on transformers 5, DESIGN.md §2)")
+            "1.0.0 Gemma path does not run on transformers 5, docs/design/models.md#the-substrate-diffusers)")
 
 
 # ---- the LTX-2.5 distilled transformer stages (preset ltx25-distilled) --------------------------------------------
@@ -608,7 +608,8 @@ def run_ltx25(args, modes, device, dtype, log) -> dict:
         batches[stage] = TokenBatch.from_diffusers(model.config, **kw)
     tally = M.FlopTally(FL.TransformerShape.of(model.config))
     if args.reference:
-        log("reference: no column — ltx-core 1.0.0 (Lightricks' reference) cannot run LTX-2.5 (DESIGN.md §2)")
+        log("reference: no column — ltx-core 1.0.0 (Lightricks' reference) cannot run LTX-2.5 "
+            "(docs/design/models.md#the-substrate-diffusers)")
     results = {}
     for mode in modes:
         if not _enter_mode(mode, model, device, dtype, log):

@@ -47,8 +47,9 @@ from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E4
 GiB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# the LTX-2.0 transformer metadata of `bench_sp.LTX2_19B` (DESIGN.md §2; the fields diffusers reads), repeated here
-# rather than imported: importing bench_sp runs its module-level setup (custom ops, compile helpers)
+# the LTX-2.0 transformer metadata of `bench_sp.LTX2_19B` (docs/design/models.md#the-releases; the fields diffusers
+# reads), repeated here rather than imported: importing bench_sp runs its module-level setup (custom ops, compile
+# helpers)
 LTX2_19B = {
     "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
     "audio_attention_head_dim": 64, "cross_attention_dim": 4096, "audio_cross_attention_dim": 2048,
@@ -67,8 +68,9 @@ def quiet_diffusers() -> None:
 
 def fill_random_(module: nn.Module, seed: int = 0) -> nn.Module:
     """Fill every parameter and buffer of a module built with `to_empty` (nothing may stay uninitialized,
-    DESIGN.md §9): weights ~ N(0, 1/fan_in), norm gains ≈ 1, other vectors ~ N(0, 0.05²), VAE stats ≈ 0 / ≈ 1;
-    `FP8Linear` weights ~ N(0, 1) in float8 with `weight_scale` = 1/sqrt(fan_in). Runs on the module's device."""
+    docs/design/models.md#the-substrate-diffusers): weights ~ N(0, 1/fan_in), norm gains ≈ 1, other vectors
+    ~ N(0, 0.05²), VAE stats ≈ 0 / ≈ 1; `FP8Linear` weights ~ N(0, 1) in float8 with `weight_scale` = 1/sqrt(fan_in).
+    Runs on the module's device."""
     device = next(module.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

@@ -45,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# `config.transformer` of an LTX-2.3-shaped 22B transformer (DESIGN.md §2: 48 blocks, video 32 × 128, audio 32 × 64)
+# `config.transformer` of an LTX-2.3-shaped 22B transformer (docs/design/models.md#the-releases: 48 blocks,
+# video 32 × 128, audio 32 × 64)
 LTX23_SHAPE = {
     "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
     "audio_attention_head_dim": 64, "cross_attention_dim": 4096, "audio_cross_attention_dim": 2048,

@@ -42,7 +42,7 @@ from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.splits.exchange import Exchange  # noqa: E402
 from mgpu_backend.splits.sequence import SequenceParallelTransformer  # noqa: E402
 
-LTX2_19B = {  # LTX-2.0 transformer metadata (DESIGN.md §2; diffusers' converter config)
+LTX2_19B = {  # LTX-2.0 transformer metadata (docs/design/models.md#the-releases; diffusers' converter config)
     "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
     "audio_attention_head_dim": 64, "cross_attention_dim": 4096, "audio_cross_attention_dim": 2048,
     "caption_channels": 3840, "num_layers": 48, "rope_type": "split", "frequencies_precision": "float64",

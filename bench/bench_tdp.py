@@ -1,7 +1,7 @@
 """Stage 2 with tiled data parallelism (TDP) and the tiled VAE decode: per-tile cost against the untiled work.
 
-For each tile count T (1, 2, 4, 8 by default; the balanced grid of DESIGN.md §5: 1×2, 2×2, 2×4, overlap 5 latent
-cells) at the stage-2 size (default 1920×1088×121 -> latent 16×34×60 = 32640 tokens):
+For each tile count T (1, 2, 4, 8 by default; the balanced grid of docs/design/tiled-data-parallel.md: 1×2, 2×2, 2×4,
+overlap 5 latent cells) at the stage-2 size (default 1920×1088×121 -> latent 16×34×60 = 32640 tokens):
 - the transformer forward of the largest tile (tiles differ by at most one cell per axis; with one tile per GPU the
   stage waits for the largest) against the untiled forward: `tile/untiled` (ideal between 1/T² for pure attention
   and 1/T for pure linear layers, plus the overlap), `speedup` = untiled / tile (T GPUs, one tile each, the one
@@ -36,7 +36,7 @@ from mgpu_backend.engine.attention import LTX2AttnProcessor, use_processor  # no
 from mgpu_backend.models import configs  # noqa: E402
 from mgpu_backend.splits.tiling import default_tiling, make_tiles, split_axis  # noqa: E402
 
-LTX2_19B = {  # LTX-2.0 transformer metadata (DESIGN.md §2; diffusers' converter config)
+LTX2_19B = {  # LTX-2.0 transformer metadata (docs/design/models.md#the-releases; diffusers' converter config)
     "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
     "audio_attention_head_dim": 64, "cross_attention_dim": 4096, "audio_cross_attention_dim": 2048,
     "caption_channels": 3840, "num_layers": 48, "rope_type": "split", "frequencies_precision": "float64",

@@ -6,7 +6,7 @@ prompts, random interrupts, SIGKILLed workers, a SIGKILLed controller and a Comf
     python bench/soak_comfyui.py --prompts 20           # a short check
 
 The script starts ComfyUI itself (`$COMFYUI_PYTHON main.py --cpu` in `$COMFYUI_DIR`, whose custom_nodes/ holds this
-pack: see ../shared/tools/comfyui-harness.sh install) on `--port`, with its own controller directory
+pack: docs/testing.md#a-live-comfyui) on `--port`, with its own controller directory
 (LTX2_MGPU_RUNTIME_DIR) and a mark in the environment that every controller and worker it starts inherits; it
 links the tiny LTX-2.0 models (`make_tiny`, seeds 0 and 1: two checkpoint files) into the server's models folders.
 

@@ -1,7 +1,8 @@
 """ComfyUI's LTX-AV forward arguments -> the engine's `ForwardRequest` (mgpu_backend/protocol/native_forward.py), and the reply back.
 
 Importable without ComfyUI: plain tensors and dicts in, contract objects out (tests build the arguments by hand the
-way ComfyUI 0.33's `model_base.LTXAV._apply_model` / `LTXAVModel.forward` pass them; NATIVE-MODEL.md lists them).
+way ComfyUI 0.33's `model_base.LTXAV._apply_model` / `LTXAVModel.forward` pass them; docs/design/native-model.md lists
+them).
 
 Context caching: ComfyUI passes the same processed text context at every step of a sampling (~90 % of a forward's
 bytes). Each batch row gets a key `"<cond uuid>/<row>:<digest>"` — the conditioning's uuid (stable within one

@@ -1,4 +1,4 @@
-"""The native ComfyUI MODEL whose transformer runs on the fleet (issue 19; ../shared/NATIVE-MODEL.md).
+"""The native ComfyUI MODEL whose transformer runs on the fleet (issue 19; docs/design/native-model.md).
 
 `build_native_model(path, transport)` returns a `comfy.model_patcher.ModelPatcher` around ComfyUI's own LTX-AV model
 wrapper (`model_base.LTXAV`: model sampling, latent format, conditioning handling are ComfyUI's) built without

@@ -1,4 +1,4 @@
-"""Conversion between ComfyUI's native types and the engine's plain tensors (DESIGN.md §3).
+"""Conversion between ComfyUI's native types and the engine's plain tensors (docs/design/comfyui-types.md).
 
 Importable without ComfyUI (the tests run it on hand-built inputs): a `comfy.nested_tensor.NestedTensor` is
 recognised by its `.tensors` attribute, and built through a factory that imports ComfyUI's class lazily.

@@ -1,7 +1,8 @@
 """Test-only access to Lightricks' `ltx-core` 1.0.0 (the reference implementation of LTX-2 / LTX-2.3).
 
-`ltx-core` is never used by the engine (DESIGN.md §2); tests use it to check that our diffusers-based components
-compute what the reference computes on the same checkpoint file. Install (the `reference` extra):
+`ltx-core` is never used by the engine (docs/design/models.md#the-substrate-diffusers); tests use it to check that our
+diffusers-based components compute what the reference computes on the same checkpoint file. Install (the `reference`
+extra):
 
     pip install --no-deps ltx-core==1.0.0
     pip install einops

@@ -3,9 +3,9 @@ workers.
 
 Needs a running ComfyUI with this pack in `custom_nodes/` and the server's models folder writable from here:
 
-    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt bash ../shared/tools/comfyui-harness.sh start
+    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python main.py --cpu   # in ComfyUI's folder: docs/testing.md#a-live-comfyui
     COMFYUI_URL=http://127.0.0.1:8188 [COMFYUI_DIR=/tmp/comfyui] pytest -m comfyui tests/test_comfyui_live.py
-    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python -m mgpu_backend stop; bash ../shared/tools/comfyui-harness.sh stop
+    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python -m mgpu_backend stop; then stop the ComfyUI server
 
 Skipped unless COMFYUI_URL is set and the server answers. The module fixture writes the tiny models
 (`mgpu_backend.testing.tiny.make_tiny`, LTX-2.0 layout) and links them into `$COMFYUI_DIR/models/` (or

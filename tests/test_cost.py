@@ -74,9 +74,10 @@ def test_scaled_model_scales_the_forward_not_the_exchange():
 
 
 def test_collective_sizes_follow_the_shapes():
-    """Per rank per forward: Ulysses 4·L all_to_all of (W−1)/W of [T/W, 4096] bf16 (DESIGN §9: 12.8 GB at W = 2,
-    5.6 GB at W = 8 for 32,640 tokens); the video→audio K/V gather 2·L all_gather receiving (W−1)·T/W·2048 bf16
-    each — W/4 times the Ulysses bytes; the output gather (W−1)·T/W·128; padding counted."""
+    """Per rank per forward: Ulysses 4·L all_to_all of (W−1)/W of [T/W, 4096] bf16
+    (docs/design/baselines.md#communication: 12.8 GB at W = 2, 5.6 GB at W = 8 for 32,640 tokens); the video→audio K/V
+    gather 2·L all_gather receiving (W−1)·T/W·2048 bf16 each — W/4 times the Ulysses bytes; the output gather
+    (W−1)·T/W·128; padding counted."""
     m = C.DEFAULT
     c2, c8 = m.sp_collectives(32640, 2), m.sp_collectives(32640, 8)
     assert c2["ulysses"].bytes == 4 * 48 * 16320 * 4096 * 2 / 2

@@ -1,6 +1,6 @@
-"""Distributed video-VAE decode (DESIGN.md §6): spatial latent tiles (full time axis), round-robin over W = 1 / 2
-gloo ranks (`tests/_dist.py`), blended in pixel space with trapezoid masks (latent overlap × 32 px), assembled on
-rank 0. On a stand-in VAE and on the tiny LTX-2 / LTX-2.3 VAEs (fp32, CPU).
+"""Distributed video-VAE decode (docs/design/distributed-decode.md): spatial latent tiles (full time axis), round-robin
+over W = 1 / 2 gloo ranks (`tests/_dist.py`), blended in pixel space with trapezoid masks (latent overlap × 32 px),
+assembled on rank 0. On a stand-in VAE and on the tiny LTX-2 / LTX-2.3 VAEs (fp32, CPU).
 
 Tolerances, and why:
 - W ranks vs one rank (`decode_tiles` with world_size 1, same tiles): every tile decode is bit-identical in any

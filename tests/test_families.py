@@ -29,7 +29,7 @@ def _holds_version(node) -> bool:
 
 def test_no_version_string_comparisons_outside_the_family_table():
     """`x == "2.3"`, `v in ("2.0", "2.3")` or a `{"2.0": …}` lookup table anywhere in the engine or the nodes is a
-    family decision made outside `models/families.py` (DESIGN.md §11)."""
+    family decision made outside `models/families.py` (docs/design/layer-contracts.md)."""
     found = []
     for path in sorted([*(ROOT / "mgpu_backend").rglob("*.py"), *(ROOT / "nodes").rglob("*.py")]):
         if path.name == "families.py":

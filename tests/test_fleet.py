@@ -4,7 +4,7 @@ One controller for the whole module (own runtime dir, test faults enabled), stop
 across tests where the configuration allows it; the tests run in file order and the fault tests leave a usable
 fleet behind them (each failure test rebuilds once, on its "next job").
 
-Covered (DESIGN.md §8):
+Covered (docs/design/fleet.md):
 - a generation through the fleet equals the one-process `TwoStagePipeline` result (same files, float32, one
   thread per rank and in this process): bit for bit when every rank computes every stage (`sequence_parallel=False`,
   W = 1, 2, 4) and at W = 1 with the parallel plan; with sequence parallelism at W = 2 and 4 the stage-1 forward is

@@ -154,8 +154,8 @@ def test_released_widths_on_the_meta_device(family):
     grid, audio, text = (2, 4, 6), 9, 16
     kw = _kwargs(model, 1, grid, audio, text, device="meta")
     assert _counted(lambda: model_forward.call_diffusers(model, **kw)) == F.forward_flops(two, 48, audio, text).total
-    # per video token, 48 blocks: the blocks' linear layers ≈ 25.8 GFLOP (DESIGN.md §2; exactly 2·48·(14·D² + 4·D·Da)
-    # = 25.770 G on 2.0, + the 2.3 / 2.5 gate logits 0.038 G)
+    # per video token, 48 blocks: the blocks' linear layers ≈ 25.8 GFLOP (docs/design/models.md#shapes; exactly
+    # 2·48·(14·D² + 4·D·Da) = 25.770 G on 2.0, + the 2.3 / 2.5 gate logits 0.038 G)
     per_token = F.linear_flops_per_video_token(shape48)
     assert per_token == 48 * 2 * (14 * 4096**2 + 4 * 4096 * 2048) + (0 if family == "2.0" else 48 * 2 * 4096 * 96)
     assert per_token / 1e9 == pytest.approx(25.8, abs=0.05)
@@ -169,8 +169,9 @@ def test_released_widths_on_the_meta_device(family):
 
 def test_ltx25_distilled_template_total():
     """The issue's floor: LTX-2.5 distilled 1920×1088×121, 8 stage-1 steps at 960×544 + 3 stage-2 steps, one forward
-    each. DESIGN.md §2 estimated ≈ 7.1 PFLOP from 25.8 GFLOP per token + 4·T²·4096·48; the full count (text
-    cross-attention over 1024 positions, audio stream, AdaLN, cross-modal) is given here, and it is larger."""
+    each. The first estimate (docs/design/baselines.md#the-floor) was ≈ 7.1 PFLOP from 25.8 GFLOP per token +
+    4·T²·4096·48; the full count (text cross-attention over 1024 positions, audio stream, AdaLN, cross-modal) is given
+    here, and it is larger."""
     shape = F.family_shape("2.5")
     s1 = L.video_token_count(121, 544, 960)
     s2 = L.video_token_count(121, 1088, 1920)

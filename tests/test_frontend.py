@@ -7,7 +7,7 @@ live server's frontend (ComfyUI 0.33 serves frontend 1.49.6, the `comfyui-fronte
 "N required models are missing"), node types it does not know, required inputs without a link or value (checked
 against the server's node definitions), the API prompt `app.graphToPrompt()` would queue, and a screenshot.
 
-    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt bash ../shared/tools/comfyui-harness.sh start
+    LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-live-rt python main.py --cpu   # in ComfyUI's folder: docs/testing.md#a-live-comfyui
     npm install --prefix /tmp/pw playwright-core; apt-get install -y chromium
     COMFYUI_URL=http://127.0.0.1:8188 PLAYWRIGHT_CORE_DIR=/tmp/pw/node_modules pytest -m comfyui tests/test_frontend.py
 

@@ -1,4 +1,4 @@
-"""Distributed Gemma text encoding (stages/text_encoder.py, serving/jobs/text.py; DESIGN.md §7, issue 6).
+"""Distributed Gemma text encoding (stages/text_encoder.py, serving/jobs/text.py; docs/design/text-encoder.md, issue 6).
 
 Reference: the one-process encode of each prompt on its own — `load_gemma(...).encode([prompt])` followed by the
 text projection, valid tokens only. Every mode (replicated, batch_parallel, sharded; W = 1 and 2 gloo ranks on

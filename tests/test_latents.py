@@ -22,7 +22,7 @@ def test_constants():
 
 @pytest.mark.parametrize(
     "frames,height,width,tokens",
-    # Token counts measured in DESIGN.md section 2 ("Shapes").
+    # Token counts measured in docs/design/models.md#shapes.
     [(121, 352, 640, 3520), (121, 704, 1280, 14080), (121, 1088, 1920, 32640), (241, 704, 1280, 27280)],
 )
 def test_video_token_counts(frames, height, width, tokens):

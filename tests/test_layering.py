@@ -156,7 +156,7 @@ def _violations() -> dict[tuple[str, str], str]:
 def test_import_rules_hold():
     violations = _violations()
     new = [text for pair, text in sorted(violations.items()) if pair not in ALLOWED]
-    assert not new, "imports that break DESIGN.md's layering:\n" + "\n".join(new)
+    assert not new, "imports that break the layering of docs/architecture.md:\n" + "\n".join(new)
 
 
 def test_allow_list_only_shrinks():

@@ -98,8 +98,9 @@ def test_transformer_keymap_matches_diffusers_converter(tiny_dir, tiny_modules, 
     if variant == "2.0":
         assert theirs == ours
     else:
-        # Known hole in diffusers 0.42.1 (DESIGN.md §2): the LTX-2.3 `prompt_adaln_single` / `audio_prompt_adaln_single`
-        # modulation keys are left un-renamed, so a strict load of their output fails; our map renames them.
+        # Known hole in diffusers 0.42.1 (docs/design/models.md#the-substrate-diffusers): the LTX-2.3
+        # `prompt_adaln_single` / `audio_prompt_adaln_single` modulation keys are left un-renamed, so a strict load of
+        # their output fails; our map renames them.
         hole = {k for k in transformer_keys if re.search(r"(^|\.)(audio_)?prompt_adaln_single\.", k[len(P):])}
         assert hole and differ == hole
         their_names = {new for new, old in theirs.items() if old in hole}

@@ -347,8 +347,8 @@ def test_upscaler_matches_comfyui(files25, golden):
 
 def test_key_map_agrees_with_diffusers_converter(files25):
     """diffusers' own single-file converter renames the 2.5 transformer keys as we do (it leaves the prompt AdaLN
-    un-renamed, DESIGN.md §2), and its class built with the 2.5 deltas of `convert_ltx2_to_diffusers.py`
-    (`ff_bias=False`, `use_keyframes_abs_pos_embedding=True`) has exactly those keys."""
+    un-renamed, docs/design/models.md#the-substrate-diffusers), and its class built with the 2.5 deltas of
+    `convert_ltx2_to_diffusers.py` (`ff_bias=False`, `use_keyframes_abs_pos_embedding=True`) has exactly those keys."""
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 
@@ -510,8 +510,8 @@ def test_cli_takes_a_models_folder_and_names_what_is_missing(files25, tmp_path):
 
 
 def test_tiles_get_the_marker_of_their_own_tokens(ours, golden, monkeypatch):
-    """Tiled stage 2 normalizes each tile's positions to start at 0 (DESIGN.md §5): the keyframe marker must come
-    from the clip's positions, so a tile of later frames carries none."""
+    """Tiled stage 2 normalizes each tile's positions to start at 0 (docs/design/tiled-data-parallel.md): the keyframe
+    marker must come from the clip's positions, so a tile of later frames carries none."""
     from mgpu_backend.splits.tiled import TiledTransformer
     from mgpu_backend.splits.tiling import DimensionTilingConfig, TileCountConfig
 

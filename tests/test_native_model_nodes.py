@@ -1,5 +1,5 @@
 """The MGPU MODEL's forward translation (nodes/native_forward.py) and its patch rules (nodes/native_patches.py), on
-arguments built by hand the way ComfyUI 0.33 passes them to `LTXAVModel.forward` (../shared/NATIVE-MODEL.md), without
+arguments built by hand the way ComfyUI 0.33 passes them to `LTXAVModel.forward` (docs/design/native-model.md), without
 ComfyUI. The whole path inside a real ComfyUI (the proxy MODEL against ComfyUI's native one) is
 tests/test_native_model_comfyui.py.
 """

@@ -26,7 +26,8 @@ difference of the file):
   width; the statistics are over the 8 × 16 = 128 packed latent features); the tests resize the two buffers to 128
   before the strict load.
 - the text connectors run one prompt at a time: ltx-core 1.0.0's register replacement indexes with
-  `mask.squeeze()` and fails for batch > 1 (DESIGN.md §2); our batched `text_contexts` is compared per prompt.
+  `mask.squeeze()` and fails for batch > 1 (docs/design/models.md#the-substrate-diffusers); our batched `text_contexts`
+  is compared per prompt.
 - the video encoder: ltx-core ignores `encoder_base_channels` (hard-coded 128, the released value); the LTX-2.3
   layout test keeps 128 there and small multipliers instead.
 - `SingleGPUModelBuilder.build` loads with `strict=False` and builds on the meta device (the 2.0 caption

@@ -1,4 +1,5 @@
-"""Faithful sequence parallelism (DESIGN.md §4) on real process groups: gloo on CPU, tiny LTX-2 / LTX-2.3, fp32.
+"""Faithful sequence parallelism (docs/design/sequence-parallel.md) on real process groups: gloo on CPU, tiny LTX-2 /
+LTX-2.3, fp32.
 
 Every SP result is compared with the one-process (W = 1) computation of the same inputs: one transformer forward, a
 full guided stage 1 (CFG + STG + modality guidance, image-to-video per-token timesteps, a batch of 2), and the full

@@ -1,6 +1,6 @@
-"""Tiled data parallelism for stage 2 (DESIGN.md §5): `TiledTransformer` on stand-ins, on the tiny LTX-2 / LTX-2.3
-checkpoints (fp32, CPU) in one process (W = 1) and on W = 2 / 4 gloo ranks (`tests/_dist.py`), and in the two-stage
-pipeline.
+"""Tiled data parallelism for stage 2 (docs/design/tiled-data-parallel.md): `TiledTransformer` on stand-ins, on the tiny
+LTX-2 / LTX-2.3 checkpoints (fp32, CPU) in one process (W = 1) and on W = 2 / 4 gloo ranks (`tests/_dist.py`), and in
+the two-stage pipeline.
 
 Tolerances, and why:
 - one tile vs the plain transformer forward: `torch.equal`. With one tile the wrapper runs the same forward on a

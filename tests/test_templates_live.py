@@ -1,7 +1,7 @@
 """ComfyUI's own LTX templates, run headless in a live ComfyUI 0.33 on the tiny models: natively, then with the
 model loader swapped for the pack's native MODEL on a 2- and a 4-rank CPU fleet; same latents to float tolerance.
 
-    LTX2_MGPU_RUNTIME_DIR=/tmp/rt-live bash ../shared/tools/comfyui-harness.sh start
+    LTX2_MGPU_RUNTIME_DIR=/tmp/rt-live python main.py --cpu   # in ComfyUI's folder: docs/testing.md#a-live-comfyui
     COMFYUI_URL=http://127.0.0.1:8188 COMFYUI_DIR=/tmp/comfyui LTX2_TEMPLATES_DIR=.../templates \\
         pytest -m comfyui tests/test_templates_live.py
 

@@ -1,5 +1,5 @@
-"""Count-based tiling (DESIGN.md §5): the split rule, the trapezoid masks and their partition of unity, the refusals,
-the balanced default grid and the overlap fitting. Pure index arithmetic, no model.
+"""Count-based tiling (docs/design/tiled-data-parallel.md): the split rule, the trapezoid masks and their partition of
+unity, the refusals, the balanced default grid and the overlap fitting. Pure index arithmetic, no model.
 
 Tolerances: the weights are float64; where the trapezoids already sum to one the sums are exact sums of k/(o+1)
 terms (≤ 4 terms of float64, error ≤ a few 1e-16), where they were normalized the division adds one rounding. Every

@@ -1,9 +1,9 @@
 """The transformer forward replayed from CUDA graphs: a forward without host overhead (issue 16).
 
 Why: a small forward is bound by the host, not the GPU. Eager, one 48-block LTX-2 forward launches thousands of
-kernels from Python, which sets a floor under a rank's forward however few tokens it holds (DESIGN.md §9; the
-figures: bench/results/docstring_figures.md, bench/results/native_graphs_h200.txt). Captured once into CUDA graphs
-and replayed, the launches cost microseconds.
+kernels from Python, which sets a floor under a rank's forward however few tokens it holds
+(docs/design/baselines.md#what-the-pack-had-to-close; the figures: bench/results/docstring_figures.md,
+bench/results/native_graphs_h200.txt). Captured once into CUDA graphs and replayed, the launches cost microseconds.
 
 How (`call`): the first forward at a key runs eagerly (warm-up: compilation, autotuning, cuBLAS handles, Triton
 kernels); the second captures it and replays the capture; later ones only copy their tensor arguments into the

@@ -14,9 +14,9 @@ the products at the real widths (each is ~1 FLOP per element against the ~2·409
 
 **Source of the formula**: diffusers 0.42.1 `models/transformers/transformer_ltx2.py` — the structure the engine's
 one forward (`model_forward.run_eager`) calls, module by module (`LTX2VideoTransformerBlock.__init__` / `forward`,
-`LTX2Attention`, `LTX2AdaLayerNormSingle`, `PixArtAlphaTextProjection`, `FeedForward(mult=4)`), and DESIGN.md §2.
-With D = video heads × head dim, Da = audio heads × audio head dim, N video tokens, Ta audio tokens, L text tokens,
-per block and batch row (FLOPs):
+`LTX2Attention`, `LTX2AdaLayerNormSingle`, `PixArtAlphaTextProjection`, `FeedForward(mult=4)`), and
+docs/design/models.md. With D = video heads × head dim, Da = audio heads × audio head dim, N video tokens, Ta audio
+tokens, L text tokens, per block and batch row (FLOPs):
 - video self-attention: q, k, v, out 4·2·N·D²; QKᵀ + PV 4·N²·D; LTX-2.3+ gate logits 2·N·D·H;
 - audio self-attention: the same with Ta, Da, Ha;
 - text cross-attention (video): q, out 2·2·N·D²; k, v 2·2·L·Dc·D (Dc = cross_attention_dim); QKᵀ + PV 4·N·L·D;
@@ -32,8 +32,8 @@ attention of its blocks' self-attention (only v and out run: `LTX2PerturbedAttnP
 skips both cross-modal attentions.
 
 At the released widths (D = 4096, Da = 2048, 48 blocks) the blocks' linear layers are exactly
-48·2·(14·D² + 4·D·Da) = 25.77 GFLOP per video token per forward (DESIGN.md §2's "≈ 25.8 GFLOP"); the per-token
-timestep embedding adds 0.24 (LTX-2.0: 6 parameters) / 0.34 GFLOP (2.3 / 2.5: 9 parameters) per token, the
+48·2·(14·D² + 4·D·Da) = 25.77 GFLOP per video token per forward (the "≈ 25.8 GFLOP" of docs/design/models.md#shapes);
+the per-token timestep embedding adds 0.24 (LTX-2.0: 6 parameters) / 0.34 GFLOP (2.3 / 2.5: 9 parameters) per token, the
 gate logits of 2.3 / 2.5 0.04 GFLOP; attention adds 4·N·D per token per block (`tests/test_flops.py` checks all of
 it against FlopCounterMode running the real diffusers modules).
 
@@ -126,8 +126,8 @@ class TransformerShape:
 
 def family_shape(family, blocks: int = 48) -> TransformerShape:
     """The released transformer's shape of a model family (`models.families`: "2.0" = the 19B, "2.3" / "2.5" = the
-    22B — the same 48 blocks and widths, DESIGN.md §2; the family's `transformer_flags` switch on the gates, the
-    9-parameter AdaLN, the prompt AdaLN and the caption projection moved into the connector)."""
+    22B — the same 48 blocks and widths, docs/design/models.md#the-releases; the family's `transformer_flags` switch on
+    the gates, the 9-parameter AdaLN, the prompt AdaLN and the caption projection moved into the connector)."""
     from ..models.configs import transformer_kwargs
     from ..models.families import get_family
 
@@ -245,7 +245,8 @@ def forward_flops(shape: TransformerShape, video_tokens: int, audio_tokens: int,
 
 def linear_flops_per_video_token(shape: TransformerShape) -> int:
     """The blocks' linear-layer FLOPs per video token per forward: 2·blocks·(14·D² + 4·D·Da) (+ the gate logits on
-    2.3+) — DESIGN.md §2's "≈ 25.8 GFLOP" at the released widths. Excludes attention, AdaLN and projections."""
+    2.3+) — the "≈ 25.8 GFLOP" of docs/design/models.md#shapes at the released widths. Excludes attention, AdaLN and
+    projections."""
     d, da = shape.video_dim, shape.audio_dim
     gates = 2 * d * (2 * shape.video_heads + shape.audio_heads) if shape.video_gated else 0  # attn1, attn2, a2v
     return shape.blocks * (2 * (14 * d * d + 4 * d * da) + gates)

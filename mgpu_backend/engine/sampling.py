@@ -581,7 +581,7 @@ class ModalityStream:
         guidance: the modality's `GuidanceParams` (stage 1 of the two-stage recipe: :func:`default_guidance`;
             stage 2: none).
         frozen: context only (audio only): the model sees it at timestep 0 / sigma 0, it is never guided and comes
-            back unchanged (DESIGN section 5: stage-2 audio stays the stage-1 audio; reference
+            back unchanged (docs/design/tiled-data-parallel.md#audio: stage-2 audio stays the stage-1 audio; reference
             ``ModalitySpec(frozen=True, noise_scale=0)``).
     """
 

@@ -113,7 +113,7 @@ def video_vae_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
     `multiplier` (1 keeps it); the decoder starts at `decoder_base_channels` × the product of the multipliers
     (ComfyUI's rule; ltx-core hard-codes × 8, the same for the released files). One `spatial_padding_mode` applies to
     both encoder and decoder, as in ltx-core and ComfyUI (absent: zeros / reflect). Compression is always 32× spatial,
-    8× temporal (set explicitly, DESIGN.md §2).
+    8× temporal (set explicitly, docs/design/models.md#the-substrate-diffusers).
 
     Raises ValueError naming the block for any other layout.
     """

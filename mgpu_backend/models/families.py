@@ -1,7 +1,7 @@
 """The model-family table: one `ModelFamily` record per LTX-2 release (LTX-2.0, 2.3, 2.5).
 
-Code asks the family; it never compares version strings (DESIGN.md §11; `tests/test_families.py` greps for such
-comparisons outside this module). A record holds:
+Code asks the family; it never compares version strings (docs/design/layer-contracts.md; `tests/test_families.py` greps
+for such comparisons outside this module). A record holds:
 
 * detection (`detect_family`): from the transformer's `config.transformer` metadata and its key names, as ComfyUI
   does it (`comfy/model_detection.py`: the metadata `config` overrides, `keyframes_abs_pos_embedding` detected from

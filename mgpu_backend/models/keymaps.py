@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-# Component prefixes inside an original single-file checkpoint (DESIGN.md §2).
+# Component prefixes inside an original single-file checkpoint (docs/design/models.md#checkpoint-files).
 TRANSFORMER_PREFIX = "model.diffusion_model."
 VIDEO_VAE_PREFIX = "vae."
 AUDIO_VAE_PREFIX = "audio_vae."
@@ -27,7 +27,7 @@ _TRANSFORMER_SEGMENTS = {
     "audio_patchify_proj": "audio_proj_in",
     "adaln_single": "time_embed",
     "audio_adaln_single": "audio_time_embed",
-    "prompt_adaln_single": "prompt_adaln",  # LTX-2.3; diffusers' converter leaves it un-renamed (DESIGN.md §2)
+    "prompt_adaln_single": "prompt_adaln",  # LTX-2.3; diffusers' converter leaves it un-renamed (docs/design/models.md)
     "audio_prompt_adaln_single": "audio_prompt_adaln",
     "av_ca_video_scale_shift_adaln_single": "av_cross_attn_video_scale_shift",
     "av_ca_a2v_gate_adaln_single": "av_cross_attn_video_a2v_gate",

@@ -1,6 +1,6 @@
 """Load original LTX-2 / LTX-2.3 checkpoint files into diffusers modules, strictly and memory-mapped.
 
-Files users have (DESIGN.md §2):
+Files users have (docs/design/models.md#checkpoint-files):
 - a single file in `checkpoints/`: `model.diffusion_model.*` (transformer + text connectors), `vae.*`, `audio_vae.*`,
   `vocoder.*`, `text_embedding_projection.*`, with the JSON `config` metadata;
 - a transformer-only file in `diffusion_models/` (un-prefixed transformer + connector keys) combined with separate
@@ -95,8 +95,8 @@ class LTX2Components:
     """The modules of one LTX-2 / LTX-2.3 / LTX-2.5 model, as diffusers runs them.
 
     `family` is the model-family record (`families.ModelFamily`): code asks it, never a version string.
-    `text_projection` is the feature extractor (Gemma hidden states -> CONDITIONING, DESIGN.md §3; None when the
-    family bundles it with a text encoder that was not given); `video_connector` / `audio_connector` turn that
+    `text_projection` is the feature extractor (Gemma hidden states -> CONDITIONING, docs/design/comfyui-types.md; None
+    when the family bundles it with a text encoder that was not given); `video_connector` / `audio_connector` turn that
     CONDITIONING into the transformer's context at sampling time.
     """
 

@@ -33,8 +33,9 @@ THREADS_PER_CORE = 4  # CPU fleets may oversubscribe (tests run 4 ranks on 2 cor
 GIB = 2**30
 
 
-# Bus bandwidth of the links between a fleet's GPUs, GB/s (DESIGN.md §12; consumer drivers disable P2P, and NCCL then
-# goes through host memory). Configured figures for predictions, not measurements of this host.
+# Bus bandwidth of the links between a fleet's GPUs, GB/s (docs/design/sharded-weights.md#links; consumer drivers
+# disable P2P, and NCCL then goes through host memory). Configured figures for predictions, not measurements of this
+# host.
 LINKS_GBPS = {"PCIe 4.0 x16 without P2P": 10.0, "PCIe 4.0 x16 with P2P": 22.0, "NVLink (H100 / H200)": 350.0}
 
 

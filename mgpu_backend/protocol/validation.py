@@ -84,8 +84,8 @@ def check_image(path: str | Path) -> Path:
 
 
 def check_finite(tensor: torch.Tensor | None, stage: str, modality: str) -> None:
-    """Non-finite latents after a stage fail early, naming the stage and modality (DESIGN.md §6: non-finite audio
-    would otherwise crash the muxer after a full render)."""
+    """Non-finite latents after a stage fail early, naming the stage and modality (docs/design/distributed-decode.md:
+    non-finite audio would otherwise crash the muxer after a full render)."""
     if tensor is not None and not bool(torch.isfinite(tensor).all()):
         bad = int((~torch.isfinite(tensor)).sum())
         raise FloatingPointError(f"{stage}: the {modality} latent has {bad} non-finite values (NaN/Inf); "

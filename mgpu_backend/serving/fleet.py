@@ -1,6 +1,6 @@
 """The worker fleet as the controller sees it: spawn, health, one job at a time, failure detection, teardown.
 
-Failure handling (DESIGN.md §8):
+Failure handling (docs/design/fleet.md#errors):
 - an error raised on every rank (bad input, found before any collective) is returned and the fleet stays;
 - a worker that dies, a job with no step progress for `stall_timeout_s` (one rank stalls and the others wait in a
   collective), or an error on only some ranks tears the fleet down and is reported with rank, stage and step; the

@@ -33,8 +33,8 @@ TRANSFORMER_JOBS = frozenset({"forward", "preprocess_text", "noop", "frames"})
 
 
 def clean_allocator_env(env: dict[str, str]) -> dict[str, str]:
-    """Drop `backend:cudaMallocAsync` from the allocator settings ComfyUI sets (DESIGN.md §8: inherited by workers
-    it led to OOM at step 2 elsewhere); other allocator options are kept."""
+    """Drop `backend:cudaMallocAsync` from the allocator settings ComfyUI sets (docs/design/fleet.md#start: inherited by
+    workers it led to OOM at step 2 elsewhere); other allocator options are kept."""
     env = dict(env)
     for name in ALLOC_ENV:
         if name in env:

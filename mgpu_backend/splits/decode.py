@@ -1,6 +1,6 @@
-"""Distributed video-VAE decode (DESIGN.md §6): spatial latent tiles, full time axis per tile (LTX's causal first
-frame makes temporal splits error-prone), decoded round-robin on the ranks, blended in pixel space with trapezoid
-masks (latent overlap × 32 px), assembled on the driver rank by one reduce.
+"""Distributed video-VAE decode (docs/design/distributed-decode.md): spatial latent tiles, full time axis per tile
+(LTX's causal first frame makes temporal splits error-prone), decoded round-robin on the ranks, blended in pixel space
+with trapezoid masks (latent overlap × 32 px), assembled on the driver rank by one reduce.
 
 With `world_size=1` it is the single-process tiled decode of the same tiles (the reference it must match).
 

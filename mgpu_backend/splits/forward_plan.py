@@ -4,8 +4,8 @@ gathered, which attentions exchange what — one `ForwardPlan` per kind of split
 
 | plan | inputs | attention | outputs | weights |
 |---|---|---|---|---|
-| `SEQUENCE` (sequence parallel, DESIGN.md §4) | the video token fields (`tokens.TOKEN_FIELDS`) split on the token dim into W contiguous slices after zero-padding to a multiple of W; the rest replicated | `attn1`: Ulysses (all_to_all to head slices and back); `video_to_audio_attn`: the video K/V all_gathered; padded keys masked in both | video gathered on the token dim, padding cut | replicated |
-| `TILES` (tiled data parallel, §5) | the video token fields indexed by each tile's tokens (+ the conditioning tokens it keeps), positions re-based per tile | local | video: weighted sum over the tiles' tokens, one all_reduce | replicated |
+| `SEQUENCE` (sequence parallel, docs/design/sequence-parallel.md) | the video token fields (`tokens.TOKEN_FIELDS`) split on the token dim into W contiguous slices after zero-padding to a multiple of W; the rest replicated | `attn1`: Ulysses (all_to_all to head slices and back); `video_to_audio_attn`: the video K/V all_gathered; padded keys masked in both | video gathered on the token dim, padding cut | replicated |
+| `TILES` (tiled data parallel, docs/design/tiled-data-parallel.md) | the video token fields indexed by each tile's tokens (+ the conditioning tokens it keeps), positions re-based per tile | local | video: weighted sum over the tiles' tokens, one all_reduce | replicated |
 | `ROWS` (guidance passes / batch rows, `passes.py`) | whole rows (dim 0) round-robin to ranks | local | each row's outputs broadcast from its owner | replicated |
 
 `weights`: "replicated", or `SHARDED` on a fleet whose weights are sharded (`FleetIdentity.weights`, FSDP2

@@ -1,6 +1,7 @@
 """Faithful sequence parallelism (SP) for the LTX-2 transformer: Ulysses video self-attention.
 
-Every rank runs the same denoising loop on the same full latent (DESIGN.md §4). Inside one transformer forward:
+Every rank runs the same denoising loop on the same full latent (docs/design/sequence-parallel.md). Inside one
+transformer forward:
 1. the video tokens are padded with zero tokens to a multiple of W, and rank r takes the contiguous slice
    `[r·Tp/W, (r+1)·Tp/W)` of the latent, the per-token timesteps and the positions; audio and text stay replicated;
 2. video self-attention (`attn1`): after QK-norm and RoPE on the local tokens, one all_to_all (q, k and v stacked)

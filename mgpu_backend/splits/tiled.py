@@ -1,4 +1,4 @@
-"""Tiled data parallelism (TDP) for the stage-2 upscale (DESIGN.md §5; seed `000_…`, Lightricks
+"""Tiled data parallelism (TDP) for the stage-2 upscale (docs/design/tiled-data-parallel.md; Lightricks'
 `ltx_core/multigpu/transformer/tiled_data_parallel.py`).
 
 Every rank runs the full transformer on its tiles (tile i -> rank i mod W; more tiles than ranks is fine, a rank

@@ -1,5 +1,5 @@
-"""Count-based tiling of the latent grid with trapezoid blend masks (DESIGN.md §5, seed `000_…` = Lightricks'
-`ltx_core.tiling` and `tiled_data_parallel.py`).
+"""Count-based tiling of the latent grid with trapezoid blend masks (docs/design/tiled-data-parallel.md, after
+Lightricks' `ltx_core.tiling` and `tiled_data_parallel.py`).
 
 Split rule for an axis of length D into n tiles with overlap o: `total = D + o·(n−1)`, base size `s = total // n`
 (must be larger than o), the first `total % n` tiles one longer, each adjacent pair overlapping by exactly o.

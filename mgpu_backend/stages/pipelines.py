@@ -1,6 +1,6 @@
 """The two-stage LTX-2 audio+video pipeline in one process (the reference recipe, Lightricks `ti2vid_two_stages`).
 
-prompt + negative prompt -> Gemma hidden states -> feature extractor (CONDITIONING, DESIGN.md §3) ->
+prompt + negative prompt -> Gemma hidden states -> feature extractor (CONDITIONING, docs/design/comfyui-types.md) ->
 stage 1 at half width/height (LTX-2 scheduler sigmas, Euler, CFG with rescale + STG + modality guidance) ->
 2× latent upscale -> stage 2 with the distilled LoRA fused, no guidance, sigmas 0.909375, 0.725, 0.421875, 0,
 audio frozen (the clean stage-1 audio latent is context at audio timestep 0) -> VAE decode -> frames; audio decoded

@@ -1,4 +1,5 @@
-"""Gemma text encoding on the fleet (DESIGN.md §7): sharded, batch-parallel or replicated, with a prompt cache.
+"""Gemma text encoding on the fleet (docs/design/text-encoder.md): sharded, batch-parallel or replicated, with a prompt
+cache.
 
 Modes (`MODES`; every rank of the fleet calls `TextEncoderService.encode` with the same arguments, in lockstep):
 
@@ -16,8 +17,9 @@ Every mode encodes each prompt on its own (a batch of one, no padding) and runs 
 (`text_projection`) where the hidden states are produced, so the result of a prompt does not depend on the mode, the
 fleet size or the other prompts of the request: every mode equals a one-process `GemmaTextEncoder.encode([prompt])`
 + projection bit for bit (same device type and dtype), and a cached result is valid whatever asked for it.
-Results are ComfyUI's unprocessed CONDITIONING embeddings `[1, T_i, C]` (valid tokens only, float32, CPU; §3);
-`conditioning()` wraps them as `[[cond, {"pooled_output": None, "unprocessed_ltxav_embeds": True}]]`.
+Results are ComfyUI's unprocessed CONDITIONING embeddings `[1, T_i, C]` (valid tokens only, float32, CPU;
+docs/design/comfyui-types.md); `conditioning()` wraps them as
+`[[cond, {"pooled_output": None, "unprocessed_ltxav_embeds": True}]]`.
 
 Cache: per prompt, keyed by (prompt, Gemma file/folder identity = resolved path + size + mtime of its files, text
 projection source identity, dtype, min_length); LRU bounded by bytes. Every rank keeps the same cache (rank 0's

@@ -6,8 +6,9 @@ real VAE compression (8 × 32 × 32), and 8 heads in both the video and the audi
 testable). The `config` metadata uses the original field names (the same ComfyUI's loaders read), so the files load
 through the real loading code of this project — and, for the transformer and video VAE, ComfyUI's.
 
-Every parameter is filled explicitly (diffusers builds some with `torch.empty`, DESIGN.md §9) and every tensor is
-checked finite before writing. Deterministic per seed.
+Every parameter is filled explicitly (diffusers builds some with `torch.empty`,
+docs/design/models.md#the-substrate-diffusers) and every tensor is checked finite before writing. Deterministic per
+seed.
 """
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ copied back on `restore()` — the very same bits: stage 1 after a stage-2 LoRA 
 fp8-resident layers (`FP8Linear`) the fused weight is held in the compute dtype beside the untouched fp8 weight
 (`FP8Linear.fused_weight`) and dropped on restore: nothing to keep, nothing to copy back.
 
-On a fleet of W ranks (every rank holds a full working copy of the weights, DESIGN.md §8) each touched layer has one
-owner rank (largest layers first, each to the least-loaded rank: ~1/W of the touched bytes per rank):
+On a fleet of W ranks (every rank holds a full working copy of the weights, docs/design/fleet.md#weights-and-loras) each
+touched layer has one owner rank (largest layers first, each to the least-loaded rank: ~1/W of the touched bytes per
+rank):
 - fuse: the owner alone reads the layer's LoRA pairs, keeps the layer's clean weight (its shard of the clean copies),
   computes the fused weight in place; then every layer is broadcast from its owner into all ranks (`dist.broadcast`
   of the tensor's bytes: exact, gloo or NCCL). Reading and computing are split W ways and run on all ranks at once;

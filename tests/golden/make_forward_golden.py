@@ -5,7 +5,7 @@ Runs in-process with ComfyUI's interpreter and a ComfyUI 0.33 checkout on the pa
 
     COMFYUI_DIR=/tmp/comfyui /tmp/comfyvenv/bin/python tests/golden/make_forward_golden.py
 
-(`comfyui-harness.sh install <ComfyUI 0.33 git dir> <pack>` makes such a checkout and venv.)
+(docs/testing.md#a-live-comfyui says how to make such a checkout and venv.)
 
 What it does:
 1. writes the tiny LTX-2.3 checkpoint with the project's own writer (`mgpu_backend.testing.tiny.write_tiny_checkpoint`,

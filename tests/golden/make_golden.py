@@ -2,7 +2,7 @@
 
 Runs with this project's Python against a live ComfyUI that has this pack (and its test nodes) loaded:
 
-    LTX2_MGPU_TEST_NODES=1 LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-rt bash ../shared/tools/comfyui-harness.sh start
+    LTX2_MGPU_TEST_NODES=1 LTX2_MGPU_RUNTIME_DIR=/tmp/ltx2-rt python main.py --cpu   # in ComfyUI's folder: docs/testing.md#a-live-comfyui
     COMFYUI_URL=http://127.0.0.1:8188 COMFYUI_DIR=/tmp/comfyui python tests/golden/make_golden.py
 
 What it does:

@@ -4,8 +4,7 @@ Runs with this project's Python; ComfyUI runs in a subprocess with its own inter
 
     COMFYUI_DIR=/path/to/ComfyUI-0.33 COMFYUI_PYTHON=/path/to/its/python python tests/golden/make_golden_ltx25.py
 
-(the harness install: COMFYUI_DIR=/tmp/comfyui-<name> COMFYUI_PYTHON=/tmp/comfyvenv/bin/python; ComfyUI 0.33.0 is
-`github:yzkee/ComfyUI`, DESIGN.md §3).
+(ComfyUI 0.33.0 with its own venv, set up as docs/testing.md#a-live-comfyui says.)
 
 What it does:
 1. writes the tiny LTX-2.5 per-component files (`mgpu_backend.testing.tiny.write_tiny_component_files(…, "2.5",

@@ -1,4 +1,5 @@
-"""Text encoding as a job: prompts -> ComfyUI CONDITIONING on the fleet (stages/text_encoder.py, DESIGN.md §3, §7)."""
+"""Text encoding as a job: prompts -> ComfyUI CONDITIONING on the fleet (stages/text_encoder.py,
+docs/design/comfyui-types.md, docs/design/text-encoder.md)."""
 from __future__ import annotations
 
 from ...protocol.job_requests import EncodeTextRequest
