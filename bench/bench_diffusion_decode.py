@@ -154,7 +154,7 @@ def auto_free(model, sizes: str, free_gib: float, overlap: int, device: torch.de
         try:
             _, report = TwoStagePipeline.decode_video(fake, latent, 0, None, overlap)
             _sync(device)
-            outcome = (f"{report.get('auto_tiling') or 'untiled (fits)'}; {time.perf_counter() - start:.2f} s, "
+            outcome = (f"{report.auto_tiling or 'untiled (fits)'}; {time.perf_counter() - start:.2f} s, "
                        f"peak {(torch.cuda.max_memory_allocated(device) - base) / 2**30:.1f} GiB above the held "
                        f"memory")
         except torch.OutOfMemoryError as exc:

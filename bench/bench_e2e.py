@@ -352,7 +352,7 @@ def run_mode(args, mode, pipeline: TimedPipeline, gemma, request, prompt_tokens,
                     warm_steps.append(time.perf_counter()) if stage == "stage 1" else None))
                 per_step_estimate = warm_steps[1] - warm_steps[0]
                 log(f"[{mode}] warm-up generation (2 stage-1 steps, the second {per_step_estimate:.2f} s) "
-                    f"{time.perf_counter() - t:.1f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in warm.timings.items())
+                    f"{time.perf_counter() - t:.1f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in warm.timings.as_dict().items())
                     + " s")
                 del warm
             except Exception as exc:  # noqa: BLE001 - the timed run is still attempted
@@ -382,7 +382,7 @@ def run_mode(args, mode, pipeline: TimedPipeline, gemma, request, prompt_tokens,
         except Exception as exc:  # noqa: BLE001 - report what was measured until then
             log(f"[{mode}] timed generation failed after {time.perf_counter() - t:.1f} s: {type(exc).__name__}: {exc}")
             return {}
-    timings = dict(result.timings)
+    timings = result.timings.as_dict()
     peak_mem = torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
     try:  # mux, as the CLI does
         frames, audio = torch.nan_to_num(result.frames), torch.nan_to_num(result.audio)
@@ -463,7 +463,7 @@ def run_mode(args, mode, pipeline: TimedPipeline, gemma, request, prompt_tokens,
         if gaps:
             log(f"[{mode}] stage-1 step (measured, {blocks} blocks): median {gaps[len(gaps) // 2]:.3f} s, "
                 f"min {gaps[0]:.3f}, max {gaps[-1]:.3f}")
-    for line in (result.rank_reports[0].get("speed") or []) if result.rank_reports else []:
+    for line in result.rank_reports[0].speed if result.rank_reports else []:
         log(f"[{mode}] engine: {line}")
     bad_n = nonfinite(bad)
     if bad_n:

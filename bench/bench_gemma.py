@@ -202,7 +202,8 @@ def main(argv=None) -> dict:
 
     # 1. one device
     t = time.perf_counter()
-    one = G.TextEncoderService(path, projection, projection_source="random", device=device, dtype=torch.bfloat16)
+    placement = G.EncoderPlacement(device=device, dtype=torch.bfloat16)
+    one = G.TextEncoderService(path, projection, projection_source="random", placement=placement)
     one.ensure_loaded("replicated")
     result["one_device_load_s"] = time.perf_counter() - t
     prompt = prompt_of(args.tokens, one.encoder.tokenizer)
@@ -218,8 +219,8 @@ def main(argv=None) -> dict:
     max_memory = {G.device_key(device): int(cap),
                   offload: int(cap) if offload.startswith("cuda") else "1TiB"}
     t = time.perf_counter()
-    sharded = G.TextEncoderService(path, projection, projection_source="random", device=device,
-                                   dtype=torch.bfloat16, mode="sharded", max_memory=max_memory)
+    sharded = G.TextEncoderService(path, projection, projection_source="random", placement=placement,
+                                   settings=G.EncoderSettings(mode="sharded", max_memory=max_memory))
     sharded.ensure_loaded("sharded")
     result["sharded_load_s"] = time.perf_counter() - t
     result["sharded_map"] = G._summarize_map(sharded.device_map)

@@ -25,6 +25,7 @@ Times are scaled to 48 blocks (the blocks hold > 99 % of the weights and all the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -226,7 +227,7 @@ def run_rank(rank: int, world: int, args, folder: str) -> None:
             if previous is not None:
                 times["restore " + previous].append(t1 - t0)
             times["swap to " + name].append(t2 - t0)
-            stats = dict(fuser.stats["fuse"], clean_bytes=clean, fp8_fused_bytes=extra)
+            stats = dict(dataclasses.asdict(fuser.fuse_stats), clean_bytes=clean, fp8_fused_bytes=extra)
             if name.startswith("stage 2"):
                 stage2_stats = stats
     fuser.restore()

@@ -111,9 +111,10 @@ class FlopTally:
         for i in range(rows):
             total += FL.forward_flops(
                 self.shape, n, ta, batch.video_context.shape[1], audio_text_tokens=batch.audio_context.shape[1],
-                timestep_per_token=batch.per_token("video_timestep"),
-                cross_timestep_per_token=batch.per_token("video_cross_timestep"), cross_modal=not isolated[i],
-                video_skip_blocks=vskip[i], audio_skip_blocks=askip[i]).total
+                variant=FL.ForwardVariant(timestep_per_token=batch.per_token("video_timestep"),
+                                          cross_timestep_per_token=batch.per_token("video_cross_timestep"),
+                                          cross_modal=not isolated[i], video_skip_blocks=vskip[i],
+                                          audio_skip_blocks=askip[i])).total
         stage = self.stage or "?"
         self.flops[stage] += total
         self.calls[stage] += 1

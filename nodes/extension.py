@@ -9,11 +9,12 @@ from .decode import DistributedDecodeMGPU
 from .fleet import FleetMGPU
 from .loader import LoadCheckpointMGPU, LoadDiffusionModelMGPU
 from .lora import LoRAMGPU
-from .sampler import SPSamplerMGPU
+from .sampler import GuidanceMGPU, GuiderMGPU, SPSamplerGuidedMGPU, SPSamplerMGPU
 from .text_encode import TextEncodeMGPU
 from .upscale import TDPUpscaleMGPU
 
-NODES: list[type[io.ComfyNode]] = [LoadCheckpointMGPU, TextEncodeMGPU, SPSamplerMGPU, TDPUpscaleMGPU,
+NODES: list[type[io.ComfyNode]] = [LoadCheckpointMGPU, TextEncodeMGPU, GuidanceMGPU, GuiderMGPU, SPSamplerGuidedMGPU,
+                                   SPSamplerMGPU, TDPUpscaleMGPU,
                                    DistributedDecodeMGPU, FleetMGPU, LoRAMGPU,
                                    LoadDiffusionModelMGPU]
 if os.environ.get("LTX2_MGPU_TEST_NODES") == "1":  # test-only nodes (nodes/testing.py), never in a user's graph

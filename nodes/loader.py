@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import folder_paths
 from comfy_api.latest import io, ui
@@ -11,10 +12,26 @@ from ..mgpu_backend.protocol.fleet_config import INT8_COMPUTE_MODES, WEIGHT_MODE
 from ..mgpu_backend.protocol.fleet_rules import check_fleet
 from ..mgpu_backend.protocol.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
+from .widgets import read_widgets
 
 NONE = "none"
 UPSCALER_FOLDER = "latent_upscale_models"
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Load Checkpoint's optional widgets: the separate component files (video_vae, audio_vae, text_projection; NONE:
+    from the checkpoint), sp_degree (0: the largest valid), compile, weights (`WEIGHT_MODES`), int8_compute
+    (`INT8_COMPUTE_MODES`)."""
+
+    video_vae: str = NONE
+    audio_vae: str = NONE
+    text_projection: str = NONE
+    sp_degree: int = 0
+    compile: bool = False
+    weights: str = "replicated"
+    int8_compute: str = "auto"
 
 
 def _ensure_upscaler_folder() -> None:
@@ -226,22 +243,23 @@ class LoadCheckpointMGPU(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, checkpoint, gemma, upscaler, devices, world_size, weight_dtype, video_vae=NONE,
-                audio_vae=NONE, text_projection=NONE, sp_degree=0, compile=False,
-                weights="replicated", int8_compute="auto") -> io.NodeOutput:
+    def execute(cls, checkpoint, gemma, upscaler, devices, world_size, weight_dtype, **options) -> io.NodeOutput:
         from ..mgpu_backend.serving.client import parse_devices
 
         with guard("Load Checkpoint (MGPU)"):
+            # ComfyUI passes every optional widget by name: read into one record at once
+            o = read_widgets(CheckpointOptions, options, "Load Checkpoint (MGPU)")
             devs = parse_devices(devices, world_size or None)
             dtype = weight_dtype if weight_dtype != "auto" else (
                 "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32")
             config = FleetConfig(
                 devices=devs, checkpoint=_resolve(checkpoint, "checkpoints", "diffusion_models"),
                 gemma=_resolve_gemma(gemma), upscaler=_optional(upscaler, UPSCALER_FOLDER),
-                video_vae=_optional(video_vae, "vae", "checkpoints"),
-                audio_vae=_optional(audio_vae, "vae", "checkpoints"),
-                text_projection=_optional(text_projection, "text_encoders", "checkpoints"), dtype=dtype,
-                sp_degree=sp_degree or None, compile=bool(compile), weights=weights, int8_compute=int8_compute)
+                video_vae=_optional(o.video_vae, "vae", "checkpoints"),
+                audio_vae=_optional(o.audio_vae, "vae", "checkpoints"),
+                text_projection=_optional(o.text_projection, "text_encoders", "checkpoints"), dtype=dtype,
+                sp_degree=o.sp_degree or None, compile=bool(o.compile), weights=o.weights,
+                int8_compute=o.int8_compute)
             # the fleet's rules the values decide (compile × sharded, …): refused before the running fleet is asked
             check_fleet(config.identity, config.policy)
             try:

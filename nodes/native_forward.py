@@ -13,6 +13,7 @@ context only when the fleet is not known to hold every row's key; a `ForwardMiss
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,17 +87,36 @@ def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().cpu()
 
 
-def build_request(x, timestep, context, attention_mask=None, frame_rate=25, transformer_options: dict | None = None,
-                  keyframe_idxs=None, *, kwargs: dict | None = None, known_contexts: set | frozenset = frozenset(),
-                  lora: F.LoraSet | None = None) -> F.ForwardRequest:
-    """ComfyUI 0.33 `LTXAVModel.forward(x, timestep, context, attention_mask, frame_rate, transformer_options,
-    keyframe_idxs, **kwargs)` arguments -> ForwardRequest (tensors moved to the CPU, dtypes kept).
+@dataclass(frozen=True, eq=False)
+class ComfyForwardCall:
+    """The arguments of ComfyUI 0.33's `LTXAVModel.forward(x, timestep, context, attention_mask, frame_rate,
+    transformer_options, keyframe_idxs, **kwargs)`, as the MGPU model's forward receives them.
 
     x: `[video [B,128,F,H,W], audio [B,8,T,16]]` (a one-element list: video only). timestep: `(video, audio)` from
-    `model_base.LTXAV.process_timestep`, or one tensor. known_contexts: the row keys the fleet is known to hold (the
-    context is then left out). Raises UnsupportedInput naming an argument the fleet cannot honour."""
-    transformer_options = transformer_options or {}
-    kwargs = dict(kwargs or {})
+    `model_base.LTXAV.process_timestep`, or one tensor. context: `[B, L, C]` or None. attention_mask: the text mask
+    or None. frame_rate: frames per second. transformer_options: ComfyUI's dict (None: empty). keyframe_idxs: the
+    guides' positions or None. kwargs: the other keyword arguments (denoise_mask, ref_audio, …).
+    """
+
+    x: Any
+    timestep: Any
+    context: Any
+    attention_mask: Any = None
+    frame_rate: float = 25
+    transformer_options: dict | None = None
+    keyframe_idxs: Any = None
+    kwargs: dict | None = None
+
+
+def build_request(call: ComfyForwardCall, known_contexts: set | frozenset = frozenset(),
+                  lora: F.LoraSet | None = None) -> F.ForwardRequest:
+    """A `ComfyForwardCall` -> ForwardRequest (tensors moved to the CPU, dtypes kept). known_contexts: the row keys
+    the fleet is known to hold (the context is then left out); lora: the patcher's LoRA set (None: none). Raises
+    UnsupportedInput naming an argument the fleet cannot honour."""
+    x, timestep, context, attention_mask = call.x, call.timestep, call.context, call.attention_mask
+    frame_rate, keyframe_idxs = call.frame_rate, call.keyframe_idxs
+    transformer_options = call.transformer_options or {}
+    kwargs = dict(call.kwargs or {})
     refuse_transformer_options(transformer_options)
     if kwargs.get("control") is not None:
         raise UnsupportedInput("ControlNet (a 'control' input) cannot run on the fleet: the MGPU model's transformer "

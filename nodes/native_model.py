@@ -28,6 +28,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,6 +85,15 @@ def read_header(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 Transport = Callable[[str, Any], Any]  # (job kind, payload) -> the job's result
 
 
+@dataclass(frozen=True)
+class FleetForwardReport:
+    """How the fleet ran one forward: report (`ForwardReply.report`, e.g. "sequence parallel over all 4 ranks"; ""
+    before the first forward) and lora_reports (the fused LoRA set's coverage, one line per strength group)."""
+
+    report: str = ""
+    lora_reports: tuple[str, ...] = ()
+
+
 class FleetTransformer(torch.nn.Module):
     """The weightless stand-in for ComfyUI's `LTXAVModel` (module docstring). No parameters, no buffers.
 
@@ -110,8 +120,9 @@ class FleetTransformer(torch.nn.Module):
         self.known_contexts: OrderedDict[str, None] = OrderedDict()  # context row keys the fleet holds
         self.known_loras: set[str] = set()
         self.stats = {"forwards": 0, "context_sent": 0, "misses": 0, "preprocess": 0}
-        self.last_report = ""  # how the fleet ran the last forward (ForwardReply.report)
-        self.last_lora_reports: tuple[str, ...] = ()  # the fused LoRA set's coverage (ForwardReply.lora_reports)
+        # how the fleet ran the latest forward: ComfyUI's sampler keeps only the forward's tensors, so the reply's
+        # report stays here for whoever shows it
+        self.report = FleetForwardReport()
 
     # ---- what ComfyUI reads ----------------------------------------------------------------------------------------
 
@@ -183,9 +194,9 @@ class FleetTransformer(torch.nn.Module):
         a_timestep = kwargs.pop("a_timestep", timestep)
         with self._lock:
             lora = self._lora(patcher)
-            request = NF.build_request(x, (timestep, a_timestep), context, attention_mask, frame_rate,
-                                       transformer_options, keyframe_idxs, kwargs=kwargs,
-                                       known_contexts=self.known_contexts, lora=lora)
+            call = NF.ComfyForwardCall(x, (timestep, a_timestep), context, attention_mask, frame_rate,
+                                       transformer_options, keyframe_idxs, kwargs)
+            request = NF.build_request(call, known_contexts=self.known_contexts, lora=lora)
             reply = self._run_forward(request, context, patcher)
             self.stats["forwards"] += 1
         return NF.reply_output(reply, x)
@@ -221,7 +232,8 @@ class FleetTransformer(torch.nn.Module):
         raise RuntimeError("the fleet kept answering ForwardMiss for the same request")
 
     def _remember(self, request: F.ForwardRequest, reply) -> None:
-        self.last_report = reply.report
+        lora_reports = tuple(getattr(reply, "lora_reports", ()) or ())
+        self.report = FleetForwardReport(reply.report, lora_reports)
         for k in request.context_keys:
             self.known_contexts[k] = None
             self.known_contexts.move_to_end(k)
@@ -229,11 +241,10 @@ class FleetTransformer(torch.nn.Module):
             self.known_contexts.popitem(last=False)
         if request.lora is not None and request.lora.patches is not None:
             self.known_loras.add(request.lora.key)
-            coverage = "; ".join(getattr(reply, "lora_reports", ()) or ()) or reply.report
+            coverage = "; ".join(lora_reports) or reply.report
             log.info("MGPU model: LoRA set %s (%d layer patches) shipped to the fleet: %s", request.lora.key,
                      len(request.lora.patches), coverage)
-        self.last_lora_reports = tuple(getattr(reply, "lora_reports", ()) or ())
-        partial = [r for r in self.last_lora_reports if "not in this model" in r]
+        partial = [r for r in lora_reports if "not in this model" in r]
         if partial:  # ComfyUI would patch those weights (e.g. the text connectors'): never dropped silently
             raise UnsupportedInput(f"the fleet could not apply every layer of the LoRA: {'; '.join(partial)}")
 

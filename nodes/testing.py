@@ -21,9 +21,12 @@ samplers and ours on the same inputs:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from comfy_api.latest import io
+
+from .widgets import read_widgets
 
 CATEGORY = "LTX-2 Multi-GPU/testing"
 ENV = "LTX2_MGPU_TEST_NODES"
@@ -61,6 +64,23 @@ def _gemma_embeddings(gemma_path: str, checkpoint_path: str, prompts: list[str])
             valid = int(mask[0].sum())
             out.append(embeds[:, embeds.shape[1] - valid:].float().cpu().contiguous())
     return out
+
+
+@dataclass(frozen=True)
+class ConditioningWidgets:
+    """Test Conditioning's widgets: source (`SOURCES`), seed / positive_tokens / negative_tokens / width of the random
+    embeddings, frame_rate, the prompts and the gemma / checkpoint file names of the tiny gemma source."""
+
+    source: str
+    seed: int
+    positive_tokens: int
+    negative_tokens: int
+    width: int
+    frame_rate: float
+    prompt: str
+    negative_prompt: str
+    gemma: str
+    checkpoint: str
 
 
 class TestConditioningMGPU(io.ComfyNode):
@@ -111,21 +131,22 @@ class TestConditioningMGPU(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, source, seed, positive_tokens, negative_tokens, width, frame_rate, prompt, negative_prompt,
-                gemma, checkpoint) -> io.NodeOutput:
-        if source == "random":
-            positive, negative = random_embeddings(seed, positive_tokens, negative_tokens, width)
-        elif source == "tiny gemma":
+    def execute(cls, **widgets) -> io.NodeOutput:
+        # ComfyUI passes every widget by name: read into one record at once
+        w = read_widgets(ConditioningWidgets, widgets, "Test Conditioning (MGPU)")
+        if w.source == "random":
+            positive, negative = random_embeddings(w.seed, w.positive_tokens, w.negative_tokens, w.width)
+        elif w.source == "tiny gemma":
             import folder_paths
 
-            if "none" in (gemma, checkpoint):
+            if "none" in (w.gemma, w.checkpoint):
                 raise ValueError("Test Conditioning (MGPU): the tiny gemma source needs a gemma file and a checkpoint")
-            positive, negative = _gemma_embeddings(folder_paths.get_full_path_or_raise("text_encoders", gemma),
-                                                   folder_paths.get_full_path_or_raise("checkpoints", checkpoint),
-                                                   [prompt, negative_prompt])
+            positive, negative = _gemma_embeddings(folder_paths.get_full_path_or_raise("text_encoders", w.gemma),
+                                                   folder_paths.get_full_path_or_raise("checkpoints", w.checkpoint),
+                                                   [w.prompt, w.negative_prompt])
         else:
-            raise ValueError(f"Test Conditioning (MGPU): source={source!r}: choose one of {', '.join(SOURCES)}")
-        return io.NodeOutput(native_conditioning(positive, frame_rate), native_conditioning(negative, frame_rate))
+            raise ValueError(f"Test Conditioning (MGPU): source={w.source!r}: choose one of {', '.join(SOURCES)}")
+        return io.NodeOutput(native_conditioning(positive, w.frame_rate), native_conditioning(negative, w.frame_rate))
 
 
 def comfy_has_av_ca_fix(diffusion_model) -> bool:

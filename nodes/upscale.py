@@ -4,6 +4,8 @@
 drift per forward and whether the blend weights were normalized."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from comfy_api.latest import io, ui
 
@@ -12,6 +14,7 @@ from .common import CATEGORY, NodeError, check_handle, fleet_input, guard, run_j
 from .lora import loras_input, loras_payload
 from .native_types import (audio_frames_for, comfy_nested, frame_rate_of, join_latent, sigmas_tensor,
                            split_conditioning, split_latent, split_noise, unnest)
+from .widgets import read_widgets
 
 NAME = "TDP Upscale (MGPU)"
 AUDIO_FROZEN, AUDIO_DENOISE = "frozen stage-1 audio (reference)", "re-denoise with the video (templates)"
@@ -26,6 +29,25 @@ def tile_config(tiles_height: int, tiles_width: int, overlap: int):
     from ..mgpu_backend.protocol.stage_params import TileCountConfig
 
     return TileCountConfig.spatial(max(1, int(tiles_height)), max(1, int(tiles_width)), int(overlap))
+
+
+@dataclass(frozen=True)
+class TiledStageWidgets:
+    """TDP Upscale's widgets: upscale (run the fleet's 2× latent upscaler first), tiles_height / tiles_width (tile
+    counts; 0 and 0 = a balanced grid from the device count), overlap (latent cells), max_first_sigma (the bound on
+    the schedule's first sigma), audio (`AUDIO_FROZEN` or `AUDIO_DENOISE`). Raises ValueError for another audio
+    choice."""
+
+    upscale: bool
+    tiles_height: int
+    tiles_width: int
+    overlap: int
+    max_first_sigma: float = DEFAULT_MAX_FIRST_SIGMA
+    audio: str = AUDIO_FROZEN
+
+    def __post_init__(self) -> None:
+        if self.audio not in (AUDIO_FROZEN, AUDIO_DENOISE):
+            raise ValueError(f"audio={self.audio!r}: choose {AUDIO_FROZEN!r} or {AUDIO_DENOISE!r}")
 
 
 class TDPUpscaleMGPU(io.ComfyNode):
@@ -82,15 +104,14 @@ class TDPUpscaleMGPU(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, fleet, latent, positive, noise, upscale, tiles_height, tiles_width, overlap,
-                sigmas=None, loras=None, max_first_sigma=DEFAULT_MAX_FIRST_SIGMA,
-                audio=AUDIO_FROZEN) -> io.NodeOutput:
+    def execute(cls, fleet, latent, positive, noise, sigmas=None, loras=None, **widgets) -> io.NodeOutput:
         from ..mgpu_backend.protocol import stage_params as S
 
         with guard(NAME):
-            if audio not in (AUDIO_FROZEN, AUDIO_DENOISE):
-                raise NodeError(f"{NAME}: audio={audio!r}: choose {AUDIO_FROZEN!r} or {AUDIO_DENOISE!r}")
-            frozen = audio == AUDIO_FROZEN
+            # ComfyUI passes every widget by name: read into one record at once (`TiledStageWidgets`)
+            w = read_widgets(TiledStageWidgets, widgets, NAME)
+            upscale, overlap = w.upscale, w.overlap
+            frozen = w.audio == AUDIO_FROZEN
             parts = split_latent(latent)
             if parts.audio_mask is not None:
                 raise NodeError(f"{NAME}: an audio noise_mask (audio inpainting / audio conditioning) is not "
@@ -125,8 +146,8 @@ class TDPUpscaleMGPU(io.ComfyNode):
                 noise_video=noise_video,
                 noise_audio=torch.zeros_like(audio) if frozen else noise_audio.float(), sigmas=schedule,
                 fps=fps, mode="tiled", semantics="reference",  # tile diffusion: the reference recipe
-                tiles=tile_config(tiles_height, tiles_width, overlap),
-                tile_overlap=int(overlap), audio_frozen=frozen, max_first_sigma=float(max_first_sigma),
+                tiles=tile_config(w.tiles_height, w.tiles_width, overlap),
+                tile_overlap=int(overlap), audio_frozen=frozen, max_first_sigma=float(w.max_first_sigma),
                 loras=loras_payload(loras),
             )
             result = run_job(fleet, "sample", request, node_id=cls.hidden.unique_id, what=NAME)

@@ -86,7 +86,9 @@ def _native(rank: int, world: int, paths23: dict, guidance_parallel: str) -> dic
     out = {}
     for name, request in _native_requests().items():
         engine.check(request)
-        video, audio = engine.forward(request, request.context.float())
+        out = engine.forward(request, request.context.float())
+        # a NativeForwardResult since issue 34; the old tree's engine returned (video, audio)
+        video, audio = (out.video, out.audio) if hasattr(out, "video") else out
         if rank == 0:
             out[f"native.{name}"] = {"video": video, "audio": audio}
     return out

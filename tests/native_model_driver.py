@@ -366,7 +366,7 @@ def main():
                 "max_ref": max(float(ref_v.abs().max()), float(ref_a.abs().max())),
                 "shape": [list(ref_v.shape), list(ref_a.shape)],
                 "native_s": t1 - t0, "mgpu_s": t2 - t1,
-                "report": "; ".join((proxy.last_report,) + proxy.last_lora_reports),
+                "report": "; ".join((proxy.report.report,) + proxy.report.lora_reports),
                 "stats": {k: proxy.stats[k] - before.get(k, 0) for k in proxy.stats}}
             print(f"{case}: {results[case]}", file=sys.stderr, flush=True)
     if local is not None:

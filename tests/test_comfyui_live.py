@@ -286,7 +286,7 @@ def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, example_ima
     entry = wait(prompt_id)
     assert entry["status"]["status_str"] == "success", entry["status"]
     # per-step progress reached ComfyUI from the fleet's sampling nodes
-    assert by_class(wf, "LTX2MGPU_SPSampler") in progress_nodes
+    assert by_class(wf, "LTX2MGPU_SPSamplerGuided") in progress_nodes
     videos = [item for out in entry["outputs"].values() for item in out.get("images", [])
               if item["filename"].endswith(".mp4")]
     assert videos, entry["outputs"]
@@ -310,7 +310,7 @@ def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, example_ima
     again = wait(queue(wf))
     assert again["status"]["status_str"] == "success"
     cached = set(messages_of(again, "execution_cached")[0]["nodes"])
-    fleet_nodes = {k for k, v in wf.items() if v["class_type"] in ("LTX2MGPU_SPSampler", "LTX2MGPU_TDPUpscale")}
+    fleet_nodes = {k for k, v in wf.items() if v["class_type"] in ("LTX2MGPU_SPSamplerGuided", "LTX2MGPU_TDPUpscale")}
     assert fleet_nodes and fleet_nodes <= cached
 
 
@@ -386,7 +386,7 @@ def test_interrupt_cancels_the_fleet_job_and_the_next_prompt_runs(server, tiny_m
     """ComfyUI's interrupt mid-sampling cancels the fleet job at a step boundary; the same workers serve the next
     prompt."""
     wf = load(BASE_WORKFLOW)
-    sampler = by_class(wf, "LTX2MGPU_SPSampler")
+    sampler = by_class(wf, "LTX2MGPU_SPSamplerGuided")
     wf[sampler]["inputs"]["steps"] = 200
     wf[by_class(wf, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
     client_id = uuid.uuid4().hex
@@ -413,7 +413,7 @@ def test_interrupt_cancels_the_fleet_job_and_the_next_prompt_runs(server, tiny_m
     # the next prompt (euler_ancestral this time, and a Fleet status node) runs on the same workers
     wf2 = load(BASE_WORKFLOW)
     wf2[by_class(wf2, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
-    wf2[by_class(wf2, "LTX2MGPU_SPSampler")]["inputs"]["sampler"] = "euler_ancestral"
+    wf2[by_class(wf2, "LTX2MGPU_SPSamplerGuided")]["inputs"]["sampler"] = "euler_ancestral"
     wf2["900"] = {"class_type": "LTX2MGPU_Fleet", "inputs": {"fleet": [by_class(wf2, "LTX2MGPU_LoadCheckpoint"), 0],
                                                             "action": "status"}}
     entry = wait(queue(wf2))
@@ -447,7 +447,7 @@ def test_killed_worker_is_a_node_error_and_requeue_succeeds(server, tiny_models)
     import signal
 
     wf = load(BASE_WORKFLOW)
-    sampler = by_class(wf, "LTX2MGPU_SPSampler")
+    sampler = by_class(wf, "LTX2MGPU_SPSamplerGuided")
     wf[sampler]["inputs"]["steps"] = 60
     wf[by_class(wf, "RandomNoise")]["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")
     client_id = uuid.uuid4().hex
@@ -466,7 +466,7 @@ def test_killed_worker_is_a_node_error_and_requeue_succeeds(server, tiny_models)
         ws.close()
     assert killed is not None
     err = _error_of(wait(prompt_id))
-    assert err["node_type"] == "LTX2MGPU_SPSampler"
+    assert err["node_type"] == "LTX2MGPU_SPSamplerGuided"
     assert f"pid {killed}" in err["exception_message"] and "died" in err["exception_message"]
     assert _get("/system_stats")
     again = wait(queue(wf))  # the unchanged graph

@@ -343,8 +343,9 @@ def _our_comfy_forward(run: dict, eps: float | None = None):
                               context=context, frame_rate=FPS)
 
     if eps is None:
-        context = engine.preprocess_text(PreprocessTextRequest(context=inputs["cond"], unprocessed=True))
-        return engine.forward(request(context), context)
+        context = engine.preprocess_text(PreprocessTextRequest(context=inputs["cond"], unprocessed=True)).context
+        result = engine.forward(request(context), context)
+        return result.video, result.audio
     norms = qk_norms(comps.transformer, comps.video_connector, comps.audio_connector)
     with torch.no_grad(), comfy_qk_eps(norms, eps):
         tc = text_contexts(comps, [inputs["cond"]], dtype=torch.float32)

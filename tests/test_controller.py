@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mgpu_backend.serving.client import ControllerClient
-from mgpu_backend.protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
+from mgpu_backend.protocol.errors import ControllerError, ErrorDetails, ErrorKind, FleetBusy, JobCancelled
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetIdentity, FleetPlan, FleetPolicy
 from mgpu_backend.protocol.job_requests import FaultSpec, FramesRequest, JobSpec, NoopRequest
 from mgpu_backend.protocol.job_results import DecodeResult
@@ -210,11 +210,12 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
     degree above the ranks) is refused before anything changes."""
     policy = dict(sp_degree=1, guidance_parallel="off", min_tokens_per_rank=0, token_cap=4096, stall_timeout_s=61.0,
                   init_timeout_s=90.0, compile=True)
-    new = ctl.configure(tiny_config(tiny_dir, **policy))
+    configured = ctl.configure_fleet(tiny_config(tiny_dir, **policy))
+    new = configured.handle
     assert new.config.identity == handle.config.identity and new.config.policy != handle.config.policy
     assert handle.plan == FleetPlan(1, 8, 1, (1,)) and new.plan == FleetPlan(1, 8, 1, (1,), set_by_policy=True)
     assert (new.generation, new.worker_pids) == (handle.generation, handle.worker_pids)
-    assert ctl.last_replaced is None
+    assert configured.replaced is None
     for h in (new, handle):
         out = ctl.run(h, JobSpec("noop", NoopRequest(steps=1)))
         assert torch.equal(out.tensor, torch.arange(4, dtype=torch.float32))
@@ -231,7 +232,7 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
 
 
 def test_the_plan_in_the_handle_follows_the_fleets_heads_and_the_policy():
-    """`Fleet.plan_for`: the degree rule (`splits/degrees.py`) applied to the heads the workers reported — what
+    """`Fleet.plan_for`: the degree rule (`protocol/fleet_rules.py`) applied to the heads the workers reported — what
     Load Checkpoint (MGPU) shows. 8 heads on 3 ranks: degree 2 (3 does not divide 8); an explicit degree is the
     policy's; a fleet without a parallel plan runs every stage whole."""
     from types import SimpleNamespace
@@ -248,7 +249,7 @@ def test_the_plan_in_the_handle_follows_the_fleets_heads_and_the_policy():
 def test_error_kinds_keep_their_wire_values():
     """`ErrorKind` is a str enum: a member equals, hashes and prints as the string the nodes and clients compare with, and a
     `ControllerError` built from a wire string has the member; an unknown kind (another controller version's) keeps
-    the message: the generic kind, the original named in `details`."""
+    the message: the generic kind, the original named in `details.kind`."""
     assert ErrorKind.STALE_HANDLE == "stale_handle" and f"{ErrorKind.BUSY}" == "busy" == str(ErrorKind.BUSY)
     assert "busy" in {ErrorKind.BUSY} and {"validation": 1}[ErrorKind.VALIDATION] == 1
     assert {k.value for k in ErrorKind} == {"validation", "job_error", "cancelled", "busy", "stale_handle",
@@ -256,9 +257,12 @@ def test_error_kinds_keep_their_wire_values():
                                                "not_running", "error"}
     exc = ControllerError("x", kind="cancelled")
     assert exc.kind is ErrorKind.CANCELLED and ControllerError("y").kind is ErrorKind.ERROR
-    odd = ControllerError("out of memory on rank 1", kind="out_of_memory", details={"rank": 1})
+    odd = ControllerError("out of memory on rank 1", kind="out_of_memory", details=ErrorDetails(rank=1))
     assert str(odd) == "out of memory on rank 1" and odd.kind is ErrorKind.ERROR
-    assert odd.details == {"rank": 1, "kind": "out_of_memory"}
+    assert odd.details == ErrorDetails(rank=1, kind="out_of_memory")
+    # a dict (an older controller's JobError): its known keys, the others dropped
+    old = ControllerError("boom", kind="job_error", details={"stage": "stage 1", "step": 3, "extra": 1})
+    assert old.details == ErrorDetails(stage="stage 1", step=3) and ControllerError("z").details == ErrorDetails()
 
 
 def test_a_controller_dying_during_the_handshake_is_no_controller(tmp_path):

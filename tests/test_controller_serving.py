@@ -408,11 +408,12 @@ def test_stop_and_a_replacing_configure_say_what_they_stop(tiny_dir):
     env = {"LTX2_MGPU_RUNTIME_DIR": str(runtime)}
     first, second = ControllerClient(runtime), None
     try:
-        old = first.configure(tiny_config(tiny_dir))
-        assert first.last_replaced is None
+        configured = first.configure_fleet(tiny_config(tiny_dir))
+        old = configured.handle
+        assert configured.replaced is None
         second = ControllerClient(runtime, start=False)
-        new = second.configure(tiny_config(tiny_dir, threads_per_worker=2))  # another identity: a new fleet
-        replaced = second.last_replaced
+        configured = second.configure_fleet(tiny_config(tiny_dir, threads_per_worker=2))  # another identity: a new fleet
+        new, replaced = configured.handle, configured.replaced
         assert isinstance(replaced, FleetTeardown) and replaced.job is None
         assert replaced.fleet.generation == old.generation and replaced.fleet.devices == ("cpu",)
         assert replaced.fleet.worker_pids == old.worker_pids and replaced.fleet.checkpoint == old.config.checkpoint

@@ -225,7 +225,7 @@ def _decode(models: dict, device, dtype, ranks=None) -> dict:
         vae = models[variant].video_vae
         for name, (grid, tiling) in DEC.DECODE_CASES.items():
             pixels, report = decode_tiles(vae, DEC._latent(grid), tiling, None, None, world, rank)
-            out[variant, name] = (_cpu(pixels), report["tiles"])
+            out[variant, name] = (_cpu(pixels), report.tiles)
     return out
 
 
@@ -300,18 +300,20 @@ def _gemma(models: dict, files: dict, device, dtype, ranks=None) -> dict:
             out[variant] = refs
             continue
         world, rank = ranks
-        common = dict(projection_source=path, device=device, dtype=dtype, rank=rank, world_size=world,
-                      devices=[str(device)] * world, plan_tokens=GEMMA_PLAN_TOKENS)
-        svc = G.TextEncoderService(path, projection, **common)
+        placement = G.EncoderPlacement(device=device, dtype=dtype, rank=rank, world_size=world,
+                                       devices=(str(device),) * world)
+        svc = G.TextEncoderService(path, projection, projection_source=path, placement=placement,
+                                   settings=G.EncoderSettings(plan_tokens=GEMMA_PLAN_TOKENS))
         res = {}
         for mode in ("replicated", "batch_parallel", "sharded"):
             svc.clear_cache()
-            res[mode] = svc.encode(GP.PROMPTS, mode=mode)
-            res[mode + " forwards"] = svc.last_report["forwards_here"]
+            encoding = svc.encode(GP.PROMPTS, mode=mode)
+            res[mode], res[mode + " forwards"] = encoding.embeds, encoding.report.forwards_here
         svc.unload()
-        split = G.TextEncoderService(path, projection, mode="sharded",
-                                     max_memory=_split_budgets(path, device, dtype), **common)
-        res["split"] = split.encode(GP.PROMPTS)
+        split = G.TextEncoderService(path, projection, projection_source=path, placement=placement,
+                                     settings=G.EncoderSettings(mode="sharded", plan_tokens=GEMMA_PLAN_TOKENS,
+                                                                max_memory=_split_budgets(path, device, dtype)))
+        res["split"] = split.encode(GP.PROMPTS).embeds
         res["split map"] = dict(split.device_map)
         split.unload()
         out[variant] = res
@@ -617,7 +619,7 @@ def test_decode_parity(reference, ranks, world, dtype_name):
     for variant in VARIANTS:
         for name, (grid, tiling) in DEC.DECODE_CASES.items():
             assert [r["decode"][variant, name][1] for r in results] == \
-                [list(range(r, tiling.num_tiles, world)) for r in range(world)]
+                [tuple(range(r, tiling.num_tiles, world)) for r in range(world)]
             assert all(r["decode"][variant, name][0] is None for r in results[1:]), "frames only on rank 0"
             want = ref[variant, name][0]
             low = (DEC._pixel_coverage(grid, tiling) <= 2).expand_as(want)

@@ -212,7 +212,7 @@ def _rank_fn(rank: int, world: int, checkpoints: dict) -> dict:
         vae = load_components(path, dtype=torch.float32).video_vae
         for name, (grid, tiling) in DECODE_CASES.items():
             pixels, report = decode_tiles(vae, _latent(grid), tiling, None, None, world, rank)
-            out[variant, name] = (pixels, report["tiles"])
+            out[variant, name] = (pixels, report.tiles)
     for case in RAMP_CASES:
         out["ramp", case] = _ramp_error(case, world, rank)
     return out
@@ -239,7 +239,7 @@ def references(vaes):
     for variant, vae in vaes.items():
         for name, (grid, tiling) in DECODE_CASES.items():
             tiled, report = decode_tiles(vae, _latent(grid), tiling)
-            assert report["tiles"] == list(range(tiling.num_tiles))
+            assert report.tiles == tuple(range(tiling.num_tiles))
             with torch.no_grad():
                 untiled = vae.decode(_latent(grid), None, return_dict=False)[0].float()
             out[variant, name] = (tiled, untiled)
@@ -256,7 +256,7 @@ def test_distributed_decode_equals_single_process(tiny_dir, references, world):
             ref = references[variant, name][0]
             pixels = results[0][variant, name][0]
             assert [results[r][variant, name][1] for r in range(world)] == \
-                [list(range(r, tiling.num_tiles, world)) for r in range(world)]  # round-robin
+                [tuple(range(r, tiling.num_tiles, world)) for r in range(world)]  # round-robin
             assert all(results[r][variant, name][0] is None for r in range(1, world)), "frames only on rank 0"
             assert pixels.shape == ref.shape == (1, 3, (grid[0] - 1) * 8 + 1, grid[1] * 32, grid[2] * 32)
             low = (_pixel_coverage(grid, tiling) <= 2).expand_as(ref)

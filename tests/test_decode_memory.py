@@ -133,15 +133,15 @@ def test_tiny_auto_tiling_equals_the_explicit_tiled_decode_bit_for_bit(tiny_vae,
     frames, report = TwoStagePipeline.decode_video(pipe, latent, 0, None, overlap=1)
     want_tiling = default_tiling(2, grid, 1)
     assert (want_tiling.height.num_tiles, want_tiling.width.num_tiles) == (1, 2)
-    assert report["auto_tiling"].startswith("tiled 1×2 automatically: untiled needs ~")
-    assert report["tiles"] == [0, 1]  # decode_tiles' report: this process decoded both tiles
+    assert report.auto_tiling.startswith("tiled 1×2 automatically: untiled needs ~")
+    assert report.tiles == (0, 1)  # decode_tiles' report: this process decoded both tiles
     pixels, _ = D.decode_tiles(tiny_vae, denormalize(tiny_vae, latent.float()), want_tiling)
     explicit = ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous()
     assert torch.equal(frames, explicit)
     # enough memory: untiled, no note (and the untiled decode, not the tiled one)
     monkeypatch.setattr(D, "free_decode_bytes", lambda device: free + 1)
     frames2, report2 = TwoStagePipeline.decode_video(pipe, latent, 0, None, overlap=1)
-    assert report2["tiles"] == "untiled" and "auto_tiling" not in report2
+    assert report2.tiles == "untiled" and report2.auto_tiling is None
     assert not torch.equal(frames2, frames)
     # nothing fits: a clear error before decoding
     monkeypatch.setattr(D, "free_decode_bytes", lambda device: D.DECODE_MARGIN_BYTES)
@@ -187,8 +187,8 @@ def test_two_ranks_agree_on_the_automatic_tiles(tmp_path):
     want = default_tiling(4, grid, 1)
     assert (want.height.num_tiles, want.width.num_tiles) == (2, 2)
     for r in results:
-        assert r["report"]["auto_tiling"].startswith("tiled 2×2 automatically: 1×2 tiles need ~")
-    assert results[0]["report"]["tiles"] == [0, 2] and results[1]["report"]["tiles"] == [1, 3]
+        assert r["report"].auto_tiling.startswith("tiled 2×2 automatically: 1×2 tiles need ~")
+    assert results[0]["report"].tiles == (0, 2) and results[1]["report"].tiles == (1, 3)
     assert results[1]["frames"] is None and results[1]["explicit"] is None
     assert torch.equal(results[0]["frames"], results[0]["explicit"])
     vae = load_diffusion_vae(path, torch.float32).decoder

@@ -50,7 +50,7 @@ def _decode_all(path: str, world: int = 1, rank: int = 0, names=tuple(CASES)) ->
     for name in names:
         grid, tiling = CASES[name]
         pixels, report = decode_tiles(vae, denormalize(vae, _latent(grid)), tiling, None, None, world, rank)
-        out[name] = (pixels, report["tiles"])
+        out[name] = (pixels, report.tiles)
     return out
 
 
@@ -82,10 +82,10 @@ def test_distributed_equals_single_process(tiny_path, references, world, name):
     results = run_ranks(_rank_fn, world, tiny_path, (name,))
     for name, (grid, tiling) in [(name, CASES[name])]:
         ref, tiles = references[name]
-        assert tiles == list(range(tiling.num_tiles))
+        assert tiles == tuple(range(tiling.num_tiles))
         pixels = results[0][name][0]
         assert [results[r][name][1] for r in range(world)] == \
-            [list(range(r, tiling.num_tiles, world)) for r in range(world)]  # round-robin
+            [tuple(range(r, tiling.num_tiles, world)) for r in range(world)]  # round-robin
         assert all(results[r][name][0] is None for r in range(1, world)), "frames only on rank 0"
         assert pixels.shape == ref.shape == (1, 3, (grid[0] - 1) * 8 + 1, grid[1] * 32, grid[2] * 32)
         low = (_pixel_coverage(grid, tiling) <= 2).expand_as(ref)

@@ -90,8 +90,8 @@ def test_per_row_timesteps_and_isolated_pass():
     shape = F.TransformerShape.of(model.config)
     per_row = dict(kw, timestep=torch.full((1, 1), 700.0), audio_timestep=torch.full((1, 1), 700.0))
     assert _counted(lambda: model_forward.call_diffusers(model, **per_row)) == \
-        F.forward_flops(shape, 12, AUDIO, TEXT, timestep_per_token=False).total
-    isolated = F.forward_flops(shape, 12, AUDIO, TEXT, cross_modal=False)
+        F.forward_flops(shape, 12, AUDIO, TEXT, variant=F.ForwardVariant(timestep_per_token=False)).total
+    isolated = F.forward_flops(shape, 12, AUDIO, TEXT, variant=F.ForwardVariant(cross_modal=False))
     assert _counted(lambda: model_forward.call_diffusers(model, **kw, isolate_modalities=True)) == isolated.total
     assert isolated.parts["cross-modal linear"] == isolated.parts["cross-modal attention"] == 0
 
@@ -108,7 +108,7 @@ def test_native_cross_timesteps_per_token():
                                 audio_cross_timestep=torch.full((1, AUDIO), 700.0))
     got = _counted(lambda: model_forward.run_eager(model, batch))
     shape = F.TransformerShape.of(model.config)
-    assert got == F.forward_flops(shape, n, AUDIO, TEXT, cross_timestep_per_token=True).total
+    assert got == F.forward_flops(shape, n, AUDIO, TEXT, variant=F.ForwardVariant(cross_timestep_per_token=True)).total
 
 
 def test_stg_pass_skips_its_blocks_self_attention():
@@ -118,7 +118,8 @@ def test_stg_pass_skips_its_blocks_self_attention():
     shape = F.TransformerShape.of(model.config)
     with skip_self_attention(model, (1,), (0, 1)):
         got = _counted(lambda: model_forward.call_diffusers(model, **kw))
-    assert got == F.forward_flops(shape, 12, AUDIO, TEXT, video_skip_blocks=1, audio_skip_blocks=2).total
+    assert got == F.forward_flops(shape, 12, AUDIO, TEXT,
+                                variant=F.ForwardVariant(video_skip_blocks=1, audio_skip_blocks=2)).total
     assert got < F.forward_flops(shape, 12, AUDIO, TEXT).total
 
 
@@ -205,6 +206,6 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="video_tokens"):
         F.forward_flops(shape, -1, 0, 0)
     with pytest.raises(ValueError, match="skipped blocks"):
-        F.forward_flops(shape, 10, 0, 0, video_skip_blocks=49)
+        F.forward_flops(shape, 10, 0, 0, variant=F.ForwardVariant(video_skip_blocks=49))
     with pytest.raises(ValueError, match="blocks"):
         F.TransformerShape(blocks=0)

@@ -193,7 +193,7 @@ def test_fp8_compute_path_selection(monkeypatch):
     assert F8.compute_path(layer, x) == ("dequantize", "CPU")
     # the CPU forward is today's exact dequantizing forward
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias))
-    assert layer.last_path == "dequantize" and "CPU" in F8.compute_report(layer)
+    assert layer.computed.path == "dequantize" and "CPU" in F8.compute_report(layer)
     monkeypatch.setattr(F8, "scaled_mm_capable", lambda device: True)  # as on a Hopper GPU
     assert F8.compute_path(layer, x)[0] == "scaled_mm"
     assert F8.compute_path(layer, x.float()) == ("dequantize", "torch.float32 compute (the fp8 matmul path returns "

@@ -64,21 +64,22 @@ def _split_budgets(path: str) -> dict[str, int]:
 def _scenarios(rank: int, world: int, path: str) -> dict:
     out: dict = {}
     # projection=None: the service takes the one bundled in the Gemma 4 file
-    svc = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
-                               plan_tokens=PLAN_TOKENS)
+    ranks = G.EncoderPlacement(rank=rank, world_size=world, devices=("cpu",) * world)
+    svc = G.TextEncoderService(path, None, placement=ranks, settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS))
     out["projection"] = (svc.projection.kind, svc.projection_source == path)
-    out["replicated"] = svc.encode(PROMPTS)
+    out["replicated"] = svc.encode(PROMPTS).embeds
     svc.clear_cache()
-    out["batch_parallel"] = svc.encode(PROMPTS, mode="batch_parallel")
-    out["batch_parallel_report"] = dict(svc.last_report)
+    enc = svc.encode(PROMPTS, mode="batch_parallel")
+    out["batch_parallel"], out["batch_parallel_report"] = enc.embeds, enc.report
     svc.clear_cache()
-    out["sharded"] = svc.encode(PROMPTS, mode="sharded")
-    out["sharded_report"] = dict(svc.last_report)
+    enc = svc.encode(PROMPTS, mode="sharded")
+    out["sharded"], out["sharded_report"] = enc.embeds, enc.report
     out["sharded_holds"] = svc.encoder is not None
     svc.unload()
-    split = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
-                                 plan_tokens=PLAN_TOKENS, mode="sharded", max_memory=_split_budgets(path))
-    out["split"] = split.encode(PROMPTS)
+    split = G.TextEncoderService(path, None, placement=ranks,
+                                 settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS, mode="sharded",
+                                                            max_memory=_split_budgets(path)))
+    out["split"] = split.encode(PROMPTS).embeds
     out["split_map"] = dict(split.device_map)
     if rank == 0:  # Accelerate's hooks sit on whole decoder layers
         out["hooked"] = sorted({type(m).__name__ for m in split.encoder.model.modules() if hasattr(m, "_hf_hook")})
@@ -98,13 +99,13 @@ def test_every_mode_equals_the_one_process_encode(gemma4, reference, world):
         for key in ("replicated", "batch_parallel", "sharded", "split"):
             assert _equal(r[key], reference), (world, rank, key)
         assert r["sharded_holds"] == (rank == 0)
-        assert r["sharded_report"]["forwards_here"] == (4 if rank == 0 else 0)  # 4 distinct prompts
+        assert r["sharded_report"].forwards_here == (4 if rank == 0 else 0)  # 4 distinct prompts
         assert set(r["split_map"].values()) == {"cpu", "disk"}
         assert all(k in ("embed_tokens", "rotary_emb", "norm") or k.startswith("layers.") and k.count(".") == 1
                    for k in r["split_map"]), r["split_map"]
         assert "nothing to split" in r["one_prompt_error"]
     assert "Gemma4UnifiedTextDecoderLayer" in results[0]["hooked"]
-    split = [r["batch_parallel_report"]["forwards_here"] for r in results]
+    split = [r["batch_parallel_report"].forwards_here for r in results]
     assert sum(split) == 4 and min(split) >= 1, split  # the prompts were spread over every rank
 
 
@@ -153,8 +154,9 @@ def _job_on_ranks(rank: int, world: int, path: str, prompts: list[str]) -> dict:
 
     from mgpu_backend.serving.jobs.text import run_encode_text
 
-    service = G.TextEncoderService(path, None, device="cpu", rank=rank, world_size=world, devices=["cpu"] * world,
-                                   plan_tokens=PLAN_TOKENS, mode="batch_parallel")
+    service = G.TextEncoderService(path, None,
+                                   placement=G.EncoderPlacement(rank=rank, world_size=world, devices=("cpu",) * world),
+                                   settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS, mode="batch_parallel"))
     ctx = SimpleNamespace(rank=rank, step_boundary=lambda stage, step: False, progress=lambda *a: None)
     return run_encode_text(SimpleNamespace(text=service), EncodeTextRequest(prompts=prompts, frame_rate=24.0), ctx)
 
@@ -179,7 +181,7 @@ def test_encode_text_job_gives_comfyui_s_conditioning_for_2_5(tmp_path):
     prompts = json.loads(meta["prompts"])
     path = str(write_tiny_gemma4(tmp_path / "gemma4-12b-with-proj-ltx-2.5-tiny-bf16.safetensors", seed=0))
     result, other = run_ranks(_job_on_ranks, 2, path, prompts)
-    assert other is None and result.report["mode"] == "batch_parallel" and min(result.forwards_per_rank) >= 1
+    assert other is None and result.report.mode == "batch_parallel" and min(result.forwards_per_rank) >= 1
     for i, conditioning in enumerate(result.conditioning):
         (cond, extra), = conditioning
         assert sorted(set(extra) - {"frame_rate"}) == json.loads(meta["extra_keys"])[f"p{i}.bf16"]

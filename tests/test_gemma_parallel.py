@@ -76,9 +76,15 @@ def reference(files) -> list[torch.Tensor]:
     return _reference(files["gemma"], files["proj"], PROMPTS)
 
 
-def _service(files, **kw) -> G.TextEncoderService:
-    kw.setdefault("plan_tokens", PLAN_TOKENS)
-    return G.TextEncoderService(files["gemma"], _projection(files["proj"]), projection_source=files["proj"], **kw)
+def _service(files, placement: G.EncoderPlacement = G.EncoderPlacement(), **settings) -> G.TextEncoderService:
+    """The service over the tiny Gemma and projection; `settings`: `EncoderSettings` fields (plan_tokens: the tests')."""
+    settings.setdefault("plan_tokens", PLAN_TOKENS)
+    return G.TextEncoderService(files["gemma"], _projection(files["proj"]), projection_source=files["proj"],
+                                placement=placement, settings=G.EncoderSettings(**settings))
+
+
+def _ranks(rank: int, world: int) -> G.EncoderPlacement:
+    return G.EncoderPlacement(rank=rank, world_size=world, devices=("cpu",) * world)
 
 
 def _split_budgets(gemma_path: str) -> dict[str, int]:
@@ -117,20 +123,20 @@ def spawn(fn, world_size: int, *args) -> list:
 def _ranks_scenarios(rank: int, world: int, files: dict) -> dict:
     """Every mode on this rank; returns embeddings, reports and error messages for the parent to check."""
     out: dict = {}
-    svc = _service(files, rank=rank, world_size=world, devices=["cpu"] * world)
-    out["replicated"] = svc.encode(PROMPTS)
-    out["replicated_report"] = dict(svc.last_report)
-    out["repeat"] = svc.encode(PROMPTS, mode="batch_parallel")  # cache hits, whatever the mode
-    out["repeat_report"] = dict(svc.last_report)
+    svc = _service(files, _ranks(rank, world))
+    enc = svc.encode(PROMPTS)
+    out["replicated"], out["replicated_report"] = enc.embeds, enc.report
+    enc = svc.encode(PROMPTS, mode="batch_parallel")  # cache hits, whatever the mode
+    out["repeat"], out["repeat_report"] = enc.embeds, enc.report
     svc.clear_cache()
-    out["batch_parallel"] = svc.encode(PROMPTS, mode="batch_parallel")
-    out["batch_parallel_report"] = dict(svc.last_report)
+    enc = svc.encode(PROMPTS, mode="batch_parallel")
+    out["batch_parallel"], out["batch_parallel_report"] = enc.embeds, enc.report
     svc.clear_cache()
-    out["sharded"] = svc.encode(PROMPTS, mode="sharded")
-    out["sharded_report"] = dict(svc.last_report)
+    enc = svc.encode(PROMPTS, mode="sharded")
+    out["sharded"], out["sharded_report"] = enc.embeds, enc.report
     out["sharded_holds"] = svc.encoder is not None
     ref = weakref.ref(svc.encoder.model) if svc.encoder is not None else None
-    out["unload_first"] = svc.encode(["A new prompt."], mode="sharded", unload=True)
+    out["unload_first"] = svc.encode(["A new prompt."], mode="sharded", unload=True).embeds
     gc.collect()
     out["unloaded"] = (svc.encoder is None, ref is None or ref() is None)
     try:
@@ -138,15 +144,13 @@ def _ranks_scenarios(rank: int, world: int, files: dict) -> dict:
     except ValidationError as exc:
         out["one_prompt_error"] = str(exc)
     # a real two-device split (cpu + disk), planned from synthetic budgets, driven from rank 0
-    split = _service(files, rank=rank, world_size=world, devices=["cpu"] * world, mode="sharded",
-                     max_memory=_split_budgets(files["gemma"]))
-    out["split"] = split.encode(PROMPTS)
+    split = _service(files, _ranks(rank, world), mode="sharded", max_memory=_split_budgets(files["gemma"]))
+    out["split"] = split.encode(PROMPTS).embeds
     out["split_map"] = split.device_map
     split.unload()
     # refusal before loading, on every rank
     for mode in ("replicated", "sharded"):
-        small = _service(files, rank=rank, world_size=world, devices=["cpu"] * world, mode=mode,
-                         max_memory={"cpu": "64KiB"})
+        small = _service(files, _ranks(rank, world), mode=mode, max_memory={"cpu": "64KiB"})
         try:
             small.encode(PROMPTS[:2])
         except G.GemmaMemoryError as exc:
@@ -292,16 +296,19 @@ def test_plan_matches_accelerate_module_sizes_on_a_12b_shaped_meta_model():
 
 def test_one_process_modes_equal_reference_and_cpu_disk_split(files, reference):
     svc = _service(files)
-    assert _equal(svc.encode(PROMPTS), reference)
-    assert svc.last_report["encoded"] == 3 and svc.stats["forwards"] == 3  # the duplicate is encoded once
-    assert _equal(svc.encode(PROMPTS), reference) and svc.stats["forwards"] == 3  # cache
-    assert svc.last_report["cache_hits"] == 3
+    first = svc.encode(PROMPTS)
+    assert _equal(first.embeds, reference)
+    assert first.report.encoded == 3 and svc.stats["forwards"] == 3  # the duplicate is encoded once
+    again = svc.encode(PROMPTS)
+    assert _equal(again.embeds, reference) and svc.stats["forwards"] == 3  # cache
+    assert again.report.cache_hits == 3 and again.report.encoded == 0
     split = _service(files, mode="sharded", max_memory=_split_budgets(files["gemma"]))
-    out = split.encode(PROMPTS)
+    encoding = split.encode(PROMPTS)
+    out = encoding.embeds
     assert set(split.device_map.values()) == {"cpu", "disk"}, split.device_map
     assert split.device_map["embed_tokens"] == "cpu" and split.device_map["layers.3"] == "disk"
     assert _equal(out, reference)
-    assert split.last_report["device_map"] == {"cpu": "embed_tokens, rotary_emb, layers.0-1",
+    assert encoding.report.device_map == {"cpu": "embed_tokens, rotary_emb, layers.0-1",
                                                "disk": "norm, layers.2-3"}
 
 
@@ -311,13 +318,13 @@ def test_cache_key_follows_the_files(files, reference, tmp_path):
     gemma = tmp_path / "g.safetensors"
     shutil.copy(files["gemma"], gemma)
     svc = G.TextEncoderService(gemma, _projection(files["proj"]), projection_source=files["proj"],
-                               plan_tokens=PLAN_TOKENS)
-    assert _equal(svc.encode(PROMPTS[:2]), reference[:2]) and svc.stats["forwards"] == 2
+                               settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS))
+    assert _equal(svc.encode(PROMPTS[:2]).embeds, reference[:2]) and svc.stats["forwards"] == 2
     svc.encode(PROMPTS[:2])
     assert svc.stats["forwards"] == 2
     st = gemma.stat()
     os.utime(gemma, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # "a new file": re-encode (and reload)
-    assert _equal(svc.encode(PROMPTS[:2]), reference[:2])
+    assert _equal(svc.encode(PROMPTS[:2]).embeds, reference[:2])
     assert svc.stats["forwards"] == 4 and svc.stats["loads"] == 2
     proj_copy = tmp_path / "p.safetensors"
     shutil.copy(files["proj"], proj_copy)
@@ -335,7 +342,7 @@ def test_unload_releases_the_weights_and_a_later_encode_reloads(files, reference
     gc.collect()
     assert svc.encoder is None and model_ref() is None and param_ref() is None
     assert svc.stats["unloads"] == 1
-    assert _equal(svc.encode(PROMPTS[2:3]), reference[2:3])  # reloaded
+    assert _equal(svc.encode(PROMPTS[2:3]).embeds, reference[2:3])  # reloaded
     assert svc.stats["loads"] == 2 and svc.encoder is not None
     # sharded (dispatched) models are released too
     split = _service(files, mode="sharded", max_memory=_split_budgets(files["gemma"]), unload=True)
@@ -346,11 +353,12 @@ def test_unload_releases_the_weights_and_a_later_encode_reloads(files, reference
 
 def test_layouts_and_fp8(files, reference):
     hf = G.TextEncoderService(files["hf"], _projection(files["proj"]), projection_source=files["proj"],
-                              plan_tokens=PLAN_TOKENS)
-    assert _equal(hf.encode(PROMPTS), reference)  # same bf16 weights as the single file
+                              settings=G.EncoderSettings(plan_tokens=PLAN_TOKENS))
+    assert _equal(hf.encode(PROMPTS).embeds, reference)  # same bf16 weights as the single file
     fp8 = G.TextEncoderService(files["fp8"], _projection(files["proj"]), projection_source=files["proj"],
-                               mode="sharded", max_memory=_split_budgets(files["fp8"]), plan_tokens=PLAN_TOKENS)
-    out = fp8.encode(PROMPTS)
+                               settings=G.EncoderSettings(mode="sharded", max_memory=_split_budgets(files["fp8"]),
+                                                          plan_tokens=PLAN_TOKENS))
+    out = fp8.encode(PROMPTS).embeds
     assert _equal(out, _reference(files["fp8"], files["proj"], PROMPTS))
     assert set(fp8.device_map.values()) == {"cpu", "disk"}
     assert not _equal(out, reference)  # fp8 weights really are different (quantized)
@@ -417,10 +425,10 @@ def test_ranks_every_mode_equals_the_one_process_encode(files, reference, world)
         for key in ("replicated", "repeat", "batch_parallel", "sharded", "split"):
             assert _equal(r[key], reference), (rank, key)
         assert _equal(r["unload_first"], _reference(files["gemma"], files["proj"], ["A new prompt."]))
-        assert r["replicated_report"]["forwards_here"] == 3
-        assert r["repeat_report"]["cache_hits"] == 3 and r["repeat_report"]["forwards_here"] == 0
+        assert r["replicated_report"].forwards_here == 3
+        assert r["repeat_report"].cache_hits == 3 and r["repeat_report"].forwards_here == 0
         assert r["sharded_holds"] == (rank == 0)  # only the driver holds the sharded copy
-        assert r["sharded_report"]["forwards_here"] == (3 if rank == 0 else 0)
+        assert r["sharded_report"].forwards_here == (3 if rank == 0 else 0)
         assert r["unloaded"] == (True, True)
         assert "nothing to split" in r["one_prompt_error"]
         assert set(r["split_map"].values()) == {"cpu", "disk"}
@@ -428,7 +436,7 @@ def test_ranks_every_mode_equals_the_one_process_encode(files, reference, world)
             message, loads = r[f"refused_{mode}"]
             assert "does not fit" in message and "64.00 KiB" in message and loads == 0
         assert r["refused_replicated"][0] == results[0]["refused_replicated"][0]  # the same error on every rank
-    split = [r["batch_parallel_report"]["forwards_here"] for r in results]
+    split = [r["batch_parallel_report"].forwards_here for r in results]
     assert sum(split) == 3 and (world == 1 or min(split) >= 1), split  # the prompts were split over the ranks
     if world == 2:
         assert "2 replica(s)" in results[0]["refused_replicated"][0]  # two ranks share the CPU
@@ -460,19 +468,19 @@ def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=prompts, mode="sharded", frame_rate=25.0)),
                       events.append)
         assert _equal(r.embeds, [ref(p) for p in prompts])
-        assert r.forwards_per_rank == (3, 0) and r.report["mode"] == "sharded"
+        assert r.forwards_per_rank == (3, 0) and r.report.mode == "sharded"
         (tensor, extra), = r.conditioning[1]
         assert torch.equal(tensor, r.embeds[1]) and extra["unprocessed_ltxav_embeds"] is True
         assert extra["frame_rate"] == 25.0 and extra["pooled_output"] is None
         assert [e.stage for e in events] == ["text"]
         # the fleet's default mode
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=prompts[::-1])), events.append)
-        assert r.report["cache_hits"] == 3 and r.forwards_per_rank == (3, 0)
+        assert r.report.cache_hits == 3 and r.forwards_per_rank == (3, 0)
         assert _equal(r.embeds, [ref(p) for p in prompts[::-1]])
         new = ["A drone flies over a forest.", "Snow.", "The orchestra begins to play."]
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=new, unload=True)), events.append)
         assert _equal(r.embeds, [ref(p) for p in new])
-        assert r.report["mode"] == "batch_parallel" and r.report["unloaded"]
+        assert r.report.mode == "batch_parallel" and r.report.unloaded
         assert sum(r.forwards_per_rank) == 6 and r.forwards_per_rank[1] >= 1
         with pytest.raises(ControllerError) as info:  # asked for explicitly: refused, the fleet stays
             fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=["one"], mode="batch_parallel")), events.append)
@@ -481,7 +489,7 @@ def test_encode_text_job_on_a_two_rank_fleet(tiny_dir):
         r = fleet.run(JobSpec("encode_text", EncodeTextRequest(prompts=["Reloaded after the unload."])),
                       events.append)
         assert _equal(r.embeds, [ref("Reloaded after the unload.")])
-        assert r.stats["loads"] == 4 and r.report["mode"] == "replicated"
+        assert r.stats.loads == 4 and r.report.mode == "replicated"
         assert fleet.alive()
     finally:
         fleet.shutdown()

@@ -246,7 +246,7 @@ def test_two_stage_pipeline_w2_equals_one_process(reference, ranks):
     report = results[0]["report"]
     assert report.startswith("stage 1: guidance passes in parallel on 2 ranks (4 passes per step: 2 forwards per "
                              "rank)"), report
-    assert results[0]["rank_reports"][1]["stage 1"] == report
+    assert results[0]["rank_reports"][1].stage_1 == report
 
 
 # ---- the choice (no ranks) ------------------------------------------------------------------------------------------
@@ -388,7 +388,7 @@ def _fleet_config_from_cli(paths, monkeypatch, *options: str):
         pass
 
     class FakeClient:
-        def configure(self, config):
+        def configure_fleet(self, config):
             seen["config"] = config
             raise Stop
 

@@ -72,10 +72,10 @@ def test_int8_linear_module_and_lora_fused_w8a16():
     layer.load_state_dict({"weight": q, "weight_scale": s, "bias": b})
     x = torch.randn(3, 2, K, generator=torch.Generator().manual_seed(3))
     assert torch.equal(layer(x), _comfy_linear(x, q, s, b, 16))
-    assert layer.last_path == "int8" and "comfy-kitchen int8_linear" in compute_report(layer)
+    assert layer.computed.path == "int8" and "comfy-kitchen int8_linear" in compute_report(layer)
     fused = layer.dequantized_weight() + 0.01
     layer.fused_weight = fused
-    assert torch.equal(layer(x), F.linear(x, fused, b)) and layer.last_path == "dequantize"
+    assert torch.equal(layer(x), F.linear(x, fused, b)) and layer.computed.path == "dequantize"
     layer.fused_weight = None
     assert torch.equal(layer(x), _comfy_linear(x, q, s, b, 16))
 
@@ -123,7 +123,7 @@ def test_without_comfy_kitchen_the_torch_copy_runs_with_one_log_line(monkeypatch
     layer = Q.Int8Linear(K, N, False, torch.bfloat16, convrot_group=64, per_row_scale=True)
     layer.load_state_dict({"weight": q, "weight_scale": s})
     layer(x)
-    assert "not installed" in layer.last_reason
+    assert "not installed" in layer.computed.reason
 
 
 def test_bad_arguments_are_refused_by_name():
@@ -141,7 +141,7 @@ def test_w8a16_on_request(monkeypatch):
     layer.load_state_dict({"weight": q, "weight_scale": s, "bias": b})
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(Q, "INT8_COMPUTE", "w8a16")
-    assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), b)) and "w8a16" in layer.last_reason
+    assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), b)) and "w8a16" in layer.computed.reason
 
 
 def test_token_shards_compute_the_same_bits():

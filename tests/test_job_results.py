@@ -15,12 +15,13 @@ import torch
 from mgpu_backend.protocol import frames as F
 from mgpu_backend.serving.client import ControllerClient
 from mgpu_backend.protocol import transport
-from mgpu_backend.protocol.errors import ControllerError, ErrorKind
+from mgpu_backend.protocol.errors import ControllerError, ErrorDetails, ErrorKind
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, FleetPlan, FleetPolicy
 from mgpu_backend.protocol.job_requests import FAULT_KINDS, FaultSpec, JobSpec, NoopRequest
-from mgpu_backend.protocol.job_results import (ControllerStatus, EncodeTextResult, FleetDescription, FleetTeardown,
-                                               FramesResult, GenerateJobResult, NoopResult, ProcessInfo, SampleResult,
-                                               UpscaleResult)
+from mgpu_backend.protocol.job_results import (ControllerStatus, DecodeReport, EncodeTextResult, FleetDescription,
+                                               FleetTeardown, FramesResult, GenerateJobResult, GenerateTimings,
+                                               NoopResult, ProcessInfo, RankReport, SampleResult, TextEncodeReport,
+                                               TextEncoderCounters, UpscaleResult)
 from mgpu_backend.protocol.messages import Accepted, Configured, JobResult, Pong, StatusReply, Stopped
 from mgpu_backend.protocol.transport import Pickled
 
@@ -30,10 +31,12 @@ def _results() -> list:
     return [SampleResult(v, a, "sequence parallel over all 2 ranks", ("lora x: 1/1 layers applied",)),
             SampleResult(v, a, "tiles", (), tile_drift=(0.1, 0.2), weights_normalized=False, audio_frozen=True),
             UpscaleResult(v), NoopResult(torch.arange(4, dtype=torch.float32)),
-            EncodeTextResult((v[0, :1, 0, 0],), ([[v[0, :1, 0, 0], {"pooled_output": None}]],), {"mode": "x"},
-                             (3, 0), {"loads": 1}),
-            GenerateJobResult(torch.rand(2, 4, 4, 3), torch.randn(2, 10), 24000, v, a, {"total": 1.0},
-                              ("r",), "one rank", ({"rank": 0},))]
+            EncodeTextResult((v[0, :1, 0, 0],), ([[v[0, :1, 0, 0], {"pooled_output": None}]],),
+                             TextEncodeReport("sharded", "sharded", 2, 2, 0, 2, 2, False, 0.5, {"cpu": "layers.0-1"}),
+                             (3, 0), TextEncoderCounters(forwards=2, loads=1)),
+            GenerateJobResult(torch.rand(2, 4, 4, 3), torch.randn(2, 10), 24000, v, a, GenerateTimings(total=1.0),
+                              ("r",), "one rank", (RankReport(0, "local", "local", DecodeReport((0, 1), 0.25),
+                                                              GenerateTimings(total=1.0), ("fp8 compute: …",)),))]
 
 
 def _equal(x, y) -> bool:
@@ -196,3 +199,26 @@ def test_what_a_stop_or_a_rebuild_ended_in_words():
         "were connected to this controller (pid 1 (python)) — ComfyUI and the CLI share it; their next job starts a "
         "fleet of their own configuration; a noop job (j1) was running and was stopped")
     assert describe_stopped(FleetTeardown(None), "stopped") == "no fleet was loaded"
+
+
+def test_generate_timings_keep_the_printed_phase_names():
+    """`GenerateTimings` from and to the phase names the CLI prints, in the order the phases run; an unknown phase
+    is refused by name."""
+    phases = {"text": 0.1, "stage 1": 2.0, "upscale": 0.3, "stage 2": 1.5, "decode video": 0.7, "decode audio": 0.2,
+              "total": 4.8}
+    t = GenerateTimings.from_phases(phases)
+    assert t.stage_1 == 2.0 and t.decode_video == 0.7 and list(t.as_dict().items()) == list(phases.items())
+    with pytest.raises(ValueError, match=r"unknown phase\(s\) \['write mp4'\]"):
+        GenerateTimings.from_phases({"write mp4": 0.1})
+
+
+def test_decode_report_prints_its_tiles_as_before():
+    """The CLI prints a rank's tiles as the list it printed when the report was a dict, or "untiled"."""
+    assert DecodeReport((0, 2), 1.0).tiles_text == "[0, 2]" and DecodeReport((), 0.0).tiles_text == "[]"
+    assert DecodeReport("untiled", 1.0).tiles_text == "untiled"
+
+
+def test_error_details_are_typed_and_read_from_an_older_dict():
+    assert ErrorDetails.of(None) == ErrorDetails() and ErrorDetails.of(ErrorDetails(step=2)).step == 2
+    assert ErrorDetails.of({"traceback": "tb", "unknown": 1}) == ErrorDetails(traceback="tb")
+    assert ControllerError("x", kind="job_error", details={"rank": 1}).details.rank == 1

@@ -136,7 +136,7 @@ def _run_jobs(pipe, rank: int, f: dict) -> dict:
             result = stages.run_sample(type("State", (), {"pipeline": pipe})(), _payload(mode, loras), _Ctx(rank))
             out[name] = {"video": getattr(result, "video", None), "audio": getattr(result, "audio", None),
                          "lora_reports": None if result is None else list(result.lora_reports),
-                         "fuse": dict(pipe.lora.stats["fuse"]),
+                         "fuse": pipe.lora.fuse_stats,
                          "active_after": pipe.lora.active}
         except LoRAError as exc:
             out[name] = {"error": str(exc), "active_after": pipe.lora.active}
@@ -198,12 +198,12 @@ def _fleet_rank(rank: int, world: int, f: dict, weights: str) -> dict:
     reports = pipe.lora.apply(both, "stage 2")
     fused = _fused_weights(model, pipe.lora)
     held = {"clean_bytes": pipe.lora.clean_bytes, "fp8_fused_bytes": pipe.lora.fused_fp8_bytes,
-            "owned": pipe.lora.owned(), "pairs_read": pipe.lora.stats["fuse"]["pairs_read"],
+            "owned": pipe.lora.owned(), "pairs_read": pipe.lora.fuse_stats.pairs_read,
             "touched_bytes": sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
                                  if n in set(pipe.lora.fused_names))}
-    last_fuse = pipe.lora.stats["fuse"]
+    fuse_before = pipe.lora.fuse_stats
     again = pipe.lora.apply(both, "stage 2")  # the same set again: nothing to do
-    same_set_noop = (pipe.lora.stats["fuse"] is last_fuse and [str(r) for r in again] == [str(r) for r in reports]
+    same_set_noop = (pipe.lora.fuse_stats is fuse_before and [str(r) for r in again] == [str(r) for r in reports]
                      and all(_bytes_equal(v, fused[k]) for k, v in _fused_weights(model, pipe.lora).items()))
     pipe.lora.restore()
     restored_after_apply = all(_bytes_equal(loaded[k], v) for k, v in model.state_dict().items())
@@ -568,15 +568,19 @@ spec.loader.exec_module(module)
 from ltx2_pack.nodes.common import NodeError
 from ltx2_pack.nodes.extension import NODES
 from ltx2_pack.nodes.lora import LoRAMGPU
-from ltx2_pack.nodes.sampler import SPSamplerMGPU
+from ltx2_pack.nodes.sampler import SPSamplerGuidedMGPU, SPSamplerMGPU
+from ltx2_pack.nodes.sampler_inputs import LEGACY_WIDGETS
 from ltx2_pack.nodes.upscale import TDPUpscaleMGPU
 out = {"registered": [n.define_schema().node_id for n in NODES]}
 s = LoRAMGPU.define_schema()
 out["schema"] = [s.node_id, s.display_name, s.category, [i.id for i in s.inputs], [o.io_type for o in s.outputs]]
 out["options"] = s.inputs[0].options
-for node in (SPSamplerMGPU, TDPUpscaleMGPU):
+for node in (SPSamplerMGPU, SPSamplerGuidedMGPU, TDPUpscaleMGPU):
     inp = [i for i in node.define_schema().inputs if i.id == "loras"][0]
     out[node.__name__] = [inp.io_type, inp.optional]
+old = SPSamplerMGPU.define_schema()  # the deprecated node: its widgets in the order saved workflows list them
+out["legacy"] = [[i.id for i in old.inputs if i.io_type in ("INT", "FLOAT", "COMBO", "STRING")],
+                 list(LEGACY_WIDGETS), bool(old.is_deprecated)]
 name = "ltx-2.0-tiny-distilled-lora.safetensors"
 first = LoRAMGPU.execute(lora_name=name, strength=1.0).args[0]
 out["chain"] = LoRAMGPU.execute(lora_name="user-style.safetensors", strength=0.5, loras=first).args[0]
@@ -624,7 +628,10 @@ def test_lora_node_in_comfyui(files, tmp_path):
     assert out["schema"] == ["LTX2MGPU_LoRA", "LoRA (MGPU)", "LTX-2 Multi-GPU", ["lora_name", "strength", "loras"],
                              ["LTX2_MGPU_LORAS"]]
     assert {"ltx-2.0-tiny-distilled-lora.safetensors", "user-style.safetensors"} <= set(out["options"])
-    assert out["SPSamplerMGPU"] == out["TDPUpscaleMGPU"] == ["LTX2_MGPU_LORAS", True]
+    assert out["SPSamplerMGPU"] == out["SPSamplerGuidedMGPU"] == out["TDPUpscaleMGPU"] == ["LTX2_MGPU_LORAS", True]
+    assert out["legacy"][0] == out["legacy"][1] and out["legacy"][2]  # saved widgets_values still map by position
+    assert {"LTX2MGPU_SPSampler", "LTX2MGPU_SPSamplerGuided", "LTX2MGPU_Guider",
+            "LTX2MGPU_Guidance"} <= set(out["registered"])
     distilled, user = str(loras / "ltx-2.0-tiny-distilled-lora.safetensors"), str(loras / "user-style.safetensors")
     assert out["chain"] == [[distilled, 1.0], [user, 0.5]]
     assert out["zero"] == [[distilled, 1.0]]

@@ -36,7 +36,8 @@ def _engine(tiny_dir, device: str, dtype: torch.dtype) -> N.NativeEngine:
 def _forward(eng: N.NativeEngine, req):
     context, missing = eng.resolve_context(req)
     assert not missing
-    return eng.forward(req, context)
+    result = eng.forward(req, context)
+    return result.video, result.audio
 
 
 def _eager(eng, req):

@@ -35,7 +35,7 @@ def _args(seed=0, per_token=False):
 
 def test_plain_call_becomes_a_request_with_keys_per_row():
     x, ts, ctx, options = _args()
-    req = NF.build_request(x, ts, ctx, None, 25, options, None, kwargs={"a_timestep": ts[1]})
+    req = NF.build_request(NF.ComfyForwardCall(x, ts, ctx, None, 25, options, None, {"a_timestep": ts[1]}))
     assert isinstance(req, F.ForwardRequest)
     assert req.video is not None and torch.equal(req.video, x[0]) and torch.equal(req.audio, x[1])
     assert torch.equal(req.video_timestep, ts[0]) and torch.equal(req.audio_timestep, ts[1])
@@ -45,9 +45,11 @@ def test_plain_call_becomes_a_request_with_keys_per_row():
     assert torch.equal(req.context, ctx)
     assert req.options.is_plain and req.lora is None and req.keyframe_idxs is None
     # the fleet holds both rows: the context stays behind; one row unknown: it travels again
-    again = NF.build_request(x, ts, ctx.clone(), None, 25, options, None, known_contexts=set(req.context_keys))
+    again = NF.build_request(NF.ComfyForwardCall(x, ts, ctx.clone(), None, 25, options, None),
+                             known_contexts=set(req.context_keys))
     assert again.context is None and again.context_keys == req.context_keys
-    partly = NF.build_request(x, ts, ctx, None, 25, options, None, known_contexts={req.context_keys[0]})
+    partly = NF.build_request(NF.ComfyForwardCall(x, ts, ctx, None, 25, options, None),
+                              known_contexts={req.context_keys[0]})
     assert partly.context is not None
 
 
@@ -62,7 +64,7 @@ def test_context_key_follows_the_values():
     one = dict(options, uuids=[uuid.UUID(int=5)], cond_or_uncond=[0])
     k = NF.context_keys(ctx, one)
     assert k[0].split(":")[0] == f"{uuid.UUID(int=5)}/0" and k[1].split(":")[0] == f"{uuid.UUID(int=5)}/1"
-    req = NF.build_request(x, ts, ctx, None, 25, one, None)
+    req = NF.build_request(NF.ComfyForwardCall(x, ts, ctx, None, 25, one, None))
     assert req.cond_or_uncond == (0, 0)
 
 
@@ -72,9 +74,8 @@ def test_guides_masks_and_per_call_options_travel():
     mask = torch.ones(B, 1, FR, H, W)
     entries = [{"pre_filter_count": H * W, "strength": 0.7, "pixel_mask": None, "latent_shape": [1, H, W]}]
     opts = dict(options, stg_self_attn_blocks=frozenset({3, 1}), a2v_cross_attn=False, v2a_cross_attn=False)
-    req = NF.build_request(x, ts, ctx, None, 24.0, opts, kf,
-                           kwargs={"denoise_mask": mask, "audio_denoise_mask": torch.ones(B, 8, T, 16),
-                                   "guide_attention_entries": entries})
+    req = NF.build_request(NF.ComfyForwardCall(x, ts, ctx, None, 24.0, opts, kf, {
+        "denoise_mask": mask, "audio_denoise_mask": torch.ones(B, 8, T, 16), "guide_attention_entries": entries}))
     assert torch.equal(req.keyframe_idxs, kf) and req.denoise_mask is None  # no −1 cell: nothing to drop
     assert req.guide_attention_entries == (F.GuideAttentionEntry(H * W, 0.7, None, (1, H, W)),)
     assert req.options.stg_self_attn_blocks == (1, 3)
@@ -82,10 +83,10 @@ def test_guides_masks_and_per_call_options_travel():
     assert req.video_timestep.shape == (B, FR * H * W, 1) and req.frame_rate == 24.0
     sparse = mask.clone()
     sparse[:, :, -1, 0, 0] = -1.0  # an IC-LoRA padding cell
-    req = NF.build_request(x, ts, ctx, None, 24.0, opts, kf, kwargs={"denoise_mask": sparse})
+    req = NF.build_request(NF.ComfyForwardCall(x, ts, ctx, None, 24.0, opts, kf, {"denoise_mask": sparse}))
     assert torch.equal(req.denoise_mask, sparse)
     ref = torch.randn(1, 4, 128)
-    req = NF.build_request(x, ts, ctx, None, 24.0, opts, None, kwargs={"ref_audio": {"tokens": ref}})
+    req = NF.build_request(NF.ComfyForwardCall(x, ts, ctx, None, 24.0, opts, None, {"ref_audio": {"tokens": ref}}))
     assert torch.equal(req.ref_audio_tokens, ref)
 
 
@@ -100,9 +101,9 @@ def test_what_needs_the_transformer_in_process_is_refused_by_name():
     ]
     for opts, kwargs, needle in cases:
         with pytest.raises(UnsupportedInput, match=needle):
-            NF.build_request(x, ts, ctx, None, 25, opts, None, kwargs=kwargs)
+            NF.build_request(NF.ComfyForwardCall(x, ts, ctx, None, 25, opts, None, kwargs))
     with pytest.raises(UnsupportedInput, match="audio\\+video latent"):
-        NF.build_request(x[0], ts, ctx, None, 25, options, None)
+        NF.build_request(NF.ComfyForwardCall(x[0], ts, ctx, None, 25, options, None))
 
 
 def test_reply_back_in_comfyui_form():

@@ -227,14 +227,17 @@ def test_a_bad_checkpoint_is_refused_before_the_running_fleet_is_torn_down(paths
 def test_distilled_job_header_names_each_stages_own_split():
     """The distilled preset splits both stages, possibly differently (the cost model sees different token counts):
     the job header then names each; one line when they agree; the two-stage header is stage 1's."""
+    from mgpu_backend.protocol.job_results import DecodeReport, GenerateTimings, RankReport
     from mgpu_backend.stages.pipelines import _parallel_summary
 
-    differ = {"stage 1": "sequence parallel on 1 of 2 ranks: few tokens",
-              "stage 2": "sequence parallel over all 2 ranks: many tokens"}
+    def report(stage_1: str, stage_2: str) -> RankReport:
+        return RankReport(0, stage_1, stage_2, DecodeReport("untiled", 0.0), GenerateTimings())
+
+    differ = report("sequence parallel on 1 of 2 ranks: few tokens", "sequence parallel over all 2 ranks: many tokens")
     assert _parallel_summary(differ, distilled=True) == ("stage 1: sequence parallel on 1 of 2 ranks: few tokens; "
                                                          "stage 2: sequence parallel over all 2 ranks: many tokens")
-    assert _parallel_summary(differ, distilled=False) == differ["stage 1"]
-    assert _parallel_summary({"stage 1": "same", "stage 2": "same"}, distilled=True) == "same"
-    passes = {"stage 1": "stage 1: guidance passes in parallel on 2 ranks", "stage 2": "sequence parallel over all"}
+    assert _parallel_summary(differ, distilled=False) == differ.stage_1
+    assert _parallel_summary(report("same", "same"), distilled=True) == "same"
+    passes = report("stage 1: guidance passes in parallel on 2 ranks", "sequence parallel over all")
     assert _parallel_summary(passes, distilled=True) == ("stage 1: guidance passes in parallel on 2 ranks; "
                                                          "stage 2: sequence parallel over all")

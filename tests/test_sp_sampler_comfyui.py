@@ -103,7 +103,7 @@ def _mgpu_model_path(state, ctx, case: dict, x: dict) -> tuple[torch.Tensor, tor
 
     def text(e: torch.Tensor) -> torch.Tensor:  # LTXAV.extra_conds -> preprocess_text_embeds, per conditioning
         # (the "preprocess_text" job's work, which every rank runs)
-        return engine(state).preprocess_text(PreprocessTextRequest(context=e, unprocessed=True))
+        return engine(state).preprocess_text(PreprocessTextRequest(context=e, unprocessed=True)).context
 
     pos, neg = text(x["positive"]), text(x["negative"])
     vm = x["video_mask"].expand(1, 1, *x["video"].shape[2:]) if x["video_mask"] is not None else None

@@ -458,7 +458,7 @@ def test_tdp_stage_keeps_stage1_audio(pipeline, monkeypatch):
     assert [n for n, _, _ in forwards] == [24, 16] * 2
     for _, audio, audio_timestep in forwards:
         assert torch.equal(audio, stage1_out.to(audio.dtype)) and (audio_timestep == 0).all()
-    assert "2 tiles (1×1×2) over 1 ranks" in result.rank_reports[0]["stage 2"]
+    assert "2 tiles (1×1×2) over 1 ranks" in result.rank_reports[0].stage_2
     assert torch.isfinite(result.frames).all() and result.frames.shape == (9, 128, 128, 3)
 
 

@@ -175,10 +175,27 @@ def _adaln(width: int, params: int, rows: int) -> int:
     return 2 * rows * (TIMESTEP_CHANNELS * width + width * width + params * width * width)
 
 
+@dataclass(frozen=True)
+class ForwardVariant:
+    """How a forward runs, for `forward_flops` (the defaults: the reference denoiser's conditional pass).
+
+    timestep_per_token: the video / audio AdaLN timesteps are per token (`[B, N]`: the reference denoiser and
+        ComfyUI) — their embeddings then run on every token; False: per row.
+    cross_timestep_per_token: the audio↔video cross-attention AdaLN inputs are per token (ComfyUI's native forward)
+        rather than per row (the reference with `use_cross_timestep`). The gates are per row.
+    cross_modal: False for the isolated (modality-guidance) pass: no a2v / v2a attention.
+    video_skip_blocks / audio_skip_blocks: blocks whose self-attention is skipped (the STG pass).
+    """
+
+    timestep_per_token: bool = True
+    cross_timestep_per_token: bool = False
+    cross_modal: bool = True
+    video_skip_blocks: int = 0
+    audio_skip_blocks: int = 0
+
+
 def forward_flops(shape: TransformerShape, video_tokens: int, audio_tokens: int, text_tokens: int, batch: int = 1, *,
-                  audio_text_tokens: int | None = None, timestep_per_token: bool = True,
-                  cross_timestep_per_token: bool = False, cross_modal: bool = True, video_skip_blocks: int = 0,
-                  audio_skip_blocks: int = 0) -> FlopCount:
+                  audio_text_tokens: int | None = None, variant: ForwardVariant = ForwardVariant()) -> FlopCount:
     """FLOPs of one transformer forward (module docstring: convention, formula, source).
 
     Args:
@@ -187,14 +204,12 @@ def forward_flops(shape: TransformerShape, video_tokens: int, audio_tokens: int,
         text_tokens: L of the video text context (padded length: attention runs over every position).
         batch: rows (guidance passes batched into one forward are rows).
         audio_text_tokens: L of the audio text context (default: `text_tokens`).
-        timestep_per_token: the video / audio AdaLN timesteps are per token (`[B, N]`: the reference denoiser and
-            ComfyUI) — their embeddings then run on every token; False: per row.
-        cross_timestep_per_token: the audio↔video cross-attention AdaLN inputs are per token (ComfyUI's native
-            forward) rather than per row (the reference with `use_cross_timestep`). The gates are per row.
-        cross_modal: False for the isolated (modality-guidance) pass: no a2v / v2a attention.
-        video_skip_blocks / audio_skip_blocks: blocks whose self-attention is skipped (the STG pass).
+        variant: how the forward runs (`ForwardVariant`: per-token timesteps, cross-modal attention, STG blocks).
     Returns a `FlopCount`. Raises ValueError for a negative count or more skipped blocks than blocks.
     """
+    timestep_per_token, cross_timestep_per_token = variant.timestep_per_token, variant.cross_timestep_per_token
+    cross_modal = variant.cross_modal
+    video_skip_blocks, audio_skip_blocks = variant.video_skip_blocks, variant.audio_skip_blocks
     la = text_tokens if audio_text_tokens is None else audio_text_tokens
     for name, value in (("video_tokens", video_tokens), ("audio_tokens", audio_tokens), ("text_tokens", text_tokens),
                         ("audio_text_tokens", la), ("batch", batch), ("video_skip_blocks", video_skip_blocks),
@@ -328,5 +343,5 @@ def dense_peak(device_name: str, dtype: Any) -> Peak:
     return Peak(device_name, key, None, None, f"{device_name!r} is not in the dense-peak table")
 
 
-__all__ = ["DENSE_PEAKS_TFLOPS", "FlopCount", "Peak", "TransformerShape", "dense_peak", "family_shape",
+__all__ = ["DENSE_PEAKS_TFLOPS", "FlopCount", "ForwardVariant", "Peak", "TransformerShape", "dense_peak", "family_shape",
            "forward_flops", "linear_flops_per_video_token"]

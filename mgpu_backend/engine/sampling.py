@@ -32,7 +32,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from ..protocol.stage_params import BASE_SHIFT_ANCHOR, DISTILLED_SIGMAS, DISTILLED_STAGE2_SIGMAS, MAX_SHIFT_ANCHOR, TDP_STAGE2_SIGMAS, GuidanceParams, as_sigmas, ltx2_sigmas, schedule_tokens
+from ..protocol.stage_params import BASE_SHIFT_ANCHOR, DISTILLED_SIGMAS, DISTILLED_STAGE2_SIGMAS, MAX_SHIFT_ANCHOR, TDP_STAGE2_SIGMAS, GuidanceParams, GuidanceScales, as_sigmas, ltx2_sigmas, schedule_tokens
 from ..protocol.validation import ValidationError
 
 TIMESTEP_SCALE = 1000.0
@@ -627,7 +627,6 @@ def denoise_loop(
     sampler: AncestralSampler | None = None,
     run_passes: RunPassesFn | None = None,
     mask_rule: MaskRule = "reference",
-    check_finite: bool = True,
     hooks: LoopHooks = NO_HOOKS,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Joint audio+video Euler sampling with guidance (reference ``euler_denoising_loop`` + ``GuidedDenoiser``).
@@ -653,7 +652,6 @@ def denoise_loop(
             (ComfyUI's ``KSamplerX0Inpaint`` for LTX-AV: the model sees ``x·m + clean·(1 − m)``, x0 is
             ``x_in − v·sigma`` with the step's sigma, the guided x0 is blended ``x0·m + clean·(1 − m)``, and the
             step moves the unblended state ``x`` of every token). Not with a frozen audio stream.
-        check_finite: raise :class:`NonFiniteLatentError` naming the modality and step when a latent goes NaN/Inf.
         hooks: :class:`LoopHooks` (progress after every step, cancel before every step).
 
     Returns:
@@ -661,11 +659,12 @@ def denoise_loop(
 
     Raises:
         ValueError: bad schedule, shapes or streams; NonFiniteInputError (a ValidationError): a start latent is
-        already NaN/Inf; SamplingCancelled; NonFiniteLatentError.
+        already NaN/Inf; SamplingCancelled; NonFiniteLatentError: a latent went NaN/Inf (naming the modality and
+        the step; checked after every step).
     """
     s = as_sigmas(sigmas)
     total = s.numel() - 1
-    rule = _check_loop_inputs(video, audio, mask_rule, check_finite)
+    rule = _check_loop_inputs(video, audio, mask_rule)
     tracks = (_Track.of(video, "video"), _Track.of(audio, "audio"))
     x = (None if video is None else video.latent, None if audio is None else audio.latent)
     last: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
@@ -678,8 +677,7 @@ def denoise_loop(
         noise = _step_noise(sampler, sigma_next)
         x = tuple(t.step(rule, xt, g, sigma, sigma_next, n, sampler) if t is not None else None
                   for t, xt, g, n in zip(tracks, x, last, noise))
-        if check_finite:
-            _check_finite(tracks, x, i + 1)
+        _check_finite(tracks, x, i + 1)
         hooks.after_step(i + 1, total)
     return x
 
@@ -756,8 +754,7 @@ def _step_noise(sampler: AncestralSampler | None, sigma_next: float):
     return None, None
 
 
-def _check_loop_inputs(video: ModalityStream | None, audio: ModalityStream | None, mask_rule: str,
-                       check_finite: bool):
+def _check_loop_inputs(video: ModalityStream | None, audio: ModalityStream | None, mask_rule: str):
     """`denoise_loop`'s refusals before any step; returns the mask rule's step functions."""
     if mask_rule not in MASK_RULES:
         raise ValueError(f"mask_rule={mask_rule!r}: choose one of {', '.join(MASK_RULES)}")
@@ -777,13 +774,12 @@ def _check_loop_inputs(video: ModalityStream | None, audio: ModalityStream | Non
             raise ValueError(f"{name} latent must be packed [B, T, C]; got shape {tuple(x.shape)}")
     if len(latents) == 2 and latents[0][1].shape[0] != latents[1][1].shape[0]:
         raise ValueError(f"video batch {latents[0][1].shape[0]} != audio batch {latents[1][1].shape[0]}")
-    if check_finite:  # a NaN in the input is the input's fault, not step 1's
-        for name, x in latents:
-            if not bool(torch.isfinite(x).all()):
-                bad = int((~torch.isfinite(x)).sum())
-                raise NonFiniteInputError(f"the input {name} latent has {bad} non-finite values (NaN/Inf) before "
-                                          f"sampling step 1: a bad input (e.g. encoded from an image with NaN "
-                                          f"pixels, or a latent from a failed earlier stage)")
+    for name, x in latents:  # a NaN in the input is the input's fault, not step 1's
+        if not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise NonFiniteInputError(f"the input {name} latent has {bad} non-finite values (NaN/Inf) before "
+                                      f"sampling step 1: a bad input (e.g. encoded from an image with NaN "
+                                      f"pixels, or a latent from a failed earlier stage)")
     return _MASK_RULE_STEPS[mask_rule]
 
 
@@ -831,6 +827,7 @@ __all__ = [
     "DISTILLED_SIGMAS",
     "DISTILLED_STAGE2_SIGMAS",
     "GuidanceParams",
+    "GuidanceScales",
     "GuidancePass",
     "LoopHooks",
     "MAX_SHIFT_ANCHOR",

@@ -29,6 +29,7 @@ the activations' e4m3 rounding too (relative L2 errors measured in bench/results
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -213,7 +214,8 @@ class FP8Linear(nn.Module):
         compute_dtype: dtype the weight is dequantized to per call (bf16 on GPU by default).
         fused_weight: optional full-precision override set by LoRA fusing (`mgpu_backend.weights.lora`); when present it
             is used instead of the fp8 weight, and dropping it restores the original exactly.
-        last_path: the compute path of the last call ("scaled_mm" / "dequantize"; None before the first).
+        computed: how the latest eager call computed (`ComputeRecord`: "scaled_mm" / "dequantize" and why; None
+            before the first) — a module's forward returns only its tensor, so `compute_report` reads it here.
     """
 
     QUANT_FORMAT = "fp8"  # "int8" in the subclass `models.quant.Int8Linear`
@@ -231,8 +233,7 @@ class FP8Linear(nn.Module):
         self._fused_weight: torch.Tensor | None = None
         self._scale_rows: torch.Tensor | None = None
         self._scale_rows_src: tuple = (None, -1)
-        self.last_path: str | None = None
-        self.last_reason: str | None = None
+        self.computed: ComputeRecord | None = None
 
     @property
     def fused_weight(self) -> torch.Tensor | None:
@@ -262,7 +263,7 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path, why = compute_path(self, x)
         if not torch.compiler.is_compiling():
-            self.last_path, self.last_reason = path, why
+            self.computed = ComputeRecord(path, why)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if path == "scaled_mm":
             input_scale = getattr(self, INPUT_SCALE_SUFFIX, None)
@@ -276,19 +277,29 @@ class FP8Linear(nn.Module):
                 f"weight={self.weight.dtype}, compute={self.compute_dtype}")
 
 
+@dataclass(frozen=True)
+class ComputeRecord:
+    """How a quantized linear layer computed its latest eager call: path "scaled_mm" (fp8 tensor cores),
+    "dequantize" (the weight dequantized to the compute dtype) or "int8" (W8A8, `models.quant.Int8Linear`); reason:
+    why that path (None when there is nothing to say)."""
+
+    path: str
+    reason: str | None = None
+
+
 def compute_report(module: nn.Module) -> str | None:
     """One line for a job report: how many `FP8Linear`s of `module` ran on the fp8 tensor cores in their last
     eager call and why the others did not (None when the module has no FP8Linear that ran eagerly yet); for an int8
     file, which path ran: "int8 W8A8 …" or "int8 dequantized to bf16 at load …" (`models.quant.apply_int8_compute`
     recorded it on `module` as `int8_compute_note`)."""
     note = getattr(module, "int8_compute_note", None)
-    layers = [m for m in module.modules() if isinstance(m, FP8Linear) and m.last_path is not None]
-    int8 = [m for m in layers if m.last_path == "int8"]  # models.quant.Int8Linear computed W8A8
+    layers = [m for m in module.modules() if isinstance(m, FP8Linear) and m.computed is not None]
+    int8 = [m for m in layers if m.computed.path == "int8"]  # models.quant.Int8Linear computed W8A8
     if int8:
-        layers = [m for m in layers if m.last_path != "int8"]
-        line = f"int8 compute: {len(int8)} int8 layers {int8[0].last_reason}"
+        layers = [m for m in layers if m.computed.path != "int8"]
+        line = f"int8 compute: {len(int8)} int8 layers {int8[0].computed.reason}"
         if note:  # "int8 W8A8 (why: the fleet option int8_compute)"
-            line = f"int8 compute: {note}; {len(int8)} layers: {int8[0].last_reason}"
+            line = f"int8 compute: {note}; {len(int8)} layers: {int8[0].computed.reason}"
         rest = compute_report_of(layers)
         return line if rest is None else f"{line}; {rest}"
     rest = compute_report_of(layers)
@@ -301,13 +312,13 @@ def compute_report_of(layers: list["FP8Linear"]) -> str | None:
     """`compute_report`'s line for these layers (each has run eagerly), None for none."""
     if not layers:
         return None
-    fast = sum(m.last_path == "scaled_mm" for m in layers)
+    fast = sum(m.computed.path == "scaled_mm" for m in layers)
     if fast == len(layers):
         return f"fp8 compute: all {fast} fp8 layers on the fp8 tensor cores (torch._scaled_mm)"
     reasons: dict[str, int] = {}
     for m in layers:
-        if m.last_path != "scaled_mm":
-            reasons[m.last_reason] = reasons.get(m.last_reason, 0) + 1
+        if m.computed.path != "scaled_mm":
+            reasons[m.computed.reason] = reasons.get(m.computed.reason, 0) + 1
     detail = "; ".join(f"{n} layers: {why}" for why, n in reasons.items())
     return f"fp8 compute: {fast} of {len(layers)} fp8 layers on the fp8 tensor cores, the others dequantized ({detail})"
 

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import FP8Linear
+from .fp8 import ComputeRecord, FP8Linear
 
 COMFY_QUANT_SUFFIX = "comfy_quant"
 FLOAT8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -272,7 +272,8 @@ class Int8Linear(FP8Linear):
         convrot_group: Hadamard group size, or None (no rotation).
         bias: `[out_features]` in the compute dtype, or None.
         input_act: None, or "gelu_tanh": the GELU applied to the input first (`fold_gelu`).
-        last_path: "int8" (W8A8) or "dequantize" (fused LoRA) in the last eager call; None before the first.
+        computed: `fp8.ComputeRecord` of the latest eager call ("int8": W8A8, or "dequantize": a fused LoRA / W8A16,
+            and why); None before the first.
     """
 
     QUANT_FORMAT = "int8"
@@ -292,8 +293,7 @@ class Int8Linear(FP8Linear):
                                                         dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype), requires_grad=False) if bias else None
         self.fused_weight: torch.Tensor | None = None
-        self.last_path: str | None = None  # for `fp8.compute_report`, like FP8Linear's
-        self.last_reason: str | None = None
+        self.computed: ComputeRecord | None = None  # for `fp8.compute_report`, like FP8Linear's
         self.input_act: str | None = None  # "gelu_tanh" once `fold_gelu` moved a FeedForward's GELU in here
 
     def int8_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,17 +309,17 @@ class Int8Linear(FP8Linear):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.fused_weight is not None or INT8_COMPUTE == "w8a16":  # W8A16 (a LoRA fused in full precision)
             if not torch.compiler.is_compiling():
-                self.last_path, self.last_reason = "dequantize", (
+                self.computed = ComputeRecord("dequantize", (
                     "a LoRA is fused into this layer (W8A16)" if self.fused_weight is not None
-                    else "LTX2_MGPU_INT8_COMPUTE=w8a16 (weights dequantized per call)")
+                    else "LTX2_MGPU_INT8_COMPUTE=w8a16 (weights dequantized per call)"))
             if self.input_act == "gelu_tanh":
                 x = F.gelu(x, approximate="tanh")
             w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
             return F.linear(x, w.to(x.dtype), bias)
         if not torch.compiler.is_compiling():
-            self.last_path = "int8"
-            self.last_reason = ("W8A8, comfy-kitchen int8_linear" if kitchen_op() is not None
-                                else "W8A8, torch copy of comfy-kitchen's int8_linear (comfy-kitchen not installed)")
+            self.computed = ComputeRecord("int8", (
+                "W8A8, comfy-kitchen int8_linear" if kitchen_op() is not None
+                else "W8A8, torch copy of comfy-kitchen's int8_linear (comfy-kitchen not installed)"))
         return int8_linear(x, self.int8_weight(), self.weight_scale, bias, self.convrot_group, self.input_act)
 
     def extra_repr(self) -> str:

@@ -1,9 +1,11 @@
 """What a failure is, on both ends: `ErrorKind` (on the wire its plain string value, e.g. "validation") and
-`ControllerError` with its subclasses `FleetBusy` and `JobCancelled`, raised by the client and the fleet; and
-`ValidationError`, bad input refused before any work (here, torch-free, so the fleet's rules and the nodes raise
-it without torch; `protocol.validation` re-exports it)."""
+`ControllerError` with its subclasses `FleetBusy` and `JobCancelled`, raised by the client and the fleet, and the
+`ErrorDetails` they carry; and `ValidationError`, bad input refused before any work (here, torch-free, so the fleet's
+rules and the nodes raise it without torch; `protocol.validation` re-exports it)."""
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -35,22 +37,52 @@ class ValidationError(ValueError):
     """Bad input, refused before any work; nothing loaded is lost."""
 
 
+@dataclass(frozen=True)
+class ErrorDetails:
+    """What the fleet knows more about a failure (every field None when unknown).
+
+    stage / step: where the job failed (step 0-based); error_type: the exception's class name on the rank;
+    traceback: the rank's traceback; rank: the rank it names; kind: an `ErrorKind` value this version does not know
+    (from another controller version; the error itself is then `ErrorKind.ERROR`).
+    """
+
+    stage: str | None = None
+    step: int | None = None
+    error_type: str | None = None
+    traceback: str | None = None
+    rank: int | None = None
+    kind: str | None = None
+
+    @classmethod
+    def of(cls, value: ErrorDetails | dict | None) -> ErrorDetails:
+        """`value` as ErrorDetails: None -> empty; a dict (a controller of an older version sends one) -> its
+        known keys (the others dropped)."""
+        if value is None:
+            return cls()
+        if isinstance(value, ErrorDetails):
+            return value
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(value).items() if k in names})
+
+
 class ControllerError(RuntimeError):
     """An error reported by the controller or the fleet (message says rank, stage, step where known).
 
     `kind`: an `ErrorKind` or its string value (converted; an unknown one, e.g. from another controller version,
-    becomes `ErrorKind.ERROR` with the original in `details["kind"]`)."""
+    becomes `ErrorKind.ERROR` with the original in `details.kind`). `details`: `ErrorDetails` (a dict is read
+    through `ErrorDetails.of`)."""
 
     def __init__(self, message: str, kind: ErrorKind | str = ErrorKind.ERROR, fleet_lost: bool = False,
-                 details: dict | None = None):
+                 details: ErrorDetails | dict | None = None):
         super().__init__(message)
+        details = ErrorDetails.of(details)
         try:
             self.kind = ErrorKind(kind)
         except ValueError:  # a kind from another version of the controller: keep its message, name the kind
             self.kind = ErrorKind.ERROR
-            details = {**(details or {}), "kind": str(kind)}
+            details = dataclasses.replace(details, kind=str(kind))
         self.fleet_lost = fleet_lost
-        self.details = details or {}
+        self.details = details
 
 
 class FleetBusy(ControllerError):

@@ -22,23 +22,92 @@ from .fleet_config import FleetPlan, FleetPolicy
 
 
 @dataclass(frozen=True)
+class GenerateTimings:
+    """Seconds per phase of one generate job (`stages.pipelines.TwoStagePipeline.generate`), wall time on this rank.
+
+    text: the prompts' text contexts; stage_1 / stage_2: the two denoising stages; upscale: the 2× latent upscale;
+    decode_video / decode_audio: the decoders; total: the whole job. `as_dict()` names them as the CLI prints them.
+    """
+
+    text: float = 0.0
+    stage_1: float = 0.0
+    upscale: float = 0.0
+    stage_2: float = 0.0
+    decode_video: float = 0.0
+    decode_audio: float = 0.0
+    total: float = 0.0
+
+    @classmethod
+    def from_phases(cls, phases: dict[str, float]) -> GenerateTimings:
+        """From `{"text": s, "stage 1": s, …}` (the printed names). Raises ValueError naming an unknown phase."""
+        names = {f.replace("_", " "): f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(phases) - set(names))
+        if unknown:
+            raise ValueError(f"GenerateTimings: unknown phase(s) {unknown} (known: {list(names)})")
+        return cls(**{names[k]: float(v) for k, v in phases.items()})
+
+    def as_dict(self) -> dict[str, float]:
+        """`{"text": s, "stage 1": s, "upscale": s, "stage 2": s, "decode video": s, "decode audio": s, "total": s}`,
+        in the order the phases run."""
+        return {f.replace("_", " "): getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class DecodeReport:
+    """How one rank decoded the video (`splits.decode.decode_tiles`, `TwoStagePipeline.decode_video`).
+
+    tiles: the indices of the tiles this rank decoded (row-major over the tile grid), or "untiled"; seconds: the
+    decode's wall time on this rank; rank: this rank; auto_tiling: why the decode was tiled automatically (the
+    diffusion decoder's memory estimate, e.g. "tiled 2×2 automatically: untiled needs ~85 GiB, 60 GiB free"), else
+    None.
+    """
+
+    tiles: tuple[int, ...] | str
+    seconds: float
+    rank: int = 0
+    auto_tiling: str | None = None
+
+    @property
+    def tiles_text(self) -> str:
+        """The tiles as the CLI prints them: "[0, 2]" or "untiled"."""
+        return self.tiles if isinstance(self.tiles, str) else str(list(self.tiles))
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank did in a generate job.
+
+    rank: the rank; stage_1 / stage_2: how each stage ran on it (the split and why, "local" in one process);
+    decode: its `DecodeReport`; timings: its `GenerateTimings`; speed: lines on CUDA graphs, fp8 / int8 compute and
+    batched guidance passes (`speed_report`; () when there is nothing to say).
+    """
+
+    rank: int
+    stage_1: str
+    stage_2: str
+    decode: DecodeReport
+    timings: GenerateTimings
+    speed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateJobResult:
     """The "generate" job (`serving/jobs/generate.py`, CLI `generate --devices`): `pipelines.GenerateResult` as it crosses.
 
     frames: `[F, H, W, 3]` float32 in [0, 1] (a `frames.FramesRef` on the wire); audio: waveform `[C, S]` float32
     (None: no audio decoder) at `sample_rate` Hz; video_latent `[1, 128, F', H', W']` / audio_latent `[1, 8, T, 16]`
-    float32 (model space); timings: seconds per phase ("text", "stage 1", …, "total"); lora_reports: one line per
-    LoRA fused; parallel: how the stages split over the fleet; rank_reports: every rank's report (rank order)."""
+    float32 (model space); timings: rank 0's `GenerateTimings`; lora_reports: one line per LoRA fused; parallel: how
+    the stages split over the fleet; rank_reports: every rank's `RankReport` (rank order)."""
 
     frames: Any
     audio: Any
     sample_rate: int
     video_latent: Any
     audio_latent: Any
-    timings: dict
+    timings: GenerateTimings
     lora_reports: tuple[str, ...] = ()
     parallel: str = ""
-    rank_reports: tuple[dict, ...] | None = None
+    rank_reports: tuple[RankReport, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,27 +136,61 @@ class UpscaleResult:
 @dataclass(frozen=True)
 class DecodeResult:
     """The "decode" job: frames `[F, H, W, 3]` float32 in [0, 1] (a `frames.FramesRef` on the wire), the audio
-    waveform `[C, S]` float32 at `sample_rate` Hz (both None without an audio latent), and the decode's report
-    (tiles, seconds, per rank)."""
+    waveform `[C, S]` float32 at `sample_rate` Hz (both None without an audio latent), and rank 0's `DecodeReport`."""
 
     frames: Any
     audio: Any = None
     sample_rate: int | None = None
-    report: dict | None = None
+    report: DecodeReport | None = None
+
+
+@dataclass(frozen=True)
+class TextEncodeReport:
+    """How one text encode ran (`stages.text_encoder.TextEncoderService.encode`).
+
+    mode: the Gemma mode it ran in ("replicated" | "batch_parallel" | "sharded"); requested_mode: the one asked for
+    (batch_parallel with one distinct prompt runs replicated when not strict). prompts / distinct: prompts given /
+    distinct among them; cache_hits: distinct prompts served from the cache; encoded: distinct prompts run through
+    Gemma; forwards_here: Gemma forwards this rank ran; unloaded: Gemma was dropped afterwards; seconds: wall time;
+    device_map: for "sharded", {device: "embed_tokens, rotary_emb, layers.0-11"} (None otherwise).
+    """
+
+    mode: str
+    requested_mode: str
+    prompts: int
+    distinct: int
+    cache_hits: int
+    encoded: int
+    forwards_here: int
+    unloaded: bool
+    seconds: float
+    device_map: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class TextEncoderCounters:
+    """A text-encoder service's counters since its fleet started: Gemma forwards, cache hits and misses (distinct
+    prompts), loads and unloads of Gemma."""
+
+    forwards: int = 0
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    unloads: int = 0
 
 
 @dataclass(frozen=True)
 class EncodeTextResult:
     """The "encode_text" job (Text Encode (MGPU)): per prompt, embeds[i] `[1, T_i, C]` float32 (valid tokens only)
     and conditioning[i], ComfyUI's CONDITIONING `[[embeds[i], {"pooled_output": None, "unprocessed_ltxav_embeds":
-    True[, "frame_rate"]}]]`; report: the encode's {mode, cache_hits, encoded, seconds, device_map, …};
-    forwards_per_rank: Gemma forwards each rank has run since the fleet started; stats: rank 0's counters."""
+    True[, "frame_rate"]}]]`; report: how the encode ran (rank 0's `TextEncodeReport`); forwards_per_rank: Gemma
+    forwards each rank has run since the fleet started; stats: rank 0's `TextEncoderCounters`."""
 
     embeds: tuple
     conditioning: tuple
-    report: dict
+    report: TextEncodeReport
     forwards_per_rank: tuple[int, ...] = ()
-    stats: dict | None = None
+    stats: TextEncoderCounters | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ErrorDetails
 from .fleet_config import FleetConfig, FleetHandle
 from .job_requests import JobSpec
 from .job_results import ControllerStatus, FleetTeardown
@@ -156,13 +157,13 @@ class JobResult:
 @dataclass(frozen=True)
 class JobError:
     """The job failed: `kind` an `errors.ErrorKind` value (a plain string on the wire), `fleet_lost` whether the
-    fleet was torn down, `details` what the fleet knows more (e.g. the rank's traceback)."""
+    fleet was torn down, `details` what the fleet knows more (`errors.ErrorDetails`: e.g. the rank's traceback)."""
 
     job_id: str
     message: str
     kind: str
     fleet_lost: bool = False
-    details: dict = field(default_factory=dict)
+    details: ErrorDetails = field(default_factory=ErrorDetails)
 
 
 @dataclass(frozen=True)

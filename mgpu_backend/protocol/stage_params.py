@@ -9,6 +9,7 @@ Sources: the sigma schedule is Lightricks' `LTX2Scheduler` (ltx-core `components
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -168,6 +169,52 @@ class GuidanceParams:
     def skips(self, step: int) -> bool:
         """True when this step reuses the previous guided prediction (reference ``should_skip_step``)."""
         return self.skip_step != 0 and step % (self.skip_step + 1) != 0
+
+    def with_blocks(self, blocks: Sequence[int]) -> GuidanceParams:
+        """These settings with ``stg_blocks`` replaced by ``blocks`` (block indices)."""
+        return dataclasses.replace(self, stg_blocks=tuple(blocks))
+
+
+@dataclass(frozen=True)
+class GuidanceScales:
+    """One modality's guidance whose STG blocks are the model's default (``"auto"``): what a node sends when the
+    user has not named blocks, resolved on the fleet, which knows the model (``stages.stage.StageLimits.guidance``).
+
+    The fields mean what :class:`GuidanceParams`'s do (cfg_scale 1.0, stg_scale 0.0, rescale 0.0, modality_scale 1.0,
+    skip_step 0 = off). Raises ValueError (naming the field) for a non-finite scale or a negative skip_step.
+    """
+
+    cfg_scale: float = 1.0
+    stg_scale: float = 0.0
+    rescale: float = 0.0
+    modality_scale: float = 1.0
+    skip_step: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("cfg_scale", "stg_scale", "rescale", "modality_scale"):
+            v = getattr(self, name)
+            if not math.isfinite(float(v)):
+                raise ValueError(f"GuidanceScales.{name} must be finite; got {v}")
+        if self.skip_step < 0:
+            raise ValueError(f"GuidanceScales.skip_step must be >= 0; got {self.skip_step}")
+
+    @property
+    def uses_uncond(self) -> bool:
+        return not math.isclose(self.cfg_scale, 1.0)
+
+    @property
+    def uses_perturbed(self) -> bool:
+        return not math.isclose(self.stg_scale, 0.0)
+
+    @property
+    def uses_isolated(self) -> bool:
+        return not math.isclose(self.modality_scale, 1.0)
+
+    def with_blocks(self, blocks: Sequence[int]) -> GuidanceParams:
+        """The :class:`GuidanceParams` of these scales with ``stg_blocks`` = ``blocks`` (block indices; ValueError
+        when STG is on and ``blocks`` is empty)."""
+        return GuidanceParams(cfg_scale=self.cfg_scale, stg_scale=self.stg_scale, stg_blocks=tuple(blocks),
+                              rescale=self.rescale, modality_scale=self.modality_scale, skip_step=self.skip_step)
 
 
 @dataclass(frozen=True)

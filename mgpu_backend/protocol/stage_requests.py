@@ -116,9 +116,10 @@ class SampleRequest:
         forward and samplers, what SP Sampler sends; "reference": Lightricks' recipe — `stages/stage.py`).
     stage: name for progress and errors ("stage 1", "stage 2"); None = "stage 2" for a tiled stage or one starting
         below sigma 1, else "stage 1".
-    video_guidance / audio_guidance: `stage_params.GuidanceParams` or None (no guidance). stg_blocks: None (keep the
-        guidances' blocks), "auto" (the model's default STG block, resolved on the fleet) or block indices (replace
-        both guidances' blocks; checked against the model on the fleet).
+    video_guidance / audio_guidance: `stage_params.GuidanceParams`, `stage_params.GuidanceScales` (its STG blocks: the
+        model's default, resolved on the fleet) or None (no guidance). stg_blocks: None (keep the guidances' blocks),
+        "auto" (the model's default STG block, resolved on the fleet) or block indices (replace both guidances'
+        blocks; checked against the model on the fleet).
     sampler: `STAGE_SAMPLERS`; seed / eta / s_noise: euler_ancestral's per-step noise; noise_device: where ComfyUI
         samples (`STAGE_NOISE_DEVICES`: its noise stream is seeded `seed + 1` on the CPU, `seed` on a CUDA device —
         `stage.SamplerSpec`).
@@ -162,7 +163,7 @@ class SampleRequest:
     guides: ComfyGuides | None = None
 
     def __post_init__(self) -> None:
-        from .stage_params import GuidanceParams, as_sigmas
+        from .stage_params import GuidanceParams, GuidanceScales, as_sigmas
 
         job = "sample"
         _check_choice(job, "mode", self.mode, STAGE_MODES)
@@ -191,9 +192,9 @@ class SampleRequest:
         _check_number(job, "fps", self.fps, positive=True)
         for name in ("video_guidance", "audio_guidance"):
             g = getattr(self, name)
-            if g is not None and not isinstance(g, GuidanceParams):
-                raise ValueError(f"{job}: {name}={type(g).__name__}: must be a stage_params.GuidanceParams or None "
-                                 f"(no guidance)")
+            if g is not None and not isinstance(g, (GuidanceParams, GuidanceScales)):
+                raise ValueError(f"{job}: {name}={type(g).__name__}: must be a stage_params.GuidanceParams, a "
+                                 f"stage_params.GuidanceScales or None (no guidance)")
         blocks = self.stg_blocks
         if blocks is not None and blocks != "auto":
             if isinstance(blocks, str) or not isinstance(blocks, (tuple, list)) or not blocks or not all(

@@ -9,10 +9,12 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..models.headers import FAMILY_NAMES
-from ..protocol.job_results import FleetTeardown
+from ..protocol.job_results import FleetTeardown, RankReport
 
 DEFAULT_BUSY_WAIT_S = 3600.0  # how long a fleet run waits for another client's job (--busy-wait)
 BUSY_RETRY_S = 2.0
@@ -234,29 +236,49 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
         result = pipeline.generate(request, progress=progress)
     finally:
         progress.close()
-    return _finish(args, result.frames, result.audio, result.sample_rate, result.timings,
-                   [r.detail() for r in result.lora_reports], {"load": load_time}, result.rank_reports,
-                   f"LTX-{components.variant} on {device} ({str(dtype).replace('torch.', '')})")
+    return _finish(args, Generated(result.frames, result.audio, result.sample_rate,
+                                   {"load": load_time, **result.timings.as_dict()},
+                                   tuple(r.detail() for r in result.lora_reports), result.rank_reports,
+                                   f"LTX-{components.variant} on {device} ({str(dtype).replace('torch.', '')})"))
 
 
-def _finish(args, frames, audio, sample_rate, timings, lora_reports, extra_timings, rank_reports, header) -> dict:
+@dataclass(frozen=True, eq=False)
+class Generated:
+    """A generate run's output as the CLI writes and prints it.
+
+    frames `[F, H, W, 3]` float32 in [0, 1]; audio `[C, S]` float32 (None: no audio) at `sample_rate` Hz; timings:
+    seconds per phase in print order ("load" or "fleet ready", then `GenerateTimings.as_dict()`); lora_reports: one
+    line per fused LoRA; rank_reports: every rank's `RankReport` (None: not known); header: the first line's model
+    and devices.
+    """
+
+    frames: Any
+    audio: Any
+    sample_rate: int | None
+    timings: dict[str, float]
+    lora_reports: tuple[str, ...]
+    rank_reports: tuple[RankReport, ...] | list[RankReport] | None
+    header: str
+
+
+def _finish(args, out: Generated) -> dict[str, float]:
+    """Write `args.output` and print the run's report; returns the timings with "write mp4" added."""
     from ..stages.media import write_mp4
 
     t = time.perf_counter()
-    write_mp4(args.output, frames, args.fps, audio, sample_rate)
-    timings = {**extra_timings, **timings, "write mp4": time.perf_counter() - t}
-    print(f"{header}: "
+    write_mp4(args.output, out.frames, args.fps, out.audio, out.sample_rate)
+    timings = {**out.timings, "write mp4": time.perf_counter() - t}
+    print(f"{out.header}: "
           f"{args.frames} frames {args.width}x{args.height} @ {args.fps:g} fps, seed {args.seed}")
-    for report in lora_reports:
+    for report in out.lora_reports:
         print(f"  LoRA {report}")
     for stage, seconds in timings.items():
         print(f"  {stage:<14} {seconds:8.3f} s")
-    for report in rank_reports or []:
-        decode = report.get("decode", {})
-        print(f"  rank {report['rank']}: stage 2: {report.get('stage 2')}; decode tiles {decode.get('tiles')} "
-              f"in {decode.get('seconds', 0.0):.3f} s" + (f" ({decode['auto_tiling']})" if decode.get("auto_tiling")
-                                                         else ""))
-        for line in report.get("speed", []) if report.get("rank", 0) == 0 else []:
+    for report in out.rank_reports or []:
+        decode = report.decode
+        print(f"  rank {report.rank}: stage 2: {report.stage_2}; decode tiles {decode.tiles_text} "
+              f"in {decode.seconds:.3f} s" + (f" ({decode.auto_tiling})" if decode.auto_tiling else ""))
+        for line in report.speed if report.rank == 0 else []:
             if line.startswith("int8 compute"):  # which int8 path ran (--int8-compute)
                 print(f"  {line}")
     print(f"wrote {args.output}")
@@ -396,9 +418,9 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
         while True:  # another client's job (ComfyUI, a second CLI run): wait for it, then configure and run
             try:
                 t = time.perf_counter()
-                handle = client.configure(config)
+                configured = client.configure_fleet(config)
+                handle, replaced = configured.handle, configured.replaced
                 configure_time = time.perf_counter() - t
-                replaced = client.last_replaced
                 if replaced:  # another configuration was loaded (maybe by ComfyUI): say what this run replaced
                     print(f"note: {describe_stopped(replaced, 'replaced')}", file=sys.stderr)
                 result = client.run(handle, job, on_event=lambda e: progress(e.stage, e.step, e.total))
@@ -418,11 +440,11 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     finally:
         progress.close()
         client.close()
-    return _finish(args, result.frames, result.audio, result.sample_rate, result.timings, list(result.lora_reports),
-                   {"fleet ready": configure_time},
-                   None if result.rank_reports is None else list(result.rank_reports),
-                   f"fleet generation {handle.generation}, {len(devices)} rank(s) on {','.join(devices)} ({dtype}); "
-                   f"{result.parallel}")
+    return _finish(args, Generated(
+        result.frames, result.audio, result.sample_rate, {"fleet ready": configure_time, **result.timings.as_dict()},
+        tuple(result.lora_reports), result.rank_reports,
+        f"fleet generation {handle.generation}, {len(devices)} rank(s) on {','.join(devices)} ({dtype}); "
+        f"{result.parallel}"))
 
 
 def describe_stopped(stopped: FleetTeardown, verb: str) -> str:

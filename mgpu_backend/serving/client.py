@@ -134,8 +134,6 @@ class ControllerClient:
         self.socket_path = self.runtime_dir / SOCKET_NAME
         self.key = read_or_create_key(self.runtime_dir)
         self.started_pid: int | None = None
-        # what the last `configure` replaced (the old fleet and the other clients connected), or None
-        self.last_replaced: FleetTeardown | None = None
         self.shm_lane = _lanes_default() if shm_lane is None else bool(shm_lane)
         self._conn = self._connect(start)
 
@@ -225,14 +223,18 @@ class ControllerClient:
         return status
 
     def configure(self, config: FleetConfig) -> FleetHandle:
-        """The fleet for `config` (reused when unchanged); `last_replaced` says which fleet a rebuild replaced.
-        Raises ControllerError naming the process to stop when an older controller answers (what it replaced is a
-        dict)."""
+        """The fleet for `config` (reused when unchanged): `configure_fleet(config).handle`."""
+        return self.configure_fleet(config).handle
+
+    def configure_fleet(self, config: FleetConfig) -> Configured:
+        """The fleet for `config` (reused when unchanged): the controller's `Configured` reply, its handle and what a
+        rebuild replaced (`FleetTeardown`: the old fleet and the other clients connected; None when the fleet was
+        kept or none ran). Raises ControllerError naming the process to stop when an older controller answers (what
+        it replaced is a dict)."""
         reply: Configured = self.request(Configure(config))
         if isinstance(reply.replaced, dict):
             raise self._older("what the configure replaced", self._pid())
-        self.last_replaced = reply.replaced
-        return reply.handle
+        return reply
 
     def shutdown_fleet(self) -> FleetTeardown:
         """Stop the fleet (the controller stays). Returns what was stopped. Raises ControllerError naming the process
@@ -289,7 +291,7 @@ class ControllerClient:
                 raise
             except ControllerError as exc:
                 lane.unlink()  # every rank has mapped it (the controller unlinks it too)
-                if (exc.details or {}).get("error_type") != shm_lane.LaneMissing.__name__:
+                if exc.details.error_type != shm_lane.LaneMissing.__name__:
                     raise
                 # a fleet started after the lane was made cannot map it: a new lane next time, this job by value
                 lanes.drop()

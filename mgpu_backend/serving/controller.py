@@ -30,7 +30,7 @@ from dataclasses import fields, replace
 from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
-from ..protocol.errors import ControllerError, ErrorKind, FleetBusy, JobCancelled
+from ..protocol.errors import ControllerError, ErrorDetails, ErrorKind, FleetBusy, JobCancelled
 from ..protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
 from ..protocol.job_requests import JobSpec
 from ..protocol.job_results import ControllerStatus, FleetTeardown, ProcessInfo
@@ -533,9 +533,9 @@ def _policy_change(old: FleetPolicy, new: FleetPolicy) -> str:
 
 
 def _error(spec: JobSpec, message: str, kind: ErrorKind, fleet_lost: bool = False,
-           details: dict | None = None) -> JobError:
+           details: ErrorDetails | None = None) -> JobError:
     """A job's final error event; `kind` travels as its plain string value."""
-    return JobError(spec.job_id, message, ErrorKind(kind).value, fleet_lost, details or {})
+    return JobError(spec.job_id, message, ErrorKind(kind).value, fleet_lost, details or ErrorDetails())
 
 
 def _send_quiet(conn, event) -> bool:

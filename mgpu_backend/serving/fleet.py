@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from ..protocol.frames import frames_ref, free_frames, remove_orphans
 from ..protocol.fleet_rules import top_sp_degree, valid_sp_degrees
-from ..protocol.errors import ControllerError, ErrorKind, JobCancelled
+from ..protocol.errors import ControllerError, ErrorDetails, ErrorKind, JobCancelled
 from ..protocol.fleet_config import FleetConfig, FleetPlan, FleetPolicy
 from ..protocol.job_requests import JOB_STAGES, JobSpec
 from ..protocol.job_results import FleetDescription
@@ -163,7 +163,7 @@ class Fleet:
                         self.int8_compute = getattr(message, "int8_compute", None)
                 elif isinstance(message, WorkerInitError):
                     self._fail(f"rank {rank} failed to start: {message.error}",
-                               details={"traceback": message.traceback})
+                               details=ErrorDetails(traceback=message.traceback))
 
     def _receive(self, timeout: float) -> list[tuple[int, WorkerMessage]]:
         """Messages from the workers within `timeout`; a dead worker raises ControllerError."""
@@ -201,7 +201,7 @@ class Fleet:
             except (EOFError, OSError):
                 continue
 
-    def _fail(self, message: str, details: dict | None = None) -> None:
+    def _fail(self, message: str, details: ErrorDetails | None = None) -> None:
         self.lost = message
         self.shutdown(graceful=False)
         raise ControllerError(message, kind=ErrorKind.FLEET_LOST, fleet_lost=True, details=details)
@@ -367,9 +367,9 @@ class Fleet:
             kind = ErrorKind.VALIDATION if all(e.bad_input for e in errors.values()) else ErrorKind.JOB_ERROR
             # bad input reads as in one process ("error: frames=10: …"); other errors keep their class name
             message = rank0.message if kind == ErrorKind.VALIDATION else f"{rank0.error_type}: {rank0.message}"
-            raise ControllerError(message, kind=kind, details={"stage": rank0.stage, "step": rank0.step,
-                                                               "error_type": rank0.error_type,
-                                                               "traceback": rank0.traceback})
+            raise ControllerError(message, kind=kind, details=ErrorDetails(stage=rank0.stage, step=rank0.step,
+                                                                           error_type=rank0.error_type,
+                                                                           traceback=rank0.traceback))
         return results[0]
 
     def _asymmetric_error(self, errors: dict[int, JobFailed]) -> None:
@@ -377,7 +377,7 @@ class Fleet:
         others = sorted(set(range(self.world_size)) - set(errors))
         self._fail(f"rank {rank} failed during {e.stage} step {e.step} with {e.error_type}: {e.message} (ranks "
                    f"{others} did not fail; a collective would hang) — the fleet was torn down",
-                   details={"traceback": e.traceback})
+                   details=ErrorDetails(traceback=e.traceback))
 
     def _stalled(self, steps: tuple[float, ...], stall_timeout: float) -> None:
         """A rank that stalls before a step boundary has begun fewer steps than those waiting for it there; when all

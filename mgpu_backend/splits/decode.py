@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..protocol.job_results import DecodeReport
 from .tiling import TileCountConfig, axis_weights, split_axis
 
 SPATIAL = 32  # pixels per latent cell (VAE spatial compression)
@@ -52,14 +53,14 @@ def check_decodable(vae, h_spans: list[tuple[int, int]], w_spans: list[tuple[int
 
 def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch.Tensor | None = None,
                  group: dist.ProcessGroup | None = None, world_size: int = 1, rank: int = 0,
-                 dst: int = 0) -> tuple[torch.Tensor | None, dict]:
+                 dst: int = 0) -> tuple[torch.Tensor | None, DecodeReport]:
     """Decode a de-normalized latent `[1, 128, F, H, W]` (VAE space) in spatial tiles.
 
     `vae`: the conv `AutoencoderKLLTX2Video` (with `temb` when it is timestep-conditioned) or the LTX-2.5
     `LTX2VideoDiffusionDecoderModel` (no `temb`; its noise canvas is drawn here on every rank, see the module doc).
     Tiles are `tiling.height × tiling.width` over the latent grid (the frame axis is never split); tile i is
     decoded by rank i mod W. Returns (pixels `[1, 3, F', 32H, 32W]` float32 on rank `dst` — None elsewhere —,
-    report dict with this rank's tiles and seconds). Every rank of the group must call it.
+    this rank's `DecodeReport`: its tiles and seconds). Every rank of the group must call it.
 
     Raises ValueError when tiles would not be larger than the overlap, a piece the conv decoder cannot take
     (`check_decodable`), or a `temb` for the diffusion decoder.
@@ -99,7 +100,7 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
         total[h0 * SPATIAL:h1 * SPATIAL, w0 * SPATIAL:w1 * SPATIAL] += h_weights[i][:, None] * w_weights[j][None, :]
     if world_size > 1:
         dist.reduce(out, dst=dst, op=dist.ReduceOp.SUM, group=group)
-    report = {"rank": rank, "tiles": mine, "seconds": seconds}
+    report = DecodeReport(tiles=tuple(mine), seconds=seconds, rank=rank)
     if rank != dst:
         return None, report
     if not torch.allclose(total, torch.ones_like(total), rtol=0, atol=1e-12):

@@ -30,6 +30,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from ..protocol.job_results import RankReport
 from ..protocol.validation import ValidationError
 from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
@@ -337,7 +338,7 @@ class ParallelPlan:
         """Distributed decode over every rank; pixels on rank 0 (None elsewhere) and this rank's report."""
         return decode_tiles(vae, latent, tiling, temb, None, self.world_size, self.rank)
 
-    def gather_reports(self, report: dict) -> list[dict] | None:
+    def gather_reports(self, report: RankReport) -> list[RankReport] | None:
         """Every rank's report on rank 0 (None elsewhere)."""
         if self.world_size == 1:
             return [report]

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from ..engine import cuda_graphs, forward as model_forward
 from ..engine.attention import GuideBias
 from ..engine.denoiser import skip_self_attention, text_contexts
-from ..protocol.native_forward import ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraSet, PreprocessTextRequest
+from ..protocol.native_forward import ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraSet, PreprocessTextReply, PreprocessTextRequest
 from ..weights.lora import LoRAFile, LoRAFuser, LoRAPair
 from ..engine.forward import comfy_block, qk_eps, qk_norms  # noqa: F401 (re-exported)
 from ..models import keymaps
@@ -291,7 +291,6 @@ class NativeEngine:
                              LoRAFuser(self.transformer, rank=plan.rank, world_size=plan.world_size))
         self._lora_set: LoraSet | None = None  # the last LoRA set shipped with its patches (held by key)
         self._lora_files: list[PatchLoRA] = []  # its transformer groups
-        self.last_lora_reports: list[str] = []
         # the text connectors as one module (names `video_connector.…`, `audio_connector.…`): their LoRA patches are
         # fused for a preprocess_text call and restored after it
         self.connectors = torch.nn.ModuleDict({"video_connector": components.video_connector,
@@ -300,7 +299,6 @@ class NativeEngine:
                                LoRAFuser(self.connectors, rank=plan.rank, world_size=plan.world_size))
         # a degree-1 "sequence parallel" wrapper: the same processors (and the guide-bias hook) without collectives
         self._local = SequenceParallelTransformer(self.transformer, Exchange(None, 1, 0))
-        self.last_report = ""
         self.forwards = 0
         self.graph_fallbacks: list[str] = []  # why native forwards ran eagerly on CUDA (cuda_graphs' reasons)
 
@@ -356,16 +354,16 @@ class NativeEngine:
             self._lora_set, self._lora_files = lora, files
         return self._lora_set
 
-    def apply_lora(self, request: ForwardRequest) -> None:
+    def apply_lora(self, request: ForwardRequest) -> tuple[str, ...]:
         """Make the request's LoRA set the fused one (every rank, in lockstep): nothing when it is fused already,
-        the clean weights for `lora=None`. Raises LoRAError (a ValidationError) before any weight is touched when
-        the patches do not fit this model."""
+        the clean weights for `lora=None`. Returns the fused set's coverage, one line per strength group
+        (`ForwardReply.lora_reports`; () without a LoRA). Raises LoRAError (a ValidationError) before any weight is
+        touched when the patches do not fit this model."""
         if request.lora is None:
             self.lora.apply([])
-            self.last_lora_reports = []
-            return
+            return ()
         self._resolve_lora(request.lora)
-        self.last_lora_reports = [r.detail() for r in self.lora.apply(self._lora_files)]
+        return tuple(r.detail() for r in self.lora.apply(self._lora_files))
 
     # ---- context ----
     def store_context(self, keys, context: torch.Tensor) -> None:
@@ -496,9 +494,10 @@ class NativeEngine:
         audio = audio.reshape(b, p.audio_steps, 8, -1).permute(0, 2, 1, 3)
         return video.to("cpu", dtype).contiguous(), audio.to("cpu", dtype).contiguous()
 
-    def forward(self, request: ForwardRequest, context: torch.Tensor):
-        """Run the request (called on every rank of the fleet in lockstep). Returns `(video, audio)` in ComfyUI's
-        layout and the request's dtype on the ranks that hold the result (rank 0 always), else `(None, None)`."""
+    def forward(self, request: ForwardRequest, context: torch.Tensor) -> NativeForwardResult:
+        """Run the request (called on every rank of the fleet in lockstep). Returns a `NativeForwardResult`: video
+        and audio in ComfyUI's layout and the request's dtype on the ranks that hold the result (rank 0 always),
+        else None; how the fleet ran it; the wall time."""
         t0 = time.perf_counter()
         o = request.options
         with torch.no_grad(), comfy_qk_eps(self._qk_norms):
@@ -512,39 +511,39 @@ class NativeEngine:
                 from ..splits.passes import PassParallel
 
                 if self.plan.rank >= run.degree:
-                    return None, None
+                    return NativeForwardResult(None, None, "", time.perf_counter() - t0)
                 spread = PassParallel(run.group, run.degree, self.plan.rank, self.plan._comm_device())  # noqa: SLF001
                 rows_out = spread([_Row(r) for r in rows], lambda r: self.run_rows(p, [r.index], self._local, o))
                 video = torch.cat([v for v, _ in rows_out])
                 audio = torch.cat([a for _, a in rows_out])
-                self.last_report = run.split.describe(self.plan.world_size).replace("guidance passes", "batch rows")
+                report = run.split.describe(self.plan.world_size).replace("guidance passes", "batch rows")
             else:
                 sp = self._local if run is None or run.forward is None else run.forward
                 if run is not None and self.plan.rank >= run.degree:
-                    return None, None
+                    return NativeForwardResult(None, None, "", time.perf_counter() - t0)
                 video, audio = self.run_rows(p, rows, sp, o)
-                self.last_report = self.plan.describe(run.report) if run is not None else "one rank"
+                report = self.plan.describe(run.report) if run is not None else "one rank"
             self.forwards += 1
-            out = self.unpack(p, video, audio, request.video.dtype)
-        self.last_seconds = time.perf_counter() - t0
-        return out
+            video, audio = self.unpack(p, video, audio, request.video.dtype)
+        return NativeForwardResult(video, audio, report, time.perf_counter() - t0)
 
     # ---- text ----
-    def preprocess_text(self, request: PreprocessTextRequest) -> torch.Tensor:
-        """ComfyUI `LTXAVModel.preprocess_text_embeds(context, unprocessed)` -> `[B, L, C_out]` in the request's
-        dtype (CPU); stores the rows under `request.cache_keys`."""
+    def preprocess_text(self, request: PreprocessTextRequest) -> PreprocessTextReply:
+        """ComfyUI `LTXAVModel.preprocess_text_embeds(context, unprocessed)` -> a `PreprocessTextReply`: the context
+        `[B, L, C_out]` in the request's dtype (CPU) and the coverage of the connector LoRA patches fused for the
+        call; stores the rows under `request.cache_keys`."""
         if not isinstance(request, PreprocessTextRequest):
             raise ForwardContractError(f"preprocess_text payload: expected a PreprocessTextRequest, got "
                                        f"{type(request).__name__}")
         ctx = request.context
-        self.last_lora_reports = []
+        lora_reports: tuple[str, ...] = ()
         if not request.unprocessed and ctx.shape[-1] == self.context_width:
             out = ctx.to(self.device, self.dtype)
         else:
             rows = [ctx[i:i + 1].to(self.device, torch.float32) for i in range(ctx.shape[0])]
             files = patch_loras(self._resolve_lora(request.lora), connectors=True) if request.lora else []
             if files:  # fused for this call only (every rank, in lockstep), restored exactly after it
-                self.last_lora_reports = [r.detail() for r in self.connector_lora.fuse(files)]
+                lora_reports = tuple(r.detail() for r in self.connector_lora.fuse(files))
             try:
                 with torch.no_grad(), comfy_qk_eps(self._connector_qk_norms):
                     tc = text_contexts(self.components, rows, dtype=self.dtype)
@@ -555,7 +554,22 @@ class NativeEngine:
             out = torch.cat([tc.video, tc.audio], dim=-1)
         if request.cache_keys:
             self.store_context(request.cache_keys, out)
-        return out.to("cpu", ctx.dtype).contiguous()
+        return PreprocessTextReply(out.to("cpu", ctx.dtype).contiguous(), lora_reports)
+
+
+@dataclass(frozen=True)
+class NativeForwardResult:
+    """What `NativeEngine.forward` returns on every rank.
+
+    video: `[B, 128, F, H, W]` and audio: `[B, 8, T, 16]` in ComfyUI's layout and the request's dtype (CPU) on the ranks
+    that hold the result (rank 0 always), else None. report: how the fleet ran it (`ForwardReply.report`; "" on a
+    rank that held no part). seconds: this rank's wall time of the forward.
+    """
+
+    video: torch.Tensor | None
+    audio: torch.Tensor | None
+    report: str
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -569,6 +583,6 @@ class _Row:
         return f"batch row {self.index}"
 
 
-__all__ = ["COMFY_QK_EPS", "CONNECTOR_PREFIXES", "ContextCache", "GuideBias", "NativeEngine", "NotSupported",
+__all__ = ["COMFY_QK_EPS", "CONNECTOR_PREFIXES", "ContextCache", "GuideBias", "NativeEngine", "NativeForwardResult", "NotSupported",
            "PatchLoRA", "audio_coords", "comfy_block", "comfy_qk_eps", "downsample_pixel_mask", "guide_bias",
            "patch_loras", "qk_norms", "video_pixel_coords"]

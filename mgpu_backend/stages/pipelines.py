@@ -13,6 +13,7 @@ guidance passes in parallel, tiled), so the recipe does not change with the spli
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ from ..splits.decode import check_decodable, decode_tiles, decode_untiled, is_di
 from ..splits.tiled import DEFAULT_MAX_FIRST_SIGMA
 from ..splits.tiling import TileCountConfig, split_axis
 from ..protocol.job_requests import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
+from ..protocol.job_results import DecodeReport, GenerateTimings, RankReport
 from ..engine.semantics import REFERENCE
 from .stage import CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageLimits, StageResult, StageSpec, TiledRunner, resolve_tiling, run_stage
 
@@ -104,27 +106,29 @@ class GenerateRequest:
 class GenerateResult:
     """frames: `[F, H, W, 3]` float32 in 0..1; audio: `[C, S]` float32 in -1..1 at `sample_rate` Hz;
     video_latent `[1, 128, F', H', W']` / audio_latent `[1, 8, T, 16]` (normalized model space, CPU);
-    timings in seconds per stage; lora_reports: coverage of every fused LoRA, per stage (`LoRAReport.stage`)."""
+    timings: this rank's `GenerateTimings`; lora_reports: coverage of every fused LoRA, per stage
+    (`LoRAReport.stage`); parallel_report: the job's parallel summary; rank_reports: what every rank did (rank 0 of a
+    fleet — None on the other ranks —; one entry in one process)."""
 
     frames: torch.Tensor
     audio: torch.Tensor
     sample_rate: int
     video_latent: torch.Tensor
     audio_latent: torch.Tensor
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: GenerateTimings = field(default_factory=GenerateTimings)
     lora_reports: list[LoRAReport] = field(default_factory=list)
     parallel_report: str = "one process"
-    rank_reports: list[dict] | None = None  # what every rank did (rank 0 of a fleet; one entry in one process)
+    rank_reports: list[RankReport] | None = None
 
 
-def _parallel_summary(report: dict, distilled: bool) -> str:
+def _parallel_summary(report: RankReport, distilled: bool) -> str:
     """The job header: how stage 1 was split, and stage 2 too when it is also a split stage (distilled preset) that
     was split differently."""
     def named(stage: str) -> str:
-        text = report[stage]
+        text = report.stage_1 if stage == "stage 1" else report.stage_2
         return text if text.startswith(f"{stage}:") else f"{stage}: {text}"
-    if not distilled or report["stage 2"] == report["stage 1"]:
-        return report["stage 1"]
+    if not distilled or report.stage_2 == report.stage_1:
+        return report.stage_1
     return f"{named('stage 1')}; {named('stage 2')}"
 
 
@@ -275,8 +279,9 @@ class TwoStagePipeline:
         return L.normalize_latents(x, mean, std)
 
     def decode_video(self, video_latent: torch.Tensor, seed: int = 0, tiling: TileCountConfig | None = None,
-                     overlap: int = 2) -> tuple[torch.Tensor | None, dict]:
-        """`[1, 128, F', H', W']` model-space latent -> (frames `[F, H, W, 3]` float32 0..1, report).
+                     overlap: int = 2) -> tuple[torch.Tensor | None, DecodeReport]:
+        """`[1, 128, F', H', W']` model-space latent -> (frames `[F, H, W, 3]` float32 0..1, this rank's
+        `DecodeReport`).
 
         With `tiling`: the spatial tiles are decoded round-robin over the plan's ranks (or all here in one process)
         and blended; the frames exist on rank 0 only (None elsewhere). The LTX-2.5 diffusion decoder ignores `seed`:
@@ -285,7 +290,7 @@ class TwoStagePipeline:
         Never out of memory on a GPU (the diffusion decoder): its peak is estimated from the latent shape
         (`parallel.decode.diffusion_decode_peak_bytes`) against the smallest free memory of the ranks that decode;
         when it would not fit, the smallest balanced tiling (`overlap` latent cells) that fits is used instead,
-        and the report says so (`report["auto_tiling"]`, e.g. "tiled 2×2 automatically: untiled needs ~85 GiB, 60
+        and the report says so (`DecodeReport.auto_tiling`, e.g. "tiled 2×2 automatically: untiled needs ~85 GiB, 60
         GiB free"); the result is then the tiled decode's. Raises ValidationError when no tiling fits."""
         vae = self.components.video_vae
         param = next(vae.parameters())
@@ -311,9 +316,10 @@ class TwoStagePipeline:
                 pixels, report = decode_tiles(vae, x, tiling, temb)
         else:
             pixels = decode_untiled(vae, x, temb)
-            report = {"tiles": "untiled", "seconds": time.perf_counter() - start}
+            report = DecodeReport(tiles="untiled", seconds=time.perf_counter() - start,
+                                  rank=self.plan.rank if self.plan is not None else 0)
         if auto_note is not None:
-            report["auto_tiling"] = auto_note
+            report = dataclasses.replace(report, auto_tiling=auto_note)
         if pixels is None:
             return None, report
         return ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(), report
@@ -372,20 +378,23 @@ class TwoStagePipeline:
         with _timed(timings, "stage 2"):  # full size, no guidance, audio frozen; the distilled LoRA (two-stage)
             result2, more = self._run_with_loras(self._stage2_spec(request, job, positive, upscaled, result1.audio),
                                                  job.stage2_loras, progress, cancel_check, restore=True)
-        report = {"rank": self.plan.rank if self.plan is not None else 0,
-                  "stage 1": result1.report if self.plan else "local",
-                  "stage 2": self._stage2_report(result2, job.distilled)}
+        stage_1 = result1.report if self.plan else "local"
+        stage_2 = self._stage2_report(result2, job.distilled)
         with _timed(timings, "decode video"):
             video_latent = L.unpack_video(result2.video, job.frames, job.h2, job.w2)
-            frames, report["decode"] = self.decode_video(video_latent, request.seed, job.decode_tiling,
-                                                         request.decode_overlap)
+            frames, decode = self.decode_video(video_latent, request.seed, job.decode_tiling, request.decode_overlap)
         with _timed(timings, "decode audio"):  # once, on the driver rank
             audio_latent = L.unpack_audio(result1.audio)
             driver = self.plan is None or self.plan.rank == 0
             waveform, sample_rate = self.decode_audio(audio_latent) if driver else (None, 0)
         timings["total"] = time.perf_counter() - t0
-        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, timings, reports + more,
-                              *self._job_report(report, timings, job.distilled))
+        seconds = GenerateTimings.from_phases(timings)
+        report = RankReport(rank=self.plan.rank if self.plan is not None else 0, stage_1=stage_1, stage_2=stage_2,
+                            decode=decode, timings=seconds,
+                            speed=tuple(speed_report(self.components.transformer, self.batch_notes) or ()))
+        summary, rank_reports = self._job_report(report, job.distilled)
+        return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, seconds, reports + more,
+                              summary, rank_reports)
 
     def _text(self, request: GenerateRequest, job: GenerateJob):
         """The prompt's (and, when a pass needs it, the negative prompt's) text contexts: (positive, negative or
@@ -395,13 +404,9 @@ class TwoStagePipeline:
         contexts = text_contexts(self.components, embeds, dtype=self.dtype)
         return contexts.select(0), (contexts.select(1) if uses_negative else None)
 
-    def _job_report(self, report: dict, timings: dict[str, float], distilled: bool) -> tuple[str, list[dict]]:
-        """This rank's `report` completed (timings, speed) -> (the job's parallel summary, every rank's report:
-        gathered on a fleet)."""
-        report["timings"] = dict(timings)
-        speed = speed_report(self.components.transformer, self.batch_notes)
-        if speed:  # CUDA graphs, fp8 compute, batched passes (and why not)
-            report["speed"] = speed
+    def _job_report(self, report: RankReport, distilled: bool) -> tuple[str, list[RankReport] | None]:
+        """This rank's report -> (the job's parallel summary, every rank's report: gathered on a fleet's rank 0,
+        None on its other ranks)."""
         if self.plan is None:
             return "one process", [report]
         return _parallel_summary(report, distilled), self.plan.gather_reports(report)

@@ -267,13 +267,17 @@ class StageLimits:
                         for g in S.default_guidance(self.family))
         return video, audio
 
-    def guidance(self, video: S.GuidanceParams, audio: S.GuidanceParams,
+    def guidance(self, video: S.GuidanceParams | S.GuidanceScales, audio: S.GuidanceParams | S.GuidanceScales,
                  stg_blocks: str | tuple[int, ...] | None = None) -> tuple[S.GuidanceParams, S.GuidanceParams]:
-        """`(video, audio)` guidance with `stg_blocks` put in both (None: each keeps its own; "auto": the model's
-        default, `default_stg_blocks`), checked: the STG blocks of a modality that uses STG must exist."""
+        """`(video, audio)` guidance with `stg_blocks` put in both (None: each keeps its own, a `GuidanceScales`
+        gets the model's default; "auto": the model's default, `default_stg_blocks`), checked: the STG blocks of a
+        modality that uses STG must exist."""
         if stg_blocks is not None:
             blocks = self.default_stg_blocks() if stg_blocks == "auto" else tuple(stg_blocks)
-            video, audio = (dataclasses.replace(g, stg_blocks=blocks) for g in (video, audio))
+            video, audio = (g.with_blocks(blocks) for g in (video, audio))
+        else:
+            video, audio = (g.with_blocks(self.default_stg_blocks()) if isinstance(g, S.GuidanceScales) else g
+                            for g in (video, audio))
         for name, g in (("video", video), ("audio", audio)):
             bad = [b for b in g.stg_blocks if not 0 <= b < self.n_blocks] if g.uses_perturbed else []
             if bad:

@@ -46,10 +46,12 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..protocol.job_results import TextEncodeReport, TextEncoderCounters
 from ..protocol.resources import available_memory
 from ..protocol.validation import ValidationError
 
@@ -368,6 +370,52 @@ def _fingerprint_source(source) -> tuple:
     return ("object", id(source))
 
 
+@dataclass(frozen=True, eq=False)
+class TextEncoding:
+    """What `TextEncoderService.encode` returns: embeds, per prompt in order `[1, T_i, C]` float32 (CPU, valid tokens
+    only); report, how the encode ran (`TextEncodeReport`)."""
+
+    embeds: tuple[torch.Tensor, ...]
+    report: TextEncodeReport
+
+
+@dataclass(frozen=True, eq=False)
+class EncoderPlacement:
+    """Where a `TextEncoderService` runs.
+
+    device, dtype: this rank's device and the compute dtype. rank, world_size, group: this rank in the fleet; `group`
+    is the process group for the service's messages (`make_group`: gloo; None = the default group). world_size 1
+    needs no process group. devices: every rank's device in rank order (the sharded budgets); () = `(device,)`.
+    """
+
+    device: Any = "cpu"
+    dtype: torch.dtype = torch.float32
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    devices: tuple = ()
+
+
+@dataclass(frozen=True)
+class EncoderSettings:
+    """How a `TextEncoderService` encodes and plans its memory.
+
+    mode: default mode (`MODES`); unload: default "unload after encoding". reserve_bytes: kept free on every fleet
+    device when planning (the transformer's activations). max_memory: per-device caps {"cuda:0": "20GiB",
+    "cpu": "64GiB", "disk": "100GiB"}; a device named here that is not a fleet device is added to the sharded map
+    (offload); None = no caps. plan_tokens: prompt length the memory plan assumes; min_length: left-pad every prompt
+    to this length (None: no padding). cache_bytes: LRU cache budget (0 disables the cache).
+    """
+
+    mode: str = "replicated"
+    unload: bool = False
+    reserve_bytes: int = 0
+    max_memory: Mapping | None = None
+    plan_tokens: int = PLAN_TOKENS
+    min_length: int | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+
+
 class TextEncoderService:
     """Prompts -> CONDITIONING embeddings on one rank of a fleet (or in one process); see the module docstring.
 
@@ -375,34 +423,29 @@ class TextEncoderService:
         gemma_path: Gemma file or folder (`models.gemma.load_gemma`).
         projection: the checkpoint's `TextProjection` on this rank (feature extractor). None with a Gemma 4 file
             that bundles the LTX-2.5 projection: that one is loaded (`text_projection.load_bundled_projection`,
-            in `dtype` on `device`); a projection passed with such a file must have the bundled one's shapes.
+            in the placement's dtype on its device); a projection passed with such a file must have the bundled one's
+            shapes.
         projection_source: the file the projection came from (cache key); default: the module's identity (the
             Gemma file for a bundled projection).
-        device, dtype: this rank's device and the compute dtype.
-        rank, world_size, group: this rank in the fleet; `group` is the process group for the service's messages
-            (`make_group`: gloo; None = the default group). world_size 1 needs no process group.
-        devices: every rank's device in rank order (the sharded budgets); default `[device]`.
-        mode: default mode (`MODES`); unload: default "unload after encoding".
-        reserve_bytes: kept free on every fleet device when planning (the transformer's activations).
-        max_memory: per-device caps {"cuda:0": "20GiB", "cpu": "64GiB", "disk": "100GiB"}; a device named here that
-            is not a fleet device is added to the sharded map (offload).
-        plan_tokens: prompt length the memory plan assumes; min_length: left-pad every prompt to this length.
-        cache_bytes: LRU cache budget (0 disables the cache).
+        placement: `EncoderPlacement` (device, dtype, rank, world size, group, every rank's device).
+        settings: `EncoderSettings` (mode, unload, memory reserve and caps, plan tokens, padding, cache budget).
         encoder: an already loaded `GemmaTextEncoder` to adopt (one process; held as a replica).
         family: the checkpoint's `models.families.ModelFamily`, when known: the Gemma file must be its text encoder
             (`check_text_encoder_family`).
     Raises: ValueError (from the header, or `check_gemma_matches`) when Gemma and the projection do not match.
     """
 
-    def __init__(self, gemma_path, projection, *, projection_source=None, device="cpu",
-                 dtype: torch.dtype = torch.float32, rank: int = 0, world_size: int = 1, group=None,
-                 devices: Sequence | None = None, mode: str = "replicated", unload: bool = False,
-                 reserve_bytes: int = 0, max_memory: Mapping | None = None, plan_tokens: int = PLAN_TOKENS,
-                 min_length: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES, encoder=None,
-                 family=None):
+    def __init__(self, gemma_path, projection, *, projection_source=None,
+                 placement: EncoderPlacement = EncoderPlacement(), settings: EncoderSettings = EncoderSettings(),
+                 encoder=None, family=None):
         from ..models.gemma import read_gemma_header
         from ..models.text_projection import check_gemma_matches
 
+        device, dtype = placement.device, placement.dtype
+        rank, world_size, group, devices = placement.rank, placement.world_size, placement.group, placement.devices
+        mode, unload, reserve_bytes = settings.mode, settings.unload, settings.reserve_bytes
+        max_memory, plan_tokens = settings.max_memory, settings.plan_tokens
+        min_length, cache_bytes = settings.min_length, settings.cache_bytes
         check_mode(mode)
         self.gemma_path = str(gemma_path) if gemma_path is not None else None
         self.projection = projection
@@ -433,19 +476,18 @@ class TextEncoderService:
         self._offload_dir: str | None = None
         self.cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cache_used = 0
-        self.stats = {"forwards": 0, "hits": 0, "misses": 0, "loads": 0, "unloads": 0}
-        self.last_report: dict = {}
+        self.stats = {"forwards": 0, "hits": 0, "misses": 0, "loads": 0, "unloads": 0}  # `counters()`
         self.device_map: dict | None = None
 
     # ---- construction ------------------------------------------------------------------------------------------
 
     @classmethod
-    def wrap(cls, encoder, projection, **kw) -> TextEncoderService:
-        """A one-process service around an already loaded `GemmaTextEncoder` (replicated, world size 1)."""
+    def wrap(cls, encoder, projection, settings: EncoderSettings = EncoderSettings()) -> TextEncoderService:
+        """A one-process service around an already loaded `GemmaTextEncoder` (replicated, world size 1, on the
+        encoder's device and dtype)."""
         path = encoder.source if Path(str(encoder.source)).exists() else None
-        kw.setdefault("device", encoder.device)
-        kw.setdefault("dtype", encoder.dtype)
-        svc = cls(path, projection, encoder=encoder, **kw)
+        svc = cls(path, projection, placement=EncoderPlacement(device=encoder.device, dtype=encoder.dtype),
+                  settings=settings, encoder=encoder)
         if path is not None:
             from ..models.gemma import gemma_fingerprint
             svc.loaded_fingerprint = gemma_fingerprint(path)
@@ -463,12 +505,16 @@ class TextEncoderService:
             projection_source = config.text_projection
         else:
             projection_source = config.text_projection or config.checkpoint
-        svc = cls(config.gemma, projection, projection_source=projection_source, family=family,
-                  device=device, dtype=getattr(torch, config.dtype), rank=rank, world_size=config.world_size,
-                  group=make_group(config.world_size, config.collective_timeout_s), devices=config.devices,
-                  mode=getattr(config, "gemma_mode", "replicated"), unload=getattr(config, "gemma_unload", False),
-                  reserve_bytes=int(getattr(config, "gemma_reserve_gib", 0.0) * 2**30),
-                  max_memory=dict(getattr(config, "gemma_max_memory", None) or ()))
+        placement = EncoderPlacement(device=device, dtype=getattr(torch, config.dtype), rank=rank,
+                                     world_size=config.world_size,
+                                     group=make_group(config.world_size, config.collective_timeout_s),
+                                     devices=tuple(config.devices))
+        settings = EncoderSettings(mode=getattr(config, "gemma_mode", "replicated"),
+                                   unload=getattr(config, "gemma_unload", False),
+                                   reserve_bytes=int(getattr(config, "gemma_reserve_gib", 0.0) * 2**30),
+                                   max_memory=dict(getattr(config, "gemma_max_memory", None) or ()))
+        svc = cls(config.gemma, projection, projection_source=projection_source, placement=placement,
+                  settings=settings, family=family)
         if not svc.unload_after and config.gemma is not None:  # no Gemma file: nothing to load at start
             svc.ensure_loaded(svc.mode, svc.fingerprint())
         return svc
@@ -672,9 +718,10 @@ class TextEncoderService:
         self._cache_used = 0
 
     def encode(self, prompts: Sequence[str], mode: str | None = None, unload: bool | None = None,
-               strict: bool = True) -> list[torch.Tensor]:
-        """Embeddings `[1, T_i, C]` (float32, CPU, valid tokens only) for each prompt, in order. Collective: every
-        rank calls it with the same arguments and gets the same tensors.
+               strict: bool = True) -> TextEncoding:
+        """A `TextEncoding`: embeddings `[1, T_i, C]` (float32, CPU, valid tokens only) for each prompt, in order, and
+        how the encode ran (`TextEncodeReport`). Collective: every rank calls it with the same arguments and gets the
+        same tensors.
 
         Args:
             prompts: a non-empty list of strings (duplicates are encoded once).
@@ -729,14 +776,20 @@ class TextEncoderService:
                 self.cache.move_to_end(keys[p])
         if unload:
             self.unload()
-        self.last_report = {"mode": mode, "requested_mode": requested, "prompts": len(prompts),
-                            "distinct": len(distinct), "cache_hits": hits, "encoded": len(misses),
-                            "forwards_here": self.stats["forwards"] - forwards0, "unloaded": unload,
-                            "seconds": time.perf_counter() - t0,
-                            "device_map": _summarize_map(self.device_map) if mode == "sharded" else None}
-        return out
+        report = TextEncodeReport(mode=mode, requested_mode=requested, prompts=len(prompts), distinct=len(distinct),
+                                  cache_hits=hits, encoded=len(misses),
+                                  forwards_here=self.stats["forwards"] - forwards0, unloaded=unload,
+                                  seconds=time.perf_counter() - t0,
+                                  device_map=_summarize_map(self.device_map) if mode == "sharded" else None)
+        return TextEncoding(tuple(out), report)
 
-    encode_embeds = encode  # what pipelines.TwoStagePipeline.encode_prompts calls
+    def encode_embeds(self, prompts: Sequence[str], strict: bool = True) -> list[torch.Tensor]:
+        """`encode(prompts, strict=strict).embeds` as a list: what pipelines.TwoStagePipeline.encode_prompts calls."""
+        return list(self.encode(prompts, strict=strict).embeds)
+
+    def counters(self) -> TextEncoderCounters:
+        """This rank's counters (`TextEncoderCounters`)."""
+        return TextEncoderCounters(**self.stats)
 
     def _encode_sharded(self, prompts: list[str]) -> list[torch.Tensor]:
         outcome = self._guarded(lambda: [self._encode_one(p) for p in prompts]) if self.rank == 0 else None
@@ -754,9 +807,9 @@ class TextEncoderService:
             merged.update(o[1])
         return [merged[i] for i in range(len(prompts))]
 
-    def gather_stats(self) -> list[dict]:
-        """Every rank's counters (forwards, hits, misses, loads, unloads), rank order. Collective."""
-        return self._all_gather(dict(self.stats))
+    def gather_stats(self) -> list[TextEncoderCounters]:
+        """Every rank's counters (`TextEncoderCounters`), rank order. Collective."""
+        return self._all_gather(self.counters())
 
     @staticmethod
     def conditioning(embeds: torch.Tensor, frame_rate: float | None = None) -> list:

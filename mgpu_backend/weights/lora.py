@@ -258,6 +258,28 @@ class _Fused:
     owner: int
 
 
+@dataclass(frozen=True)
+class FuseStats:
+    """What one `LoRAFuser.fuse` did on this rank: layers fused, of them owned by this rank (it backs up their clean
+    weights), LoRA pairs read, clean_bytes (backups held) and fused_bytes (full-precision copies of fp8 layers), and
+    its wall time in seconds."""
+
+    layers: int
+    owned: int
+    pairs_read: int
+    clean_bytes: int
+    fused_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RestoreStats:
+    """What one `LoRAFuser.restore` did: layers restored and its wall time in seconds."""
+
+    layers: int
+    seconds: float
+
+
 class LoRAFuser:
     """Fuses LoRAs into a transformer's Linear weights and restores the originals exactly.
 
@@ -283,9 +305,9 @@ class LoRAFuser:
         self._reports: list[LoRAReport] = []
         self._modules: dict[str, nn.Module] | None = None
         self._sharded = False  # the fused set's layers are sharded over the ranks (set by `fuse`)
-        # the last fuse ("layers", "owned", "pairs_read", "clean_bytes", "fused_bytes", "seconds") and restore
-        # ("layers", "seconds")
-        self.stats: dict[str, dict] = {"fuse": {}, "restore": {}}
+        # what the latest fuse and restore did (diagnostics for the bench and the tests; None before the first)
+        self.fuse_stats: FuseStats | None = None
+        self.restore_stats: RestoreStats | None = None
 
     # ---- state -----------------------------------------------------------------------------------------------------
 
@@ -426,10 +448,9 @@ class LoRAFuser:
             raise
         self._key = tuple(lora.key for lora in loras)
         self._reports = reports
-        self.stats["fuse"] = {
-            "layers": len(fused), "owned": sum(f.owner == self.rank for f in fused), "pairs_read": pairs_read,
-            "clean_bytes": self.clean_bytes, "fused_bytes": self.fused_fp8_bytes,
-            "seconds": _seconds_since(t0, self._device())}
+        self.fuse_stats = FuseStats(layers=len(fused), owned=sum(f.owner == self.rank for f in fused),
+                                    pairs_read=pairs_read, clean_bytes=self.clean_bytes,
+                                    fused_bytes=self.fused_fp8_bytes, seconds=_seconds_since(t0, self._device()))
         return reports
 
     def restore(self) -> None:
@@ -449,7 +470,7 @@ class LoRAFuser:
                 if self.world_size > 1 and not self.sharded:
                     self._broadcast(layer.weight, item.owner)
         self._clear()
-        self.stats["restore"] = {"layers": layers, "seconds": _seconds_since(t0, device)}
+        self.restore_stats = RestoreStats(layers=layers, seconds=_seconds_since(t0, device))
 
     def after_error(self) -> None:
         """After a failed or cancelled job: one process restores now. A fleet keeps its (rank-consistent) fused set

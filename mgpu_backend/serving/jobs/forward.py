@@ -6,7 +6,7 @@ as the fleet's model).
 """
 from __future__ import annotations
 
-from ...protocol.native_forward import FORWARD_JOB, PREPROCESS_TEXT_JOB, ForwardContractError, ForwardMiss, ForwardReply, PreprocessTextReply, PreprocessTextRequest
+from ...protocol.native_forward import FORWARD_JOB, PREPROCESS_TEXT_JOB, ForwardContractError, ForwardMiss, ForwardReply, PreprocessTextRequest
 from . import register
 
 
@@ -36,12 +36,12 @@ def run_forward(state, request, ctx):
     context, missing = eng.resolve_context(request)
     if missing or lora_missing:
         return ForwardMiss(context_keys=missing, lora_key=lora_missing) if ctx.rank == 0 else None
-    eng.apply_lora(request)
-    video, audio = eng.forward(request, context)
+    lora_reports = eng.apply_lora(request)
+    result = eng.forward(request, context)
     if ctx.rank != 0:
         return None
-    return ForwardReply(video, audio, report=eng.last_report, seconds=eng.last_seconds,
-                        lora_reports=tuple(eng.last_lora_reports))
+    return ForwardReply(result.video, result.audio, report=result.report, seconds=result.seconds,
+                        lora_reports=lora_reports)
 
 
 @register(PREPROCESS_TEXT_JOB)
@@ -56,5 +56,5 @@ def run_preprocess_text(state, request, ctx):
     missing = eng.lora_missing(request)
     if missing:
         return ForwardMiss(lora_key=missing) if ctx.rank == 0 else None
-    out = eng.preprocess_text(request)
-    return PreprocessTextReply(out, tuple(eng.last_lora_reports)) if ctx.rank == 0 else None
+    reply = eng.preprocess_text(request)
+    return reply if ctx.rank == 0 else None

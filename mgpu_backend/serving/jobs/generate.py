@@ -15,6 +15,6 @@ def run_generate(state, request, ctx) -> GenerateJobResult | None:
     if ctx.rank != 0:
         return None
     return GenerateJobResult(send_frames(result.frames), result.audio, result.sample_rate, result.video_latent,
-                             result.audio_latent, dict(result.timings), tuple(str(r) for r in result.lora_reports),
+                             result.audio_latent, result.timings, tuple(str(r) for r in result.lora_reports),
                              result.parallel_report,
                              None if result.rank_reports is None else tuple(result.rank_reports))

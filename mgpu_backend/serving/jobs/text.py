@@ -30,12 +30,12 @@ def run_encode_text(state, request, ctx) -> EncodeTextResult | None:
     if ctx.step_boundary("text", 0):
         raise SamplingCancelled("encode_text cancelled before it began")
     # batch_parallel with one prompt is refused when asked for; as the fleet's default it falls back to the replicas
-    embeds = service.encode(list(request.prompts), mode=request.mode, unload=request.unload,
-                            strict=request.mode is not None)
+    encoding = service.encode(list(request.prompts), mode=request.mode, unload=request.unload,
+                              strict=request.mode is not None)
     ctx.progress("text", 1, 1)
-    forwards = [s["forwards"] for s in service.gather_stats()]
+    forwards = [s.forwards for s in service.gather_stats()]
     if ctx.rank != 0:
         return None
-    conditioning = tuple(service.conditioning(e, request.frame_rate) for e in embeds)
-    return EncodeTextResult(tuple(c[0][0] for c in conditioning), conditioning, dict(service.last_report),
-                            tuple(forwards), dict(service.stats))
+    conditioning = tuple(service.conditioning(e, request.frame_rate) for e in encoding.embeds)
+    return EncodeTextResult(tuple(c[0][0] for c in conditioning), conditioning, encoding.report,
+                            tuple(forwards), service.counters())
