@@ -9,6 +9,7 @@ from comfy_api.latest import io, ui
 
 from ..mgpu_backend.protocol.errors import ControllerError
 from ..mgpu_backend.protocol.fleet_config import INT8_COMPUTE_MODES, WEIGHT_MODES, FleetConfig, FleetHandle
+from ..mgpu_backend.protocol.fleet_rules import check_fleet
 from ..mgpu_backend.protocol.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
 from .widgets import read_widgets
@@ -259,6 +260,8 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 text_projection=_optional(o.text_projection, "text_encoders", "checkpoints"), dtype=dtype,
                 sp_degree=o.sp_degree or None, compile=bool(o.compile), weights=o.weights,
                 int8_compute=o.int8_compute)
+            # the fleet's rules the values decide (compile × sharded, …): refused before the running fleet is asked
+            check_fleet(config.identity, config.policy)
             try:
                 c = client()
                 try:
@@ -335,6 +338,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
             config = FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
                                  transformer_only=True, weights=weights, int8_compute=int8_compute)
+            check_fleet(config.identity, config.policy)  # the fleet's rules the values decide
             try:
                 c = client()
                 try:

@@ -125,7 +125,13 @@ def _run(rank: int, world: int, paths: dict, image: str, guidance_parallel: str)
     from mgpu_backend.models.loader import load_components
     from mgpu_backend.stages.pipelines import TwoStagePipeline
 
-    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    try:
+        from mgpu_backend.models.loader import ComponentFiles
+    except ImportError:  # a tree before issue 34 (the befdd65 snapshot): the component files as keywords
+        components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    else:
+        components = load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]),
+                                     dtype=torch.float32)
     plan = None
     if world > 1:
         plan = cpu_plan(components.transformer, rank, world, guidance_parallel)

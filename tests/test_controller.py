@@ -232,7 +232,7 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
 
 
 def test_the_plan_in_the_handle_follows_the_fleets_heads_and_the_policy():
-    """`Fleet.plan_for`: the degree rule (`splits/degrees.py`) applied to the heads the workers reported — what
+    """`Fleet.plan_for`: the degree rule (`protocol/fleet_rules.py`) applied to the heads the workers reported — what
     Load Checkpoint (MGPU) shows. 8 heads on 3 ranks: degree 2 (3 does not divide 8); an explicit degree is the
     policy's; a fleet without a parallel plan runs every stage whole."""
     from types import SimpleNamespace

@@ -74,7 +74,7 @@ from mgpu_backend.engine.attention import LTX2AttnProcessor, use_processor
 from mgpu_backend.weights.lora import LoRAFuser, read_lora
 from mgpu_backend.models.fp8 import FP8Linear
 from mgpu_backend.models.gemma import load_gemma, read_gemma_header
-from mgpu_backend.models.loader import SafetensorsFile, load_components, load_transformer
+from mgpu_backend.models.loader import ComponentFiles, SafetensorsFile, load_components, load_transformer
 from mgpu_backend.testing.tiny import write_tiny_lora
 from mgpu_backend.stages import text_encoder as G
 from mgpu_backend.splits.decode import decode_tiles
@@ -188,7 +188,8 @@ class _OnDevice:
 
 
 def _models(files: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    return {v: load_components(files[v]["checkpoint"], upsampler=files[v]["upsampler"], dtype=dtype, device=device)
+    return {v: load_components(files[v]["checkpoint"], ComponentFiles(upsampler=files[v]["upsampler"]), dtype=dtype,
+                               device=device)
             for v in VARIANTS}
 
 

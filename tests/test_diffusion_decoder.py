@@ -150,13 +150,14 @@ def test_encode_matches_comfyui(golden, tiny_file):
 def test_pipeline_decodes_with_the_diffusion_vae(tiny_dir, tiny_file, golden):
     """`--video-vae` = the diffusion VAE file: `load_components` routes it to `load_diffusion_vae`, and the
     pipeline's decode (untiled, and one tile through `splits/decode.py`) gives ComfyUI's VAEDecode frames."""
-    from mgpu_backend.models.loader import load_components
+    from mgpu_backend.models.loader import ComponentFiles, load_components
     from mgpu_backend.splits.decode import is_diffusion_decoder
     from mgpu_backend.splits.tiling import TileCountConfig
     from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     tensors, _, _ = golden
-    components = load_components(tiny_dir["2.3"]["checkpoint"], video_vae=tiny_file, dtype=torch.float32)
+    components = load_components(tiny_dir["2.3"]["checkpoint"], ComponentFiles(video_vae=tiny_file),
+                                 dtype=torch.float32)
     assert is_diffusion_decoder(components.video_vae)
     pipe = TwoStagePipeline(components, gemma=None)
     for tiling in (None, TileCountConfig()):

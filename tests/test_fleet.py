@@ -34,7 +34,7 @@ from mgpu_backend.engine import sampling as S
 from mgpu_backend.serving.client import ControllerClient
 from mgpu_backend.testing import tiny
 from mgpu_backend.models.gemma import load_gemma
-from mgpu_backend.models.loader import load_components
+from mgpu_backend.models.loader import ComponentFiles, load_components
 from mgpu_backend.splits.tiling import default_tiling
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 from mgpu_backend.protocol.errors import ControllerError, JobCancelled
@@ -139,7 +139,7 @@ def tiled_fields(world: int) -> dict:
 @pytest.fixture(scope="module")
 def one_process(files):
     """`one_process(request)` -> the one-process result and progress events (this process, one thread; cached)."""
-    components = load_components(files["small"], upsampler=files["upscaler"], dtype=torch.float32)
+    components = load_components(files["small"], ComponentFiles(upsampler=files["upscaler"]), dtype=torch.float32)
     pipeline = TwoStagePipeline(components, load_gemma(files["gemma"]), dtype=torch.float32)
     cache: dict[str, dict] = {}
 

@@ -27,7 +27,7 @@ from _dist import run_ranks
 from mgpu_backend.engine import sampling as S
 from mgpu_backend.engine.denoiser import text_contexts
 from mgpu_backend.models.gemma import load_gemma
-from mgpu_backend.models.loader import load_components
+from mgpu_backend.models.loader import ComponentFiles, load_components
 from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.splits import cost as C
 from mgpu_backend.splits import passes as GP
@@ -56,7 +56,7 @@ PIPELINE = dict(prompt="a fox in the snow", width=128, height=128, frames=9, ste
 
 
 def _load(paths: dict):
-    return load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    return load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]), dtype=torch.float32)
 
 
 def _stage_spec(components, case: str) -> StageSpec:

@@ -46,8 +46,11 @@ def _max(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def test_modes_match_the_protocol():
-    assert Q.INT8_LOAD_MODES == INT8_COMPUTE_MODES == ("auto", "w8a8", "dequantize")
+def test_modes_are_the_rules():
+    from mgpu_backend.protocol import fleet_rules
+
+    assert INT8_COMPUTE_MODES is fleet_rules.INT8_COMPUTE_MODES == ("auto", "w8a8", "dequantize")
+    assert not hasattr(Q, "INT8_LOAD_MODES") and not hasattr(Q, "resolve_int8_compute")  # one copy: fleet_rules
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -153,7 +156,8 @@ def test_weight_bytes_dequantized_is_what_the_ranks_hold(files):
 
 def test_resolve_rules():
     kw = {"int8_bytes": 22 * GiB, "dequantized_bytes": 44 * GiB, "reserve_bytes": 3 * GiB}
-    r = Q.resolve_int8_compute
+    from mgpu_backend.protocol.fleet_rules import resolve_int8_compute as r
+
     assert r("auto", device_type="cuda", weights="replicated", free_bytes=139 * GiB, **kw)[0] == "dequantize"
     mode, why = r("auto", device_type="cuda", weights="replicated", free_bytes=40 * GiB, **kw)
     assert mode == "w8a8" and "44.0 GiB dequantized" in why and "40.0 GiB free" in why
@@ -166,7 +170,7 @@ def test_resolve_rules():
     with pytest.raises(ValueError, match=r"46.0 GiB free on this GPU, the weights need 44.0 GiB dequantized \(\+ 3 "
                                          r"GiB for one forward\) against 22.0 GiB as int8"):
         r("dequantize", device_type="cuda", weights="replicated", free_bytes=46 * GiB, **kw)
-    with pytest.raises(ValueError, match="with sharded weights"):
+    with pytest.raises(ValueError, match="int8_compute='dequantize' with weights='sharded'"):
         r("dequantize", device_type="cuda", weights="sharded", free_bytes=139 * GiB, **kw)
     with pytest.raises(ValueError, match="int8_compute='fast': choose one of auto, w8a8, dequantize"):
         r("fast", device_type="cuda", weights="replicated", free_bytes=139 * GiB, **kw)
@@ -233,17 +237,22 @@ def test_cli_in_process_resolution(files):
     """`generate --int8-compute` without a fleet: resolved for this process's device as a rank resolves it."""
     import argparse
 
-    from mgpu_backend.serving.cli import _int8_path
+    from mgpu_backend.models.loader import int8_path_for
+    from mgpu_backend.serving.cli import _in_process_identity
 
     cpu = torch.device("cpu")
+
+    def resolved(flag, file):
+        identity = _in_process_identity(argparse.Namespace(int8_compute=flag), {"checkpoint": str(file),
+                                                                                 "upscaler": None}, torch.float32, cpu)
+        assert identity.devices == ("cpu",) and identity.weights == "replicated" and identity.dtype == "float32"
+        return int8_path_for(identity, torch.float32, cpu)
+
     for flag, want in ((None, "w8a8"), ("auto", "w8a8"), ("w8a8", "w8a8"), ("dequantize", "dequantize")):
-        args = argparse.Namespace(int8_compute=flag)
-        mode, why = _int8_path(args, {"checkpoint": str(files["int8"]), "upscaler": None}, torch.float32, cpu)
+        mode, why = resolved(flag, files["int8"])
         assert mode == want and why, (flag, mode, why)
     # a file without int8 layers: nothing to choose
-    assert _int8_path(argparse.Namespace(int8_compute="dequantize"), {"checkpoint": str(files["bf16"]),
-                                                                       "upscaler": None}, torch.float32, cpu) == \
-        ("w8a8", "")
+    assert resolved("dequantize", files["bf16"]) == ("w8a8", "")
 
 
 @pytest.mark.gpu

@@ -14,6 +14,8 @@ the layers.
 - `mgpu_backend` never imports `nodes`, `comfy*`, `folder_paths`, `server` or `comfy_api`;
 - `protocol` and `serving.client` import from `mgpu_backend` only `protocol`, so a node never pulls in the engine
   through them;
+- the controller and the CLI read checkpoints through one service, `models.headers` (the safetensors header: family,
+  heads, blocks, fp8 / int8 layers, folder discovery): they import nothing else from `models/` (`HEADER_SERVICE`);
 - a job (`serving/jobs`) never imports the worker that runs it (nor `fleet`, `controller`, `client`): what a job
   hands back goes through `protocol.frames` (shared-memory frames) and `protocol`;
 - the pack's `kernels/` folder is imported only through `mgpu_backend/splits/exchange.py` (today by nothing), and
@@ -45,6 +47,8 @@ COMFYUI_MODULES = ("comfy", "comfy_api", "comfy_extras", "comfy_execution", "fol
 FLEET_MODULES = ("mgpu_backend.serving.controller", "mgpu_backend.serving.client", "mgpu_backend.serving.worker",
                  "mgpu_backend.serving.fleet")
 JOBS = ("mgpu_backend.serving.jobs",)
+HEADER_SERVICE = "mgpu_backend.models.headers"
+HEADER_CLIENTS = ("mgpu_backend.serving.controller", "mgpu_backend.serving.cli")
 TEST_NODES = "nodes.testing"
 MAX_TOP_ENTRIES = 10
 
@@ -54,6 +58,11 @@ ALLOWED = {
     # (it makes reference conditionings without a fleet).
     ("nodes.testing", "mgpu_backend.models.gemma"),
     ("nodes.testing", "mgpu_backend.models.loader"),
+    # The CLI's in-process generate (no --devices) is a loader: it loads the components, Gemma and checks the text
+    # projection in its own process, as a fleet rank does (`run_generate`). Its fleet path reads headers only.
+    ("mgpu_backend.serving.cli", "mgpu_backend.models.loader"),
+    ("mgpu_backend.serving.cli", "mgpu_backend.models.gemma"),
+    ("mgpu_backend.serving.cli", "mgpu_backend.models.text_projection"),
 }
 
 
@@ -121,6 +130,8 @@ def _rule_broken(importer: str, imported: str) -> str | None:
     if within(importer, CONTRACTS) and within(imported, ("mgpu_backend",)) and imported != "mgpu_backend" \
             and not within(imported, ("mgpu_backend.protocol",)):
         return "a contract module (protocol, serving.client) imports from mgpu_backend only protocol"
+    if importer in HEADER_CLIENTS and within(imported, ("mgpu_backend.models",)) and imported != HEADER_SERVICE:
+        return f"the controller and the CLI import from models/ only the checkpoint-header service {HEADER_SERVICE}"
     if within(importer, JOBS) and within(imported, FLEET_MODULES):
         return "a job never imports the worker, fleet, controller or client (frames go through protocol.frames)"
     low, high = _layer(importer), _layer(imported)
@@ -271,6 +282,14 @@ def test_the_rules():
     assert _rule_broken("mgpu_backend.models.loader", "mgpu_backend.weights.sharding")
     assert _rule_broken("mgpu_backend.splits.decode", "mgpu_backend.models.diffusion_decoder") is None
     assert _rule_broken("mgpu_backend.stages.stage", "mgpu_backend.serving.worker")
+    # the checkpoint-header service: the controller and the CLI read models/ through it alone
+    assert _rule_broken("mgpu_backend.serving.controller", "mgpu_backend.models.headers") is None
+    assert _rule_broken("mgpu_backend.serving.cli", "mgpu_backend.models.headers") is None
+    for internal in ("loader", "folders", "families", "gemma", "text_projection", "quant"):
+        assert _rule_broken("mgpu_backend.serving.controller", f"mgpu_backend.models.{internal}"), internal
+        assert _rule_broken("mgpu_backend.serving.cli", f"mgpu_backend.models.{internal}"), internal
+    assert _rule_broken("mgpu_backend.serving.controller", "mgpu_backend.models")  # the package itself too
+    assert _rule_broken("mgpu_backend.serving.worker", "mgpu_backend.models.loader") is None  # a rank loads
     # the testing fence
     assert _rule_broken("mgpu_backend.serving.worker", "mgpu_backend.testing.tiny")
     assert _rule_broken("mgpu_backend.models.loader", "mgpu_backend.testing.tiny")
@@ -307,3 +326,19 @@ def test_the_folders_show_the_layers():
     for layer in LAYER_ORDER + ("testing",):
         assert (ROOT / "mgpu_backend" / layer / "__init__.py").is_file(), layer
     assert set(top) == set(LAYER_ORDER) | {"testing"}, f"a top entry that is not a layer: {top}"
+
+
+def test_a_controller_reading_a_model_internal_fails(tmp_path, monkeypatch):
+    """The checkpoint-header rule on a tree: the controller importing the loader (lazily, inside a function) is
+    found; its import of the header service is not."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    for name in ("mgpu_backend/__init__.py", "mgpu_backend/models/__init__.py", "mgpu_backend/models/loader.py",
+                 "mgpu_backend/models/headers.py", "mgpu_backend/serving/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "mgpu_backend" / "serving" / "controller.py").write_text(
+        "from ..models.headers import checkpoint_facts\n"
+        "def check_config(config):\n"
+        "    from ..models.loader import SafetensorsFile\n")
+    (tmp_path / "mgpu_backend" / "serving" / "cli.py").write_text("from mgpu_backend.models import headers\n")
+    assert set(_violations()) == {("mgpu_backend.serving.controller", "mgpu_backend.models.loader")}

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mgpu_backend.models import configs, keymaps
-from mgpu_backend.models.loader import (CheckpointError, build_audio_vae, load_components,
+from mgpu_backend.models.loader import (CheckpointError, ComponentFiles, build_audio_vae, load_components,
                                         load_upsampler)
 from mgpu_backend.testing.tiny import tiny_vocoder_metadata
 from _forward import av_forward
@@ -319,8 +319,9 @@ def _split_checkpoint(path, directory, variant):
 def test_transformer_only_file_with_component_files_equals_single_file(tiny_dir, loaded, tmp_path, variant):
     files = _split_checkpoint(tiny_dir[variant]["checkpoint"], tmp_path / "split", variant)
     assert not any(k.startswith(("model.", "vae.", "audio_vae.")) for k in _file_keys(files["transformer"]))
-    comps = load_components(files["transformer"], video_vae=files["video_vae"], audio_vae=files["audio_vae"],
-                            text_projection=files["text_projection"], dtype=torch.float32)
+    comps = load_components(files["transformer"], ComponentFiles(video_vae=files["video_vae"],
+                            audio_vae=files["audio_vae"], text_projection=files["text_projection"]),
+                            dtype=torch.float32)
     ref = loaded[variant]
     assert comps.variant == variant
     assert set(comps.modules()) == set(ref.modules())
@@ -335,7 +336,8 @@ def test_transformer_only_file_with_component_files_equals_single_file(tiny_dir,
 def test_transformer_only_file_without_vae_file_is_an_error(tiny_dir, tmp_path):
     files = _split_checkpoint(tiny_dir["2.0"]["checkpoint"], tmp_path / "split", "2.0")
     with pytest.raises(CheckpointError, match="video VAE") as err:
-        load_components(files["transformer"], audio_vae=files["audio_vae"], text_projection=files["text_projection"])
+        load_components(files["transformer"], ComponentFiles(audio_vae=files["audio_vae"],
+                        text_projection=files["text_projection"]))
     assert str(files["transformer"]) in str(err.value)
 
 
@@ -449,7 +451,7 @@ def test_upsampler_loads_and_doubles_height_and_width(tiny_dir, tiny_modules):
     assert out.shape == (1, 128, 2, 6, 8)
     assert torch.isfinite(out).all() and out.std() > 0
     # via load_components too
-    comps = load_components(tiny_dir["2.0"]["checkpoint"], upsampler=tiny_dir["2.0"]["upsampler"],
+    comps = load_components(tiny_dir["2.0"]["checkpoint"], ComponentFiles(upsampler=tiny_dir["2.0"]["upsampler"]),
                             dtype=torch.float32)
     _assert_state_equal(comps.upsampler.state_dict(), up.state_dict(), "upsampler")
     assert comps.sources["upsampler"] == str(tiny_dir["2.0"]["upsampler"])

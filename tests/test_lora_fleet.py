@@ -531,7 +531,8 @@ def test_generate_with_user_lora_on_both_stages(ctl, files, capsys):
     fleet = ctl.run(handle, JobSpec("generate", with_user))
     fleet_without = ctl.run(handle, JobSpec("generate", without))
     assert ctl.status().fleet.open_counts == before
-    components = loader.load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=torch.float32)
+    components = loader.load_components(files["checkpoint"], loader.ComponentFiles(upsampler=files["upscaler"]),
+                                        dtype=torch.float32)
     pipe = TwoStagePipeline(components, load_gemma(files["gemma"]), dtype=torch.float32)
     one = pipe.generate(with_user)
     assert [str(r) for r in one.lora_reports] == list(fleet.lora_reports) == [

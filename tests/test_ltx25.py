@@ -29,7 +29,7 @@ from mgpu_backend.engine.denoiser import LTX2Denoiser, keyframe_token_mask, text
 from mgpu_backend.models import families as FM
 from mgpu_backend.models import keymaps
 from mgpu_backend.models.fp8 import FP8Linear
-from mgpu_backend.models.loader import CheckpointError, load_components, load_upsampler
+from mgpu_backend.models.loader import CheckpointError, ComponentFiles, load_components, load_upsampler
 from mgpu_backend.models.quant import Int8Linear, dequantize_int8, encode_comfy_quant, hadamard, quantize_int8
 from mgpu_backend.testing.tiny import build_tiny_modules, tiny_transformer_metadata, write_tiny_component_files, write_tiny_transformer
 from mgpu_backend.engine.sampling import GuidancePass, ModelInputs
@@ -64,8 +64,8 @@ def files25(tmp_path_factory, golden):
 
 @pytest.fixture(scope="module")
 def ours(files25):
-    return load_components(files25["transformer"], video_vae=files25["video_vae"], audio_vae=files25["audio_vae"],
-                           upsampler=files25["upsampler"], dtype=torch.float32)
+    return load_components(files25["transformer"], ComponentFiles(video_vae=files25["video_vae"],
+                           audio_vae=files25["audio_vae"], upsampler=files25["upsampler"]), dtype=torch.float32)
 
 
 def _max_diff(a, b) -> float:
@@ -177,8 +177,8 @@ def test_keyframe_mask_marks_generated_frame0_tokens_only():
 
 
 def test_int8_convrot_dequantization_matches_comfyui(files25, golden):
-    comps = load_components(files25["transformer_int8"], video_vae=files25["video_vae"],
-                            audio_vae=files25["audio_vae"], dtype=torch.float32)
+    comps = load_components(files25["transformer_int8"], ComponentFiles(video_vae=files25["video_vae"],
+                            audio_vae=files25["audio_vae"]), dtype=torch.float32)
     tr = comps.transformer
     assert comps.family is FM.LTX_2_5
     for name in golden["int8_layers"]:
@@ -197,8 +197,8 @@ def test_quantized_twins_compute_close_to_bf16(files25, ours, golden):
     error only (exact dequantizing compute)."""
     ref, _ = _forward(ours, golden)
     for name, cls in (("transformer_int8", Int8Linear), ("transformer_fp8", FP8Linear)):
-        comps = load_components(files25[name], video_vae=files25["video_vae"], audio_vae=files25["audio_vae"],
-                                dtype=torch.float32)
+        comps = load_components(files25[name], ComponentFiles(video_vae=files25["video_vae"],
+                                audio_vae=files25["audio_vae"]), dtype=torch.float32)
         layer = comps.transformer.transformer_blocks[0].attn1.to_q
         assert type(layer) is cls
         video, _ = _forward(comps, golden)
@@ -270,8 +270,8 @@ def test_int8_forward_equals_comfyui_w8a8(files25, golden, monkeypatch):
     t = golden["t"]
     if "comfy.int8_velocity_video_ref" not in t:
         pytest.skip("golden made before the int8 forward was recorded (regenerate: tests/golden/make_golden_ltx25.py)")
-    comps = load_components(files25["transformer_int8"], video_vae=files25["video_vae"],
-                            audio_vae=files25["audio_vae"], dtype=torch.float32)
+    comps = load_components(files25["transformer_int8"], ComponentFiles(video_vae=files25["video_vae"],
+                            audio_vae=files25["audio_vae"]), dtype=torch.float32)
     plain = _forward(comps, golden)  # the pack's own int8_linear (comfy-kitchen's op, or its torch copy)
     flipper = _TieFlipper()
     monkeypatch.setattr(Q, "int8_linear", flipper)
@@ -381,7 +381,7 @@ def test_missing_keyframe_free_key_is_named(files25, tmp_path):
     bad = _rewrite(files25["transformer"], tmp_path / "t.safetensors",
                    lambda s: s.pop("transformer_blocks.1.ff.net.2.weight"))
     with pytest.raises(CheckpointError, match=r"missing keys: transformer_blocks\.1\.ff\.net\.2\.weight") as err:
-        load_components(bad, video_vae=files25["video_vae"], audio_vae=files25["audio_vae"])
+        load_components(bad, ComponentFiles(video_vae=files25["video_vae"], audio_vae=files25["audio_vae"]))
     assert str(bad) in str(err.value)
 
 
@@ -389,7 +389,7 @@ def test_video_ff_bias_in_a_25_file_is_unexpected(files25, tmp_path):
     bad = _rewrite(files25["transformer"], tmp_path / "t.safetensors",
                    lambda s: s.update({"transformer_blocks.0.ff.net.2.bias": torch.zeros(64, dtype=torch.bfloat16)}))
     with pytest.raises(CheckpointError, match=r"unexpected keys: transformer_blocks\.0\.ff\.net\.2\.bias"):
-        load_components(bad, video_vae=files25["video_vae"], audio_vae=files25["audio_vae"])
+        load_components(bad, ComponentFiles(video_vae=files25["video_vae"], audio_vae=files25["audio_vae"]))
 
 
 def test_unsupported_quant_format_is_named(files25, tmp_path):
@@ -397,14 +397,14 @@ def test_unsupported_quant_format_is_named(files25, tmp_path):
     bad = _rewrite(files25["transformer_int8"], tmp_path / "t.safetensors",
                    lambda s: s.update({layer + "comfy_quant": encode_comfy_quant({"format": "nvfp4"})}))
     with pytest.raises(CheckpointError, match=r"'nvfp4'; supported: float8_e4m3fn, float8_e5m2, int8_tensorwise"):
-        load_components(bad, video_vae=files25["video_vae"], audio_vae=files25["audio_vae"])
+        load_components(bad, ComponentFiles(video_vae=files25["video_vae"], audio_vae=files25["audio_vae"]))
 
 
 def test_int8_weight_without_marker_is_refused(files25, tmp_path):
     bad = _rewrite(files25["transformer_int8"], tmp_path / "t.safetensors",
                    lambda s: s.pop("transformer_blocks.0.attn1.to_q.comfy_quant"))
     with pytest.raises(CheckpointError, match=r"to_q\.weight is stored as int8 without a '\.comfy_quant' marker"):
-        load_components(bad, video_vae=files25["video_vae"], audio_vae=files25["audio_vae"])
+        load_components(bad, ComponentFiles(video_vae=files25["video_vae"], audio_vae=files25["audio_vae"]))
 
 
 def test_transformer_only_file_without_vae_files_is_an_error(files25):
@@ -413,8 +413,8 @@ def test_transformer_only_file_without_vae_files_is_an_error(files25):
 
 
 def test_fp8_marker_with_input_scale_loads_resident(files25):
-    comps = load_components(files25["transformer_fp8"], video_vae=files25["video_vae"],
-                            audio_vae=files25["audio_vae"], dtype=torch.bfloat16)
+    comps = load_components(files25["transformer_fp8"], ComponentFiles(video_vae=files25["video_vae"],
+                            audio_vae=files25["audio_vae"]), dtype=torch.bfloat16)
     layer = comps.transformer.transformer_blocks[1].audio_ff.net[2]
     assert isinstance(layer, FP8Linear) and layer.weight.dtype == torch.float8_e4m3fn
     assert layer.input_scale.shape == () and math.isfinite(float(layer.weight_scale))
@@ -449,8 +449,8 @@ def _sp25_rank(rank: int, world: int, files: dict, golden_path: str) -> dict:
     from mgpu_backend.splits.exchange import Exchange
     from mgpu_backend.splits.sequence import UlyssesSplit
 
-    comps = load_components(files["transformer"], video_vae=files["video_vae"], audio_vae=files["audio_vae"],
-                            dtype=torch.float32)
+    comps = load_components(files["transformer"], ComponentFiles(video_vae=files["video_vae"],
+                            audio_vae=files["audio_vae"]), dtype=torch.float32)
     golden = {"spec": json.loads(safe_open(golden_path, "pt").metadata()["spec"]), "t": load_file(golden_path)}
     return _sp_forward(comps, golden, UlyssesSplit(Exchange(None, world, rank)))
 
@@ -557,9 +557,9 @@ def test_ltx25_files_run_the_template_recipe_by_default(files25, tmp_path, monke
               str(proj_path))
     gemma = write_tiny_gemma(tmp_path / "gemma.safetensors", seed=0, hidden_size=TINY_GEMMA_HIDDEN,
                              num_layers=TINY_GEMMA_LAYERS)
-    comps = load_components(files25["transformer_int8"], video_vae=files25["video_vae"],
-                            audio_vae=files25["audio_vae"], upsampler=files25["upsampler"],
-                            text_projection=proj_path, dtype=torch.float32)
+    comps = load_components(files25["transformer_int8"], ComponentFiles(video_vae=files25["video_vae"],
+                            audio_vae=files25["audio_vae"], upsampler=files25["upsampler"], text_projection=proj_path),
+                            dtype=torch.float32)
     seen = []
     loop = S.denoise_loop
 
@@ -584,8 +584,8 @@ def test_lora_fuses_onto_resident_int8_layers_and_restores(files25, tmp_path):
     from mgpu_backend.weights.lora import LoRAFuser, read_lora
     from mgpu_backend.testing.tiny import write_tiny_lora
 
-    tr = load_components(files25["transformer_int8"], video_vae=files25["video_vae"], audio_vae=files25["audio_vae"],
-                         dtype=torch.float32).transformer
+    tr = load_components(files25["transformer_int8"], ComponentFiles(video_vae=files25["video_vae"],
+                         audio_vae=files25["audio_vae"]), dtype=torch.float32).transformer
     int8 = {n: m for n, m in tr.named_modules() if isinstance(m, Int8Linear)}
     before = {k: v.clone() for k, v in tr.state_dict().items()}
     lora = read_lora(write_tiny_lora(tmp_path / "lora.safetensors", "2.5", seed=0))
@@ -618,5 +618,5 @@ def test_a_transformer_file_loads_alone_for_the_native_model(files25, ours):
     with pytest.raises(Exception, match="vae"):
         load_components(files25["transformer"], dtype=torch.float32)
     with pytest.raises(ValueError, match="video_vae"):
-        load_components(files25["transformer"], video_vae=files25["video_vae"], transformer_only=True)
+        load_components(files25["transformer"], ComponentFiles(video_vae=files25["video_vae"]), transformer_only=True)
 

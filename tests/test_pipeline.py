@@ -10,7 +10,7 @@ from mgpu_backend.serving import cli
 from mgpu_backend.engine import latents as L
 from mgpu_backend.stages.media import probe_mp4
 from mgpu_backend.models.gemma import load_gemma
-from mgpu_backend.models.loader import load_components
+from mgpu_backend.models.loader import ComponentFiles, load_components
 from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 
@@ -22,7 +22,7 @@ SMALL = dict(width=128, height=128, frames=9, fps=24.0, steps=3)
 @pytest.fixture(scope="session", params=["2.0", "2.3"])
 def tiny_pipeline(request, tmp_path_factory):
     paths = make_tiny(tmp_path_factory.mktemp(f"pipe{request.param}"), request.param, seed=0)
-    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    components = load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]), dtype=torch.float32)
     return TwoStagePipeline(components, load_gemma(paths["gemma"])), paths
 
 

@@ -8,7 +8,7 @@ import torch
 
 from _dist import run_ranks
 from mgpu_backend.models.gemma import load_gemma
-from mgpu_backend.models.loader import load_components
+from mgpu_backend.models.loader import ComponentFiles, load_components
 from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.stages.pipelines import GenerateRequest, TwoStagePipeline
 
@@ -77,7 +77,7 @@ def _generate(rank, world, paths):
     from mgpu_backend.protocol.fleet_config import FleetPolicy
     from mgpu_backend.splits.plan import build_plan
 
-    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    components = load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]), dtype=torch.float32)
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"), FleetPolicy(min_tokens_per_rank=10 ** 6))
     pipeline = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
     result = pipeline.generate(GenerateRequest(**REQUEST))
@@ -87,7 +87,7 @@ def _generate(rank, world, paths):
 def test_small_stage_runs_on_one_rank_and_equals_one_process(paths):
     """With a minimum no stage reaches, stage 1 runs on rank 0 alone (the others receive its result): its latent
     equals the one-process run bit for bit, on every rank, and the report says why."""
-    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    components = load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]), dtype=torch.float32)
     reference = TwoStagePipeline(components, load_gemma(paths["gemma"])).generate(GenerateRequest(**REQUEST))
     results = run_ranks(_generate, 2, paths)
     for r in results:
@@ -105,7 +105,7 @@ def _policy_switches(rank, world, paths):
     from mgpu_backend.splits.plan import ParallelPlan, build_plan
     from mgpu_backend.protocol.validation import ValidationError
 
-    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    components = load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]), dtype=torch.float32)
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"))  # CPU default: full degree
     first, first_policy = plan, plan.policy
     created = []
@@ -146,7 +146,7 @@ def test_policy_changes_pick_among_the_groups_built_at_start(paths):
     every guidance-pass group exists from `build_plan` on; a policy only picks among them (no collective, no new
     group) in a new frozen plan, the earlier plans unchanged; a degree the heads do not allow is refused, and a run
     under the new policy equals the one-process run bit for bit."""
-    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    components = load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]), dtype=torch.float32)
     reference = TwoStagePipeline(components, load_gemma(paths["gemma"])).generate(GenerateRequest(**REQUEST))
     results = run_ranks(_policy_switches, 4, paths)
     for r in results:
@@ -169,7 +169,7 @@ def _cancel_on_three(rank, world, paths):
     from mgpu_backend.splits.plan import build_plan
     from mgpu_backend.engine.sampling import SamplingCancelled
 
-    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    components = load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]), dtype=torch.float32)
     plan = build_plan(components.transformer, rank, world, torch.device("cpu"))
     pipeline = TwoStagePipeline(components, load_gemma(paths["gemma"]), plan=plan)
     try:

@@ -50,7 +50,7 @@ pytest.importorskip("einops", reason="ltx-core needs einops")
 
 from mgpu_backend.engine import latents as L  # noqa: E402
 from mgpu_backend.engine.denoiser import LTX2Denoiser, text_contexts  # noqa: E402
-from mgpu_backend.models.loader import load_components  # noqa: E402
+from mgpu_backend.models.loader import ComponentFiles, load_components  # noqa: E402
 from mgpu_backend.models.text_projection import make_conditioning  # noqa: E402
 from mgpu_backend.testing.tiny import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS, build_tiny_modules, tiny_vae_metadata, write_tiny_checkpoint, write_tiny_upsampler
 from mgpu_backend.engine.sampling import GuidancePass, ModelInputs  # noqa: E402
@@ -88,7 +88,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ours(files):
-    return {v: load_components(c, upsampler=u, dtype=torch.float32) for v, (c, u) in files.items()}
+    return {v: load_components(c, ComponentFiles(upsampler=u), dtype=torch.float32) for v, (c, u) in files.items()}
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -33,11 +33,11 @@ from mgpu_backend.engine import latents as L
 from mgpu_backend.engine import sampling as S
 from mgpu_backend.engine.denoiser import LTX2Denoiser, TextContext, text_contexts
 from mgpu_backend.models.gemma import load_gemma
-from mgpu_backend.models.loader import load_components
+from mgpu_backend.models.loader import ComponentFiles, load_components
 from mgpu_backend.testing.tiny import make_tiny
 from mgpu_backend.splits.exchange import Exchange
 from mgpu_backend.splits.plan import ParallelPlan, PlanPolicy, build_plan
-from mgpu_backend.splits.degrees import check_sp_degree, largest_sp_degree, valid_sp_degrees
+from mgpu_backend.protocol.fleet_rules import check_sp_degree, largest_sp_degree, valid_sp_degrees
 from mgpu_backend.splits.apply import apply_plan
 from mgpu_backend.splits.forward_plan import SEQUENCE, pad_and_slice
 from mgpu_backend.splits.sequence import GatheredKeysCrossAttention, UlyssesSelfAttention, check_token_cap
@@ -95,7 +95,8 @@ def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = TOL)
 
 
 def _load(files: dict, variant: str):
-    return load_components(files[variant]["checkpoint"], upsampler=files[variant]["upsampler"], dtype=torch.float32)
+    return load_components(files[variant]["checkpoint"], ComponentFiles(upsampler=files[variant]["upsampler"]),
+                           dtype=torch.float32)
 
 
 def _contexts(components) -> TextContext:

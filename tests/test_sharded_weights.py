@@ -188,7 +188,7 @@ def test_stage_jobs_sharded_equal_replicated(tiny_dir, file, expect):
 # ---- refusals -------------------------------------------------------------------------------------------------------
 
 def test_sharded_policy_refusals():
-    from mgpu_backend.splits.degrees import check_sharded_policy
+    from mgpu_backend.protocol.fleet_rules import check_sharded_policy
     from mgpu_backend.protocol.validation import ValidationError
 
     check_sharded_policy(4, None, None, "auto", heads=32)  # the default policy is fine
@@ -261,7 +261,7 @@ def test_weight_bytes_from_the_header_equal_what_a_rank_holds(tiny_dir, tiny_com
 
 
 def test_check_fits_names_the_need_and_what_would_fit():
-    from mgpu_backend.weights.sharding import GiB, WeightBytes, check_fits
+    from mgpu_backend.protocol.fleet_rules import GiB, WeightBytes, check_fits
     from mgpu_backend.protocol.validation import ValidationError
 
     sizes = WeightBytes(blocks=int(21 * GiB), rest=int(0.8 * GiB))  # the 22B fp8 file of bench_sharded

@@ -69,12 +69,13 @@ def _run_sizes(rank: int, world: int, files: dict) -> list[dict]:
     """Every size's jobs on this rank (`world` 1: in one process, no plan). Per job: ("ok", outputs, block
     calls), ("refused", message, block calls) for a ValidationError, or ("error", repr, calls) for anything else."""
     from mgpu_backend.serving.jobs.stages import run_sample, run_upscale
-    from mgpu_backend.models.loader import load_components
+    from mgpu_backend.models.loader import ComponentFiles, load_components
     from mgpu_backend.splits.plan import build_plan
     from mgpu_backend.stages.pipelines import TwoStagePipeline
 
     cpu = torch.device("cpu")
-    components = load_components(files["checkpoint"], upsampler=files["upsampler"], dtype=torch.float32, device=cpu)
+    components = load_components(files["checkpoint"], ComponentFiles(upsampler=files["upsampler"]), dtype=torch.float32,
+                                 device=cpu)
     plan = build_plan(components.transformer, rank, world, cpu) if world > 1 else None
     state = SimpleNamespace(pipeline=TwoStagePipeline(components, None, device=cpu, plan=plan))
     calls = []

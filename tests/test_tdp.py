@@ -29,7 +29,7 @@ from mgpu_backend.engine import latents as L
 from mgpu_backend.engine import sampling as S
 from mgpu_backend.engine.denoiser import text_contexts
 from mgpu_backend.models.gemma import load_gemma
-from mgpu_backend.models.loader import load_components
+from mgpu_backend.models.loader import ComponentFiles, load_components
 from mgpu_backend.splits.tiled import DEFAULT_MAX_FIRST_SIGMA, check_tdp_sigmas
 
 from _forward import TiledDriver  # the TiledSplit's shard / gather on diffusers' arguments
@@ -417,7 +417,7 @@ SMALL = dict(width=128, height=128, frames=9, fps=24.0, steps=2)  # stage-2 late
 @pytest.fixture(scope="module", params=VARIANTS)
 def pipeline(request, tiny_dir):
     paths = tiny_dir[request.param]
-    components = load_components(paths["checkpoint"], upsampler=paths["upsampler"], dtype=torch.float32)
+    components = load_components(paths["checkpoint"], ComponentFiles(upsampler=paths["upsampler"]), dtype=torch.float32)
     return TwoStagePipeline(components, load_gemma(paths["gemma"]))
 
 

@@ -260,10 +260,10 @@ def test_plan_report_gives_the_real_reason_for_a_sub_group():
 def test_in_process_run_refuses_a_size_over_the_token_cap_before_any_work(tiny_dir):
     """In process, a huge size ran into the allocator (an OOM traceback mid-stage); a one-rank fleet refused it by
     its token cap. Now both refuse it the same way, before text encoding (no Gemma needed to reach the check)."""
-    from mgpu_backend.models.loader import load_components
+    from mgpu_backend.models.loader import ComponentFiles, load_components
     from mgpu_backend.stages.pipelines import TwoStagePipeline
 
-    components = load_components(tiny_dir["2.0"]["checkpoint"], upsampler=tiny_dir["2.0"]["upsampler"],
+    components = load_components(tiny_dir["2.0"]["checkpoint"], ComponentFiles(upsampler=tiny_dir["2.0"]["upsampler"]),
                                  dtype=torch.float32)
     request = GenerateRequest(prompt="p", width=16384, height=16384, frames=121)
     with pytest.raises(V.ValidationError, match=r"^1048576 video tokens over 1 ranks is 1048576 tokens per rank, "

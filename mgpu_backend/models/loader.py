@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +29,16 @@ from torch import nn
 from . import configs, keymaps, quant
 from .diffusion_decoder import (DIFFUSION_VAE_MARKER, REFUSED_SUFFIXES, STATISTICS, UNUSED_STATISTICS,
                                 DiffusionDecoderConfig, build_decoder, decoder_key_to_diffusers, diffusers_key_to_file)
+from ..protocol.fleet_rules import ACTIVATION_RESERVE_BYTES, WeightBytes, resolve_int8_compute
 from .families import ModelFamily, detect_family
 from .fp8 import FP8_DTYPES, INPUT_SCALE_SUFFIX, SCALE_SUFFIX, swap_in_fp8_linears
-
-# a key every LTX-2 audio+video transformer has (ComfyUI's detection uses the same two)
-_LTX_MARKER = "adaln_single.emb.timestep_embedder.linear_1.bias"
-_AV_MARKER = "audio_adaln_single.linear.weight"
+from .headers import LTX_MARKER as _LTX_MARKER
+from .headers import CheckpointError, transformer_prefix  # noqa: F401 - the loader's names too (headers.py)
 # LTX-2.5(.1+): learned embedding of single-pixel-frame tokens; ComfyUI builds it when the key is present
 KEYFRAME_EMBEDDING_KEY = "keyframes_abs_pos_embedding"
 
 
 OPEN_COUNT = 0  # safetensors files opened by this process (the fleet reports it: weights are read once per worker)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be used: wrong family, missing or unexpected keys, bad metadata."""
 
 
 class SafetensorsFile:
@@ -154,23 +149,37 @@ def _layout_error(path, what: str, missing: list[str], unexpected: list[str]) ->
     return CheckpointError(f"{path}: {what} does not match the expected layout; " + "; ".join(parts)) if parts else None
 
 
-def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_keys: list[str], prefix: str,
-                to_diffusers: Callable[[str], str], dtype: torch.dtype, component: str,
-                ignored_suffixes: tuple[str, ...] = (), to_original: Callable[[str], str] | None = None
-                ) -> nn.Module:
-    """Build a module without storage, map the file's keys onto it and load it strictly.
+@dataclass(frozen=True)
+class KeyMap:
+    """How a component's file keys map onto its diffusers module.
+
+    prefix: the component's key prefix in the file ("" for bare keys).
+    to_diffusers: maps a key without `prefix` to the module's key.
+    to_original: inverse of `to_diffusers`; when given, missing keys are named in the file's spelling (`prefix` +
+        original key), the names a user finds in other files of the same model.
+    ignored_suffixes: original keys the diffusers module has no slot for (dropped on purpose).
+    """
+
+    prefix: str
+    to_diffusers: Callable[[str], str]
+    to_original: Callable[[str], str] | None = None
+    ignored_suffixes: tuple[str, ...] = ()
+
+
+def load_module(factory: Callable[[], nn.Module], file: SafetensorsFile, file_keys: list[str], keys: KeyMap,
+                dtype: torch.dtype, component: str) -> nn.Module:
+    """Build a module without storage, map the file's keys onto it (`keys`) and load it strictly.
 
     Args:
         factory: builds the diffusers module (called under `init_empty_weights`, buffers stay real).
-        file_keys: the file keys of this component (with `prefix`).
-        to_diffusers: maps a key without `prefix` to the module's key.
+        file_keys: the file keys of this component (with `keys.prefix`).
         dtype: dtype for floating tensors; float8 Linear weights and their float32 scales are kept as stored.
-        ignored_suffixes: original keys the diffusers module has no slot for (dropped on purpose).
-        to_original: inverse of `to_diffusers`; when given, missing keys are named in the file's spelling
-            (`prefix` + original key), the names a user finds in other files of the same model.
+        component: its name in messages ("transformer", "video VAE", …).
     Raises: CheckpointError naming the missing and unexpected keys (file spelling; missing keys in the module's
-        spelling when `to_original` is not given).
+        spelling when `keys.to_original` is not given).
     """
+    prefix, to_diffusers, to_original = keys.prefix, keys.to_diffusers, keys.to_original
+    ignored_suffixes = keys.ignored_suffixes
     with init_empty_weights(include_buffers=False):
         module = factory()
     mapped: dict[str, str] = {}
@@ -262,33 +271,6 @@ def _quantized_layers(file: SafetensorsFile, component: str, mapped: dict[str, s
     return int8_layers, fp8_weights
 
 
-def transformer_prefix(file: SafetensorsFile) -> str:
-    """`model.diffusion_model.` for a single file, '' for a `diffusion_models/` transformer-only file."""
-    for prefix in (keymaps.TRANSFORMER_PREFIX, ""):
-        if prefix + _LTX_MARKER in file.keys:
-            if prefix + _AV_MARKER not in file.keys:
-                raise CheckpointError(f"{file.path}: an LTX-Video (video-only) transformer, not an LTX-2 audio+video "
-                                      f"model (no '{prefix}{_AV_MARKER}')")
-            return prefix
-    raise CheckpointError(f"{file.path}: not an LTX-2 checkpoint (no '{keymaps.TRANSFORMER_PREFIX}{_LTX_MARKER}' "
-                          f"key); is it a checkpoint of another model family?")
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    """The bytes a rank holds of a model's files, as the loader keeps them (floating tensors in the compute dtype,
-    fp8 / int8 weights and their scales as stored): `blocks` (transformer and text-connector blocks: sharded in the
-    memory mode) and `rest` (everything else: held whole by every rank)."""
-
-    blocks: int
-    rest: int
-
-    def per_rank(self, weights: str, world_size: int) -> int:
-        if weights == "sharded":
-            return -(-self.blocks // world_size) + self.rest
-        return self.blocks + self.rest
-
-
 def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
                  int8_dequantized: bool = False) -> WeightBytes:
     """The bytes the ranks will hold of these files (header reads only): a `WeightBytes` with the
@@ -326,24 +308,31 @@ def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
     return WeightBytes(blocks, rest)
 
 
-def int8_path_for(identity, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0) -> tuple[str, str]:
+def identity_files(identity) -> tuple[str | None, ...]:
+    """The files a fleet's ranks load of a `FleetIdentity`: the checkpoint alone for a transformer-only fleet."""
+    if identity.transformer_only:
+        return (identity.checkpoint,)
+    return (identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
+
+
+def int8_path_for(identity, dtype: torch.dtype, device: torch.device,
+                  reserve_bytes: int = ACTIVATION_RESERVE_BYTES) -> tuple[str, str]:
     """The int8 path ("w8a8" or "dequantize") and its reason for a rank of a fleet (`FleetIdentity`, its compute
-    `dtype`, the rank's `device`), from the fleet option `identity.int8_compute` (`quant.resolve_int8_compute`: on
-    CUDA against this GPU's free memory, `torch.cuda.mem_get_info`, with `reserve_bytes` kept for one forward: the
-    worker passes `parallel/sharding.ACTIVATION_RESERVE_BYTES`). Header reads only. ("w8a8", "") for files without
-    int8 layers. Raises ValidationError for "dequantize" when the dequantized weights would not fit (naming the
+    `dtype`, the rank's `device`), from the fleet option `identity.int8_compute` (the fleet's rule,
+    `protocol.fleet_rules.resolve_int8_compute`: on CUDA against this GPU's free memory, `torch.cuda.mem_get_info`,
+    with `reserve_bytes` kept for one forward). Header reads only. ("w8a8", "") for files without int8 layers.
+    Raises ValidationError naming the device for "dequantize" when the dequantized weights would not fit (naming the
     sizes)."""
     from ..protocol.validation import ValidationError
 
-    files = (identity.checkpoint,) if identity.transformer_only else (
-        identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
+    files = identity_files(identity)
     as_int8 = weight_bytes(files, dtype, transformer_only=identity.transformer_only)
     dequantized = weight_bytes(files, dtype, transformer_only=identity.transformer_only, int8_dequantized=True)
     if as_int8 == dequantized:
         return "w8a8", ""
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     try:
-        return quant.resolve_int8_compute(
+        return resolve_int8_compute(
             identity.int8_compute, device_type=device.type, weights=identity.weights,
             int8_bytes=as_int8.per_rank(identity.weights, identity.world_size),
             dequantized_bytes=dequantized.per_rank(identity.weights, identity.world_size), free_bytes=free,
@@ -392,16 +381,16 @@ def load_transformer(file: SafetensorsFile, dtype: torch.dtype) -> tuple[nn.Modu
     transformer_keys = [k for k in all_keys if not k[len(prefix):].startswith(keymaps.CONNECTOR_PREFIXES)]
     kwargs = configs.transformer_kwargs(
         meta, keyframes_embedding=prefix + KEYFRAME_EMBEDDING_KEY in file.keys)  # from the keys, as ComfyUI
-    transformer = load_module(lambda: LTX2VideoTransformer3DModel(**kwargs), file, transformer_keys, prefix,
-                              keymaps.transformer_to_diffusers, dtype, "transformer",
-                              to_original=keymaps.transformer_to_original)
+    transformer = load_module(lambda: LTX2VideoTransformer3DModel(**kwargs), file, transformer_keys,
+                              KeyMap(prefix, keymaps.transformer_to_diffusers, keymaps.transformer_to_original),
+                              dtype, "transformer")
     connectors = []
     for connector_prefix, audio in zip(keymaps.CONNECTOR_PREFIXES, (False, True)):
         ckw = configs.connector_kwargs(meta, audio=audio)
         connectors.append(load_module(
             lambda ckw=ckw: LTX2ConnectorTransformer1d(**ckw), file, connector_keys[connector_prefix],
-            prefix + connector_prefix, keymaps.connector_to_diffusers, dtype, connector_prefix.rstrip("."),
-            to_original=keymaps.connector_to_original))
+            KeyMap(prefix + connector_prefix, keymaps.connector_to_diffusers, keymaps.connector_to_original), dtype,
+            connector_prefix.rstrip(".")))
     return transformer, connectors[0], connectors[1], meta
 
 
@@ -545,10 +534,9 @@ def load_video_vae(file: SafetensorsFile, dtype: torch.dtype) -> nn.Module:
     stages = len(kwargs["block_out_channels"])
     keys = file.keys_under(prefix) if prefix else [k for k in file.keys if k.startswith(("encoder.", "decoder.",
                                                                                               "per_channel"))]
-    return load_module(lambda: AutoencoderKLLTX2Video(**kwargs), file, keys, prefix,
-                       lambda k: keymaps.video_vae_to_diffusers(k, stages), dtype, "video VAE",
-                       ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES,
-                       to_original=lambda k: keymaps.video_vae_to_original(k, stages))
+    key_map = KeyMap(prefix, lambda k: keymaps.video_vae_to_diffusers(k, stages),
+                     lambda k: keymaps.video_vae_to_original(k, stages), keymaps.VAE_IGNORED_SUFFIXES)
+    return load_module(lambda: AutoencoderKLLTX2Video(**kwargs), file, keys, key_map, dtype, "video VAE")
 
 
 def build_audio_vae(**kwargs) -> nn.Module:
@@ -572,15 +560,15 @@ def load_audio_vae_and_vocoder(file: SafetensorsFile, dtype: torch.dtype) -> tup
     if not prefix:
         raise CheckpointError(f"{file.path}: audio VAE keys must carry the '{keymaps.AUDIO_VAE_PREFIX}' prefix")
     akw = configs.audio_vae_kwargs(_section(file, "audio_vae"))
-    audio_vae = load_module(lambda: build_audio_vae(**akw), file, file.keys_under(prefix), prefix,
-                            keymaps.audio_vae_to_diffusers, dtype, "audio VAE",
-                            ignored_suffixes=keymaps.VAE_IGNORED_SUFFIXES, to_original=keymaps.audio_vae_to_original)
+    audio_vae = load_module(lambda: build_audio_vae(**akw), file, file.keys_under(prefix),
+                            KeyMap(prefix, keymaps.audio_vae_to_diffusers, keymaps.audio_vae_to_original,
+                                   keymaps.VAE_IGNORED_SUFFIXES), dtype, "audio VAE")
     cls_name, vkw = configs.vocoder_kwargs(_section(file, "vocoder"))
     cls = getattr(vocoder_module, cls_name)
     # the vocoder runs in float32: it is small and its output is the waveform users hear
-    vocoder = load_module(lambda: cls(**vkw), file, file.keys_under(keymaps.VOCODER_PREFIX), keymaps.VOCODER_PREFIX,
-                          keymaps.vocoder_to_diffusers, torch.float32, "vocoder",
-                          to_original=keymaps.vocoder_to_original)
+    vocoder = load_module(lambda: cls(**vkw), file, file.keys_under(keymaps.VOCODER_PREFIX),
+                          KeyMap(keymaps.VOCODER_PREFIX, keymaps.vocoder_to_diffusers, keymaps.vocoder_to_original),
+                          torch.float32, "vocoder")
     return audio_vae, vocoder
 
 
@@ -606,14 +594,35 @@ def load_upsampler(path: str | Path | SafetensorsFile, dtype: torch.dtype) -> nn
     if "initial_conv.weight" not in file.keys:
         raise CheckpointError(f"{file.path}: not an LTX-2 latent upscaler (no 'initial_conv.weight' key)")
     kwargs = configs.upsampler_kwargs(file.config())
-    return load_module(lambda: LTX2LatentUpsamplerModel(**kwargs), file, file.keys, "",
-                       keymaps.upsampler_to_diffusers, dtype, "latent upscaler",
-                       to_original=keymaps.upsampler_to_original)
+    return load_module(lambda: LTX2LatentUpsamplerModel(**kwargs), file, file.keys,
+                       KeyMap("", keymaps.upsampler_to_diffusers, keymaps.upsampler_to_original), dtype,
+                       "latent upscaler")
 
 
-def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = None,
-                    audio_vae: str | Path | None = None, text_projection: str | Path | None = None,
-                    upsampler: str | Path | None = None, text_encoder: str | Path | None = None,
+@dataclass(frozen=True)
+class ComponentFiles:
+    """The files beside the transformer file that `load_components` reads (each None when not given).
+
+    video_vae, audio_vae: per-component files of those slots (`vae/`); each falls back to the checkpoint.
+    text_projection: the file holding the text projection: for LTX-2.0 / 2.3 a projection file (falls back to the
+        checkpoint), for LTX-2.5 the text-encoder file it is bundled in (without one: no projection).
+    upsampler: optional latent-upscaler file (`latent_upscale_models/`).
+    text_encoder: the text-encoder file; read for the text projection only when the family bundles it there
+        (LTX-2.5) and `text_projection` is not given.
+    """
+
+    video_vae: str | Path | None = None
+    audio_vae: str | Path | None = None
+    text_projection: str | Path | None = None
+    upsampler: str | Path | None = None
+    text_encoder: str | Path | None = None
+
+    def given(self) -> list[str]:
+        """The names of the slots given a file."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+
+def load_components(checkpoint: str | Path, files: ComponentFiles | None = None, *,
                     dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                     transformer_only: bool = False, int8_compute: str = "w8a8",
                     int8_reason: str = "") -> LTX2Components:
@@ -622,29 +631,22 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
     Args:
         checkpoint: the transformer file: a single-file checkpoint (every slot in one file) or a transformer-only
             file (`diffusion_models/`; bf16, scaled fp8, or ComfyUI's `.comfy_quant` fp8 / int8(-convrot)).
-        video_vae, audio_vae: per-component files of those slots (`vae/`); each falls back to `checkpoint`.
-        text_projection: the file holding the text projection: for LTX-2.0 / 2.3 a projection file (falls back to
-            `checkpoint`), for LTX-2.5 the text-encoder file it is bundled in (without one: no projection).
-        upsampler: optional latent-upscaler file (`latent_upscale_models/`).
-        text_encoder: the text-encoder file; read for the text projection only when the family bundles it there
-            (LTX-2.5) and `text_projection` is not given.
+        files: the other components' files (`ComponentFiles`; None: every slot from `checkpoint`).
         dtype: compute dtype of the modules (quantized Linear weights stay resident quantized; the vocoder stays
             float32).
         transformer_only: load the transformer and its text connectors only (every other field None; the other
-            file arguments must be None): what the native MODEL's fleet needs.
-        int8_compute: the resolved int8 path ("w8a8" or "dequantize": `quant.resolve_int8_compute` picks it from the
-            fleet option): "dequantize" replaces the int8 layers of the transformer and connectors by bf16 / fp32
+            `files` must name none): what the native MODEL's fleet needs.
+        int8_compute: the resolved int8 path ("w8a8" or "dequantize": `fleet_rules.resolve_int8_compute` picks it
+            from the fleet option): "dequantize" replaces the int8 layers of the transformer and connectors by bf16 / fp32
             Linears on `device` after the move (`quant.dequantize_int8_linears`); `int8_reason` goes in the report.
     Raises: FileNotFoundError, CheckpointError (family, metadata, strict key mismatch), each naming the file;
         ValueError when `transformer_only` is given other files.
     """
+    files = files if files is not None else ComponentFiles()
     main = SafetensorsFile(checkpoint)
-    if transformer_only:
-        given = {"video_vae": video_vae, "audio_vae": audio_vae, "text_projection": text_projection,
-                 "upsampler": upsampler, "text_encoder": text_encoder}
-        extra = sorted(name for name, path in given.items() if path is not None)
-        if extra:
-            raise ValueError(f"transformer_only loads the transformer alone; got files for {', '.join(extra)}")
+    if transformer_only and files.given():
+        raise ValueError(f"transformer_only loads the transformer alone; got files for "
+                         f"{', '.join(sorted(files.given()))}")
     transformer, video_connector, audio_connector, meta = load_transformer(main, dtype)
     family = detect_family(meta, main.keys, transformer_prefix(main))
     if transformer_only:
@@ -652,7 +654,7 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
                                          audio_connector=audio_connector, text_projection=None, video_vae=None,
                                          audio_vae=None, vocoder=None, config=main.config(),
                                          sources={"checkpoint": str(main.path)}).to(device), int8_compute, int8_reason)
-    given = {"video_vae": video_vae, "audio_vae": audio_vae, "upsampler": upsampler}
+    given = {"video_vae": files.video_vae, "audio_vae": files.audio_vae, "upsampler": files.upsampler}
     opened: dict[str, SafetensorsFile | None] = {"transformer": main}
     for slot, path in given.items():
         if path is not None:
@@ -663,12 +665,12 @@ def load_components(checkpoint: str | Path, *, video_vae: str | Path | None = No
             opened[slot] = None
     # the text projection: in the checkpoint (2.0 / 2.3, or a file of its own) or in the text-encoder file (2.5)
     projection_slot = family.component("text_projection").file_slot
-    if text_projection is not None:
-        projection_file = SafetensorsFile(text_projection)
+    if files.text_projection is not None:
+        projection_file = SafetensorsFile(files.text_projection)
     elif projection_slot == "transformer":
         projection_file = main
-    elif text_encoder is not None and Path(text_encoder).is_file():
-        projection_file = SafetensorsFile(text_encoder)
+    elif files.text_encoder is not None and Path(files.text_encoder).is_file():
+        projection_file = SafetensorsFile(files.text_encoder)
     else:
         projection_file = None
     components = LTX2Components(
@@ -695,7 +697,7 @@ def _int8_path(components: LTX2Components, mode: str, reason: str) -> LTX2Compon
     to the device (the float32 dequantization runs there, one layer at a time)."""
     if mode not in ("w8a8", "dequantize"):
         raise ValueError(f"int8_compute={mode!r}: the loader takes a resolved path, 'w8a8' or 'dequantize' "
-                         f"(quant.resolve_int8_compute resolves 'auto')")
+                         f"(fleet_rules.resolve_int8_compute resolves 'auto')")
     quant.apply_int8_compute((components.transformer, components.video_connector, components.audio_connector), mode,
                              reason)
     return components

@@ -62,7 +62,8 @@ in float32, cast to the compute dtype once; `dequantize_weight_like_comfyui`), a
 the down projection moves back in front of it. The layer then computes x · deq(W)ᵀ in the compute dtype (W8A16 from
 weights made once): closer to the bf16 file than ComfyUI's W8A8 result, 2× the resident bytes of those weights, and
 on the H200 as fast as a bf16 file (bench/results/int8_h200.txt: W8A8 1.03-3.69× the bf16 time per layer). "auto"
-(`resolve_int8_compute`) takes "dequantize" on CUDA when the dequantized weights fit the GPU, else "w8a8".
+(`protocol.fleet_rules.resolve_int8_compute`) takes "dequantize" on CUDA when the dequantized weights fit the GPU,
+else "w8a8".
 """
 from __future__ import annotations
 
@@ -330,7 +331,6 @@ class Int8Linear(FP8Linear):
 
 # ---- int8 dequantized at load (the fleet option `int8_compute`) ------------------------------------------------------
 
-INT8_LOAD_MODES = ("auto", "w8a8", "dequantize")  # = protocol/fleet_config.py INT8_COMPUTE_MODES (no torch there)
 PATH_W8A8 = "int8 W8A8"
 PATH_DEQUANTIZED = "int8 dequantized to {dtype} at load"
 _KITCHEN_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's dequantize codes
@@ -403,53 +403,6 @@ def dequantize_int8_linears(module: nn.Module, reason: str = "") -> int:
         what = PATH_DEQUANTIZED.format(dtype=str(dtype).replace("torch.", ""))
         module.int8_compute_note = f"{what} ({len(names)} layers{'; ' + reason if reason else ''})"
     return len(names)
-
-
-def resolve_int8_compute(mode: str, *, device_type: str, weights: str, int8_bytes: int, dequantized_bytes: int,
-                         free_bytes: int | None, reserve_bytes: int = 0) -> tuple[str, str]:
-    """The int8 path a rank takes for the fleet option `int8_compute` (`INT8_LOAD_MODES`): `("w8a8" | "dequantize",
-    why)`.
-
-    Args:
-        mode: "auto", "w8a8" or "dequantize".
-        device_type: "cuda" or "cpu" (the rank's device).
-        weights: "replicated" or "sharded" (`FleetIdentity.weights`).
-        int8_bytes / dequantized_bytes: what this rank would hold (bytes) with the int8 weights resident / dequantized
-            to the compute dtype (`loader.weight_bytes(..., int8_dequantized=...)`, per rank).
-        free_bytes: the GPU's free memory (bytes); None on CPU (host memory is not probed: no check).
-        reserve_bytes: kept free for one forward beside the weights (`parallel/sharding.ACTIVATION_RESERVE_BYTES`).
-    Rules: "w8a8" always; "dequantize" with sharded weights is refused (ValueError: the memory mode keeps int8), on
-    CUDA refused when `dequantized_bytes + reserve_bytes > free_bytes` (ValueError naming the sizes); "auto": sharded
-    -> "w8a8"; CPU -> "w8a8" (ComfyUI's result, what the CPU tests compare with; no CPU speed table); CUDA ->
-    "dequantize" when it fits (W8A8 measured slower than bf16 in 7 of 8 layer shapes on the H200,
-    bench/results/int8_h200.txt), else "w8a8".
-    """
-    gib = 2 ** 30
-    if mode not in INT8_LOAD_MODES:
-        raise ValueError(f"int8_compute={mode!r}: choose one of {', '.join(INT8_LOAD_MODES)}")
-    sizes = (f"the weights need {dequantized_bytes / gib:.1f} GiB dequantized (+ {reserve_bytes / gib:.0f} GiB for "
-             f"one forward) against {int8_bytes / gib:.1f} GiB as int8")
-    free = "" if free_bytes is None else f"{free_bytes / gib:.1f} GiB free"
-    fits = free_bytes is None or dequantized_bytes + reserve_bytes <= free_bytes
-    if mode == "w8a8":
-        return "w8a8", "int8_compute='w8a8'"
-    if mode == "dequantize":
-        if weights == "sharded":
-            raise ValueError("int8_compute='dequantize' with sharded weights: the memory mode keeps the int8 weights "
-                             "(dequantizing doubles what each GPU holds); use replicated weights or "
-                             "int8_compute='w8a8' / 'auto'")
-        if not fits:
-            raise ValueError(f"int8_compute='dequantize': {free} on this GPU, {sizes}; use int8_compute='auto' or "
-                             f"'w8a8' (int8 resident), or free the GPU")
-        return "dequantize", "int8_compute='dequantize'" + (f": {sizes}, {free}" if free else "")
-    if weights == "sharded":
-        return "w8a8", "auto: sharded weights keep int8 resident"
-    if device_type != "cuda":
-        return "w8a8", "auto: on CPU, ComfyUI's result"
-    if not fits:
-        return "w8a8", f"auto: not dequantized, {sizes}, {free}"
-    return "dequantize", (f"auto: W8A8 measured slower than bf16 on the H200 (bench/results/int8_h200.txt); {sizes}, "
-                          f"{free}")
 
 
 def apply_int8_compute(modules, mode: str, reason: str) -> int:

@@ -1,6 +1,7 @@
 """What a failure is, on both ends: `ErrorKind` (on the wire its plain string value, e.g. "validation") and
 `ControllerError` with its subclasses `FleetBusy` and `JobCancelled`, raised by the client and the fleet, and the
-`ErrorDetails` they carry."""
+`ErrorDetails` they carry; and `ValidationError`, bad input refused before any work (here, torch-free, so the fleet's
+rules and the nodes raise it without torch; `protocol.validation` re-exports it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,10 @@ class ErrorKind(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+class ValidationError(ValueError):
+    """Bad input, refused before any work; nothing loaded is lost."""
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,17 @@
 """What a fleet is and how it runs its jobs: `FleetIdentity` (the processes and what they load), `FleetPolicy` (how
 jobs are split, per job), `FleetConfig` (the two as the CLI and the nodes ask for them), and what the controller
 answers with: `FleetPlan` (the split the fleet computed for a policy) and `FleetHandle` (a client's reference).
-Standard library only: the nodes build these without importing torch."""
+Standard library only: the nodes build these without importing torch. The rules between fields and across the two
+parts (sharded × compile, sharded × the split, degrees and heads) are `fleet_rules.py`'s (`check_fleet`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from .fleet_rules import INT8_COMPUTE_MODES, WEIGHT_MODES, check_int8_mode  # noqa: F401 - the modes, for the nodes
+
 DTYPES = ("float32", "bfloat16", "float16")
 GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = splits/passes.py MODES (not imported: no torch here)
 GEMMA_MODES = ("replicated", "batch_parallel", "sharded")  # = stages/text_encoder.py MODES
-WEIGHT_MODES = ("replicated", "sharded")  # the transformer's weights over the ranks (weights/sharding.py)
-INT8_COMPUTE_MODES = ("auto", "w8a8", "dequantize")  # = models/quant.py INT8_LOAD_MODES
 
 
 def _positive(what: str, value, integer: bool = False, allow_none: bool = False) -> None:
@@ -51,8 +52,8 @@ class FleetIdentity:
     weights: the transformer's weights over the ranks (`WEIGHT_MODES`): "replicated" (every rank holds the whole
         transformer: the latency mode) or "sharded" (each rank holds 1/W of every block layer, FSDP2, gathered layer by
         layer as it runs: the memory mode for GPUs that cannot hold a replica; every forward then runs sequence
-        parallel over all ranks, and the world size must divide the attention heads — weights/sharding.py).
-    int8_compute: how an int8(-convrot) transformer file computes (`INT8_COMPUTE_MODES`, models/quant.py
+        parallel over all ranks, and the world size must divide the attention heads — fleet_rules.py).
+    int8_compute: how an int8(-convrot) transformer file computes (`INT8_COMPUTE_MODES`, fleet_rules.py
         `resolve_int8_compute`): "w8a8" (int8 weights resident, activations quantized per token: ComfyUI's result),
         "dequantize" (the weights dequantized to `dtype` at load, as ComfyUI dequantizes them: bf16 speed, 2× those
         weights' memory; refused at start, naming the sizes, when they would not fit the GPU, and here with sharded
@@ -84,12 +85,7 @@ class FleetIdentity:
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights={self.weights!r}: choose one of {', '.join(WEIGHT_MODES)}")
-        if self.int8_compute not in INT8_COMPUTE_MODES:
-            raise ValueError(f"int8_compute={self.int8_compute!r}: choose one of {', '.join(INT8_COMPUTE_MODES)}")
-        if self.int8_compute == "dequantize" and self.weights == "sharded":
-            raise ValueError("int8_compute='dequantize' with weights='sharded': the memory mode keeps the int8 "
-                             "weights (dequantizing doubles what each GPU holds); use weights='replicated', or "
-                             "int8_compute='w8a8' / 'auto'")
+        check_int8_mode(self.weights, self.int8_compute)  # the fleet's rule (fleet_rules.py)
         if (not isinstance(self.devices, tuple) or not self.devices
                 or not all(isinstance(d, str) and d for d in self.devices)):
             raise ValueError(f"devices={self.devices!r}: must be a non-empty tuple of device names, one per rank "
@@ -211,7 +207,7 @@ class FleetConfig:
 @dataclass(frozen=True)
 class FleetPlan:
     """How a fleet splits its stages under one policy, as the fleet computed it (`Fleet.plan_for`, from the heads of
-    the transformer its workers loaded and the rule in `splits/degrees.py`): shown by Load Checkpoint (MGPU).
+    the transformer its workers loaded and the degree rule of `fleet_rules.py`): shown by Load Checkpoint (MGPU).
 
     world_size: ranks in the fleet. heads: the transformer's video attention heads.
     sp_degree: the largest sequence-parallel degree a stage may use (ranks 0..sp_degree-1); 1 when the fleet runs

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import torch
 
-
-class ValidationError(ValueError):
-    """Bad input, refused before any work; nothing loaded is lost."""
+from .errors import ValidationError  # noqa: F401 - defined torch-free in errors (the fleet's rules raise it)
 
 
 def nearest_valid_frames(frames: int) -> tuple[int, int]:

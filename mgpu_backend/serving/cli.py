@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..models.families import NAMES as FAMILY_NAMES
+from ..models.headers import FAMILY_NAMES
 from ..protocol.job_results import FleetTeardown, RankReport
 
 DEFAULT_BUSY_WAIT_S = 3600.0  # how long a fleet run waits for another client's job (--busy-wait)
@@ -179,18 +179,16 @@ class _Progress:
             self.bar = None
 
 
-def _int8_path(args: argparse.Namespace, files: dict, dtype, device) -> tuple[str, str]:
-    """`--int8-compute` resolved for this process's device (`models.loader.int8_path_for`, as a fleet rank does)."""
-    import types
+def _in_process_identity(args: argparse.Namespace, files: dict, dtype, device):
+    """This process as a one-rank fleet (`FleetIdentity`), for the fleet's rules and the int8 path: replicated
+    weights on `device`."""
+    from ..protocol.fleet_config import FleetIdentity
 
-    from ..models.loader import int8_path_for
-    from ..weights.sharding import ACTIVATION_RESERVE_BYTES
-
-    identity = types.SimpleNamespace(
-        checkpoint=files["checkpoint"], video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
-        upscaler=files.get("upscaler"), text_projection=files.get("text_projection"), transformer_only=False,
-        weights="replicated", world_size=1, int8_compute=getattr(args, "int8_compute", None) or "auto")
-    return int8_path_for(identity, dtype, device, ACTIVATION_RESERVE_BYTES)
+    return FleetIdentity(devices=(str(device),), checkpoint=files["checkpoint"], gemma=files.get("gemma"),
+                         upscaler=files.get("upscaler"), video_vae=files.get("video_vae"),
+                         audio_vae=files.get("audio_vae"), text_projection=files.get("text_projection"),
+                         dtype=str(dtype).replace("torch.", ""),
+                         int8_compute=getattr(args, "int8_compute", None) or "auto")
 
 
 def on_fleet(args: argparse.Namespace) -> bool:
@@ -203,9 +201,12 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     """Run one generation in this process (or on the fleet with --devices / --world-size); write the mp4."""
     import torch
 
+    # the in-process path is a loader: it loads through models/ itself (the fleet path reads headers only)
     from ..models.gemma import load_gemma
-    from ..models.loader import load_components
+    from ..models.loader import ComponentFiles, int8_path_for, load_components
     from ..models.text_projection import check_gemma_matches
+    from ..protocol.fleet_config import FleetPolicy
+    from ..protocol.fleet_rules import check_fleet
     from ..stages.pipelines import TwoStagePipeline
 
     if on_fleet(args):
@@ -213,12 +214,15 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     request, files = _request_and_files(args, paths)  # validated before anything is loaded
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    identity = _in_process_identity(args, files, dtype, device)
+    check_fleet(identity, FleetPolicy(compile=bool(args.compile)))  # the fleet's rules, as for a fleet
     t = time.perf_counter()
-    int8_mode, int8_reason = _int8_path(args, files, dtype, device)
-    components = load_components(files["checkpoint"], upsampler=files["upscaler"], dtype=dtype, device=device,
-                                 video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
-                                 text_projection=files.get("text_projection"), text_encoder=files["gemma"],
-                                 int8_compute=int8_mode, int8_reason=int8_reason)
+    int8_mode, int8_reason = int8_path_for(identity, dtype, device)
+    slots = ComponentFiles(video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
+                           text_projection=files.get("text_projection"), upsampler=files["upscaler"],
+                           text_encoder=files["gemma"])
+    components = load_components(files["checkpoint"], slots, dtype=dtype, device=device, int8_compute=int8_mode,
+                                 int8_reason=int8_reason)
     if args.compile:
         from ..engine.compile import compile_blocks
 
@@ -322,7 +326,7 @@ def _demo_files(paths: dict) -> tuple[dict, tuple[str, float] | None]:
 def _model_files(args) -> dict:
     """The file slots from --models FOLDER and the single-file options (which win). Raises ValidationError naming
     what is missing."""
-    from ..models.folders import CHECKPOINT, find_component_files
+    from ..models.headers import CHECKPOINT, find_component_files
     from ..protocol.validation import ValidationError
 
     explicit = {"checkpoint": args.checkpoint, "gemma": args.gemma, "upscaler": args.upscaler,
@@ -404,8 +408,8 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
                          compile=args.compile, guidance_parallel=args.guidance_parallel or "auto",
                          min_tokens_per_rank=args.min_tokens_per_rank, weights=args.weights or "replicated",
                          int8_compute=args.int8_compute or "auto", **files)
-    # headers and rank counts: a bad degree or file is refused before a controller is started (the controller checks
-    # host memory, knowing what a running fleet would give back)
+    # headers, the fleet's rules and rank counts: a bad degree or file is refused before a controller is started (the
+    # controller checks host memory, knowing what a running fleet would give back)
     check_config(config, memory=False)
     client = ControllerClient()
     progress, job = _Progress(), JobSpec("generate", request)
@@ -508,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
               if args.command in ("generate", "demo") and on_fleet(args) else "interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # engine and fleet errors: the message, not a traceback from deep in the fleet
-        from ..models.loader import CheckpointError
+        from ..models.headers import CheckpointError
         from ..protocol.errors import ControllerError, ErrorKind
 
         if isinstance(exc, ControllerError):

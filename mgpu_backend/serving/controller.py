@@ -495,14 +495,15 @@ def check_config(config: FleetConfig, freed_bytes: int = 0, memory: bool = True)
     """Checks that need only file headers and the host, before any worker starts (so a running fleet is not torn
     down for a configuration that cannot work): the host can run the fleet (`resources.check_fleet`: ranks, GPUs,
     cores; host memory unless memory=False, with `freed_bytes` given back by a fleet this one replaces), the
-    checkpoint is a readable LTX-2 file, and an explicit SP degree divides its heads and fits the ranks. (Each
-    field's own rule — a known guidance-parallel mode, a non-negative token minimum, … — is checked when the
+    checkpoint is a readable LTX-2 file (`models.headers.checkpoint_facts`), and the fleet's rules hold for its
+    heads (`fleet_rules.check_fleet`: degrees and heads, sharded weights × the split and × compile, int8 modes).
+    (Each field's own rule — a known guidance-parallel mode, a non-negative token minimum, … — is checked when the
     `FleetIdentity` / `FleetPolicy` is built.)
 
     Raises ControllerError (kind "validation") naming the file or the value and the rule."""
-    # header reads and the degree rule only: neither diffusers nor a model class is imported here
-    from ..models.loader import CheckpointError, SafetensorsFile, transformer_prefix
-    from ..splits.degrees import check_requested_degree, check_sharded_policy
+    # header reads (no torch, no model class) and the rules
+    from ..models.headers import CheckpointError, checkpoint_facts
+    from ..protocol.fleet_rules import check_fleet
     from ..protocol.validation import ValidationError
 
     for what, path in (("checkpoint", config.checkpoint), ("upscaler", config.upscaler),
@@ -519,18 +520,8 @@ def check_config(config: FleetConfig, freed_bytes: int = 0, memory: bool = True)
     except R.FleetTooLarge as exc:
         raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
     try:
-        header = SafetensorsFile(config.checkpoint)
-        transformer_prefix(header)
-        heads = int(header.config().get("transformer", {}).get("num_attention_heads", 32))
-        if config.sp_degree is not None:
-            check_requested_degree(heads, config.sp_degree, config.world_size)
-        if config.weights == "sharded":
-            check_sharded_policy(config.world_size, config.sp_degree, config.min_tokens_per_rank,
-                                 config.guidance_parallel, heads if config.sequence_parallel else None)
-            if config.compile:
-                raise ValidationError("compile with sharded weights: the blocks' layers are gathered over the ranks "
-                                      "as they run, which compiled blocks do not do; use replicated weights to "
-                                      "compile")
+        facts = checkpoint_facts(config.checkpoint)
+        check_fleet(config.identity, config.policy, facts.heads)
     except (ValidationError, CheckpointError, FileNotFoundError) as exc:
         raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
 

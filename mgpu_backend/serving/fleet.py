@@ -25,7 +25,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from ..protocol.frames import frames_ref, free_frames, remove_orphans
-from ..splits.degrees import top_sp_degree, valid_sp_degrees
+from ..protocol.fleet_rules import top_sp_degree, valid_sp_degrees
 from ..protocol.errors import ControllerError, ErrorDetails, ErrorKind, JobCancelled
 from ..protocol.fleet_config import FleetConfig, FleetPlan, FleetPolicy
 from ..protocol.job_requests import JOB_STAGES, JobSpec
@@ -34,7 +34,7 @@ from ..protocol.messages import Progress
 from ..protocol.transport import Pickled, send_inline
 from ..protocol.worker_messages import JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerMessage, WorkerReady
 from ..protocol.resources import FleetTooLarge, check_fleet, write_pid_file
-from .worker import clean_allocator_env, worker_main
+from .worker import WorkerLinks, clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
 ERROR_GRACE_S = 10.0
@@ -116,8 +116,8 @@ class Fleet:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=worker_main, name=f"ltx2-mgpu-rank{rank}", daemon=True,
-                                   args=(rank, self.identity, self.config.policy, init_file, child, self.cancel_flag,
-                                         self.heartbeat, os.getpid(), watch))
+                                   args=(rank, self.identity, self.config.policy, init_file,
+                                         WorkerLinks(child, self.cancel_flag, self.heartbeat, os.getpid(), watch)))
                 self.conns.append(parent)
                 self.processes.append(proc)
                 self._starting = _SPAWNER.submit(proc.start)
@@ -223,7 +223,7 @@ class Fleet:
 
     def plan_for(self, policy: FleetPolicy) -> FleetPlan:
         """The split this fleet's jobs get under `policy`: the heads its workers loaded (`WorkerReady.heads`) and the
-        degree rule the workers apply (`splits/degrees.py top_sp_degree`, as `ParallelPlan.for_policy`). Raises
+        degree rule the workers apply (`protocol.fleet_rules.top_sp_degree`, as `ParallelPlan.for_policy`). Raises
         ValidationError for a degree the heads do not allow (the controller's `check_config` refuses it first)."""
         heads = self.heads or 1
         if not self.identity.sequence_parallel:

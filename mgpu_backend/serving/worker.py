@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol.fleet_config import FleetIdentity, FleetPolicy
+from ..protocol.fleet_rules import check_fits, check_policy
 from ..protocol.job_requests import JOB_STAGES, FaultSpec, JobSpec
 from ..protocol.transport import Pickled, send_inline
 from ..protocol.worker_messages import JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerReady
@@ -113,16 +114,11 @@ class WorkerState:
         self.config, self.rank, self.device, self.dtype = identity, rank, device, dtype
         sharded = identity.weights == "sharded"
         # the int8 path (FleetIdentity.int8_compute), and on CUDA this GPU's free memory against what this rank will
-        # hold, before any weight
-        from ..weights.sharding import ACTIVATION_RESERVE_BYTES
-
-        self.int8_compute, int8_reason = loader.int8_path_for(identity, dtype, device, ACTIVATION_RESERVE_BYTES)
+        # hold, before any weight (the fleet's rules: protocol/fleet_rules.py)
+        self.int8_compute, int8_reason = loader.int8_path_for(identity, dtype, device)
         if device.type == "cuda":
-            from ..weights.sharding import check_fits
-
-            files = (identity.checkpoint,) if identity.transformer_only else (
-                identity.checkpoint, identity.video_vae, identity.audio_vae, identity.upscaler, identity.text_projection)
-            sizes = loader.weight_bytes(files, dtype, transformer_only=identity.transformer_only,
+            sizes = loader.weight_bytes(loader.identity_files(identity), dtype,
+                                        transformer_only=identity.transformer_only,
                                         int8_dequantized=self.int8_compute == "dequantize")
             check_fits(str(device), torch.cuda.mem_get_info(device)[0], sizes, identity.weights, identity.world_size)
         # sharded weights: loaded as a memory map on the host, then each rank moves only its shards to the device
@@ -132,10 +128,11 @@ class WorkerState:
                                                      transformer_only=True, int8_compute=self.int8_compute,
                                                      int8_reason=int8_reason)
         else:
-            self.components = loader.load_components(
-                identity.checkpoint, video_vae=identity.video_vae, audio_vae=identity.audio_vae,
-                text_projection=identity.text_projection, upsampler=identity.upscaler, text_encoder=identity.gemma,
-                dtype=dtype, device=load_device, int8_compute=self.int8_compute, int8_reason=int8_reason)
+            files = loader.ComponentFiles(video_vae=identity.video_vae, audio_vae=identity.audio_vae,
+                                          text_projection=identity.text_projection, upsampler=identity.upscaler,
+                                          text_encoder=identity.gemma)
+            self.components = loader.load_components(identity.checkpoint, files, dtype=dtype, device=load_device,
+                                                     int8_compute=self.int8_compute, int8_reason=int8_reason)
         self.sharding = None
         if sharded:
             from ..weights.sharding import shard_transformer
@@ -164,13 +161,12 @@ class WorkerState:
         fleet's groups under it (`ParallelPlan.with_policy`: degree cap, token minimum, guidance-parallel mode, token
         cap; no collective), handed to the pipeline (`TwoStagePipeline.use_plan`), and the
         compiled or eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError
-        for a degree the heads or the fleet do not allow, before anything changes."""
+        for a policy the fleet's rules refuse (`fleet_rules.check_policy`: compile with sharded weights, a degree the
+        heads or the fleet do not allow, …), before anything changes."""
         if policy == self.policy:
             return
-        if policy.compile and self.sharding is not None:
-            raise ValidationError("compile=True with sharded weights: the blocks' layers are gathered over the ranks "
-                                  "as they run (FSDP hooks), which the compiled blocks do not run; use replicated "
-                                  "weights to compile")
+        check_policy(self.config.weights, self.config.world_size, policy,  # the fleet's rules (fleet_rules.py)
+                     int(self.components.transformer.config.num_attention_heads), self.config.sequence_parallel)
         if self.plan is not None:
             self.plan = self.plan.with_policy(policy)  # raises before anything changes
             self.pipeline.use_plan(self.plan)
@@ -209,14 +205,30 @@ def bind_to_parent(parent_pid: int, watch) -> None:
     threading.Thread(target=wait_for_close, name="ltx2-mgpu-parent-watch", daemon=True).start()
 
 
-def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, conn, cancel_flag,
-                heartbeat, parent_pid: int, watch) -> None:
-    """Entry point of a spawned worker. Ends with its parent (`bind_to_parent`). Reports `WorkerReady` or
+@dataclass(frozen=True)
+class WorkerLinks:
+    """How a spawned worker reaches its fleet (handed to `worker_main` by `Fleet`, pickled with the process's
+    arguments): `conn` its end of the duplex pipe to the fleet (messages of protocol/worker_messages.py),
+    `cancel_flag` (multiprocessing.Value('i'), set by the controller, read by rank 0), `heartbeat`
+    (multiprocessing.Array('d', 2 * world_size): per rank steps done and wall time), `parent_pid` (the controller)
+    and `watch` (the read end of a pipe whose write end only the parent holds: `bind_to_parent`)."""
+
+    conn: Any
+    cancel_flag: Any
+    heartbeat: Any
+    parent_pid: int
+    watch: Any
+
+
+def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, links: WorkerLinks) -> None:
+    """Entry point of a spawned worker: rank `rank` of the fleet `config` under its first `policy`, joining the
+    process group through `init_file`. Ends with its parent (`bind_to_parent`). Reports `WorkerReady` or
     `WorkerInitError`, then serves jobs: each `RunJob` runs under its policy (`WorkerState.apply_policy`) and ends
     with `JobDone`, `JobStopped` or `JobFailed`; a `StopWorker` ends the loop."""
     from ..protocol.resources import set_process_name
 
-    bind_to_parent(parent_pid, watch)
+    conn, cancel_flag, heartbeat = links.conn, links.cancel_flag, links.heartbeat
+    bind_to_parent(links.parent_pid, links.watch)
     set_process_name(f"ltx2mgpu-rank{rank}")
 
     from .jobs import load_all

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..engine.attention import LTX2AttnProcessor, use_processor
-from .degrees import check_sp_degree
+from ..protocol.fleet_rules import check_sp_degree
 from .exchange import Exchange
 from .forward_plan import GATHERED_KEYS, LOCAL, ULYSSES, ForwardPlan
 from .sequence import GatheredKeysCrossAttention, UlyssesSelfAttention

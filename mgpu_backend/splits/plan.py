@@ -37,7 +37,8 @@ from ..protocol.job_results import RankReport
 from ..protocol.validation import ValidationError
 from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
-from .degrees import check_requested_degree, check_sharded_policy, top_sp_degree, valid_sp_degrees
+from ..protocol.fleet_rules import (check_requested_degree, check_sharded_policy, check_sharded_tiles, top_sp_degree,
+                                    valid_sp_degrees)
 from .exchange import Exchange
 from .passes import MAX_PASSES, SplitChoices, StageSplit, StageWork, check_mode, choose_split
 from .sequence import UlyssesSplit, check_token_cap
@@ -332,11 +333,8 @@ class ParallelPlan:
         be a multiple of the ranks (raises ValidationError before any work): each rank runs the same number of tile
         forwards, in lockstep."""
         tiled = TiledSplit(transformer, grid, tiling, None, self.world_size, self.rank)
-        if self.sharded and len(tiled.tiles) % self.world_size:
-            raise ValidationError(
-                f"{len(tiled.tiles)} tiles over {self.world_size} ranks: with sharded weights every rank runs the "
-                f"same number of tile forwards (each layer is gathered by all ranks at once), so the tile count "
-                f"must be a multiple of {self.world_size}; choose tiles such as 1x{self.world_size}")
+        if self.sharded:
+            check_sharded_tiles(len(tiled.tiles), self.world_size)
         return tiled
 
     def decode(self, vae, latent: torch.Tensor, tiling: TileCountConfig, temb=None):

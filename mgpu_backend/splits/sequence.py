@@ -18,7 +18,7 @@ transformer forward:
 The result equals the single-process forward up to floating-point reduction order.
 
 Valid degrees: W must divide the video heads (32 for LTX-2/2.3 → 1, 2, 4, 8, 16, 32; 8 for the tiny models): the
-rule is `degrees.py`.
+rule is `protocol/fleet_rules.py`.
 
 Pieces: `UlyssesSplit` (the `engine.forward.Split` of the `SEQUENCE` plan: shard, key mask, gather) and the two
 processors `apply.apply_plan` installs for the plan's attention entries (`ULYSSES`, `GATHERED_KEYS`). The
@@ -33,6 +33,7 @@ import torch
 
 from ..engine.attention import LTX2AttnProcessor, video_keys
 from ..engine.tokens import TokenBatch
+from ..protocol.fleet_rules import check_sp_degree
 from .exchange import Exchange
 from .forward_plan import SEQUENCE, ForwardPlan, shard_batch
 

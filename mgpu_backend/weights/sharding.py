@@ -16,7 +16,7 @@ Before a block runs, FSDP all-gathers its full weights on every rank; after it, 
   Per-tensor and per-row scales are buffers and stay whole, as do the embeddings, the projections in and out and the AdaLN embedders outside the blocks (~4 % of the
   22B transformer). The text connectors' blocks are sharded too: they run on every rank.
 - **Lockstep**: every rank must run every block in the same order (each gather is a collective). Hence the plan of a
-  sharded fleet (`ParallelPlan.for_policy`): every forward runs sequence parallel over all ranks, never on a
+  sharded fleet (`protocol.fleet_rules.check_sharded_policy`): every forward runs sequence parallel over all ranks, never on a
   sub-group; guidance passes or batch rows are not spread over ranks; a tiled stage needs a tile count that is a
   multiple of W (every rank runs the same number of tile forwards). CUDA graphs and `torch.compile` are off (the
   per-block gathers are not captured). A block loop that calls a block's submodules itself (the native forward's
@@ -43,10 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.loader import WeightBytes
-from ..protocol.fleet_config import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.weights` (re-exported)
-
-GiB = 2 ** 30
+from ..protocol.fleet_rules import WEIGHT_MODES  # "replicated" | "sharded": `FleetIdentity.weights` (re-exported)
 
 
 @dataclass(frozen=True)
@@ -78,33 +75,6 @@ class ShardingReport:
     def replica_bytes(self) -> int:
         """What one rank would hold with replicated weights."""
         return self.unit_bytes + self.replicated_bytes
-
-
-ACTIVATION_RESERVE_BYTES = 3 * GiB
-"""Kept free per GPU for one forward beside the weights: what one rank's peak exceeded its resident weights by at
-1280×704×121 (stage 2, 7,040 tokens per rank at W = 2: 2.96 GiB; 640×352×121 with a CFG batch of 2: 1.88 GiB), in
-bench/results/sharded_h200.txt. Larger sizes need more (a finer split: more ranks)."""
-
-
-def check_fits(device: str, free_bytes: int, sizes: WeightBytes, weights: str, world_size: int,
-               reserve: int = ACTIVATION_RESERVE_BYTES) -> None:
-    """Refuse (ValidationError, before any weight is loaded) a fleet whose rank on `device` would not fit its free
-    memory, with the figure needed and the modes that would fit."""
-    from ..protocol.validation import ValidationError
-
-    need = sizes.per_rank(weights, world_size) + reserve
-    if need <= free_bytes:
-        return
-    fits = [f"sharded over {w} GPUs ({(sizes.per_rank('sharded', w) + reserve) / GiB:.1f} GiB per GPU)"
-            for w in (2, 4, 8) if sizes.per_rank("sharded", w) + reserve <= free_bytes]
-    if sizes.per_rank("replicated", 1) + reserve <= free_bytes:
-        fits.insert(0, "replicated weights")
-    what = f"{weights} weights" + (f" over {world_size} GPUs" if weights == "sharded" else "")
-    raise ValidationError(
-        f"{device} has {free_bytes / GiB:.1f} GiB free; this fleet needs {need / GiB:.1f} GiB on each GPU ({what}: "
-        f"{sizes.per_rank(weights, world_size) / GiB:.1f} GiB of weights + {reserve / GiB:.0f} GiB for one "
-        f"forward). Would fit: {'; '.join(fits) if fits else 'none of replicated or sharded over 2, 4 or 8 GPUs'}"
-        f" (also: free the GPU, or use an fp8 / int8 file)")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -253,5 +223,5 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full[start:start + local.shape[0]]
 
 
-__all__ = ["ACTIVATION_RESERVE_BYTES", "WeightBytes", "check_fits",  "ShardingReport", "WEIGHT_MODES", "full_weight", "gathered", "is_dtensor", "is_sharded", "local_shard", "local_rows", "shard_transformer",
+__all__ = ["ShardingReport", "WEIGHT_MODES", "full_weight", "gathered", "is_dtensor", "is_sharded", "local_shard", "local_rows", "shard_transformer",
            "sharding_of", "units_of"]

@@ -1,0 +1,235 @@
+"""The fleet's rules (`protocol/fleet_rules.py`): each refusal names the value and the rule, the allowed cases pass;
+the module stays torch-free; and the checkpoint-header service (`models/headers.py`) gives the facts the rules read
+from the header alone."""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mgpu_backend.protocol import fleet_rules as F
+from mgpu_backend.protocol.errors import ValidationError
+from mgpu_backend.protocol.fleet_config import FleetConfig, FleetIdentity, FleetPolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 2 ** 30
+BASE = {"devices": ("cpu",) * 4, "checkpoint": "x.safetensors", "gemma": None}
+
+
+def test_one_error_type():
+    from mgpu_backend.protocol.validation import ValidationError as Same
+
+    assert Same is ValidationError and issubclass(ValidationError, ValueError)
+
+
+def test_the_module_is_pure():
+    """Standard library only: the nodes import the rules (and the fleet config) without torch."""
+    code = ("import sys; import mgpu_backend.protocol.fleet_rules, mgpu_backend.protocol.fleet_config; "
+            "print(sorted(m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ---- degrees and heads -----------------------------------------------------------------------------------------
+
+
+def test_degrees():
+    assert F.valid_sp_degrees(32) == [1, 2, 4, 8, 16, 32]
+    assert F.valid_sp_degrees(32, 6) == [1, 2, 4]
+    assert F.largest_sp_degree(32, 6) == 4 and F.largest_sp_degree(8, 12) == 8
+    assert F.top_sp_degree(32, 6) == 4 and F.top_sp_degree(32, 6, 2) == 2
+    F.check_sp_degree(8, 4)
+    F.check_requested_degree(32, 4, 4)
+    with pytest.raises(ValidationError, match=r"^sequence parallel degree 3 does not divide the 8 attention heads; "
+                                              r"valid degrees: 1, 2, 4, 8$"):
+        F.check_sp_degree(8, 3)
+    with pytest.raises(ValidationError, match=r"sequence parallel degree 3 is not possible with 32 attention heads on "
+                                              r"4 rank\(s\).*valid degrees: 1, 2, 4$"):
+        F.check_requested_degree(32, 3, 4)
+    with pytest.raises(ValidationError, match="degree 8 is not possible with 32 attention heads on 4 rank"):
+        F.top_sp_degree(32, 4, 8)  # divides the heads, more than the ranks
+
+
+# ---- sharded weights × the split, × compile --------------------------------------------------------------------
+
+
+def test_sharded_policy():
+    F.check_sharded_policy(4, None, None, "auto", heads=32)
+    F.check_sharded_policy(4, 4, 0, "off", heads=32)  # the full degree, stated, is fine
+    F.check_sharded_policy(3, None, None, "auto")  # heads unknown: their rule is not applied
+    with pytest.raises(ValidationError, match=r"sharded weights over 3 ranks: .* must divide the transformer's 32 "
+                                              r"attention heads \(use 2, 4, 8 ranks, or replicated weights\)"):
+        F.check_sharded_policy(3, None, None, "auto", heads=32)
+    with pytest.raises(ValidationError, match="^sp_degree=2 with sharded weights: every forward runs on all 4"):
+        F.check_sharded_policy(4, 2, None, "auto")
+    with pytest.raises(ValidationError, match="^min_tokens_per_rank=4096 with sharded weights"):
+        F.check_sharded_policy(4, None, 4096, "auto")
+    with pytest.raises(ValidationError, match="^guidance_parallel='on' with sharded weights"):
+        F.check_sharded_policy(2, None, None, "on")
+
+
+def test_sharded_tiles():
+    F.check_sharded_tiles(4, 2)
+    F.check_sharded_tiles(2, 2)
+    with pytest.raises(ValidationError, match=r"^3 tiles over 2 ranks: with sharded weights .* must be a multiple of "
+                                              r"2; choose tiles such as 1x2$"):
+        F.check_sharded_tiles(3, 2)
+
+
+def test_compile():
+    F.check_compile("replicated", True)
+    F.check_compile("sharded", False)
+    with pytest.raises(ValidationError, match=r"^compile=True with weights='sharded': .* use replicated weights to "
+                                              r"compile$"):
+        F.check_compile("sharded", True)
+
+
+# ---- int8 modes ------------------------------------------------------------------------------------------------
+
+
+def test_int8_mode():
+    for mode in F.INT8_COMPUTE_MODES:
+        F.check_int8_mode("replicated", mode)
+    F.check_int8_mode("sharded", "auto")
+    F.check_int8_mode("sharded", "w8a8")
+    with pytest.raises(ValidationError, match="^int8_compute='dequantize' with weights='sharded': the memory mode"):
+        F.check_int8_mode("sharded", "dequantize")
+    with pytest.raises(ValidationError, match="^int8_compute='int4': choose one of auto, w8a8, dequantize$"):
+        F.check_int8_mode("replicated", "int4")
+    # the identity applies the same rule when it is built
+    with pytest.raises(ValidationError, match="^int8_compute='dequantize' with weights='sharded'"):
+        FleetIdentity(**BASE, weights="sharded", int8_compute="dequantize")
+
+
+def test_resolve_int8_compute_names_the_sizes():
+    kw = {"int8_bytes": 22 * GiB, "dequantized_bytes": 44 * GiB, "reserve_bytes": 3 * GiB}
+    assert F.resolve_int8_compute("auto", device_type="cuda", weights="replicated", free_bytes=47 * GiB,
+                                  **kw)[0] == "dequantize"
+    assert F.resolve_int8_compute("auto", device_type="cuda", weights="replicated", free_bytes=46 * GiB,
+                                  **kw)[0] == "w8a8"
+    with pytest.raises(ValidationError, match=r"^int8_compute='dequantize': 46.0 GiB free on this GPU, the weights "
+                                              r"need 44.0 GiB dequantized"):
+        F.resolve_int8_compute("dequantize", device_type="cuda", weights="replicated", free_bytes=46 * GiB, **kw)
+    with pytest.raises(ValidationError, match="with weights='sharded'"):
+        F.resolve_int8_compute("dequantize", device_type="cuda", weights="sharded", free_bytes=139 * GiB, **kw)
+
+
+# ---- memory ----------------------------------------------------------------------------------------------------
+
+
+def test_weight_bytes_and_fits():
+    sizes = F.WeightBytes(blocks=10 * GiB, rest=GiB)
+    assert sizes.per_rank("replicated", 4) == 11 * GiB
+    assert sizes.per_rank("sharded", 4) == 10 * GiB // 4 + GiB
+    assert F.WeightBytes(blocks=3, rest=0).per_rank("sharded", 2) == 2  # rounded up per rank
+    F.check_fits("cuda:0", 14 * GiB, sizes, "replicated", 1)  # 11 + 3 reserved, exactly
+    F.check_fits("cuda:0", 3 * GiB + 1, F.WeightBytes(0, 1), "replicated", 1)
+    with pytest.raises(ValidationError, match=r"^cuda:0 has 13.0 GiB free; this fleet needs 14.0 GiB on each GPU "
+                                              r"\(replicated weights: 11.0 GiB of weights \+ 3 GiB for one forward\)\. "
+                                              r"Would fit: sharded over 2 GPUs \(9.0 GiB per GPU\)"):
+        F.check_fits("cuda:0", 13 * GiB, sizes, "replicated", 1)
+    assert F.ACTIVATION_RESERVE_BYTES == 3 * GiB
+
+
+# ---- a whole configuration -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, heads, message", [
+    ({"weights": "sharded", "compile": True}, 32, "compile=True with weights='sharded'"),
+    ({"weights": "sharded", "sp_degree": 2}, 32, "sp_degree=2 with sharded weights"),
+    ({"weights": "sharded", "guidance_parallel": "on"}, None, "guidance_parallel='on' with sharded weights"),
+    ({"weights": "sharded", "min_tokens_per_rank": 64}, 32, "min_tokens_per_rank=64 with sharded weights"),
+    ({"weights": "sharded", "devices": ("cpu",) * 3}, 32, "sharded weights over 3 ranks"),
+    ({"sp_degree": 3}, 32, "sequence parallel degree 3 is not possible with 32 attention heads on 4 rank"),
+])
+def test_check_fleet_refuses(fields, heads, message):
+    config = FleetConfig(**{**BASE, **fields})
+    with pytest.raises(ValidationError, match=message):
+        F.check_fleet(config.identity, config.policy, heads)
+
+
+@pytest.mark.parametrize("fields, heads", [
+    ({}, 32), ({"compile": True, "sp_degree": 2, "guidance_parallel": "on", "min_tokens_per_rank": 0}, 32),
+    ({"weights": "sharded"}, 32), ({"weights": "sharded", "sp_degree": 4, "guidance_parallel": "off"}, 32),
+    ({"sp_degree": 3}, None),  # heads unknown (the nodes, before a header is read): the degree waits for them
+    ({"weights": "sharded", "devices": ("cpu",) * 3, "sequence_parallel": False}, 32),  # no plan: no heads rule
+])
+def test_check_fleet_allows(fields, heads):
+    config = FleetConfig(**{**BASE, **fields})
+    F.check_fleet(config.identity, config.policy, heads)
+
+
+def test_check_policy_is_what_a_running_fleet_applies():
+    F.check_policy("replicated", 4, FleetPolicy(compile=True, sp_degree=2), heads=8)
+    with pytest.raises(ValidationError, match="compile=True with weights='sharded'"):
+        F.check_policy("sharded", 4, FleetPolicy(compile=True), heads=8)
+    with pytest.raises(ValidationError, match="degree 8 is not possible with 8 attention heads on 4 rank"):
+        F.check_policy("replicated", 4, FleetPolicy(sp_degree=8), heads=8)
+
+
+# ---- the checkpoint-header service -----------------------------------------------------------------------------
+
+
+def test_checkpoint_facts_from_the_header(tiny_dir):
+    from safetensors import safe_open
+
+    from mgpu_backend.models import loader
+    from mgpu_backend.models.headers import checkpoint_facts
+
+    opened = loader.OPEN_COUNT
+    for variant, key, fp8 in (("2.0", "checkpoint", False), ("2.3", "checkpoint", False),
+                              ("2.0", "checkpoint_fp8", True)):
+        path = tiny_dir[variant][key]
+        facts = checkpoint_facts(path)
+        with safe_open(str(path), "pt") as f:
+            keys = [k for k in f.keys() if k.startswith("model.diffusion_model.")]
+            stored = {k: f.get_slice(k).get_dtype() for k in keys}
+            nbytes = sum(f.get_tensor(k).nbytes for k in keys)
+        assert facts.family == variant and facts.heads == 8 and facts.blocks == 2, facts
+        fp8_weights = sum(d.startswith("F8_") for k, d in stored.items() if k.endswith(".weight"))
+        assert facts.fp8_layers == fp8_weights and (fp8_weights > 0) == fp8, facts
+        assert facts.int8_layers == 0 and facts.transformer_bytes == nbytes
+    assert loader.OPEN_COUNT == opened  # a header read is not a weight read
+
+
+def test_checkpoint_facts_of_an_int8_file(tmp_path):
+    from mgpu_backend.models.headers import checkpoint_facts
+    from mgpu_backend.testing.tiny import write_tiny_component_files
+
+    files = write_tiny_component_files(tmp_path, "2.3", seed=0)
+    facts = checkpoint_facts(files["transformer_int8"])
+    assert facts.int8_layers > 0 and facts.fp8_layers == 0 and facts.heads == 8, facts
+    assert checkpoint_facts(files["transformer"]).int8_layers == 0
+
+
+def test_headers_refuse_by_name(tmp_path, tiny_dir):
+    from mgpu_backend.models.headers import CheckpointError, checkpoint_facts, read_header
+
+    with pytest.raises(FileNotFoundError, match="missing.safetensors"):
+        checkpoint_facts(tmp_path / "missing.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(CheckpointError, match="junk.safetensors: not a readable safetensors file"):
+        read_header(junk)
+    data = Path(tiny_dir["2.0"]["checkpoint"]).read_bytes()
+    for cut in (len(data) // 2, 100):  # torn data section; torn header
+        torn = tmp_path / f"torn-{cut}.safetensors"
+        torn.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=f"torn-{cut}.safetensors: not a readable safetensors file"):
+            checkpoint_facts(torn)
+    with pytest.raises(CheckpointError, match="not an LTX-2 checkpoint"):
+        checkpoint_facts(tiny_dir["2.0"]["upsampler"])
+    other = tmp_path / "heads.safetensors"
+    header = json.dumps({"__metadata__": {"config": json.dumps({"transformer": {"num_attention_heads": "many"}})},
+                         "model.diffusion_model.adaln_single.emb.timestep_embedder.linear_1.bias":
+                             {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                         "model.diffusion_model.audio_adaln_single.linear.weight":
+                             {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}).encode()
+    other.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(CheckpointError, match="num_attention_heads='many' is not a number"):
+        checkpoint_facts(other)
