@@ -226,11 +226,14 @@ class Split(Protocol):
     made by the dispatcher `splits/dispatch.py`). The attention processors the split's plan names are installed
     beforehand by `splits.apply.apply_plan`; the split holds no per-forward state.
 
-    plan: its `ForwardPlan` (`splits/forward_plan.py`); cuda_graph_safe: a pure function of its tensors
-    (`cuda_graphs.call` may capture the forward) or not (it synchronises with the host: eager).
+    plan: its `ForwardPlan` (`splits/forward_plan.py`); exchange: the collectives of its group that the plan's
+    processors use (`splits/exchange.py`'s `Exchange`, what `apply_plan` installs them over; None for a plan whose
+    attention is all local, e.g. tiles); cuda_graph_safe: a pure function of its tensors (`cuda_graphs.call` may
+    capture the forward) or not (it synchronises with the host: eager).
     """
 
     plan: object
+    exchange: object | None
     cuda_graph_safe: bool
 
     def shard(self, batch: TokenBatch) -> list[TokenBatch]:

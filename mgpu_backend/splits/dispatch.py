@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .passes import PassParallel
 from .plan import ParallelPlan, StageRun
-from .sequence import UlyssesSplit
+from ..engine.forward import Split
 
 ONE_RANK = "one rank"
 
@@ -43,7 +43,7 @@ class Dispatch:
         return self.run is None or self.rank < self.run.degree
 
     @property
-    def split(self) -> UlyssesSplit | None:
+    def split(self) -> Split | None:
         """The sequence split of every branch's forward (None: one rank, or the branches spread)."""
         return None if self.run is None else self.run.forward
 

@@ -41,6 +41,7 @@ from ..protocol.fleet_rules import (check_requested_degree, check_sharded_policy
                                     valid_sp_degrees)
 from .exchange import Exchange
 from .passes import MAX_PASSES, SplitChoices, StageSplit, StageWork, check_mode, choose_split
+from ..engine.forward import Split
 from .sequence import UlyssesSplit, check_token_cap
 from .tiled import TiledSplit
 from .tiling import TileCountConfig
@@ -56,7 +57,7 @@ class SPStage:
 
     degree: int
     group: dist.ProcessGroup | None
-    forward: UlyssesSplit | None  # None on ranks outside the group, and for degree 1
+    forward: Split | None  # None on ranks outside the group, and for degree 1
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class StageRun:
 
     split: StageSplit
     group: dist.ProcessGroup | None
-    forward: UlyssesSplit | None
+    forward: Split | None
     report: PlanReport = PlanReport()
     token_cap: int | None = DEFAULT_TOKEN_CAP
 
@@ -237,7 +238,7 @@ class ParallelPlan:
         return self.groups.stages[self.policy.sp_degree].group
 
     @property
-    def sp_forward(self) -> UlyssesSplit | None:
+    def sp_forward(self) -> Split | None:
         return self.groups.stages[self.policy.sp_degree].forward
 
     def choose(self, tokens: int) -> PlanReport:

@@ -75,6 +75,7 @@ class TiledSplit:
     """
 
     plan: ForwardPlan = TILES
+    exchange = None  # the tiles' attention is local: nothing for apply_plan to install over
     cuda_graph_safe = False  # every forward's blend waits on an all_reduce and host-side index math
 
     def __init__(self, transformer, grid: tuple[int, int, int], tiling: TileCountConfig,

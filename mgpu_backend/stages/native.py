@@ -57,7 +57,7 @@ from ..engine.attention import GuideBias
 from ..engine.denoiser import skip_self_attention, text_contexts
 from ..protocol.native_forward import ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraSet, PreprocessTextReply, PreprocessTextRequest
 from ..weights.lora import LoRAFile, LoRAFuser, LoRAPair
-from ..engine.forward import comfy_block, qk_eps, qk_norms  # noqa: F401 (re-exported)
+from ..engine.forward import Split, comfy_block, qk_eps, qk_norms  # noqa: F401 (re-exported)
 from ..models import keymaps
 from ..splits.apply import apply_plan, remove_plan
 from ..splits.dispatch import dispatch
@@ -464,7 +464,7 @@ class NativeEngine:
         return _Prepared(batch, keep, (f, h, w), t_steps)
 
     # ---- run ----
-    def run_rows(self, p: _Prepared, rows: list[int], split: UlyssesSplit,
+    def run_rows(self, p: _Prepared, rows: list[int], split: Split,
                  options: ForwardOptions) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of batch `rows` under `split` (its group; degree 1: local), whose plan the caller applied
         (`splits.apply.apply_plan`): the one forward (`model_forward.run`, ComfyUI's semantics; replayed from CUDA

@@ -423,7 +423,7 @@ def applied(transformer, split):
     if split is None:
         yield
         return
-    apply_plan(transformer, split.plan, getattr(split, "exchange", None))
+    apply_plan(transformer, split.plan, split.exchange)
     try:
         yield
     finally:
