@@ -58,11 +58,6 @@ ALLOWED = {
     # (it makes reference conditionings without a fleet).
     ("nodes.testing", "mgpu_backend.models.gemma"),
     ("nodes.testing", "mgpu_backend.models.loader"),
-    # The CLI's in-process generate (no --devices) is a loader: it loads the components, Gemma and checks the text
-    # projection in its own process, as a fleet rank does (`run_generate`). Its fleet path reads headers only.
-    ("mgpu_backend.serving.cli", "mgpu_backend.models.loader"),
-    ("mgpu_backend.serving.cli", "mgpu_backend.models.gemma"),
-    ("mgpu_backend.serving.cli", "mgpu_backend.models.text_projection"),
 }
 
 

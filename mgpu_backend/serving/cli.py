@@ -201,13 +201,9 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     """Run one generation in this process (or on the fleet with --devices / --world-size); write the mp4."""
     import torch
 
-    # the in-process path is a loader: it loads through models/ itself (the fleet path reads headers only)
-    from ..models.gemma import load_gemma
-    from ..models.loader import ComponentFiles, int8_path_for, load_components
-    from ..models.text_projection import check_gemma_matches
     from ..protocol.fleet_config import FleetPolicy
     from ..protocol.fleet_rules import check_fleet
-    from ..stages.pipelines import TwoStagePipeline
+    from ..stages.pipelines import load_one_process
 
     if on_fleet(args):
         return run_on_fleet(args, paths)
@@ -217,20 +213,9 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     identity = _in_process_identity(args, files, dtype, device)
     check_fleet(identity, FleetPolicy(compile=bool(args.compile)))  # the fleet's rules, as for a fleet
     t = time.perf_counter()
-    int8_mode, int8_reason = int8_path_for(identity, dtype, device)
-    slots = ComponentFiles(video_vae=files.get("video_vae"), audio_vae=files.get("audio_vae"),
-                           text_projection=files.get("text_projection"), upsampler=files["upscaler"],
-                           text_encoder=files["gemma"])
-    components = load_components(files["checkpoint"], slots, dtype=dtype, device=device, int8_compute=int8_mode,
-                                 int8_reason=int8_reason)
-    if args.compile:
-        from ..engine.compile import compile_blocks
-
-        compile_blocks(components.transformer)
-    gemma = load_gemma(files["gemma"], device=device, dtype=dtype)
-    check_gemma_matches(components.text_projection, gemma, files["gemma"])
+    pipeline = load_one_process(identity, dtype=dtype, device=device, compile_blocks=bool(args.compile))
+    components = pipeline.components
     load_time = time.perf_counter() - t
-    pipeline = TwoStagePipeline(components, gemma, device=device, dtype=dtype)
     progress = _Progress()
     try:
         result = pipeline.generate(request, progress=progress)

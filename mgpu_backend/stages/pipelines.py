@@ -29,6 +29,7 @@ from ..engine.denoiser import speed_report, text_contexts
 from ..weights.lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from ..models.diffusion_decoder import denormalize
 from ..models.loader import LTX2Components
+from ..protocol.fleet_config import FleetIdentity
 from ..splits.decode import check_decodable, decode_tiles, decode_untiled, is_diffusion_decoder
 from ..splits.tiled import DEFAULT_MAX_FIRST_SIGMA
 from ..splits.tiling import TileCountConfig, split_axis
@@ -530,3 +531,29 @@ class TwoStagePipeline:
         return "local"
 
     resolve_tiling = staticmethod(resolve_tiling)  # `stage.resolve_tiling` (the decode job and tests call it here)
+
+
+def load_one_process(identity: FleetIdentity, *, dtype: torch.dtype, device: torch.device,
+                     compile_blocks: bool = False) -> TwoStagePipeline:
+    """The pipeline of a one-process run (the CLI's `generate` without a fleet): what one replicated fleet rank loads,
+    from `identity`'s files (checkpoint, Gemma, upscaler and the optional separate VAE / projection files) on
+    `device` in `dtype`, the int8 path resolved as a rank resolves it (`models.loader.int8_path_for`), the blocks
+    compiled when asked. Raises ValidationError / ValueError (the int8 rule, a Gemma that does not match the
+    checkpoint's text projection) before the transformer runs."""
+    from ..models.gemma import load_gemma
+    from ..models.loader import ComponentFiles, int8_path_for, load_components
+    from ..models.text_projection import check_gemma_matches
+
+    int8_mode, int8_reason = int8_path_for(identity, dtype, device)
+    slots = ComponentFiles(video_vae=identity.video_vae, audio_vae=identity.audio_vae,
+                           text_projection=identity.text_projection, upsampler=identity.upscaler,
+                           text_encoder=identity.gemma)
+    components = load_components(identity.checkpoint, slots, dtype=dtype, device=device, int8_compute=int8_mode,
+                                 int8_reason=int8_reason)
+    if compile_blocks:
+        from ..engine.compile import compile_blocks as compile_all
+
+        compile_all(components.transformer)
+    gemma = load_gemma(identity.gemma, device=device, dtype=dtype)
+    check_gemma_matches(components.text_projection, gemma, identity.gemma)
+    return TwoStagePipeline(components, gemma, device=device, dtype=dtype)
