@@ -44,12 +44,14 @@ def _compile_rank(rank: int, world: int, files: dict) -> dict:
     out["compiled_again"] = _forward(sp, kwargs)
     out["graph_breaks"] = C.graph_breaks()
     # the fleet's policy switch (a job with compile off, then on again) on this resident transformer
-    from mgpu_backend.protocol.fleet_config import FleetPolicy
+    from mgpu_backend.protocol.fleet_config import FleetIdentity, FleetPolicy
     from mgpu_backend.serving.worker import WorkerState
 
     blocks = components.transformer.transformer_blocks
     state = WorkerState.__new__(WorkerState)  # a rank's state without the fleet around it: no plan, just the model
     state.components, state.plan, state.policy, state.sharding = components, None, FleetPolicy(compile=True), None
+    state.config = FleetIdentity(devices=("cpu",) * world, checkpoint=str(files["2.0"]["checkpoint"]),  # for the rules
+                                 gemma=str(files["2.0"]["gemma"]))
     state.apply_policy(FleetPolicy(compile=False))
     out["compiled_blocks_off"] = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     out["eager_after_off"] = _forward(sp, kwargs)
