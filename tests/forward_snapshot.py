@@ -83,9 +83,9 @@ def _native(rank: int, world: int, paths23: dict, guidance_parallel: str) -> dic
     out = {}
     for name, request in _native_requests().items():
         engine.check(request)
-        out = engine.forward(request, request.context.float())
+        result = engine.forward(request, request.context.float())
         # a NativeForwardResult since issue 34; the old tree's engine returned (video, audio)
-        video, audio = (out.video, out.audio) if hasattr(out, "video") else out
+        video, audio = (result.video, result.audio) if hasattr(result, "video") else result
         if rank == 0:
             out[f"native.{name}"] = {"video": video, "audio": audio}
     return out

@@ -43,6 +43,18 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be used: wrong family, missing or unexpected keys, bad metadata."""
 
 
+def metadata_config(metadata: dict[str, str], path) -> dict[str, Any]:
+    """The parsed JSON `config` entry of a safetensors file's `metadata` ({} when absent). Raises CheckpointError
+    naming `path` on invalid JSON."""
+    raw = metadata.get("config")
+    if raw is None:
+        return {}
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: metadata 'config' is not valid JSON ({exc})") from exc
+
+
 @dataclass(frozen=True)
 class Header:
     """A safetensors file's header: `keys` (tensor names in file order), `dtypes` / `shapes` per name (safetensors'
@@ -57,13 +69,7 @@ class Header:
 
     def config(self) -> dict[str, Any]:
         """The parsed JSON `config` metadata ({} when absent). Raises CheckpointError on invalid JSON."""
-        raw = self.metadata.get("config")
-        if raw is None:
-            return {}
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{self.path}: metadata 'config' is not valid JSON ({exc})") from exc
+        return metadata_config(self.metadata, self.path)
 
     def nbytes(self, key: str) -> int:
         """The stored bytes of tensor `key`."""

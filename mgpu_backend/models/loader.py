@@ -14,7 +14,6 @@ as float8 stay float8 (`FP8Linear`). Every component is loaded `strict`: a missi
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -33,6 +32,7 @@ from ..protocol.fleet_rules import ACTIVATION_RESERVE_BYTES, WeightBytes, resolv
 from .families import ModelFamily, detect_family
 from .fp8 import FP8_DTYPES, INPUT_SCALE_SUFFIX, SCALE_SUFFIX, swap_in_fp8_linears
 from .headers import LTX_MARKER as _LTX_MARKER
+from .headers import metadata_config
 from .headers import CheckpointError, transformer_prefix  # noqa: F401 - the loader's names too (headers.py)
 # LTX-2.5(.1+): learned embedding of single-pixel-frame tokens; ComfyUI builds it when the key is present
 KEYFRAME_EMBEDDING_KEY = "keyframes_abs_pos_embedding"
@@ -62,13 +62,7 @@ class SafetensorsFile:
 
     def config(self) -> dict[str, Any]:
         """The parsed JSON `config` metadata ({} when absent). Raises CheckpointError on invalid JSON."""
-        raw = self.metadata.get("config")
-        if raw is None:
-            return {}
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{self.path}: metadata 'config' is not valid JSON ({exc})") from exc
+        return metadata_config(self.metadata, self.path)
 
     def tensor(self, key: str) -> torch.Tensor:
         return self._handle.get_tensor(key)

@@ -116,8 +116,36 @@ def schedule_tokens(latent_shape: Sequence[int]) -> int:
     return int(math.prod(latent_shape[2:]))
 
 
+class _ScaleRules:
+    """The scale fields' rules and what they imply, shared by :class:`GuidanceParams` and :class:`GuidanceScales`
+    (both dataclasses declare cfg_scale, stg_scale, rescale, modality_scale and skip_step)."""
+
+    def _check_scales(self) -> None:
+        """Raises ValueError naming the field for a non-finite scale or a negative skip_step."""
+        kind = type(self).__name__
+        for name in ("cfg_scale", "stg_scale", "rescale", "modality_scale"):
+            v = getattr(self, name)
+            if not math.isfinite(float(v)):
+                raise ValueError(f"{kind}.{name} must be finite; got {v}")
+        if self.skip_step < 0:
+            raise ValueError(f"{kind}.skip_step must be >= 0; got {self.skip_step}")
+
+    # Which extra forwards this modality needs (reference MultiModalGuider.do_* use math.isclose).
+    @property
+    def uses_uncond(self) -> bool:
+        return not math.isclose(self.cfg_scale, 1.0)
+
+    @property
+    def uses_perturbed(self) -> bool:
+        return not math.isclose(self.stg_scale, 0.0)
+
+    @property
+    def uses_isolated(self) -> bool:
+        return not math.isclose(self.modality_scale, 1.0)
+
+
 @dataclass(frozen=True)
-class GuidanceParams:
+class GuidanceParams(_ScaleRules):
     """Guidance settings for one modality (reference ``MultiModalGuiderParams``; neutral defaults = no guidance).
 
     Attributes:
@@ -144,27 +172,9 @@ class GuidanceParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stg_blocks", tuple(int(b) for b in (self.stg_blocks or ())))
-        for name in ("cfg_scale", "stg_scale", "rescale", "modality_scale"):
-            v = getattr(self, name)
-            if not math.isfinite(float(v)):
-                raise ValueError(f"GuidanceParams.{name} must be finite; got {v}")
-        if self.skip_step < 0:
-            raise ValueError(f"GuidanceParams.skip_step must be >= 0; got {self.skip_step}")
+        self._check_scales()
         if self.uses_perturbed and not self.stg_blocks:
             raise ValueError("GuidanceParams: stg_scale != 0 needs at least one block in stg_blocks")
-
-    # Which extra forwards this modality needs (reference MultiModalGuider.do_* use math.isclose).
-    @property
-    def uses_uncond(self) -> bool:
-        return not math.isclose(self.cfg_scale, 1.0)
-
-    @property
-    def uses_perturbed(self) -> bool:
-        return not math.isclose(self.stg_scale, 0.0)
-
-    @property
-    def uses_isolated(self) -> bool:
-        return not math.isclose(self.modality_scale, 1.0)
 
     def skips(self, step: int) -> bool:
         """True when this step reuses the previous guided prediction (reference ``should_skip_step``)."""
@@ -176,7 +186,7 @@ class GuidanceParams:
 
 
 @dataclass(frozen=True)
-class GuidanceScales:
+class GuidanceScales(_ScaleRules):
     """One modality's guidance whose STG blocks are the model's default (``"auto"``): what a node sends when the
     user has not named blocks, resolved on the fleet, which knows the model (``stages.stage.StageLimits.guidance``).
 
@@ -191,24 +201,7 @@ class GuidanceScales:
     skip_step: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("cfg_scale", "stg_scale", "rescale", "modality_scale"):
-            v = getattr(self, name)
-            if not math.isfinite(float(v)):
-                raise ValueError(f"GuidanceScales.{name} must be finite; got {v}")
-        if self.skip_step < 0:
-            raise ValueError(f"GuidanceScales.skip_step must be >= 0; got {self.skip_step}")
-
-    @property
-    def uses_uncond(self) -> bool:
-        return not math.isclose(self.cfg_scale, 1.0)
-
-    @property
-    def uses_perturbed(self) -> bool:
-        return not math.isclose(self.stg_scale, 0.0)
-
-    @property
-    def uses_isolated(self) -> bool:
-        return not math.isclose(self.modality_scale, 1.0)
+        self._check_scales()
 
     def with_blocks(self, blocks: Sequence[int]) -> GuidanceParams:
         """The :class:`GuidanceParams` of these scales with ``stg_blocks`` = ``blocks`` (block indices; ValueError
