@@ -137,6 +137,34 @@ def test_apply_plan_installs_exactly_the_plans_processors(transformer23):
         {LTX2AttnProcessor}
 
 
+def test_apply_plan_again_is_a_no_op_while_its_processors_stay(transformer23):
+    """The native MODEL applies its plan on every request: the same plan over the same exchange installs nothing
+    while its processors are in place, and installs again once anything else was installed (a stage's plan, the
+    local processors, another exchange)."""
+    from mgpu_backend.engine.attention import LTX2AttnProcessor, use_processor
+    from mgpu_backend.splits.apply import applied_plan, apply_plan, remove_plan
+    from mgpu_backend.splits.exchange import Exchange
+
+    def installed():
+        return [getattr(b, n).processor for b in transformer23.transformer_blocks for n in ("attn1", "attn2")]
+
+    exchange = Exchange(None, 1, 0)
+    try:
+        apply_plan(transformer23, SEQUENCE, exchange)
+        first = installed()
+        apply_plan(transformer23, SEQUENCE, exchange)
+        assert all(a is b for a, b in zip(installed(), first, strict=True))  # nothing reinstalled
+        apply_plan(transformer23, SEQUENCE, Exchange(None, 1, 0))  # another exchange: installed anew
+        second = installed()
+        assert second[0] is not first[0] and applied_plan(transformer23) is SEQUENCE
+        use_processor(transformer23, LTX2AttnProcessor())  # someone made the attentions local behind its back
+        apply_plan(transformer23, SEQUENCE, exchange)
+        assert type(installed()[0]).__name__ == "UlyssesSelfAttention" and installed()[0] is not second[0]
+    finally:
+        remove_plan(transformer23)
+    assert applied_plan(transformer23) is None
+
+
 def test_token_batch_is_frozen_and_selects_rows(transformer23):
     batch, _ = _batch(transformer23, _kwargs(transformer23, b=2))
     with pytest.raises(AttributeError):

@@ -11,8 +11,9 @@ itself (`engine.forward.run`) installs nothing and reads no wrapper state: the s
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from ..engine.attention import LTX2AttnProcessor, use_processor
+from ..engine.attention import ATTENTIONS, LTX2AttnProcessor, use_processor
 from ..protocol.fleet_rules import check_sp_degree
 from .exchange import Exchange
 from .forward_plan import GATHERED_KEYS, LOCAL, ULYSSES, ForwardPlan
@@ -25,15 +26,40 @@ PROCESSORS: dict[str, Callable[[Exchange | None], LTX2AttnProcessor]] = {
 }
 """A plan's attention kind -> the processor that implements it, made with the split's exchange."""
 
-_APPLIED = "_ltx2_applied_plan"  # the plan applied to a transformer (read by `applied_plan`, `remove_plan`)
+_APPLIED = "_ltx2_applied_plan"  # what apply_plan installed on a transformer (`_Applied`)
+
+
+@dataclass(frozen=True, eq=False)
+class _Applied:
+    """What `apply_plan` installed on a transformer: the plan, its exchange, and the processor objects it put on the
+    first block (attention name -> processor), by which a later call sees whether they are still in place."""
+
+    plan: ForwardPlan
+    exchange: Exchange | None
+    probes: tuple[tuple[str, LTX2AttnProcessor], ...]
+
+    def in_place(self, transformer) -> bool:
+        block = transformer.transformer_blocks[0]
+        for name, processor in self.probes:
+            installed = getattr(block, name).processor
+            while hasattr(installed, "inner"):  # a per-item wrapper of a batch of guidance passes (engine/denoiser.py)
+                installed = installed.inner
+            if installed is not processor:
+                return False
+        return True
 
 
 def apply_plan(transformer, plan: ForwardPlan, exchange: Exchange | None = None) -> None:
     """Install `plan`'s attention processors on every block of `transformer` (the kinds of `PROCESSORS`, made with
     `exchange`; the attentions the plan does not name get the local processor, with the direct processor call and
-    the fused norms of `attention.use_processor`). Raises ValueError for an attention kind without a processor, a
+    the fused norms of `attention.use_processor`). Nothing is done when this plan over this exchange is applied and
+    its processors are still in place (the native MODEL applies its plan on every request: a reinstall per forward
+    would cost milliseconds on a 48-block model). Raises ValueError for an attention kind without a processor, a
     plan that exchanges without an `exchange`, or a degree that does not divide the heads — before anything is
     installed."""
+    current = getattr(transformer, _APPLIED, None)
+    if current is not None and current.plan is plan and current.exchange is exchange and current.in_place(transformer):
+        return
     unknown = sorted(set(plan.attention.values()) - set(PROCESSORS))
     if unknown:
         raise ValueError(f"plan {plan.name!r}: attention kind(s) {unknown} have no processor (known: "
@@ -43,12 +69,15 @@ def apply_plan(transformer, plan: ForwardPlan, exchange: Exchange | None = None)
         raise ValueError(f"plan {plan.name!r} exchanges between ranks ({', '.join(exchanging)}): it needs an exchange")
     if ULYSSES in exchanging:
         check_sp_degree(transformer.config.num_attention_heads, exchange.world_size)
-    use_processor(transformer, LTX2AttnProcessor())
+    local = LTX2AttnProcessor()
+    use_processor(transformer, local)
+    probes = {name: local for name in ATTENTIONS}
     for name, kind in plan.attention.items():
         processor = PROCESSORS[kind](exchange)
         for block in transformer.transformer_blocks:
             getattr(block, name).set_processor(processor)
-    object.__setattr__(transformer, _APPLIED, plan)  # not a submodule
+        probes[name] = processor
+    object.__setattr__(transformer, _APPLIED, _Applied(plan, exchange, tuple(probes.items())))  # not a submodule
 
 
 def remove_plan(transformer) -> None:
@@ -61,7 +90,8 @@ def remove_plan(transformer) -> None:
 
 def applied_plan(transformer) -> ForwardPlan | None:
     """The plan last applied to `transformer` (None: none, or removed)."""
-    return getattr(transformer, _APPLIED, None)
+    applied = getattr(transformer, _APPLIED, None)
+    return None if applied is None else applied.plan
 
 
 __all__ = ["PROCESSORS", "apply_plan", "applied_plan", "remove_plan"]

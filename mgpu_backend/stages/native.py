@@ -59,7 +59,7 @@ from ..protocol.native_forward import ForwardContractError, ForwardOptions, Forw
 from ..weights.lora import LoRAFile, LoRAFuser, LoRAPair
 from ..engine.forward import Split, comfy_block, qk_eps, qk_norms  # noqa: F401 (re-exported)
 from ..models import keymaps
-from ..splits.apply import apply_plan, remove_plan
+from ..splits.apply import apply_plan
 from ..splits.dispatch import dispatch
 from ..splits.exchange import Exchange
 from ..splits.sequence import UlyssesSplit
@@ -511,18 +511,17 @@ class NativeEngine:
             if not chosen.joins:
                 return NativeForwardResult(None, None, "", time.perf_counter() - t0)
             split = chosen.split or self.local_split
+            # applied once and left in place for the next request (a no-op while it stays): a stage job applies its
+            # own plan before it runs, and removes it after
             apply_plan(self.transformer, split.plan, split.exchange)
-            try:
-                if chosen.kind == "passes":
-                    rows_out = chosen.spread([_Row(r) for r in rows], lambda r: self.run_rows(p, [r.index], split, o))
-                    video = torch.cat([v for v, _ in rows_out])
-                    audio = torch.cat([a for _, a in rows_out])
-                    report = chosen.run.split.describe(self.plan.world_size).replace("guidance passes", "batch rows")
-                else:
-                    video, audio = self.run_rows(p, rows, split, o)
-                    report = self.plan.describe(chosen.run.report) if chosen.run is not None else "one rank"
-            finally:
-                remove_plan(self.transformer)
+            if chosen.kind == "passes":
+                rows_out = chosen.spread([_Row(r) for r in rows], lambda r: self.run_rows(p, [r.index], split, o))
+                video = torch.cat([v for v, _ in rows_out])
+                audio = torch.cat([a for _, a in rows_out])
+                report = chosen.run.split.describe(self.plan.world_size).replace("guidance passes", "batch rows")
+            else:
+                video, audio = self.run_rows(p, rows, split, o)
+                report = self.plan.describe(chosen.run.report) if chosen.run is not None else "one rank"
             self.forwards += 1
             video, audio = self.unpack(p, video, audio, request.video.dtype)
         return NativeForwardResult(video, audio, report, time.perf_counter() - t0)
