@@ -166,6 +166,7 @@ def _stage1(components, case: str, contexts: TextContext, forward=None) -> dict:
                           for c in (positive, negative))
     model = LTX2Denoiser(tf, positive, negative, L.video_coords(tf, b, f, h, w, FPS).to(device),
                          L.audio_coords(tf, b, AUDIO_TOKENS).to(device), dtype, split=getattr(forward, "split", None))
+    model.batch_mode = "off"  # one forward per pass, also on CUDA (batched passes: tests/test_batched_passes.py)
     video, audio = S.denoise_loop(model, S.ltx2_sigmas(STAGE1_STEPS),
                                   S.ModalityStream(start_v, video_mask, video_clean, VIDEO_GUIDANCE),
                                   S.ModalityStream(start_a, guidance=AUDIO_GUIDANCE))
