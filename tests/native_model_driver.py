@@ -79,7 +79,7 @@ class LocalComfyTransport:
     def __call__(self, kind, payload):
         import torch
 
-        from ltx2_multigpu.mgpu_backend import forward as F
+        from ltx2_multigpu.mgpu_backend.protocol import native_forward as F
 
         with torch.no_grad():
             if kind == F.PREPROCESS_TEXT_JOB:  # the connectors on the patched weights, as the fleet fuses them
@@ -160,7 +160,7 @@ class LocalComfyTransport:
 
 def fleet_transport(nm, path: str, world_size: int, gemma: str | None):
     from ltx2_multigpu.mgpu_backend.protocol.fleet_config import FleetConfig
-    from ltx2_multigpu.mgpu_backend.client import ControllerClient
+    from ltx2_multigpu.mgpu_backend.serving.client import ControllerClient
 
     config = FleetConfig(devices=("cpu",) * world_size, checkpoint=path, gemma=gemma, gemma_unload=True,
                          dtype="float32")
