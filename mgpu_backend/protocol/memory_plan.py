@@ -366,7 +366,45 @@ def ranks_needed(tokens: int, cap_at, degrees) -> int | None:
     return None
 
 
+def cap_refusal(tokens: int, world_size: int, cap_at, degrees=None, frame_tokens: int | None = None,
+                size: str | None = None) -> str | None:
+    """The refusal of a forward of `tokens` video tokens over `world_size` ranks, or None when its per-rank share
+    ⌈tokens / W⌉ is within `cap_at(W)` (`cap_at`: degree -> per-rank cap or None for no cap).
+
+    The message names the tokens, the share and the cap; with `frame_tokens` (latent tokens per latent frame of the
+    checked stage, (H/32)·(W/32)) the longest 8k+1 clip that fits W ranks at this size (`size`: the job's
+    "width×height", for the words); and the ranks that would hold the asked clip: the fewest of `degrees` (the valid
+    sequence-parallel degrees, ascending) whose cap holds it (`ranks_needed`), or, without `degrees`, ⌈tokens /
+    cap⌉ at W's cap. Example (hand-computed in tests/test_long_clips.py): 99,000 tokens at 1280×704 (880 per frame)
+    over 2 ranks with a cap of 40,000: "99000 video tokens over 2 ranks is 49500 tokens per rank, above the cap of
+    40000; at 1280×704 the longest clip that fits 2 ranks is 713 frames: use at least 4 GPUs, …" with degrees
+    (1, 2, 4, 8) (⌊80,000 / 880⌋ = 90 latent frames = 713 frames; 3 GPUs would do without the degree rule)."""
+    world = _int("world_size", world_size, 1)
+    cap = cap_at(world)
+    per_rank = -(-_int("tokens", tokens) // world)
+    if cap is None or per_rank <= cap:
+        return None
+    ranks = "rank" if world == 1 else "ranks"
+    msg = f"{tokens} video tokens over {world} {ranks} is {per_rank} tokens per rank, above the cap of {cap}"
+    if frame_tokens:
+        where = f"at {size}" if size else f"at {frame_tokens} tokens per latent frame"
+        longest = longest_latent_frames(cap, world, frame_tokens)
+        frames = frames_of_latent(longest)
+        msg += (f"; {where} the longest clip that fits {world} {ranks} is {frames} frame{'s' if frames != 1 else ''}"
+                if longest else f"; {where} not even one frame fits {world} {ranks}")
+    if degrees:
+        need = ranks_needed(tokens, cap_at, degrees)
+        if need is None:
+            return (f"{msg}: no sequence-parallel degree up to {max(degrees)} holds it (the degree must divide the "
+                    f"attention heads) — use fewer frames or a smaller size, or raise the cap")
+    else:
+        need = -(-tokens // cap) if cap > 0 else None
+        if need is None:
+            return f"{msg}: use fewer frames or a smaller size, or raise the cap"
+    return f"{msg}: use at least {need} GPUs, fewer frames or a smaller size, or raise the cap"
+
+
 __all__ = ["ActivationShape", "ActivationTerms", "FF_BYTES_PER_HIDDEN", "FF_CHUNK_BYTES", "FUDGE", "LTX22B",
-           "MemoryBudget", "MemoryPlanError", "activation_bytes", "activation_terms", "auto_ff_chunk",
+           "MemoryBudget", "MemoryPlanError", "activation_bytes", "activation_terms", "auto_ff_chunk", "cap_refusal",
            "frames_of_latent", "latent_tokens", "longest_latent_frames", "ranks_needed", "resolve_ff_chunk",
            "token_cap"]
