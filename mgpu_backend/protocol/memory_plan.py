@@ -19,11 +19,13 @@ cross-attention AdaLN of LTX-2.3 / 2.5), W = total / per-rank tokens:
 - inside a block, for the whole block: the block's modulation values (M·u·e with per-token timesteps: diffusers'
   `get_mod_params` materialises all of them at once);
 - the moments inside a block (the largest counts):
-  - video self-attention: the modulated input, q, k, v, their concatenation (`splits/sequence.py`: one all_to_all
-    for the three) — 7·u·e — and, at W > 1, the all_to_all's send buffer, receive buffer and the reordered result
-    (9·u·e more; `splits/exchange.py seq_to_heads`). The attention itself is SDPA (memory-efficient: no T × T
-    scores); with H/W heads over all T tokens its q / k / v hold as many elements as this rank's T/W tokens with
-    all H heads, so the term is per local token;
+  - video self-attention: the modulated input, q, k, v and their concatenation (`splits/sequence.py`: one
+    all_to_all for the three) — 7·u·e; at W > 1 the projections are dropped once stacked, and the stack, the
+    all_to_all's send and receive buffers are held (1 + 9 = 10·u·e; 13 with a batch > 1, whose reordered result is
+    a copy; `splits/exchange.py seq_to_heads`) — before issue 35 the projections were kept through the exchange
+    (3·u·e more: `held_qkv`, what the fit's measurements ran). The attention itself is SDPA (memory-efficient: no
+    T × T scores); with H/W heads over all T tokens its q / k / v hold as many elements as this rank's T/W tokens
+    with all H heads, so the term is per local token;
   - feed-forward: the block's locals still held (attn2 and a2v outputs, the v2a input: 3·u·e; the cross-modal
     modulation 5·u·e when per token), its input (u·e), and the 4u-wide hidden of the tokens in one chunk:
     `FF_BYTES_PER_HIDDEN` bytes per hidden element by the block Linears' compute path (bf16 or fp8: the up
@@ -81,11 +83,10 @@ FF_BYTES_PER_HIDDEN = {"bf16": lambda e: 2 * e, "fp8": lambda e: 2 * e, "int8": 
 """Bytes per element of the feed-forward's 4u-wide hidden at its peak, by the block Linears' compute path (see the
 module docstring)."""
 
-FUDGE = {"bf16": 1.064, "fp8": 1.041, "int8": 1.220}
-"""The fudge factor per compute path: measured = FUDGE · modelled + OFFSET, least squares (the module docstring's
-fit; bench/results/activation_plan_fit.md)."""
-OFFSET = {"bf16": -89_971_000, "fp8": 33_469_000, "int8": -27_141_000}
-"""The fit's intercept per compute path (bytes; see FUDGE)."""
+FUDGE = {"bf16": 1.044, "fp8": 1.050, "int8": 1.216}
+"""The fudge factor per compute path: measured ≈ FUDGE · modelled, least squares through the origin (the module
+docstring's fit; bench/results/activation_plan_fit.md). No intercept: the plan serves every shape (a tiny model's
+too), and a fitted intercept at the 22B scale (−86 MiB for bf16) would be meaningless there."""
 
 FF_CHUNK_BYTES = 256 * 2 ** 20
 """The automatic feed-forward chunking (`auto_ff_chunk`): a rank whose 4u-wide FF hidden (batch · tokens · 4u · e)
@@ -177,7 +178,6 @@ class ActivationTerms:
     video_to_audio: int
     fixed: int
     fudge: float
-    offset: int = 0
 
     @property
     def moment(self) -> str:
@@ -192,16 +192,17 @@ class ActivationTerms:
 
     @property
     def peak(self) -> int:
-        """FUDGE · modelled + OFFSET (never below 0)."""
-        return max(0, math.ceil(self.fudge * self.modelled + self.offset))
+        """FUDGE · modelled, rounded up."""
+        return math.ceil(self.fudge * self.modelled)
 
 
 def activation_terms(tokens_per_rank: int, total_tokens: int, shape: ActivationShape = LTX22B, batch: int = 1,
-                     ff_chunk: int | None = None, audio_tokens: int = 0) -> ActivationTerms:
+                     ff_chunk: int | None = None, audio_tokens: int = 0, held_qkv: bool = False) -> ActivationTerms:
     """The itemised plan of one forward on a rank holding `tokens_per_rank` of `total_tokens` video tokens (the
     padded count: a multiple of the per-rank count; W = total / per-rank), `batch` rows, the feed-forward in chunks
-    of `ff_chunk` tokens of the batch's rows flattened (None or ≥ batch · tokens_per_rank: whole), `audio_tokens` audio tokens (replicated). Formula: the
-    module docstring. Raises MemoryPlanError for a negative count, `total_tokens` < `tokens_per_rank`, a batch < 1 or
+    of `ff_chunk` tokens of the batch's rows flattened (None or ≥ batch · tokens_per_rank: whole), `audio_tokens`
+    audio tokens (replicated); `held_qkv`: the video self-attention as before issue 35 (q, k, v kept through the
+    all_to_all: the code the fit's measurements ran). Formula: the module docstring. Raises MemoryPlanError for a negative count, `total_tokens` < `tokens_per_rank`, a batch < 1 or
     a chunk < 1."""
     n = _int("tokens_per_rank", tokens_per_rank)
     total = _int("total_tokens", total_tokens)
@@ -220,7 +221,7 @@ def activation_terms(tokens_per_rank: int, total_tokens: int, shape: ActivationS
     inputs = s.in_channels * e + 24 + 4 * (1 + per_token + 2 * cross)
     across = u * e * (1 + (m + 1) * per_token + 5 * cross) + rope
     block = m * u * e * per_token
-    attention = u * e * (7 + ((6 if b == 1 else 9) if world > 1 else 0))
+    attention = u * e * (7 if world == 1 else (10 if b == 1 else 13) + (3 if held_qkv else 0))
     rows = b * n
     chunk = rows if ff_chunk is None or ff_chunk >= rows else ff_chunk
     held = u * e * (3 + 5 * cross)
@@ -232,7 +233,7 @@ def activation_terms(tokens_per_rank: int, total_tokens: int, shape: ActivationS
                  + total * s.out_channels * e * (2 if world > 1 else 1))
     return ActivationTerms(inputs=b * n * inputs, across=b * n * across, block=b * n * block,
                            attention=b * n * attention, feed_forward=ff_total, video_to_audio=v2a_total, fixed=fixed,
-                           fudge=FUDGE[s.linear], offset=OFFSET[s.linear])
+                           fudge=FUDGE[s.linear])
 
 
 def activation_bytes(tokens_per_rank: int, total_tokens: int, shape: ActivationShape = LTX22B, batch: int = 1,
