@@ -29,8 +29,7 @@ cross-attention AdaLN of LTX-2.3 / 2.5), W = total / per-rank tokens:
   - feed-forward: the block's locals still held (attn2 and a2v outputs, the v2a input: 3·u·e; the cross-modal
     modulation 5·u·e when per token), its input (u·e), and the 4u-wide hidden of the tokens in one chunk:
     `FF_BYTES_PER_HIDDEN` bytes per hidden element by the block Linears' compute path (bf16 or fp8: the up
-    projection's output and its GELU, 2e; int8 W8A8 in torch: the GELU, its ConvRot rotation and the scaled copy
-    plus the int8 input, 3e + 1, `models/quant.py int8_linear_torch`); with chunking (`ff_chunk` tokens at a time,
+    projection's output and its GELU, 2e; int8 W8A8 in torch: 12, below); with chunking (`ff_chunk` tokens at a time,
     `engine/forward.py feed_forward`) the hidden is that of one chunk, and the output buffer (u·e) is there from
     the start;
   - video→audio attention: the same block locals, the video K / V of this rank and their concatenation (4·a·e),
@@ -41,8 +40,9 @@ cross-attention AdaLN of LTX-2.3 / 2.5), W = total / per-rank tokens:
   gathered output (`out_channels` · e per total token, twice at W > 1: the all_gather's parts and their
   concatenation).
 The sum is multiplied by `FUDGE[linear]`, fitted to measured peaks (below): what the itemisation misses (the
-allocator's rounding, temporaries inside kernels, the GELU and norm temporaries, the time embedding's own
-intermediates).
+allocator's rounding, temporaries inside kernels, the norm temporaries, the time embedding's own intermediates).
+For int8 W8A8 in torch the feed-forward's peak is its up projection's int32 accumulator, its float32 copy and the
+scaled float32 product (12 bytes per hidden element, `models/quant.py int8_linear_torch`).
 
 **The fit** (bench/results/activation_plan_fit.md, reproduced by `python bench/bench_long_clips.py --fit`): measured
 peak − resident at known token counts, 121 frames, one no-grad forward, per-token video timesteps and per-row
@@ -55,18 +55,20 @@ cross-modal timesteps (what those benches fed):
   1280×704, 1920×1088, W = 1, 2, 4 (9 points).
 For the sharded ranks the two gathered blocks (the running one and the prefetched next, `weights/sharding.py
 gathered`: 2 × the largest unit, 403,005,504 bytes there) are taken off the measured figure: they are the
-`gathered_bytes` of `token_cap`, not activations. Each format's factor is the least-squares ratio of measured to
-modelled; residuals (measured − planned) in GiB:
-- bf16 (memory_h200, 12 points): FUDGE 1.081, residuals −0.08 … +0.06 GiB (largest relative: −16 % at 440 tokens
-  per rank, 0.16 GiB measured);
-- fp8 (memory_h200 12 points + sharded_h200 6 points): FUDGE 1.006, residuals −0.29 … +0.37 GiB (the fp8 points of
-  memory_h200 at small token counts run above the model: +0.3 GiB at 440–1,760 tokens per rank, the scaled_mm
-  workspace and the per-row scales; at ≥ 7,040 tokens per rank within ±7 %);
-- int8 (sharded_ltx25, 9 points): FUDGE 1.096, residuals −0.37 … +0.29 GiB (≤ 9 % at ≥ 3,520 tokens per rank).
-The residual table per point is in bench/results/activation_plan_fit.md.
+`gathered` bytes of `MemoryBudget`, not activations. The measurements ran the video self-attention before issue 35
+(q, k, v held through the all_to_all: `held_qkv=True` for the fit). Each path's factor is the least-squares ratio
+of measured to modelled through the origin; residuals (measured − planned):
+- bf16 (memory_h200, 12 points): FUDGE 1.044, residuals −0.18 … +0.12 GiB (within 5 % from 3,520 tokens per rank
+  at W ≤ 4; the W = 8 points are over-planned by 16–18 %: the gathered video→audio keys are counted in full);
+- fp8 (memory_h200 12 points + sharded_h200 6 points): FUDGE 1.050, residuals −0.19 … +0.18 GiB (memory_h200's fp8
+  points under 2,000 tokens per rank run +0.15–0.18 GiB above the plan — up to 45 % of 0.37 GiB —, what the
+  `MemoryBudget.reserve` covers; at ≥ 7,040 tokens per rank within ±4 %, except the W = 8 over-plan);
+- int8 (sharded_ltx25, 9 points): FUDGE 1.216, residuals −0.03 … +0.03 GiB (≤ 4 %).
+The residual table per point: bench/results/activation_plan_fit.md (`python bench/bench_long_clips.py --fit`, which
+checks the constants below against a fresh fit).
 
 **The token cap** (`token_cap`): the largest tokens per rank n whose plan at W ranks (n·W tokens in all) fits
-`budget − resident − gathered − reserve`; `longest_frames` turns a per-rank cap into the longest 8k+1 clip at a size
+`budget − resident − gathered − reserve`; `longest_latent_frames` turns a per-rank cap into the longest clip at a size
 and `ranks_needed` the fewest valid degrees that hold a clip.
 """
 from __future__ import annotations

@@ -19,7 +19,10 @@ Three objects, apart: `PlanGroups` (the process groups and their sequence splits
 fleet by `build_plan`, kept by the worker), `ParallelPlan` (those groups under one job's `PlanPolicy`: a frozen
 value made per job by `ParallelPlan.for_policy` / `with_policy`, never changed in place) and `PlanReport` (how one
 stage was split, returned by `split` inside its `StageRun`). The per-rank token cap travels with the `StageRun`'s
-split to each forward; the shared splits hold no policy. How a stage's branches run (sequence parallel or spread
+split to each forward; the shared splits hold no policy. The cap is the policy's fixed number, or with "auto"
+(`AUTO_TOKEN_CAP`, issue 35) the activation plan's per degree (`ParallelPlan.cap_at`: `protocol/memory_plan.py`
+on this rank's `MemoryBudget`, measured by `build_plan` on CUDA); `check` refuses a job above it before any work,
+naming the longest clip that fits at the job's size and the ranks that would hold it. How a stage's branches run (sequence parallel or spread
 over ranks) is asked through `dispatch.py`.
 """
 from __future__ import annotations
