@@ -333,3 +333,33 @@ def test_bench_fit_matches_the_plans_constants():
     rows = re.findall(r"^\| (bf16|fp8|int8) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|", out, re.M)
     assert [(p, int(n)) for p, n, _, _ in rows] == [("bf16", 12), ("fp8", 18), ("int8", 9)]
     assert all(fitted == kept for _, _, fitted, kept in rows)
+
+
+def test_chunked_feed_forward_in_compiled_blocks():
+    """The blocks compiled (dynamo with the aot_eager backend: the tracing `compile_blocks` does, no C++ compiler
+    needed): no graph break, the chunked forward equals the eager chunked one exactly, and a repeated chunk reuses
+    its graph (one graph per chunk value, fixed Python-int slices)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from mgpu_backend.engine.compile import graph_breaks
+
+    torch._dynamo.reset()
+    counters.clear()
+    tr = build_tiny_modules("2.3", 0)["transformer"].eval()
+    use_processor(tr)
+    batch, options = diffusers_batch(tr.config, **_kwargs(tr.config))
+    try:
+        with torch.no_grad():
+            eager = model_forward.run(tr, batch, REFERENCE, None, dataclasses.replace(options, ff_chunk_tokens=5))
+            for blk in tr.transformer_blocks:
+                blk.compile(dynamic=False, backend="aot_eager")
+            for chunk in (5, 5, 16):
+                got = model_forward.run(tr, batch, REFERENCE, None,
+                                        dataclasses.replace(options, ff_chunk_tokens=chunk))
+                if chunk == 5:
+                    assert all(torch.equal(g, e) for g, e in zip(got, eager))
+        assert graph_breaks() == 0
+        assert counters["stats"]["unique_graphs"] == 2  # chunks 5 and 16; the second call of 5 reused its graph
+    finally:
+        torch._dynamo.reset()
