@@ -23,15 +23,16 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class CheckpointOptions:
     """Load Checkpoint's optional widgets: the separate component files (video_vae, audio_vae, text_projection; NONE:
     from the checkpoint), sp_degree (0: the largest valid), compile, weights (`WEIGHT_MODES`), int8_compute
-    (`INT8_COMPUTE_MODES`)."""
+    (`INT8_COMPUTE_MODES`), gpu_budget_gib (GiB per GPU for the weights and one forward; 0: the free memory)."""
 
     video_vae: str = NONE
     audio_vae: str = NONE
     text_projection: str = NONE
     sp_degree: int = 0
     compile: bool = False
-    weights: str = "replicated"
+    weights: str = "auto"
     int8_compute: str = "auto"
+    gpu_budget_gib: float = 0.0
 
 
 def _ensure_upscaler_folder() -> None:
@@ -116,16 +117,27 @@ def _device_inputs() -> list:
                                  "GPU); otherwise caps or sets the count.")]
 
 
-WEIGHT_MODES_TOOLTIP = ("The transformer's weights over the GPUs: replicated = every GPU holds the whole transformer "
-                        "(fastest; needs a GPU that holds the model); sharded = each GPU holds 1/N of its layers, "
-                        "gathered layer by layer as they run (LTX-2.3 / 2.5 22B on 2-4 GPUs of 24-32 GB; every "
-                        "forward then runs sequence parallel over all GPUs, whose count must divide the 32 heads: "
-                        "2, 4 or 8). Changing it restarts the fleet.")
+WEIGHT_MODES_TOOLTIP = ("The transformer's weights over the GPUs: auto = replicated when every GPU holds the model, "
+                        "else placed; replicated = every GPU holds the whole transformer (fastest; refused when it "
+                        "does not fit); placed = as many blocks whole as each GPU's budget allows, the rest sharded "
+                        "over the GPUs (gathered as they run, behind the whole blocks' compute); sharded = each GPU "
+                        "holds 1/N of every block (least memory: LTX-2.3 / 2.5 22B on 2-4 GPUs of 24-32 GB). "
+                        "Whenever a block is sharded every forward runs sequence parallel over all GPUs, whose count "
+                        "must divide the 32 heads (2, 4 or 8). The node's text says what was placed. Changing it "
+                        "restarts the fleet.")
+GPU_BUDGET_TOOLTIP = ("GiB per GPU the fleet may use for the transformer's weights and one forward (a hard cap on "
+                      "each GPU); the weights are placed in the smallest GPU's budget. 0 = each GPU's free memory "
+                      "at load. Changing it restarts the fleet.")
 
 
 def _weights_input():
-    return io.Combo.Input("weights", options=list(WEIGHT_MODES), default="replicated", optional=True,
+    return io.Combo.Input("weights", options=list(WEIGHT_MODES), default="auto", optional=True,
                           tooltip=WEIGHT_MODES_TOOLTIP)
+
+
+def _budget_input():
+    return io.Float.Input("gpu_budget_gib", default=0.0, min=0.0, max=1024.0, step=0.5, optional=True,
+                          tooltip=GPU_BUDGET_TOOLTIP)
 
 
 INT8_COMPUTE_TOOLTIP = ("How an int8(-convrot) transformer file computes (ComfyUI's LTX-2.5 templates load one): "
@@ -170,17 +182,34 @@ def describe_plan(handle: FleetHandle) -> str:
         f"{cfg.dtype}{', compiled blocks' if cfg.compile else ''}",
         sp,
         f"tiled stage 2 / decode: all {w} ranks",
-        (f"weights: one full copy per rank (~{size / 2**30:.2f} GiB of files each, plus Gemma, mode "
-         f"{cfg.gemma_mode})" if cfg.weights == "replicated" else
-         f"weights: the transformer's layers sharded over the {w} ranks (~1/{w} each of ~{size / 2**30:.2f} GiB of "
-         f"files, gathered layer by layer as they run; Gemma mode {cfg.gemma_mode}): every forward runs sequence "
-         f"parallel over all {w} ranks; predicted weight gathers per forward (on top of the compute): "
-         + ", ".join(f"{sharded_gather_seconds(size, w, gbps):.2f} s over {link}"
-                     for link, gbps in LINKS_GBPS.items())),
+        _weights_line(cfg, getattr(plan, "placement", None), size),
         f"memory: {_free_memory(cfg.devices)}",
         f"worker pids: {', '.join(map(str, handle.worker_pids))}",
     ]
     return "\n".join(lines)
+
+
+def _weights_line(cfg, placement, size: int) -> str:
+    """The weights' line of the node's text: the placement the workers reported (`FleetPlan.placement`), with the
+    predicted weight gathers per forward over the configured links (`resources.LINKS_GBPS`); the mode asked for
+    when the controller did not report one."""
+    w = cfg.world_size
+    if placement is not None:
+        line = f"weights: {placement.describe()}; Gemma mode {cfg.gemma_mode}"
+        if placement.any_sharded:
+            line += (f"; every forward runs sequence parallel over all {w} ranks; predicted weight gathers per forward "
+                     f"(on top of the compute, unless hidden behind the whole blocks'): "
+                     + ", ".join(f"{placement.gather_seconds(gbps):.2f} s over {link}"
+                                 for link, gbps in LINKS_GBPS.items()))
+        return line
+    if cfg.weights == "sharded":
+        return (f"weights: the transformer's layers sharded over the {w} ranks (~1/{w} each of ~{size / 2**30:.2f} "
+                f"GiB of files, gathered layer by layer as they run; Gemma mode {cfg.gemma_mode}): every forward "
+                f"runs sequence parallel over all {w} ranks; predicted weight gathers per forward (on top of the "
+                f"compute): " + ", ".join(f"{sharded_gather_seconds(size, w, gbps):.2f} s over {link}"
+                                          for link, gbps in LINKS_GBPS.items()))
+    return (f"weights: {cfg.weights} (~{size / 2**30:.2f} GiB of files; the running controller did not report the "
+            f"placement; Gemma mode {cfg.gemma_mode})")
 
 
 class LoadCheckpointMGPU(io.ComfyNode):
@@ -235,6 +264,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                                          "eager blocks)."),
                 _weights_input(),
                 _int8_input(),
+                _budget_input(),
             ],
             outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
                                                                 "generation)."),
@@ -259,7 +289,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 audio_vae=_optional(o.audio_vae, "vae", "checkpoints"),
                 text_projection=_optional(o.text_projection, "text_encoders", "checkpoints"), dtype=dtype,
                 sp_degree=o.sp_degree or None, compile=bool(o.compile), weights=o.weights,
-                int8_compute=o.int8_compute)
+                int8_compute=o.int8_compute, gpu_budget_gib=o.gpu_budget_gib or None)
             # the fleet's rules the values decide (compile × sharded, …): refused before the running fleet is asked
             check_fleet(config.identity, config.policy)
             try:
@@ -319,6 +349,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
                 *_device_inputs(),
                 _weights_input(),
                 _int8_input(),
+                _budget_input(),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip=MODEL_TOOLTIP),
                      Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet, for the other MGPU "
@@ -327,7 +358,8 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, devices, world_size, weights="replicated", int8_compute="auto") -> io.NodeOutput:
+    def execute(cls, unet_name, devices, world_size, weights="auto", int8_compute="auto",
+                gpu_budget_gib=0.0) -> io.NodeOutput:
         from ..mgpu_backend.serving.client import parse_devices
 
         what = "Load Diffusion Model (MGPU)"
@@ -337,7 +369,8 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             path = _resolve(unet_name, "diffusion_models", "checkpoints")
             # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
             config = FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
-                                 transformer_only=True, weights=weights, int8_compute=int8_compute)
+                                 transformer_only=True, weights=weights, int8_compute=int8_compute,
+                                 gpu_budget_gib=gpu_budget_gib or None)
             check_fleet(config.identity, config.policy)  # the fleet's rules the values decide
             try:
                 c = client()

@@ -93,6 +93,7 @@ class Fleet:
         self.load_seconds = 0.0
         self.heads: int | None = None  # the loaded transformer's attention heads (`WorkerReady`)
         self.int8_compute: str | None = None  # the int8 path rank 0 took (`WorkerReady.int8_compute`), for status
+        self.placement = None  # where the weights went (`WorkerReady.placement`, rank 0's), for the plan
         self.lost: str | None = None
         # frames blocks handed to clients lately (theirs to unlink); any other block of this fleet's workers left in
         # /dev/shm at teardown is an orphan (e.g. written by rank 0 of a job another rank's death ended)
@@ -161,6 +162,7 @@ class Fleet:
                     self.heads = message.heads
                     if rank == 0:
                         self.int8_compute = getattr(message, "int8_compute", None)
+                        self.placement = getattr(message, "placement", None)
                 elif isinstance(message, WorkerInitError):
                     self._fail(f"rank {rank} failed to start: {message.error}",
                                details=ErrorDetails(traceback=message.traceback))
@@ -226,10 +228,12 @@ class Fleet:
         degree rule the workers apply (`protocol.fleet_rules.top_sp_degree`, as `ParallelPlan.for_policy`). Raises
         ValidationError for a degree the heads do not allow (the controller's `check_config` refuses it first)."""
         heads = self.heads or 1
+        placement = getattr(self, "placement", None)  # the weights' placement the workers reported
         if not self.identity.sequence_parallel:
-            return FleetPlan(self.world_size, heads, 1, (1,), sequence_parallel=False)
+            return FleetPlan(self.world_size, heads, 1, (1,), sequence_parallel=False, placement=placement)
         return FleetPlan(self.world_size, heads, top_sp_degree(heads, self.world_size, policy.sp_degree),
-                         tuple(valid_sp_degrees(heads, self.world_size)), set_by_policy=policy.sp_degree is not None)
+                         tuple(valid_sp_degrees(heads, self.world_size)), set_by_policy=policy.sp_degree is not None,
+                         placement=placement)
 
     def describe(self) -> FleetDescription:
         """The fleet for status answers and for saying what a stop or a rebuild replaces (the one place a
