@@ -17,6 +17,7 @@ from mgpu_backend.serving.client import ControllerClient
 from mgpu_backend.protocol import transport
 from mgpu_backend.protocol.errors import ControllerError, ErrorDetails, ErrorKind
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, FleetPlan, FleetPolicy
+from mgpu_backend.protocol.fleet_rules import WeightBytes, placement_of
 from mgpu_backend.protocol.job_requests import FAULT_KINDS, FaultSpec, JobSpec, NoopRequest
 from mgpu_backend.protocol.job_results import (ControllerStatus, DecodeReport, EncodeTextResult, FleetDescription,
                                                FleetTeardown, FramesResult, GenerateJobResult, GenerateTimings,
@@ -171,7 +172,13 @@ def test_the_controllers_reports_print_as_the_json_users_read():
         (3, ["cpu", "cpu"], [11, 12], [2, 2])
     assert fleet["policy"]["sp_degree"] == 2 and fleet["policy"]["guidance_parallel"] == "auto"
     assert fleet["plan"] == {"world_size": 2, "heads": 8, "sp_degree": 2, "valid_degrees": [1, 2],
-                             "set_by_policy": True, "sequence_parallel": True}
+                             "set_by_policy": True, "sequence_parallel": True, "placement": None}
+    # where the workers placed the weights (issue 35): the placement's fields, under the plan
+    sizes = WeightBytes(blocks=6, rest=1, block_units=(2, 2), connector_units=(1, 1))
+    plan = dataclasses.replace(_described().plan, placement=placement_of(sizes, 2, (1, 3), 9, 0, "auto"))
+    assert json.loads(json.dumps(dataclasses.asdict(plan)))["placement"] == {
+        "requested": "auto", "world_size": 2, "units": 4, "block_units": 2, "sharded": [1, 3], "budget_bytes": 9,
+        "reserve_bytes": 0, "resident_bytes": 1 + (2 + 1) + (1 + 1), "gathered_bytes": 1, "transient_bytes": 4}
     assert printed["processes"] == [{"pid": 4242, "role": "controller", "rss_bytes": 300 * 2**20},
                                     {"pid": 11, "role": "worker rank 0", "rss_bytes": 400 * 2**20},
                                     {"pid": 12, "role": "worker rank 1", "rss_bytes": None}]
