@@ -345,9 +345,10 @@ def resolve_int8_compute(mode: str, *, device_type: str, weights: str, int8_byte
 
 def check_fits(device: str, free_bytes: int, sizes: WeightBytes, weights: str, world_size: int,
                reserve: int = ACTIVATION_RESERVE_BYTES) -> None:
-    """Refuse (ValidationError, before any weight is loaded) a fleet whose rank on `device` would not fit its
-    `free_bytes`: its weights (`sizes.per_rank(weights, world_size)`) plus `reserve` for one forward. The message
-    gives the figure needed and the modes that would fit."""
+    """Refuse (ValidationError) a fleet whose rank on `device` would not fit its `free_bytes`: its weights
+    (`sizes.per_rank(weights, world_size)`: "replicated" or "sharded") plus `reserve` for one forward. The message
+    gives the figure needed and the modes that would fit. The workers place their weights with `place_weights`
+    (every mode, per unit, in the fleet's smallest budget); this is the whole-model check without per-unit sizes."""
     need = sizes.per_rank(weights, world_size) + reserve
     if need <= free_bytes:
         return
