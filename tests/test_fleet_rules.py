@@ -371,3 +371,37 @@ def test_headers_refuse_by_name(tmp_path, tiny_dir):
     other.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
     with pytest.raises(CheckpointError, match="num_attention_heads='many' is not a number"):
         checkpoint_facts(other)
+
+
+def test_cli_weights_and_budget_flags_reach_the_fleet_config(tiny_dir, monkeypatch):
+    """`--weights placed --gpu-budget-gib 22` send the run to a fleet with that identity (a stand-in client stops it
+    at configure); without them the fleet gets weights="auto" and no budget; a bad budget is refused by name."""
+    from mgpu_backend.serving import cli, client
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    class FakeClient:
+        def configure_fleet(self, config):
+            seen.append(config)
+            raise Stop
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(client, "ControllerClient", FakeClient)
+    files = tiny_dir["2.0"]
+    base = ["generate", "--checkpoint", str(files["checkpoint"]), "--gemma", str(files["gemma"]), "--upscaler",
+            str(files["upsampler"]), "--prompt", "p",
+            "--width", "128", "--height", "128", "--frames", "9"]
+    for options in (["--weights", "placed", "--gpu-budget-gib", "22"], ["--devices", "cpu:2"]):
+        args = cli.build_parser().parse_args(base + options)
+        assert cli.on_fleet(args)
+        with pytest.raises(Stop):
+            cli.run_generate(args)
+    assert (seen[0].weights, seen[0].gpu_budget_gib) == ("placed", 22.0)
+    assert (seen[1].weights, seen[1].gpu_budget_gib) == ("auto", None)
+    with pytest.raises(ValueError, match=r"gpu_budget_gib=-1.0: must be a positive, finite number"):
+        cli.run_generate(cli.build_parser().parse_args(base + ["--gpu-budget-gib", "-1"]))

@@ -60,7 +60,8 @@ class FleetIdentity:
         placed the weights.
     gpu_budget_gib: the memory (GiB) the pack may use on each GPU for the transformer's weights and one forward
         (`fleet_rules.place_weights`); None = each GPU's free memory at load. On CUDA it is also made a hard cap
-        (`torch.cuda.set_per_process_memory_fraction`), so one 80 GB card can stand for a 24 GB one. The ranks
+        (`torch.cuda.set_per_process_memory_fraction`), so one 80 GB card can stand for a 24 GB one; the cap covers
+        all the worker allocates on that GPU (a Gemma resident there too: see `gemma_reserve_gib`). The ranks
         place the weights in the smallest budget of the fleet (mixed cards: the larger card's extra memory holds no
         weights). On CPU ranks: None = unbounded (every block whole).
     int8_compute: how an int8(-convrot) transformer file computes (`INT8_COMPUTE_MODES`, fleet_rules.py
