@@ -88,7 +88,9 @@ def write_file(path: str, tiny: bool, connector_layers: int, quantization: str |
                    "video_connector": LTX2ConnectorTransformer1d(**configs.connector_kwargs(meta, audio=False)),
                    "audio_connector": LTX2ConnectorTransformer1d(**configs.connector_kwargs(meta, audio=True))}
     for i, (name, m) in enumerate(modules.items()):
-        modules[name] = fill_random_(m.to(torch.bfloat16).to_empty(device=device), seed=i)
+        # filled on the device (fast), held on the host while written (an 80 GB card cannot hold the bf16 modules
+        # and their converted copies at once)
+        modules[name] = fill_random_(m.to(torch.bfloat16).to_empty(device=device), seed=i).to("cpu")
     params = sum(p.numel() for m in modules.values() for p in m.parameters())
     write_transformer_file(Path(path), modules, meta, quantization=quantization,
                            model_version=f"ltx-{variant}-shape-random", to_cpu=True,
