@@ -18,15 +18,16 @@ class LinkReport:
     rank ("cuda:0", "cpu").
     message_bytes: bytes each rank contributes to one timed all_gather (the output is world_size × that).
     all_gather_seconds: mean seconds of one all_gather (the slowest rank's loop time / iterations: every rank ends
-        a collective together); None at world_size 1 (no collective to time).
+        a collective together); None at world_size 1 (no collective to time) or when a rank could not allocate the
+        buffers.
     all_gather_GBps: bus bandwidth, GB/s (1e9 bytes/s), as nccl-tests defines it for all_gather: the gathered
         bytes × (W−1)/W / time = message_bytes × (W−1) / all_gather_seconds — what each rank received per second;
-        None at world_size 1.
+        None where all_gather_seconds is.
     p2p: every pair of the fleet's distinct CUDA devices can access each other's memory
         (`torch.cuda.can_device_access_peer`, both directions); False when one pair cannot (NCCL then goes through
         host memory); None where it does not apply (CPU ranks, or every rank on one GPU).
     h2d_GBps: rank 0's pinned host -> device copy rate, GB/s (the rate a one-card weight-streaming baseline copies
-        at); None on CPU.
+        at); None on CPU (and on a card too full for the probe's buffers).
     matmul_TFLOPS: rank 0's dense matmul rate, 1e12 FLOP/s (2·n³ per n×n product; bfloat16 on CUDA, float32 on CPU);
         None when not measured.
     iterations: timed repetitions of each measurement (after `warmups` untimed ones).
@@ -61,7 +62,8 @@ class LinkReport:
         size = f"{mib:g} MiB" if mib >= 1 else f"{self.message_bytes / 2**10:g} KiB"
         parts = [f"all_gather {self.all_gather_GBps:.1f} GB/s bus bandwidth ({self.backend}, {self.world_size} "
                  f"ranks, {size} per rank)" if self.all_gather_GBps is not None
-                 else f"no all_gather timed ({self.backend}, {self.world_size} rank)"]
+                 else f"no all_gather timed ({self.backend}, one rank)" if self.world_size == 1
+                 else f"all_gather not timed ({self.backend}, {self.world_size} ranks: its buffers did not fit)"]
         if self.p2p is not None:
             parts.append("P2P between the GPUs" if self.p2p else "no P2P between the GPUs (through host memory)")
         if self.h2d_GBps is not None:

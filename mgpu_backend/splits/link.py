@@ -45,14 +45,22 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, nccl: bool, world_s
 
 
 def time_all_gather(device: torch.device, message_bytes: int, warmups: int, iterations: int,
-                    group=None) -> float:
+                    group=None) -> float | None:
     """Seconds of one all_gather of `message_bytes` per rank on `group` (the slowest rank's loop / iterations; the
-    same value on every rank). A collective: every rank of the group calls it."""
+    same value on every rank); None on every rank when one could not allocate its buffers. A collective: every rank
+    of the group calls it."""
     world_size = dist.get_world_size(group)
     nccl = dist.get_backend(group) == "nccl"
-    inp = torch.ones(message_bytes, dtype=torch.uint8, device=device)
-    out = torch.empty(world_size * message_bytes, dtype=torch.uint8, device=device)
-    flag = torch.zeros(1, dtype=torch.float64, device=device)
+    flag = torch.ones(1, dtype=torch.float64, device=device)
+    try:
+        inp = torch.ones(message_bytes, dtype=torch.uint8, device=device)
+        out = torch.empty(world_size * message_bytes, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:  # a full card: no rank times (they agree first, so none waits in a collective)
+        inp = out = None
+        flag.zero_()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if not flag.item():
+        return None
     for _ in range(warmups):
         _all_gather(out, inp, group, nccl, world_size)
     dist.all_reduce(flag, group=group)  # every rank starts the timed loop together
@@ -128,8 +136,11 @@ def measure_link(device: torch.device, devices: Sequence[str], group=None, messa
     p2p = h2d = tflops = None
     if dist.get_rank(group) == 0:
         p2p = peer_access(devices)
-        h2d = time_h2d(device, size, warm, iters)
-        tflops = time_matmul(device, warm, iters)
+        try:  # rank 0 alone: a full card leaves these unmeasured (None), it does not stop the fleet
+            h2d = time_h2d(device, size, warm, iters)
+            tflops = time_matmul(device, warm, iters)
+        except torch.OutOfMemoryError:
+            pass
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the probe's buffers back to the device before the first job
     return LinkReport(backend, world_size, tuple(devices), size, seconds, gbps, p2p, h2d, tflops, iters, warm,

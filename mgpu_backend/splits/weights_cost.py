@@ -292,9 +292,11 @@ def predict_box(box: Box, tokens: int, model: ModelBytes = LTX23_22B_FP8, comput
 
 # ---- a running fleet ---------------------------------------------------------------------------------------------
 
-# bf16 8192 × 8192 matmul rate of one H200 measured by `splits/link.py`'s probe (bench/results/link_probe_h200.txt):
-# a running fleet's compute scale is this over its own rank 0's measured rate
-H200_MATMUL_TFLOPS = 700.0
+# The rate `splits/link.py`'s probe (a bf16 8192³ matmul) would measure on one H200; a running fleet's compute scale is
+# this over its rank 0's measured rate. ASSUMED, not measured: 0.8 × the H200's dense bf16 peak (989.4 TFLOP/s,
+# `engine/flops.py` DENSE_PEAKS_TFLOPS), the share a large bf16 matmul usually reaches; `python bench/link_probe.py` on
+# an H200 measures it (not run: no GPU in the session that wrote this).
+H200_MATMUL_TFLOPS = 0.8 * 989.4
 # the 720p two-stage template (1280×720, 121 frames): stage 1 at 640×352, stage 2 at 1280×704 — video tokens
 # = 16 latent frames × (H/32) × (W/32)
 TEMPLATE_STAGES = (("stage 1", "640×352×121", 16 * 11 * 20), ("stage 2", "1280×704×121", 16 * 22 * 40))
