@@ -10,6 +10,7 @@ from comfy_api.latest import io, ui
 from ..mgpu_backend.protocol.errors import ControllerError
 from ..mgpu_backend.protocol.fleet_config import INT8_COMPUTE_MODES, WEIGHT_MODES, FleetConfig, FleetHandle
 from ..mgpu_backend.protocol.fleet_rules import check_fleet
+from ..mgpu_backend.protocol.job_results import FleetDescription
 from ..mgpu_backend.protocol.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
 from .widgets import read_widgets
@@ -154,9 +155,11 @@ def _int8_input():
                           tooltip=INT8_COMPUTE_TOOLTIP)
 
 
-def describe_plan(handle: FleetHandle) -> str:
+def describe_plan(handle: FleetHandle, fleet: FleetDescription | None = None) -> str:
     """The node's text: the fleet and the split it computed for this handle's policy (`handle.plan`, a
-    `protocol.fleet_config.FleetPlan`: nothing is re-derived here), the weights and the free memory."""
+    `protocol.fleet_config.FleetPlan`: nothing is re-derived here), the weights and the free memory; with the
+    running fleet's status (`fleet`), the links it measured at start and its predicted step times against one card
+    with weight streaming."""
     cfg = handle.config
     w = cfg.world_size
     backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
@@ -186,7 +189,19 @@ def describe_plan(handle: FleetHandle) -> str:
         f"memory: {_free_memory(cfg.devices)}",
         f"worker pids: {', '.join(map(str, handle.worker_pids))}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _measured(fleet))
+
+
+def _measured(fleet: FleetDescription | None) -> list[str]:
+    """The link line and the predicted step times of a `FleetDescription` (none from an older controller)."""
+    link = getattr(fleet, "link", None)
+    return ([link.describe()] if link is not None else []) + list(getattr(fleet, "predicted", ()) or ())
+
+
+def _configure(c, config: FleetConfig) -> tuple[FleetHandle, FleetDescription | None]:
+    """The fleet for `config` and its status (what it measured at start)."""
+    handle = c.configure(config)
+    return handle, c.status().fleet
 
 
 def _weights_line(cfg, placement, size: int) -> str:
@@ -295,12 +310,12 @@ class LoadCheckpointMGPU(io.ComfyNode):
             try:
                 c = client()
                 try:
-                    handle = c.configure(config)
+                    handle, fleet = _configure(c, config)
                 finally:
                     c.close()
             except ControllerError as exc:
                 raise NodeError(f"Load Checkpoint (MGPU): {exc}") from None
-            plan = describe_plan(handle)
+            plan = describe_plan(handle, fleet)
             try:
                 model = _native_model(handle, "Load Checkpoint (MGPU)")
             except NodeError as exc:  # the fleet and the stage nodes work without it; a graph that uses it fails
@@ -375,11 +390,11 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             try:
                 c = client()
                 try:
-                    handle = c.configure(config)
+                    handle, fleet = _configure(c, config)
                 finally:
                     c.close()
             except ControllerError as exc:
                 raise NodeError(f"{what}: {exc}") from None
             model = _native_model(handle, what)
-            plan = describe_plan(handle)
+            plan = describe_plan(handle, fleet)
         return io.NodeOutput(model, handle, ui=ui.PreviewText(plan))

@@ -24,6 +24,7 @@ from mgpu_backend.protocol.job_results import (ControllerStatus, DecodeReport, E
                                                NoopResult, ProcessInfo, RankReport, SampleResult, TextEncodeReport,
                                                TextEncoderCounters, UpscaleResult)
 from mgpu_backend.protocol.messages import Accepted, Configured, JobResult, Pong, StatusReply, Stopped
+from mgpu_backend.protocol.link import LinkReport
 from mgpu_backend.protocol.transport import Pickled
 
 
@@ -167,7 +168,8 @@ def test_the_controllers_reports_print_as_the_json_users_read():
                              "processes"]
     fleet = printed["fleet"]
     assert list(fleet) == ["generation", "devices", "worker_pids", "checkpoint", "weights", "load_seconds",
-                           "int8_compute", "policy", "plan", "open_counts"]
+                           "int8_compute", "policy", "plan", "open_counts", "link", "predicted"]
+    assert fleet["link"] is None and fleet["predicted"] == []  # (issue 35: keys added at the end)
     assert (fleet["generation"], fleet["devices"], fleet["worker_pids"], fleet["open_counts"]) == \
         (3, ["cpu", "cpu"], [11, 12], [2, 2])
     assert fleet["policy"]["sp_degree"] == 2 and fleet["policy"]["guidance_parallel"] == "auto"
@@ -188,6 +190,14 @@ def test_the_controllers_reports_print_as_the_json_users_read():
         assert transport.loads(pickle.dumps(message)) == message
     with pytest.raises(dataclasses.FrozenInstanceError):
         status.fleet.generation = 4  # type: ignore[misc]
+    # the link measured at start and the predicted step times (issue 35), as the status prints them
+    link = LinkReport("gloo", 2, ("cpu", "cpu"), 2**18, 0.002, 0.131, None, None, 0.05, 3, 1, 0.01)
+    measured = dataclasses.replace(_described(), link=link, predicted=("predicted step time at stage 1 …",))
+    printed = json.loads(json.dumps(dataclasses.asdict(measured), default=str))
+    assert printed["link"]["all_gather_GBps"] == 0.131 and printed["link"]["message_bytes"] == 2**18
+    assert printed["predicted"] == ["predicted step time at stage 1 …"]
+    reply = StatusReply(dataclasses.replace(status, fleet=measured))
+    assert transport.loads(pickle.dumps(reply)).status.fleet == measured
 
 
 def test_a_fleet_description_gives_one_entry_per_rank():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .fleet_config import FleetPlan, FleetPolicy
+from .link import LinkReport
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,10 @@ class FleetDescription:
     (None: not an int8 checkpoint); policy: the policy of the fleet's last job (its start policy before any job);
     plan: the split its jobs get under that policy (`Fleet.plan_for`); open_counts: per rank, how many times the
     worker has opened a checkpoint file (`loader.OPEN_COUNT`) as of its last report (start or last job) — it stays
-    put while the same fleet serves.
+    put while the same fleet serves; link: what the fleet measured of its links at start (`LinkReport`, rank 0's;
+    None from a fleet that did not measure); predicted: the predicted step times of the 720p template's stages on
+    this fleet against one card with weight streaming, one line per stage (`splits/weights_cost.py`; () on CPU
+    ranks).
 
     Raises ValueError when devices, worker_pids and open_counts do not give one entry per rank each."""
 
@@ -246,6 +250,8 @@ class FleetDescription:
     policy: FleetPolicy
     plan: FleetPlan
     open_counts: tuple[int, ...]
+    link: LinkReport | None = None
+    predicted: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not len(self.devices) == len(self.worker_pids) == len(self.open_counts):

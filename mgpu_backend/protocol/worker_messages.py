@@ -9,6 +9,7 @@ from typing import Any
 from .fleet_config import FleetPolicy
 from .fleet_rules import WeightPlacement
 from .job_requests import JobSpec
+from .link import LinkReport
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,10 @@ class WorkerReady:
     far (`models.loader.OPEN_COUNT`); `load_seconds`: from joining the group to ready; `heads`: the loaded
     transformer's attention heads (the SP degree must divide them; `FleetPlan`); `int8_compute`: which path the
     transformer's int8 layers take ("int8 W8A8 …" / "int8 dequantized to bfloat16 at load …"; None: no int8 layers);
-    `placement`: where the fleet's transformer weights went (`protocol.fleet_rules.WeightPlacement`, the same on every
-    rank; None: not reported)."""
+    `link`: the links measured once the weights were loaded (`splits/link.py`; rank 0's is kept); `predicted`: rank 0's
+    predicted step times of the 720p template's stages, this fleet against one card with weight streaming
+    (`weights_cost.FleetFacts.lines`; () on CPU ranks); `placement`: where the fleet's transformer weights went
+    (`protocol.fleet_rules.WeightPlacement`, the same on every rank; None: not reported)."""
 
     rank: int
     pid: int
@@ -39,6 +42,8 @@ class WorkerReady:
     load_seconds: float
     heads: int
     int8_compute: str | None = None
+    link: LinkReport | None = None
+    predicted: tuple[str, ...] = ()
     placement: WeightPlacement | None = None
 
 

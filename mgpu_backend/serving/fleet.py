@@ -93,6 +93,8 @@ class Fleet:
         self.load_seconds = 0.0
         self.heads: int | None = None  # the loaded transformer's attention heads (`WorkerReady`)
         self.int8_compute: str | None = None  # the int8 path rank 0 took (`WorkerReady.int8_compute`), for status
+        self.link = None  # rank 0's `WorkerReady.link` (protocol.link.LinkReport) and predicted step times, for status
+        self.predicted: tuple[str, ...] = ()
         self.placement = None  # where the weights went (`WorkerReady.placement`, rank 0's), for the plan
         self.lost: str | None = None
         # frames blocks handed to clients lately (theirs to unlink); any other block of this fleet's workers left in
@@ -162,6 +164,7 @@ class Fleet:
                     self.heads = message.heads
                     if rank == 0:
                         self.int8_compute = getattr(message, "int8_compute", None)
+                        self.link, self.predicted = message.link, tuple(message.predicted)
                         self.placement = getattr(message, "placement", None)
                 elif isinstance(message, WorkerInitError):
                     self._fail(f"rank {rank} failed to start: {message.error}",
@@ -242,7 +245,7 @@ class Fleet:
             generation=self.generation, devices=tuple(self.config.devices), worker_pids=tuple(self.pids),
             checkpoint=self.config.checkpoint, weights=self.config.weights, load_seconds=self.load_seconds,
             int8_compute=self.int8_compute, policy=self.policy, plan=self.plan_for(self.policy),
-            open_counts=tuple(self.open_counts))
+            open_counts=tuple(self.open_counts), link=self.link, predicted=self.predicted)
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:

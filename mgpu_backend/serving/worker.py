@@ -161,6 +161,7 @@ class WorkerState:
         self.plan = plan  # the frozen plan of the last job's policy (parallel.plan.ParallelPlan)
         self.pipeline = TwoStagePipeline(self.components, self.text, device=device, dtype=dtype, plan=self.plan)
         self.policy: FleetPolicy | None = None
+        self.speed = None  # weights_cost.FleetFacts (rank 0 of a CUDA fleet), set at start by `_probe_links`
         self.apply_policy(policy)
 
     def apply_policy(self, policy: FleetPolicy) -> None:
@@ -227,6 +228,17 @@ class WorkerLinks:
     watch: Any
 
 
+def _probe_links(state: WorkerState, config: FleetIdentity, device: torch.device):
+    """`splits.link.probe_at_start` on every rank (a collective), after the weights are loaded: the `LinkReport`,
+    and `state.speed` the `FleetFacts` of the step-time predictions (rank 0 of a CUDA fleet; None elsewhere)."""
+    from ..splits.link import probe_at_start
+
+    c = state.components
+    link, state.speed = probe_at_start(c.transformer, device, config.devices,
+                                       (getattr(c, "video_connector", None), getattr(c, "audio_connector", None)))
+    return link
+
+
 def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, links: WorkerLinks) -> None:
     """Entry point of a spawned worker: rank `rank` of the fleet `config` under its first `policy`, joining the
     process group through `init_file`. Ends with its parent (`bind_to_parent`). Reports `WorkerReady` or
@@ -257,8 +269,10 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
         state = WorkerState(config, policy, rank, device)
         dist.barrier()
         heads = int(state.components.transformer.config.num_attention_heads)
+        link = _probe_links(state, config, device)  # the links measured once (issue 35): in the fleet's report
         conn.send(WorkerReady(rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0, heads,
                               getattr(state.components.transformer, "int8_compute_note", None) or None,
+                              link, state.speed.lines() if state.speed is not None else (),
                               placement=state.placement))
     except Exception as exc:  # reported to the controller, which tears the fleet down
         conn.send(WorkerInitError(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
