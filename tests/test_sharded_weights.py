@@ -211,7 +211,7 @@ def test_stage_jobs_sharded_equal_replicated(tiny_dir, file, expect, placed):
         assert report.describe().startswith("weights placed: 3 of 4 units replicated, 1 sharded over 2 ranks;")
 
 
-# ---- placed weights: the workers place the blocks in the fleet's budget ------------------------------------------------
+# ---- placed weights: the workers place the blocks in the fleet's budget ---------------------------------------------
 
 PLACED_CASES = ("t2v_b2", "i2v_b2", "stg_b1")
 DEEP_BLOCKS = 8  # the placed tests' transformer: the tiny model with 8 blocks (2 blocks never pay for a gather)
@@ -248,7 +248,8 @@ def _placed_rank(rank: int, world: int, checkpoint: str, lora_path: str, uneven:
     policy = FleetPolicy(min_tokens_per_rank=0, guidance_parallel="off")  # sequence parallel over all ranks
     base = dict(devices=("cpu",) * world, checkpoint=checkpoint, gemma=None, transformer_only=True, dtype="float32")
     sizes = weight_bytes([checkpoint], torch.float32, transformer_only=True)
-    needs = [F.placement_of(sizes, world, F.sharded_units(k, DEEP_BLOCKS, 2)).need_bytes for k in range(DEEP_BLOCKS + 3)]
+    needs = [F.placement_of(sizes, world, F.sharded_units(k, DEEP_BLOCKS, 2)).need_bytes
+             for k in range(DEEP_BLOCKS + 3)]
     count = PLACED[world][0]
     assert needs[count] < min(needs[:count]), needs  # the model's sizes make `count` the first that fits
     budget = (needs[count] + min(needs[:count])) // 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from .fleet_rules import INT8_COMPUTE_MODES, WEIGHT_MODES, WeightPlacement, check_int8_mode  # noqa: F401 - for the nodes
+from .fleet_rules import INT8_COMPUTE_MODES, WEIGHT_MODES, WeightPlacement, check_int8_mode  # noqa: F401 - nodes
 
 DTYPES = ("float32", "bfloat16", "float16")
 GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = splits/passes.py MODES (not imported: no torch here)

@@ -379,8 +379,8 @@ def agreed_budget(budgets) -> int | None:
 
 def spread(count: int, total: int) -> tuple[int, ...]:
     """`count` of the positions 0 … `total` − 1 spread evenly: the middle of each of `count` equal segments,
-    ⌊(2i + 1) · total / (2 · count)⌋ for i < count (distinct, ascending: consecutive values differ by total / count
-    ≥ 1). E.g. 3 of 12 -> (2, 6, 10); all of them -> (0, 1, …). Raises ValueError unless 0 ≤ count ≤ total."""
+    ⌊(2i + 1) · total / (2 · count)⌋ for i < count (distinct, ascending: consecutive values differ by
+    total / count ≥ 1). E.g. 3 of 12 -> (2, 6, 10); all of them -> (0, 1, …). Raises ValueError unless 0 ≤ count ≤ total."""
     if not 0 <= count <= total:
         raise ValueError(f"spread: count={count} must be between 0 and total={total}")
     return tuple((2 * i + 1) * total // (2 * count) for i in range(count))
@@ -433,9 +433,9 @@ def place_weights(sizes: WeightBytes, world_size: int, budget_bytes: int | None,
 
     weights (`WEIGHT_MODES`): "replicated" -> no unit sharded; "sharded" -> every unit; "placed" and "auto" (the
     same rule: "auto" is the default's name) -> the fewest sharded units k (k = 0: replicated) whose placement fits,
-    the units `sharded_units(k, …)`: the most blocks that fit stay whole, i.e. with B the block bytes, N units and the
-    rest R, k is the least with R + (N − k)·B + k·⌈B / W⌉ + min(2, k)·B + reserve ≤ budget (per unit sizes, exactly:
-    `placement_of`).
+    the units `sharded_units(k, …)`: the most blocks that fit stay whole, i.e. with B the block bytes, N units and
+    the rest R, k is the least with R + (N − k)·B + k·⌈B / W⌉ + min(2, k)·B + reserve ≤ budget (per unit sizes,
+    exactly: `placement_of`).
 
     Raises ValidationError (before any weight is loaded) when the placement of "replicated" / "sharded", or every
     placement of "placed" / "auto" (even every unit sharded), needs more than the budget: naming the budget
