@@ -155,9 +155,10 @@ def _sync(device) -> None:
 
 
 def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device, repeat: int,
-                 profile: bool = False, lora: str | None = None) -> dict:
+                 profile: bool = False, lora: str | None = None, weights: str = "sharded") -> dict:
     """Rank 0 of a `world`-rank sharded fleet (world 1: the replica, not sharded), in this process; `lora`
-    (`PATH[:STRENGTH]`): fused after loading (`weights.lora.LoRAFuser`, as a job fuses it), its memory reported."""
+    (`PATH[:STRENGTH]`): fused after loading (`weights.lora.LoRAFuser`, as a job fuses it), its memory reported.
+    `weights`: "sharded" (every unit) or "placed" / "auto" (the worker's `place_weights` under the budget)."""
     import torch.distributed as dist
 
     from bench_memory import MemoryExchange, quiet_diffusers
@@ -182,8 +183,17 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        report = shard_transformer(c.transformer, device, connectors=(c.video_connector, c.audio_connector))
-        out["report"] = report.__dict__ | {"resident_bytes": report.resident_bytes,
+        placement = None
+        if weights != "sharded":  # as the worker places them (serving/worker.py): the header's sizes, the budget
+            from mgpu_backend.models.loader import weight_bytes
+            from mgpu_backend.protocol.fleet_rules import place_weights
+
+            sizes = weight_bytes([path], dtype, transformer_only=True)
+            placement = place_weights(sizes, world, int(budget_gib * GiB) if budget_gib else None, weights)
+            out["placement"] = placement.describe()
+        report = shard_transformer(c.transformer, device, connectors=(c.video_connector, c.audio_connector),
+                                   placement=placement)
+        out["report"] = {k: v for k, v in report.__dict__.items() if k != "placement"} | {"resident_bytes": report.resident_bytes,
                                            "replica_bytes": report.replica_bytes}
     else:
         for m in (c.transformer, c.video_connector, c.audio_connector):
@@ -298,6 +308,8 @@ def main(argv=None) -> None:
     p.add_argument("--write-lora", help="write a distilled-LoRA-shaped file (--lora-rank) to this path and exit")
     p.add_argument("--lora-rank", type=int, default=111, help="rank of --write-lora (LTX-2.3's distilled LoRA: 111)")
     p.add_argument("--lora", default=None, help="PATH[:STRENGTH]: fuse this LoRA on every rank before the forwards")
+    p.add_argument("--weights", choices=("sharded", "placed", "auto"), default="sharded",
+                   help="W > 1: every unit sharded, or placed under --budget-gib as the worker places them")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.tiny else torch.device("cpu")
@@ -320,7 +332,7 @@ def main(argv=None) -> None:
         return
     if args.one is not None:
         res = measure_rank(args.file, args.one, sizes, args.budget_gib if args.one > 1 else None, device,
-                           args.repeat, args.profile, args.lora)
+                           args.repeat, args.profile, args.lora, args.weights)
         print("RESULT " + json.dumps(res, default=str))
         return
     lines: list[str] = []
@@ -337,7 +349,8 @@ def main(argv=None) -> None:
     for world in [1] + [int(w) for w in args.worlds.split(",")]:
         cmd = [sys.executable, __file__, "--file", args.file, "--one", str(world), "--budget-gib",
                str(args.budget_gib), "--repeat", str(args.repeat)] + (["--tiny"] if args.tiny else []) \
-            + (["--sizes", args.sizes] if args.sizes else []) + (["--lora", args.lora] if args.lora else [])
+            + (["--sizes", args.sizes] if args.sizes else []) + (["--lora", args.lora] if args.lora else []) \
+            + ["--weights", args.weights]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not found:
@@ -352,7 +365,8 @@ def main(argv=None) -> None:
         else:
             r = res["report"]
             ratio = res.get("resident", r["resident_bytes"]) / r["replica_bytes"]
-            log(f"\nW={world} rank 0 (sharded, {res.get('budget_gib', '-')} GiB budget): load+shard "
+            how = res.get("placement", "sharded")
+            log(f"\nW={world} rank 0 ({how}, {res.get('budget_gib', '-')} GiB budget): load+shard "
                 f"{res['load_seconds']:.1f} s; {r['units']} units; resident {res.get('resident', 0) / GiB:.2f} GiB "
                 f"(shards {r['sharded_bytes'] / GiB:.2f} + replicated {r['replicated_bytes'] / GiB:.2f}) of a "
                 f"{r['replica_bytes'] / GiB:.2f} GiB replica = {ratio:.3f} (target ≤ 1/{world} + 5 % = "

@@ -216,7 +216,7 @@ def test_place_weights_refuses_naming_the_budget_the_need_and_what_fits():
     with pytest.raises(ValidationError) as info:  # even fully sharded over 2 GPUs: 10.5 GiB
         F.place_weights(SIZES, 2, int(10.4 * GiB), "placed")
     assert str(info.value).startswith(
-        "a budget of 10.4 GiB per GPU cannot hold weights='placed' (even with 10 of 10 units sharded over 2 GPU(s)): "
+        "a budget of 10.4 GiB per GPU cannot hold weights='placed' (its smallest need: 10 of 10 units sharded over 2 GPU(s)): "
         "that needs 10.5 GiB (5.5 GiB of weights resident + 2.0 GiB of gathered blocks + 3.0 GiB for one forward). "
         "Would fit: sharded over 4 GPUs (8.2 GiB per GPU); sharded over 8 GPUs (7.1 GiB per GPU)"), str(info.value)
     with pytest.raises(ValidationError, match="cannot hold weights sharded over 8 GPU.*Would fit: nothing on this "

@@ -462,7 +462,7 @@ def place_weights(sizes: WeightBytes, world_size: int, budget_bytes: int | None,
         tried.append(p)
     best = min(tried, key=lambda p: p.need_bytes)
     what = {"replicated": "replicated weights", "sharded": f"weights sharded over {world_size} GPU(s)"}.get(
-        weights, f"weights={weights!r} (even with {len(best.sharded)} of {n} units sharded over {world_size} GPU(s))")
+        weights, f"weights={weights!r} (its smallest need: {len(best.sharded)} of {n} units sharded over {world_size} GPU(s))")
     would = []
     if weights in ("replicated", "sharded"):
         other = next((p for p in (at(k) for k in range(n + 1)) if fits(p)), None)
