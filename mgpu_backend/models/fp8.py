@@ -242,8 +242,9 @@ class FP8Linear(nn.Module):
         """After `weight_scale` was written in place (a LoRA fused or restored): the row-wise copy of it that the fp8
         matmul reads (`_scale_b_rows`) is rewritten in place as well, so that a CUDA graph captured before — which
         replays without running this module's Python — reads the new scale."""
-        if self._scale_rows is not None and self._scale_rows_src[0] is self.weight_scale:
-            self._scale_rows.copy_(self.weight_scale.float().reshape(1, 1).expand(1, self.out_features))
+        rows = getattr(self, "_scale_rows", None)  # (`quant.Int8Linear` reads `weight_scale` itself: none)
+        if rows is not None and self._scale_rows_src[0] is self.weight_scale:
+            rows.copy_(self.weight_scale.float().reshape(1, 1).expand(1, self.out_features))
             self._scale_rows_src = (self.weight_scale, self.weight_scale._version)
 
     def dequantized_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
