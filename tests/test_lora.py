@@ -262,7 +262,7 @@ def test_fp8_model_fuse_then_restore_exact(tiny_dir, variant):
     fused = _weights(model)
     for name in lora.pairs:
         layer = fp8_layers[name]
-        assert (layer.weight, layer.weight_scale) == tensors[name]  # written in place
+        assert layer.weight is tensors[name][0] and layer.weight_scale is tensors[name][1]  # written in place
         assert layer.weight.dtype == torch.float8_e4m3fn
         assert not torch.equal(fused[name + ".weight"].view(torch.uint8), original[name + ".weight"].view(torch.uint8))
         a, b, alpha = lora.pairs[name]
