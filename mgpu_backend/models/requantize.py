@@ -297,7 +297,7 @@ def lora_patched(layer: torch.nn.Module, weight: torch.Tensor, terms, seed: int,
         raise TypeError(f"lora_patched: {type(layer).__name__} is not a Linear, FP8Linear or Int8Linear")
     for a, b, s in terms:
         diff = torch.mm(b.to(device=device, dtype=torch.float32), a.to(device=device, dtype=torch.float32))
-        patched += (s * diff).to(dtype)
+        patched += diff.mul_(s).to(dtype)  # (s · diff) in float32, rounded to D, added in D
         del diff
     if isinstance(layer, Int8Linear):
         per_row = layer.weight_scale.dim() > 0  # ComfyUI: `per_channel` = a scale with a dimension

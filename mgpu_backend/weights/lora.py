@@ -290,8 +290,10 @@ def _quantized(layer: nn.Module) -> bool:
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bytes as a flat uint8 view (any dtype, 0-d included): copies and broadcasts through it are exact."""
-    return t.detach().reshape(-1).view(torch.uint8)
+    """`t`'s bytes as a flat uint8 view of the same memory (any dtype, 0-d included): copies and broadcasts through
+    it are exact and land in `t`. Raises RuntimeError for a tensor whose memory is not one contiguous run (a copy
+    would silently write elsewhere)."""
+    return t.detach().view(-1).view(torch.uint8)
 
 
 class LoRAFuser:
