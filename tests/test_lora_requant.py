@@ -227,6 +227,20 @@ def test_lora_compute_dtype_follows_comfyuis_rule(monkeypatch):
     assert R.lora_compute_dtype(cuda) == torch.float32
 
 
-def test_lora_patched_refuses_another_layer():
+def test_bad_arguments_are_refused_by_name():
     with pytest.raises(TypeError, match="Conv1d is not a Linear"):
         R.lora_patched(nn.Conv1d(2, 2, 1), torch.zeros(2, 2), [], 1)
+    with pytest.raises(ValueError, match="patch_dtype torch.float64: choose one of float32, float16, bfloat16"):
+        LoRAFuser(nn.Linear(2, 2), patch_dtype=torch.float64)
+    with pytest.raises(ValueError, match="only float8_e4m3fn and float8_e5m2"):
+        R.stochastic_round_fp8_torch(torch.zeros(2), torch.zeros(2, dtype=torch.uint8), torch.int8)
+
+
+def test_clean_bytes_of_sharded_gpu_weights_go_to_host_memory():
+    from mgpu_backend.weights.lora import backup_device_for
+
+    cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert backup_device_for(cuda, sharded=True) == cpu  # the memory mode: nothing kept on the GPU
+    assert backup_device_for(cuda, sharded=False) == cuda  # the replicated fleet: restore at device speed
+    assert backup_device_for(cpu, sharded=True) == cpu
+    assert backup_device_for(cuda, sharded=True, configured=cuda) == cuda

@@ -69,6 +69,7 @@ _CRC32_POLY = 0xEDB88320  # CRC-32 (IEEE 802.3), reflected
 _FP16_BROKEN = ("1660", "1650", "1630", "T500", "T550", "T600", "MX550", "MX450", "CMP 30HX", "T2000", "T1000",
                 "T1200")
 _FP8_BITS = {torch.float8_e4m3fn: (4, 3, 7), torch.float8_e5m2: (5, 2, 15)}  # exponent bits, mantissa bits, bias
+PATCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # dtypes a LoRA may be patched in
 
 
 def string_to_seed(key: str) -> int:
@@ -309,6 +310,6 @@ def lora_patched(layer: torch.nn.Module, weight: torch.Tensor, terms, seed: int,
     return PatchedWeight(patched.to(weight.dtype), None, dtype)
 
 
-__all__ = ["PatchedWeight", "dequantize_fp8", "fp8_random_steps", "lora_compute_dtype", "lora_patched",
+__all__ = ["PATCH_DTYPES", "PatchedWeight", "dequantize_fp8", "fp8_random_steps", "lora_compute_dtype", "lora_patched",
            "requantize_fp8", "requantize_int8", "requantize_int8_torch", "stochastic_round_fp8_torch",
            "string_to_seed"]

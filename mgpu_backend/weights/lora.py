@@ -36,9 +36,9 @@ opened.
 With sharded weights (`weights/sharding.py`: each rank holds rows of every block layer) each rank fuses every touched
 layer itself: the layer is gathered whole (in model order on every rank), the fused weight computed and rounded
 whole, as one process does (the same seed, the same random draws), and the rank's own rows written into its shard,
-with those rows' clean bytes kept (~1/W of the touched bytes); a per-tensor or per-row scale is a whole buffer on
-every rank, written (and kept) whole. Restore copies them back. No broadcast; the same bits as one process, row
-for row.
+with those rows' clean bytes kept (~1/W of the touched bytes; in pinned host memory when the weights are on a GPU,
+`backup_device_for`); a per-tensor or per-row scale is a whole buffer on every rank, written (and kept) whole.
+Restore copies them back. No broadcast; the same bits as one process, row for row.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ from torch import nn
 
 from ..models import keymaps
 from ..models.fp8 import FP8Linear
-from ..models.requantize import PatchedWeight, lora_patched, string_to_seed
+from ..models.requantize import PATCH_DTYPES, PatchedWeight, lora_patched, string_to_seed
 from .sharding import full_weight, is_dtensor, local_rows, local_shard
 from ..protocol.stage_params import LORA_PAIR_SUFFIXES, lora_pair_keys, open_lora
 from ..protocol.validation import ValidationError
@@ -285,6 +285,19 @@ class RestoreStats:
     seconds: float
 
 
+def backup_device_for(weight_device: torch.device, sharded: bool,
+                      configured: torch.device | None = None) -> torch.device:
+    """Where a rank keeps the clean bytes of a fused layer: `configured` when given; for sharded weights on a GPU
+    (the memory mode, e.g. 24 GB cards) pinned host memory — as ComfyUI keeps its patch backups on its offload
+    device — so that a fused LoRA costs the GPU nothing beyond the model (restore copies ~1/W of the touched bytes
+    back over PCIe); otherwise the weight's own device (the replicated fleet: restore at device speed)."""
+    if configured is not None:
+        return configured
+    if sharded and weight_device.type == "cuda":
+        return torch.device("cpu")
+    return weight_device
+
+
 def _quantized(layer: nn.Module) -> bool:
     return isinstance(layer, FP8Linear)  # fp8, and int8 (`Int8Linear` is a subclass)
 
@@ -307,18 +320,24 @@ class LoRAFuser:
             `video_connector` / `audio_connector`.
         rank, world_size, group: this rank in the process group whose ranks fuse together (`world_size` 1: one
             process, no communication). `rank` is the rank within `group` (None = the default group).
-        backup_device: where the clean bytes are kept (None: the weight's device).
+        backup_device: where the clean bytes are kept (None: `backup_device_for`'s choice — the weight's device,
+            except pinned host memory for sharded CUDA weights).
         patch_dtype: the dtype the LoRA is patched in (None: ComfyUI's rule for the weight's device,
             `models.requantize.lora_compute_dtype`).
         use_kitchen: None = comfy-kitchen's quantizers when installed, False = the torch steps (the same bits on CPU).
         seed_key: module path -> the ComfyUI state-dict key whose `string_to_seed` seeds the stochastic rounding
             (default `keymaps.comfyui_weight_key`).
     Every rank of the group must call `fuse` / `apply` / `restore` with the same LoRA sets, in the same order.
+    Raises ValueError for a `patch_dtype` other than float32, float16 or bfloat16.
     """
 
     def __init__(self, model: nn.Module, rank: int = 0, world_size: int = 1, group=None,
                  backup_device: torch.device | str | None = None, patch_dtype: torch.dtype | None = None,
                  use_kitchen: bool | None = None, seed_key: Callable[[str], str] = keymaps.comfyui_weight_key):
+        if patch_dtype is not None and patch_dtype not in PATCH_DTYPES:
+            raise ValueError(f"LoRA patch_dtype {patch_dtype}: choose one of "
+                             f"{', '.join(str(d).replace('torch.', '') for d in PATCH_DTYPES)} (or None: ComfyUI's "
+                             f"choice for the device)")
         self.model = model
         self.rank, self.world_size, self.group = rank, world_size, group
         self.backup_device = None if backup_device is None else torch.device(backup_device)
@@ -538,7 +557,7 @@ class LoRAFuser:
 
     def _keep(self, clean: torch.Tensor) -> torch.Tensor:
         """A copy of clean bytes on the backup device (pinned host memory for a GPU tensor kept on the host)."""
-        device = self.backup_device or clean.device
+        device = backup_device_for(clean.device, self.sharded, self.backup_device)
         if device.type == "cpu" and clean.device.type == "cuda":
             return torch.empty(clean.shape, dtype=clean.dtype, pin_memory=True).copy_(clean)
         return clean.to(device, copy=True)
