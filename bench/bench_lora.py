@@ -9,7 +9,8 @@ memory; bf16, or fp8-resident block Linears with `--fp8`) gets the per-stage LoR
 - one swap = restore the previous set + fuse the next one (stage 1 `user` -> stage 2 `user + distilled` -> stage 1 …),
   the LoRA pairs read from their (page-cached) files each time, as a job does.
 On W ranks (`--world W`, one process per GPU, NCCL; gloo on CPU) each rank fuses its ~1/W share of the layers,
-keeps their clean weights and broadcasts the fused ones; restore rebroadcasts the clean weights from their owners.
+keeps their clean bytes and broadcasts the fused ones; restore rebroadcasts the clean bytes from their owners. fp8
+layers are re-quantized into their own fp8 weight and scale as ComfyUI does (`models/requantize.py`): no bf16 copy.
 
 The alternative, re-reading the transformer from disk, is NOT run at full size: its time is extrapolated from the
 read rate of a file this script writes (`--read-gib`, default 8 GiB, in `--tmp`): written, fsync'ed, evicted from the
@@ -218,7 +219,6 @@ def run_rank(rank: int, world: int, args, folder: str) -> None:
             sync()
             t2 = time.perf_counter()
             clean = fuser.clean_bytes
-            extra = fuser.fused_fp8_bytes
             if device.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated(device))
             if it == 0:
@@ -227,7 +227,7 @@ def run_rank(rank: int, world: int, args, folder: str) -> None:
             if previous is not None:
                 times["restore " + previous].append(t1 - t0)
             times["swap to " + name].append(t2 - t0)
-            stats = dict(dataclasses.asdict(fuser.fuse_stats), clean_bytes=clean, fp8_fused_bytes=extra)
+            stats = dict(dataclasses.asdict(fuser.fuse_stats), clean_bytes=clean)
             if name.startswith("stage 2"):
                 stage2_stats = stats
     fuser.restore()

@@ -88,12 +88,38 @@ def write_file(path: str, tiny: bool, connector_layers: int, quantization: str |
                    "video_connector": LTX2ConnectorTransformer1d(**configs.connector_kwargs(meta, audio=False)),
                    "audio_connector": LTX2ConnectorTransformer1d(**configs.connector_kwargs(meta, audio=True))}
     for i, (name, m) in enumerate(modules.items()):
-        modules[name] = fill_random_(m.to(torch.bfloat16).to_empty(device=device), seed=i)
+        # filled on the device (fast), held on the host while written (an 80 GB card cannot hold the bf16 modules
+        # and their converted copies at once)
+        modules[name] = fill_random_(m.to(torch.bfloat16).to_empty(device=device), seed=i).to("cpu")
     params = sum(p.numel() for m in modules.values() for p in m.parameters())
     write_transformer_file(Path(path), modules, meta, quantization=quantization,
                            model_version=f"ltx-{variant}-shape-random", to_cpu=True,
                            convrot_group=16 if tiny else DEFAULT_CONVROT_GROUP)
     return {"params": params, "bytes": os.path.getsize(path), "seconds": time.perf_counter() - t0}
+
+
+def write_lora(path: str, tiny: bool, rank: int, variant: str = "2.3", scale: float = 0.01) -> dict:
+    """A distilled-LoRA-shaped file for the file `--write` makes: a rank-`rank` pair (bf16, alpha = rank) on every
+    attention and feed-forward Linear of the blocks (the layers Lightricks' distilled LoRA touches; as
+    `testing.tiny.write_tiny_lora`), random values of `scale`."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from mgpu_backend.models import configs, keymaps
+
+    with torch.device("meta"):
+        model = LTX2VideoTransformer3DModel(**configs.transformer_kwargs(shape_meta(tiny, 1, variant)))
+    g = torch.Generator().manual_seed(7)
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.startswith("transformer_blocks.") and "gate_logits" not in name:
+            key = "diffusion_model." + keymaps.transformer_to_original(name)
+            state[key + ".lora_A.weight"] = (torch.randn(rank, module.in_features, generator=g) * scale).bfloat16()
+            state[key + ".lora_B.weight"] = (torch.randn(module.out_features, rank, generator=g) * scale).bfloat16()
+            state[key + ".alpha"] = torch.tensor(float(rank))
+    save_file(state, path, metadata={"format": "ltx-lora", "rank": str(rank)})
+    return {"pairs": len(state) // 3, "bytes": os.path.getsize(path)}
 
 
 def _inputs(model, frames: int, width: int, height: int, batch: int, device, dtype) -> tuple[dict, int]:
@@ -129,8 +155,10 @@ def _sync(device) -> None:
 
 
 def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device, repeat: int,
-                 profile: bool = False) -> dict:
-    """Rank 0 of a `world`-rank sharded fleet (world 1: the replica, not sharded), in this process."""
+                 profile: bool = False, lora: str | None = None, weights: str = "sharded") -> dict:
+    """Rank 0 of a `world`-rank sharded fleet (world 1: the replica, not sharded), in this process; `lora`
+    (`PATH[:STRENGTH]`): fused after loading (`weights.lora.LoRAFuser`, as a job fuses it), its memory reported.
+    `weights`: "sharded" (every unit) or "placed" / "auto" (the worker's `place_weights` under the budget)."""
     import torch.distributed as dist
 
     from bench_memory import MemoryExchange, quiet_diffusers
@@ -155,8 +183,17 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        report = shard_transformer(c.transformer, device, connectors=(c.video_connector, c.audio_connector))
-        out["report"] = report.__dict__ | {"resident_bytes": report.resident_bytes,
+        placement = None
+        if weights != "sharded":  # as the worker places them (serving/worker.py): the header's sizes, the budget
+            from mgpu_backend.models.loader import weight_bytes
+            from mgpu_backend.protocol.fleet_rules import place_weights
+
+            sizes = weight_bytes([path], dtype, transformer_only=True)
+            placement = place_weights(sizes, world, int(budget_gib * GiB) if budget_gib else None, weights)
+            out["placement"] = placement.describe()
+        report = shard_transformer(c.transformer, device, connectors=(c.video_connector, c.audio_connector),
+                                   placement=placement)
+        out["report"] = {k: v for k, v in report.__dict__.items() if k != "placement"} | {"resident_bytes": report.resident_bytes,
                                            "replica_bytes": report.replica_bytes}
     else:
         for m in (c.transformer, c.video_connector, c.audio_connector):
@@ -167,6 +204,18 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
         out["resident"] = torch.cuda.memory_allocated(device)
         out["load_peak"] = torch.cuda.max_memory_allocated(device)
     model = c.transformer
+    if lora:
+        from mgpu_backend.weights.lora import LoRAFuser, parse_lora_arg, read_lora
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        fuser = LoRAFuser(model, rank=0, world_size=world)
+        reports = fuser.fuse([read_lora(*parse_lora_arg(lora))])
+        _sync(device)
+        out["lora"] = {"report": str(reports[0]), "stats": fuser.fuse_stats.__dict__}
+        if device.type == "cuda":
+            out["lora"] |= {"resident": torch.cuda.memory_allocated(device),
+                            "fuse_peak": torch.cuda.max_memory_allocated(device)}
     if world > 1:  # every block gathered once, as the native forward's loop does (`gathered`): the gathers alone
         from mgpu_backend.weights.sharding import gathered
 
@@ -256,6 +305,11 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the code paths)")
     p.add_argument("--one", type=int, default=None, help="measure one W in this process (prints JSON)")
     p.add_argument("--profile", action="store_true", help="with --one: torch.profiler tables of the first size")
+    p.add_argument("--write-lora", help="write a distilled-LoRA-shaped file (--lora-rank) to this path and exit")
+    p.add_argument("--lora-rank", type=int, default=111, help="rank of --write-lora (LTX-2.3's distilled LoRA: 111)")
+    p.add_argument("--lora", default=None, help="PATH[:STRENGTH]: fuse this LoRA on every rank before the forwards")
+    p.add_argument("--weights", choices=("sharded", "placed", "auto"), default="sharded",
+                   help="W > 1: every unit sharded, or placed under --budget-gib as the worker places them")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.tiny else torch.device("cpu")
@@ -269,13 +323,16 @@ def main(argv=None) -> None:
     if args.tiny and not args.file:
         args.file = os.path.join(tempfile.mkdtemp(), "tiny.safetensors")
         write_file(args.file, True, 1, quantization, device, args.variant)
+    if args.write_lora:
+        print(json.dumps(write_lora(args.write_lora, args.tiny, args.lora_rank, args.variant)))
+        return
     if args.write:
         info = write_file(args.write, args.tiny, args.connector_layers, quantization, device, args.variant)
         print(json.dumps(info))
         return
     if args.one is not None:
         res = measure_rank(args.file, args.one, sizes, args.budget_gib if args.one > 1 else None, device,
-                           args.repeat, args.profile)
+                           args.repeat, args.profile, args.lora, args.weights)
         print("RESULT " + json.dumps(res, default=str))
         return
     lines: list[str] = []
@@ -292,7 +349,8 @@ def main(argv=None) -> None:
     for world in [1] + [int(w) for w in args.worlds.split(",")]:
         cmd = [sys.executable, __file__, "--file", args.file, "--one", str(world), "--budget-gib",
                str(args.budget_gib), "--repeat", str(args.repeat)] + (["--tiny"] if args.tiny else []) \
-            + (["--sizes", args.sizes] if args.sizes else [])
+            + (["--sizes", args.sizes] if args.sizes else []) + (["--lora", args.lora] if args.lora else []) \
+            + ["--weights", args.weights]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not found:
@@ -307,13 +365,21 @@ def main(argv=None) -> None:
         else:
             r = res["report"]
             ratio = res.get("resident", r["resident_bytes"]) / r["replica_bytes"]
-            log(f"\nW={world} rank 0 (sharded, {res.get('budget_gib', '-')} GiB budget): load+shard "
+            how = res.get("placement", "sharded")
+            log(f"\nW={world} rank 0 ({how}, {res.get('budget_gib', '-')} GiB budget): load+shard "
                 f"{res['load_seconds']:.1f} s; {r['units']} units; resident {res.get('resident', 0) / GiB:.2f} GiB "
                 f"(shards {r['sharded_bytes'] / GiB:.2f} + replicated {r['replicated_bytes'] / GiB:.2f}) of a "
                 f"{r['replica_bytes'] / GiB:.2f} GiB replica = {ratio:.3f} (target ≤ 1/{world} + 5 % = "
                 f"{1 / world + 0.05:.3f}: {'met' if ratio <= 1 / world + 0.05 else 'NOT met'}); peak while sharding "
                 f"{res.get('load_peak', 0) / GiB:.2f} GiB; every block gathered once (no compute, collectives "
                 f"simulated): {res.get('gather_sweep_ms', float('nan')):.0f} ms")
+        if "lora" in res:
+            lo = res["lora"]
+            st = lo["stats"]
+            log(f"  LoRA {lo['report']}: {st['layers']} layers fused in {st['seconds']:.1f} s; clean copies kept "
+                f"{st['clean_bytes'] / GiB:.2f} GiB, full-precision copies {st['fused_bytes'] / GiB:.2f} GiB"
+                + (f"; resident after {lo['resident'] / GiB:.2f} GiB, peak while fusing {lo['fuse_peak'] / GiB:.2f}"
+                   " GiB" if "resident" in lo else ""))
         for row in res["rows"]:
             if "error" in row:
                 log(f"  {row['size']} B={row['batch']}: {row['error']}")

@@ -16,8 +16,9 @@ ACTIONS = ("status", "shut down")
 
 def format_status(status: ControllerStatus, handle: FleetHandle | None = None) -> str:
     """The status as the node shows it, one fact a line: the controller, the fleet (`FleetDescription`: generation,
-    devices, workers, checkpoint, int8 path; whether `handle` is of an older generation), its processes
-    (`ProcessInfo`: role, pid, RSS in MiB), busy or idle, the last failure."""
+    devices, workers, checkpoint, int8 path, the links measured at start and the predicted step times; whether
+    `handle` is of an older generation), its processes (`ProcessInfo`: role, pid, RSS in MiB), busy or idle, the
+    last failure."""
     lines = [f"controller pid {status.pid} ({status.socket})"]
     fleet = status.fleet
     if fleet is None:
@@ -28,6 +29,10 @@ def format_status(status: ControllerStatus, handle: FleetHandle | None = None) -
         lines.append(f"checkpoint {fleet.checkpoint} (loaded in {fleet.load_seconds:.1f} s)")
         if fleet.int8_compute:  # which path the int8 file's layers take (FleetIdentity.int8_compute)
             lines.append(f"int8 compute: {fleet.int8_compute}")
+        link = getattr(fleet, "link", None)  # what it measured at start (none from an older controller)
+        if link is not None:
+            lines.append(link.describe())
+        lines.extend(getattr(fleet, "predicted", ()) or ())
         if handle is not None and fleet.generation != handle.generation:
             lines.append(f"this handle is of generation {handle.generation} (the fleet was rebuilt since)")
     processes = status.processes

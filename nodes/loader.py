@@ -10,6 +10,7 @@ from comfy_api.latest import io, ui
 from ..mgpu_backend.protocol.errors import ControllerError
 from ..mgpu_backend.protocol.fleet_config import INT8_COMPUTE_MODES, WEIGHT_MODES, FleetConfig, FleetHandle
 from ..mgpu_backend.protocol.fleet_rules import check_fleet
+from ..mgpu_backend.protocol.job_results import FleetDescription
 from ..mgpu_backend.protocol.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
 from .widgets import read_widgets
@@ -23,15 +24,16 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class CheckpointOptions:
     """Load Checkpoint's optional widgets: the separate component files (video_vae, audio_vae, text_projection; NONE:
     from the checkpoint), sp_degree (0: the largest valid), compile, weights (`WEIGHT_MODES`), int8_compute
-    (`INT8_COMPUTE_MODES`)."""
+    (`INT8_COMPUTE_MODES`), gpu_budget_gib (GiB per GPU for the weights and one forward; 0: the free memory)."""
 
     video_vae: str = NONE
     audio_vae: str = NONE
     text_projection: str = NONE
     sp_degree: int = 0
     compile: bool = False
-    weights: str = "replicated"
+    weights: str = "auto"
     int8_compute: str = "auto"
+    gpu_budget_gib: float = 0.0
 
 
 def _ensure_upscaler_folder() -> None:
@@ -116,16 +118,27 @@ def _device_inputs() -> list:
                                  "GPU); otherwise caps or sets the count.")]
 
 
-WEIGHT_MODES_TOOLTIP = ("The transformer's weights over the GPUs: replicated = every GPU holds the whole transformer "
-                        "(fastest; needs a GPU that holds the model); sharded = each GPU holds 1/N of its layers, "
-                        "gathered layer by layer as they run (LTX-2.3 / 2.5 22B on 2-4 GPUs of 24-32 GB; every "
-                        "forward then runs sequence parallel over all GPUs, whose count must divide the 32 heads: "
-                        "2, 4 or 8). Changing it restarts the fleet.")
+WEIGHT_MODES_TOOLTIP = ("The transformer's weights over the GPUs: auto = replicated when every GPU holds the model, "
+                        "else placed; replicated = every GPU holds the whole transformer (fastest; refused when it "
+                        "does not fit); placed = as many blocks whole as each GPU's budget allows, the rest sharded "
+                        "over the GPUs (gathered as they run, behind the whole blocks' compute); sharded = each GPU "
+                        "holds 1/N of every block (least memory: LTX-2.3 / 2.5 22B on 2-4 GPUs of 24-32 GB). "
+                        "Whenever a block is sharded every forward runs sequence parallel over all GPUs, whose count "
+                        "must divide the 32 heads (2, 4 or 8). The node's text says what was placed. Changing it "
+                        "restarts the fleet.")
+GPU_BUDGET_TOOLTIP = ("GiB per GPU the fleet may use for the transformer's weights and one forward (a hard cap on "
+                      "each GPU); the weights are placed in the smallest GPU's budget. 0 = each GPU's free memory "
+                      "at load. Changing it restarts the fleet.")
 
 
 def _weights_input():
-    return io.Combo.Input("weights", options=list(WEIGHT_MODES), default="replicated", optional=True,
+    return io.Combo.Input("weights", options=list(WEIGHT_MODES), default="auto", optional=True,
                           tooltip=WEIGHT_MODES_TOOLTIP)
+
+
+def _budget_input():
+    return io.Float.Input("gpu_budget_gib", default=0.0, min=0.0, max=1024.0, step=0.5, optional=True,
+                          tooltip=GPU_BUDGET_TOOLTIP)
 
 
 INT8_COMPUTE_TOOLTIP = ("How an int8(-convrot) transformer file computes (ComfyUI's LTX-2.5 templates load one): "
@@ -142,9 +155,11 @@ def _int8_input():
                           tooltip=INT8_COMPUTE_TOOLTIP)
 
 
-def describe_plan(handle: FleetHandle) -> str:
+def describe_plan(handle: FleetHandle, fleet: FleetDescription | None = None) -> str:
     """The node's text: the fleet and the split it computed for this handle's policy (`handle.plan`, a
-    `protocol.fleet_config.FleetPlan`: nothing is re-derived here), the weights and the free memory."""
+    `protocol.fleet_config.FleetPlan`: nothing is re-derived here), the weights and the free memory; with the
+    running fleet's status (`fleet`), the links it measured at start and its predicted step times against one card
+    with weight streaming."""
     cfg = handle.config
     w = cfg.world_size
     backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
@@ -170,17 +185,46 @@ def describe_plan(handle: FleetHandle) -> str:
         f"{cfg.dtype}{', compiled blocks' if cfg.compile else ''}",
         sp,
         f"tiled stage 2 / decode: all {w} ranks",
-        (f"weights: one full copy per rank (~{size / 2**30:.2f} GiB of files each, plus Gemma, mode "
-         f"{cfg.gemma_mode})" if cfg.weights == "replicated" else
-         f"weights: the transformer's layers sharded over the {w} ranks (~1/{w} each of ~{size / 2**30:.2f} GiB of "
-         f"files, gathered layer by layer as they run; Gemma mode {cfg.gemma_mode}): every forward runs sequence "
-         f"parallel over all {w} ranks; predicted weight gathers per forward (on top of the compute): "
-         + ", ".join(f"{sharded_gather_seconds(size, w, gbps):.2f} s over {link}"
-                     for link, gbps in LINKS_GBPS.items())),
+        _weights_line(cfg, getattr(plan, "placement", None), size),
         f"memory: {_free_memory(cfg.devices)}",
         f"worker pids: {', '.join(map(str, handle.worker_pids))}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _measured(fleet))
+
+
+def _measured(fleet: FleetDescription | None) -> list[str]:
+    """The link line and the predicted step times of a `FleetDescription` (none from an older controller)."""
+    link = getattr(fleet, "link", None)
+    return ([link.describe()] if link is not None else []) + list(getattr(fleet, "predicted", ()) or ())
+
+
+def _configure(c, config: FleetConfig) -> tuple[FleetHandle, FleetDescription | None]:
+    """The fleet for `config` and its status (what it measured at start)."""
+    handle = c.configure(config)
+    return handle, c.status().fleet
+
+
+def _weights_line(cfg, placement, size: int) -> str:
+    """The weights' line of the node's text: the placement the workers reported (`FleetPlan.placement`), with the
+    predicted weight gathers per forward over the configured links (`resources.LINKS_GBPS`); the mode asked for
+    when the controller did not report one."""
+    w = cfg.world_size
+    if placement is not None:
+        line = f"weights: {placement.describe()}; Gemma mode {cfg.gemma_mode}"
+        if placement.any_sharded:
+            line += (f"; every forward runs sequence parallel over all {w} ranks; predicted weight gathers per forward "
+                     f"(on top of the compute, unless hidden behind the whole blocks'): "
+                     + ", ".join(f"{placement.gather_seconds(gbps):.2f} s over {link}"
+                                 for link, gbps in LINKS_GBPS.items()))
+        return line
+    if cfg.weights == "sharded":
+        return (f"weights: the transformer's layers sharded over the {w} ranks (~1/{w} each of ~{size / 2**30:.2f} "
+                f"GiB of files, gathered layer by layer as they run; Gemma mode {cfg.gemma_mode}): every forward "
+                f"runs sequence parallel over all {w} ranks; predicted weight gathers per forward (on top of the "
+                f"compute): " + ", ".join(f"{sharded_gather_seconds(size, w, gbps):.2f} s over {link}"
+                                          for link, gbps in LINKS_GBPS.items()))
+    return (f"weights: {cfg.weights} (~{size / 2**30:.2f} GiB of files; the running controller did not report the "
+            f"placement; Gemma mode {cfg.gemma_mode})")
 
 
 class LoadCheckpointMGPU(io.ComfyNode):
@@ -235,6 +279,7 @@ class LoadCheckpointMGPU(io.ComfyNode):
                                          "eager blocks)."),
                 _weights_input(),
                 _int8_input(),
+                _budget_input(),
             ],
             outputs=[Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet (its configuration and "
                                                                 "generation)."),
@@ -259,18 +304,18 @@ class LoadCheckpointMGPU(io.ComfyNode):
                 audio_vae=_optional(o.audio_vae, "vae", "checkpoints"),
                 text_projection=_optional(o.text_projection, "text_encoders", "checkpoints"), dtype=dtype,
                 sp_degree=o.sp_degree or None, compile=bool(o.compile), weights=o.weights,
-                int8_compute=o.int8_compute)
+                int8_compute=o.int8_compute, gpu_budget_gib=o.gpu_budget_gib or None)
             # the fleet's rules the values decide (compile × sharded, …): refused before the running fleet is asked
             check_fleet(config.identity, config.policy)
             try:
                 c = client()
                 try:
-                    handle = c.configure(config)
+                    handle, fleet = _configure(c, config)
                 finally:
                     c.close()
             except ControllerError as exc:
                 raise NodeError(f"Load Checkpoint (MGPU): {exc}") from None
-            plan = describe_plan(handle)
+            plan = describe_plan(handle, fleet)
             try:
                 model = _native_model(handle, "Load Checkpoint (MGPU)")
             except NodeError as exc:  # the fleet and the stage nodes work without it; a graph that uses it fails
@@ -319,6 +364,7 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
                 *_device_inputs(),
                 _weights_input(),
                 _int8_input(),
+                _budget_input(),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip=MODEL_TOOLTIP),
                      Fleet.Output(display_name="fleet", tooltip="Handle of the worker fleet, for the other MGPU "
@@ -327,7 +373,8 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, devices, world_size, weights="replicated", int8_compute="auto") -> io.NodeOutput:
+    def execute(cls, unet_name, devices, world_size, weights="auto", int8_compute="auto",
+                gpu_budget_gib=0.0) -> io.NodeOutput:
         from ..mgpu_backend.serving.client import parse_devices
 
         what = "Load Diffusion Model (MGPU)"
@@ -337,16 +384,17 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
             path = _resolve(unet_name, "diffusion_models", "checkpoints")
             # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
             config = FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
-                                 transformer_only=True, weights=weights, int8_compute=int8_compute)
+                                 transformer_only=True, weights=weights, int8_compute=int8_compute,
+                                 gpu_budget_gib=gpu_budget_gib or None)
             check_fleet(config.identity, config.policy)  # the fleet's rules the values decide
             try:
                 c = client()
                 try:
-                    handle = c.configure(config)
+                    handle, fleet = _configure(c, config)
                 finally:
                     c.close()
             except ControllerError as exc:
                 raise NodeError(f"{what}: {exc}") from None
             model = _native_model(handle, what)
-            plan = describe_plan(handle)
+            plan = describe_plan(handle, fleet)
         return io.NodeOutput(model, handle, ui=ui.PreviewText(plan))

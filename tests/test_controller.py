@@ -214,6 +214,10 @@ def test_policy_change_keeps_the_fleet(ctl, handle, tiny_dir):
     new = configured.handle
     assert new.config.identity == handle.config.identity and new.config.policy != handle.config.policy
     assert handle.plan == FleetPlan(1, 8, 1, (1,)) and new.plan == FleetPlan(1, 8, 1, (1,), set_by_policy=True)
+    # where the worker placed the weights (weights="auto", a CPU rank: no budget, every unit whole)
+    placement = handle.plan.placement
+    assert (placement.requested, placement.mode, placement.units, placement.budget_bytes) == ("auto", "replicated", 4,
+                                                                                              None)
     assert (new.generation, new.worker_pids) == (handle.generation, handle.worker_pids)
     assert configured.replaced is None
     for h in (new, handle):

@@ -96,7 +96,7 @@ def test_key_separates_what_the_kernels_depend_on(tiny_dir):
     with skip_self_attention(transformer, (0,), ()):
         assert G.forward_key(transformer, kwargs) not in (base, stg)
     assert G.forward_key(transformer, kwargs) == base  # processors restored
-    F8.WEIGHT_GENERATION[0] += 1  # what setting FP8Linear.fused_weight does
+    F8.WEIGHT_GENERATION[0] += 1  # an fp8 layer's weight or scale replaced by another tensor object
     assert G.forward_key(transformer, kwargs) != base
     apply_plan(transformer, UlyssesSplit(Exchange(None, 1, 0)).plan, Exchange(None, 1, 0))
     assert G.forward_key(transformer, kwargs) != G.forward_key(transformer, kwargs, extra="other")

@@ -136,6 +136,144 @@ def test_weight_bytes_and_fits():
     assert F.ACTIVATION_RESERVE_BYTES == 3 * GiB
 
 
+# ---- placement ---------------------------------------------------------------------------------------------------
+
+# 8 transformer blocks of 1 GiB, 2 connector blocks of 0.5 GiB, 1 GiB of the rest; W = 2, reserve 3 GiB. The need
+# of k sharded units (hand-derived, GiB): the rest + whole units + 1/2 of each sharded one + the largest sharded one
+# (twice from 2 sharded on) + 3:
+#   k:    0     1      2     3    4     5    6     7    8     9    10
+#   need: 13  13.25  13.5   14  13.5   13  12.5   12  11.5   11  10.5
+SIZES = F.WeightBytes(blocks=9 * GiB, rest=GiB, block_units=(GiB,) * 8, connector_units=(GiB // 2,) * 2)
+
+
+def test_spread_and_sharded_units():
+    assert F.spread(3, 12) == (2, 6, 10) and F.spread(4, 8) == (1, 3, 5, 7) and F.spread(5, 8) == (0, 2, 4, 5, 7)
+    assert F.spread(0, 5) == () and F.spread(5, 5) == (0, 1, 2, 3, 4) and F.spread(1, 48) == (24,)
+    # the connectors' blocks first (units 8, 9: one gather per text encoding), then blocks spread
+    assert F.sharded_units(1, 8, 2) == (8,) and F.sharded_units(2, 8, 2) == (8, 9)
+    assert F.sharded_units(3, 8, 2) == (4, 8, 9) and F.sharded_units(6, 8, 2) == (1, 3, 5, 7, 8, 9)
+    assert F.sharded_units(10, 8, 2) == tuple(range(10)) and F.sharded_units(2, 4, 0) == (1, 3)
+    with pytest.raises(ValueError, match="count=11 must be between 0 and the 10 units"):
+        F.sharded_units(11, 8, 2)
+    with pytest.raises(ValueError, match="count=-1 must be between 0 and total=3"):
+        F.spread(-1, 3)
+
+
+def test_weight_bytes_units():
+    assert SIZES.units == (GiB,) * 8 + (GiB // 2,) * 2
+    assert F.WeightBytes(5, 1).units == ()  # per-unit sizes unknown: per_rank only
+    with pytest.raises(ValueError, match="the units sum to 3 bytes, blocks=4"):
+        F.WeightBytes(blocks=4, rest=0, block_units=(1, 2))
+    with pytest.raises(ValueError, match="per-unit sizes are unknown"):
+        F.place_weights(F.WeightBytes(5, 1), 2, None, "placed")
+
+
+def test_placement_arithmetic():
+    p = F.placement_of(SIZES, 2, (1, 3, 5, 7, 8, 9))
+    assert (p.resident_bytes, p.transient_bytes, p.need_bytes) == (7.5 * GiB, 2 * GiB, 12.5 * GiB)
+    assert p.gathered_bytes == 4 * GiB // 2  # 4 sharded blocks, each rank receives the other half of each
+    assert p.gather_seconds(10.0) == pytest.approx(0.2147, abs=1e-4)
+    only_connectors = F.placement_of(SIZES, 2, (8, 9))
+    assert only_connectors.gathered_bytes == 0 and only_connectors.need_bytes == 13.5 * GiB
+    assert F.placement_of(SIZES, 4, range(10)).need_bytes == 8.25 * GiB  # 1 + 2 + 0.25 resident, 2 gathered, 3
+    with pytest.raises(ValueError, match=r"sharded units \(3, 3\) must be distinct indices of the 10 units"):
+        F.placement_of(SIZES, 2, (3, 3))
+    with pytest.raises(ValueError, match="world_size=0 must be a positive integer"):
+        F.placement_of(SIZES, 0, ())
+
+
+@pytest.mark.parametrize("weights, budget_gib, sharded", [
+    ("auto", None, ()), ("placed", None, ()), ("auto", 13, ()),  # a replica and the reserve fit exactly
+    ("auto", 12.9, (1, 3, 5, 7, 8, 9)), ("placed", 12.9, (1, 3, 5, 7, 8, 9)),  # k = 6: the first need <= 12.9
+    ("auto", 12, (0, 2, 4, 5, 7, 8, 9)), ("auto", 10.5, tuple(range(10))),
+    ("sharded", 12.9, tuple(range(10))), ("sharded", None, tuple(range(10))), ("replicated", 13, ()),
+])
+def test_place_weights(weights, budget_gib, sharded):
+    budget = None if budget_gib is None else int(budget_gib * GiB)
+    p = F.place_weights(SIZES, 2, budget, weights)
+    assert p.sharded == sharded and p.budget_bytes == budget and p.requested == weights
+    assert p.any_sharded == bool(sharded) and p.replicated_units == 10 - len(sharded)
+    assert p.mode == ("replicated" if not sharded else "sharded" if len(sharded) == 10 else "placed")
+
+
+def test_place_weights_describes_itself():
+    p = F.place_weights(SIZES, 2, int(12.9 * GiB), "auto")
+    assert p.describe() == ("placed: 4 of 10 units replicated, 6 sharded over 2 ranks; resident 7.50 GiB; gathers "
+                            "2.15 GB per forward (budget 12.90 GiB per GPU, weights='auto')")
+    assert F.place_weights(SIZES, 2, None, "replicated").describe() == (
+        "replicated: 10 of 10 units replicated, 0 sharded; resident 10.00 GiB; gathers 0.00 GB per forward "
+        "(unbounded budget)")
+
+
+def test_place_weights_refuses_naming_the_budget_the_need_and_what_fits():
+    with pytest.raises(ValidationError) as info:
+        F.place_weights(SIZES, 2, int(12.9 * GiB), "replicated", budget_from="gpu_budget_gib=12.9")
+    assert str(info.value) == (
+        "a budget of 12.9 GiB per GPU (gpu_budget_gib=12.9) cannot hold replicated weights: that needs 13.0 GiB "
+        "(10.0 GiB of weights resident + 0.0 GiB of gathered blocks + 3.0 GiB for one forward). Would fit: "
+        "weights='placed' (4 of 10 units replicated, 12.5 GiB per GPU); sharded over 4 GPUs (8.2 GiB per GPU); "
+        "sharded over 8 GPUs (7.1 GiB per GPU) (also: free the GPU, raise gpu_budget_gib, or use an fp8 / int8 file)")
+    with pytest.raises(ValidationError) as info:  # even fully sharded over 2 GPUs: 10.5 GiB
+        F.place_weights(SIZES, 2, int(10.4 * GiB), "placed")
+    assert str(info.value).startswith(
+        "a budget of 10.4 GiB per GPU cannot hold weights='placed' (its smallest need: 10 of 10 units sharded over 2 GPU(s)): "
+        "that needs 10.5 GiB (5.5 GiB of weights resident + 2.0 GiB of gathered blocks + 3.0 GiB for one forward). "
+        "Would fit: sharded over 4 GPUs (8.2 GiB per GPU); sharded over 8 GPUs (7.1 GiB per GPU)"), str(info.value)
+    with pytest.raises(ValidationError, match="cannot hold weights sharded over 8 GPU.*Would fit: nothing on this "
+                                              "fleet"):
+        F.place_weights(SIZES, 8, 7 * GiB, "sharded")
+    with pytest.raises(ValueError, match="weights='fsdp': choose one of auto, replicated, placed, sharded"):
+        F.place_weights(SIZES, 2, None, "fsdp")
+
+
+def test_mixed_cards_agree_on_the_smallest_budget():
+    """Ranks with different budgets place in the smallest (every rank must shard the same units)."""
+    assert F.agreed_budget([13 * GiB, int(12.9 * GiB)]) == int(12.9 * GiB)
+    assert F.agreed_budget([None, 5 * GiB, None]) == 5 * GiB and F.agreed_budget([None, None]) is None
+    budget = F.agreed_budget([80 * GiB, int(12.9 * GiB)])
+    assert F.place_weights(SIZES, 2, budget, "auto").sharded == (1, 3, 5, 7, 8, 9)  # the 80 GB card holds no more
+
+
+def test_the_sharded_rules_apply_to_any_sharded_unit():
+    placed = F.place_weights(SIZES, 2, int(12.9 * GiB), "auto")
+    whole = F.place_weights(SIZES, 2, 13 * GiB, "placed")  # placed, and nothing sharded: a replicated fleet
+    assert F.shards("sharded") and not F.shards("placed") and not F.shards("auto") and F.shards(placed)
+    assert not F.shards(whole)
+    F.check_compile(whole, True)
+    with pytest.raises(ValidationError, match=r"^compile=True with weights='auto' \(6 of 10 units sharded\): .* use "
+                                              r"replicated weights to compile \(GPUs or a gpu_budget_gib that hold a "
+                                              r"replica\)$"):
+        F.check_compile(placed, True)
+    F.check_int8_mode(whole, "dequantize")
+    with pytest.raises(ValidationError, match=r"^int8_compute='dequantize' with weights='auto' \(6 of 10 units "
+                                              r"sharded\): the memory mode"):
+        F.check_int8_mode(placed, "dequantize")
+    F.check_policy(whole, 2, FleetPolicy(guidance_parallel="on", compile=True), heads=8)
+    with pytest.raises(ValidationError, match="^guidance_parallel='on' with sharded weights"):
+        F.check_policy(placed, 2, FleetPolicy(guidance_parallel="on"), heads=8)
+    with pytest.raises(ValidationError, match="sharded weights over 3 ranks"):
+        F.check_policy(F.placement_of(SIZES, 3, (0,)), 3, FleetPolicy(), heads=8)
+    # before the load "auto" / "placed" are not known to shard: the configuration's rules let them through
+    F.check_fleet(FleetIdentity(**BASE, weights="placed"), FleetPolicy(compile=True, guidance_parallel="on"), 32)
+    kw = {"device_type": "cuda", "int8_bytes": 22 * GiB, "dequantized_bytes": 44 * GiB, "free_bytes": 47 * GiB,
+          "reserve_bytes": 3 * GiB}
+    assert F.resolve_int8_compute("auto", weights="placed", **kw)[0] == "dequantize"  # a dequantized replica fits
+    assert F.resolve_int8_compute("auto", weights=placed, **kw)[0] == "w8a8"
+
+
+def test_gpu_budget_and_the_default_weights():
+    identity = FleetIdentity(**BASE)
+    assert identity.weights == "auto" and identity.gpu_budget_gib is None
+    assert FleetIdentity(**BASE, gpu_budget_gib=24).gpu_budget_gib == 24
+    assert FleetIdentity(**BASE, gpu_budget_gib=21.5, weights="placed").weights == "placed"
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "24"):
+        with pytest.raises(ValueError, match=r"^gpu_budget_gib=.*: must be a positive, finite number of GiB per GPU, "
+                                             r"or None \(each GPU's free memory at load\)$"):
+            FleetIdentity(**BASE, gpu_budget_gib=bad)
+    assert F.WEIGHT_MODES == ("auto", "replicated", "placed", "sharded")
+    assert FleetConfig(**BASE, gpu_budget_gib=12.0).identity.gpu_budget_gib == 12.0  # an identity field: new workers
+
+
 # ---- a whole configuration -------------------------------------------------------------------------------------
 
 
@@ -233,3 +371,37 @@ def test_headers_refuse_by_name(tmp_path, tiny_dir):
     other.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
     with pytest.raises(CheckpointError, match="num_attention_heads='many' is not a number"):
         checkpoint_facts(other)
+
+
+def test_cli_weights_and_budget_flags_reach_the_fleet_config(tiny_dir, monkeypatch):
+    """`--weights placed --gpu-budget-gib 22` send the run to a fleet with that identity (a stand-in client stops it
+    at configure); without them the fleet gets weights="auto" and no budget; a bad budget is refused by name."""
+    from mgpu_backend.serving import cli, client
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    class FakeClient:
+        def configure_fleet(self, config):
+            seen.append(config)
+            raise Stop
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(client, "ControllerClient", FakeClient)
+    files = tiny_dir["2.0"]
+    base = ["generate", "--checkpoint", str(files["checkpoint"]), "--gemma", str(files["gemma"]), "--upscaler",
+            str(files["upsampler"]), "--prompt", "p",
+            "--width", "128", "--height", "128", "--frames", "9"]
+    for options in (["--weights", "placed", "--gpu-budget-gib", "22"], ["--devices", "cpu:2"]):
+        args = cli.build_parser().parse_args(base + options)
+        assert cli.on_fleet(args)
+        with pytest.raises(Stop):
+            cli.run_generate(args)
+    assert (seen[0].weights, seen[0].gpu_budget_gib) == ("placed", 22.0)
+    assert (seen[1].weights, seen[1].gpu_budget_gib) == ("auto", None)
+    with pytest.raises(ValueError, match=r"gpu_budget_gib=-1.0: must be a positive, finite number"):
+        cli.run_generate(cli.build_parser().parse_args(base + ["--gpu-budget-gib", "-1"]))

@@ -60,7 +60,7 @@ def test_block_linears_are_fp8_resident(tiny_dir, tiny_modules, variant):
     assert set(swapped) == set(block_linears)
     for name, layer in swapped.items():
         assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.element_size() == 1, name
-        assert layer.compute_dtype == torch.bfloat16 and layer.fused_weight is None
+        assert layer.compute_dtype == torch.bfloat16 and not layer.lora_fused
         assert layer.weight.shape == block_linears[name].weight.shape
     # Linears outside the blocks (patchify projections, AdaLN, output projections) stay ordinary bf16 Linears
     outside = [m for n, m in fp8.named_modules() if isinstance(m, nn.Linear) and not n.startswith("transformer_blocks.")]
@@ -184,8 +184,9 @@ def _layer(fp8_dtype=torch.float8_e4m3fn, features=(64, 48), input_scale=False):
 
 
 def test_fp8_compute_path_selection(monkeypatch):
-    """CPU dequantizes (exact to the file); on an fp8-capable GPU the fp8 matmul path is taken unless a LoRA is fused,
-    the weights are e5m2, the compute is float32, the features are not multiples of 16, or the mode is off."""
+    """CPU dequantizes (exact to the file); on an fp8-capable GPU the fp8 matmul path is taken unless the weights are
+    e5m2, the compute is float32, the features are not multiples of 16, or the mode is off — a fused LoRA (written
+    into the fp8 weight and scale) keeps it."""
     from mgpu_backend.models import fp8 as F8
 
     layer = _layer()
@@ -200,11 +201,9 @@ def test_fp8_compute_path_selection(monkeypatch):
                                                                "bf16 / fp16)")
     assert F8.compute_path(_layer(torch.float8_e5m2), x)[0] == "dequantize"
     assert "multiples of 16" in F8.compute_path(_layer(features=(64, 40)), x)[1]
-    generation = F8.WEIGHT_GENERATION[0]
-    layer.fused_weight = layer.dequantized_weight()
-    assert F8.WEIGHT_GENERATION[0] == generation + 1  # captured CUDA graphs key on it
-    assert F8.compute_path(layer, x)[0] == "dequantize" and "LoRA" in F8.compute_path(layer, x)[1]
-    layer.fused_weight = None
+    layer.lora_fused = True
+    assert F8.compute_path(layer, x)[0] == "scaled_mm"
+    layer.lora_fused = False
     F8.set_compute("off")
     try:
         assert F8.compute_path(layer, x) == ("dequantize", "fp8 compute set off")
@@ -250,3 +249,22 @@ def test_fp8_linear_is_the_quantized_product(input_scale):
     assert float((got[0].float() - want).norm() / want.norm()) < 2 ** -8  # one bf16 rounding
     exact = x.float() @ layer.dequantized_weight().float().t() + layer.bias.float()
     assert float((got[0].float() - exact).norm() / exact.norm()) < 0.06  # e4m3 activations: 3 mantissa bits
+
+
+def test_scale_written_in_place_keeps_captured_tensors():
+    """A LoRA fuse / restore writes `weight_scale` in place; `scale_written` rewrites the row copy the fp8 matmul
+    reads in place too (a CUDA graph captured before replays with the same tensor objects), and the weight generation
+    captured graphs key on stays put (no tensor object changed)."""
+    from mgpu_backend.models import fp8 as F8
+
+    layer = _layer()
+    rows = layer._scale_b_rows()
+    assert torch.equal(rows, layer.weight_scale.reshape(1, 1).expand(1, layer.out_features))
+    generation = F8.WEIGHT_GENERATION[0]
+    with torch.no_grad():
+        layer.weight_scale.copy_(torch.tensor(0.125))
+    layer.scale_written()
+    assert layer._scale_b_rows() is rows and torch.equal(rows, torch.full((1, layer.out_features), 0.125))
+    assert F8.WEIGHT_GENERATION[0] == generation
+    layer.scale_written()  # idempotent
+    assert torch.equal(rows, torch.full((1, layer.out_features), 0.125))

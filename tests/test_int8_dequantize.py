@@ -197,10 +197,10 @@ def test_dequantize_refuses_a_fused_lora_and_a_sharded_view():
     q, s = Q.quantize_int8(torch.randn(8, 32), 16)
     layer.load_state_dict({"weight": q, "weight_scale": s})
     holder = nn.Sequential(layer)
-    layer.fused_weight = layer.dequantized_weight()
+    layer.lora_fused = True  # what `weights.lora` sets while a LoRA is in the int8 bytes
     with pytest.raises(ValueError, match="0: a LoRA is fused"):
         Q.dequantize_int8_linears(holder)
-    layer.fused_weight = None
+    layer.lora_fused = False
     layer.weight = nn.Parameter(q.view(torch.float8_e4m3fn), requires_grad=False)
     with pytest.raises(ValueError, match="sharded"):
         Q.dequantize_int8_linears(holder)

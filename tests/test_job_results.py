@@ -17,12 +17,14 @@ from mgpu_backend.serving.client import ControllerClient
 from mgpu_backend.protocol import transport
 from mgpu_backend.protocol.errors import ControllerError, ErrorDetails, ErrorKind
 from mgpu_backend.protocol.fleet_config import FleetConfig, FleetHandle, FleetPlan, FleetPolicy
+from mgpu_backend.protocol.fleet_rules import WeightBytes, placement_of
 from mgpu_backend.protocol.job_requests import FAULT_KINDS, FaultSpec, JobSpec, NoopRequest
 from mgpu_backend.protocol.job_results import (ControllerStatus, DecodeReport, EncodeTextResult, FleetDescription,
                                                FleetTeardown, FramesResult, GenerateJobResult, GenerateTimings,
                                                NoopResult, ProcessInfo, RankReport, SampleResult, TextEncodeReport,
                                                TextEncoderCounters, UpscaleResult)
 from mgpu_backend.protocol.messages import Accepted, Configured, JobResult, Pong, StatusReply, Stopped
+from mgpu_backend.protocol.link import LinkReport
 from mgpu_backend.protocol.transport import Pickled
 
 
@@ -166,12 +168,19 @@ def test_the_controllers_reports_print_as_the_json_users_read():
                              "processes"]
     fleet = printed["fleet"]
     assert list(fleet) == ["generation", "devices", "worker_pids", "checkpoint", "weights", "load_seconds",
-                           "int8_compute", "policy", "plan", "open_counts"]
+                           "int8_compute", "policy", "plan", "open_counts", "link", "predicted"]
+    assert fleet["link"] is None and fleet["predicted"] == []  # (issue 35: keys added at the end)
     assert (fleet["generation"], fleet["devices"], fleet["worker_pids"], fleet["open_counts"]) == \
         (3, ["cpu", "cpu"], [11, 12], [2, 2])
     assert fleet["policy"]["sp_degree"] == 2 and fleet["policy"]["guidance_parallel"] == "auto"
     assert fleet["plan"] == {"world_size": 2, "heads": 8, "sp_degree": 2, "valid_degrees": [1, 2],
-                             "set_by_policy": True, "sequence_parallel": True}
+                             "set_by_policy": True, "sequence_parallel": True, "placement": None}
+    # where the workers placed the weights (issue 35): the placement's fields, under the plan
+    sizes = WeightBytes(blocks=6, rest=1, block_units=(2, 2), connector_units=(1, 1))
+    plan = dataclasses.replace(_described().plan, placement=placement_of(sizes, 2, (1, 3), 9, 0, "auto"))
+    assert json.loads(json.dumps(dataclasses.asdict(plan)))["placement"] == {
+        "requested": "auto", "world_size": 2, "units": 4, "block_units": 2, "sharded": [1, 3], "budget_bytes": 9,
+        "reserve_bytes": 0, "resident_bytes": 1 + (2 + 1) + (1 + 1), "gathered_bytes": 1, "transient_bytes": 4}
     assert printed["processes"] == [{"pid": 4242, "role": "controller", "rss_bytes": 300 * 2**20},
                                     {"pid": 11, "role": "worker rank 0", "rss_bytes": 400 * 2**20},
                                     {"pid": 12, "role": "worker rank 1", "rss_bytes": None}]
@@ -181,6 +190,14 @@ def test_the_controllers_reports_print_as_the_json_users_read():
         assert transport.loads(pickle.dumps(message)) == message
     with pytest.raises(dataclasses.FrozenInstanceError):
         status.fleet.generation = 4  # type: ignore[misc]
+    # the link measured at start and the predicted step times (issue 35), as the status prints them
+    link = LinkReport("gloo", 2, ("cpu", "cpu"), 2**18, 0.002, 0.131, None, None, 0.05, 3, 1, 0.01)
+    measured = dataclasses.replace(_described(), link=link, predicted=("predicted step time at stage 1 …",))
+    printed = json.loads(json.dumps(dataclasses.asdict(measured), default=str))
+    assert printed["link"]["all_gather_GBps"] == 0.131 and printed["link"]["message_bytes"] == 2**18
+    assert printed["predicted"] == ["predicted step time at stage 1 …"]
+    reply = StatusReply(dataclasses.replace(status, fleet=measured))
+    assert transport.loads(pickle.dumps(reply)).status.fleet == measured
 
 
 def test_a_fleet_description_gives_one_entry_per_rank():

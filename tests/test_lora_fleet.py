@@ -10,14 +10,14 @@ with user + distilled, and LoRAs that do not fit the model.
 
 What is asserted (exact = bit for bit, `torch.equal` on the bytes):
 - the fused weights on every rank equal the weights one process fuses with `LoRAFuser` (exact), for bf16 layers
-  and for the compute-dtype weights beside fp8 layers;
+  and for fp8 layers (their re-quantized fp8 bytes and scales: `models/requantize.py`);
 - every job's output on the fleet equals the output of the same fleet when each rank fuses the whole set itself the
   one-process way (exact); at W = 1 it equals the one-process job (exact); at W = 2 the sequence-parallel stage
   differs from one process by its reduction order only (bounded, far below the LoRA's effect);
 - stage 1 after a stage-2 LoRA equals stage 1 with no LoRA (exact), and after all jobs every weight equals the
   loaded one (exact);
-- clean weights held per rank: bf16, W = 2: each rank keeps 1/2 ± 5 % of the touched layers' bytes, together
-  exactly once; fp8: none (the fp8 tensors are never written); each LoRA pair is read by one rank only;
+- clean bytes held per rank (bf16, or fp8 with their scales), W = 2: each rank keeps 1/2 ± 5 % of the touched
+  layers' bytes, together exactly once; no full-precision copy anywhere; each LoRA pair is read by one rank only;
 - the checkpoint is never opened again after loading: `loader.OPEN_COUNT` is unchanged and a spy on
   `safetensors.safe_open` (the loader's, the LoRA reader's and the module's) sees only the LoRA files;
 - coverage reports (matched / total, the missing layers), and the mismatch errors (a LoRA of another width, one
@@ -153,9 +153,20 @@ def _state(model) -> dict[str, torch.Tensor]:
 
 
 def _fused_weights(model, fuser: LoRAFuser) -> dict[str, torch.Tensor]:
-    """The working weight of every fused layer (fp8 layers: the compute-dtype weight beside the fp8 tensor)."""
-    return {name: (m.fused_weight if isinstance(m, FP8Linear) else m.weight).detach().clone()
-            for name, m in model.named_modules() if name in set(fuser.fused_names)}
+    """The working weight of every fused layer, and the scale of an fp8 layer (`<name>.weight_scale`)."""
+    out = {}
+    for name, m in model.named_modules():
+        if name in set(fuser.fused_names):
+            out[name] = m.weight.detach().clone()
+            if isinstance(m, FP8Linear):
+                out[name + ".weight_scale"] = m.weight_scale.detach().clone()
+    return out
+
+
+def _touched_bytes(model, names) -> int:
+    """Stored bytes of the touched layers: weight, and scale for an fp8 layer."""
+    return sum(t.numel() * t.element_size() for n, m in model.named_modules() if n in set(names)
+               for t in (m.weight, getattr(m, "weight_scale", None)) if t is not None)
 
 
 class _ReadSpy:
@@ -197,10 +208,9 @@ def _fleet_rank(rank: int, world: int, f: dict, weights: str) -> dict:
     both = read_loras([(f["user"], USER_STRENGTH), (f["distilled"], 1.0)])
     reports = pipe.lora.apply(both, "stage 2")
     fused = _fused_weights(model, pipe.lora)
-    held = {"clean_bytes": pipe.lora.clean_bytes, "fp8_fused_bytes": pipe.lora.fused_fp8_bytes,
+    held = {"clean_bytes": pipe.lora.clean_bytes, "fused_bytes": pipe.lora.fuse_stats.fused_bytes,
             "owned": pipe.lora.owned(), "pairs_read": pipe.lora.fuse_stats.pairs_read,
-            "touched_bytes": sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
-                                 if n in set(pipe.lora.fused_names))}
+            "touched_bytes": _touched_bytes(model, pipe.lora.fused_names)}
     fuse_before = pipe.lora.fuse_stats
     again = pipe.lora.apply(both, "stage 2")  # the same set again: nothing to do
     same_set_noop = (pipe.lora.fuse_stats is fuse_before and [str(r) for r in again] == [str(r) for r in reports]
@@ -352,7 +362,9 @@ def test_fused_weights_equal_one_process_and_restore_exactly(files, world, weigh
     ranks = _fleet(files, world, weights)
     one = _one_process(files, weights)
     for r, out in enumerate(ranks):
-        assert out["fused"].keys() == one["fused"].keys() and len(one["fused"]) == 56
+        n_fp8 = sum(k.endswith(".weight_scale") for k in one["fused"])
+        assert out["fused"].keys() == one["fused"].keys() and len(one["fused"]) == 56 + n_fp8
+        assert n_fp8 == (56 if weights == "checkpoint_fp8" else 0)
         bad = [k for k in one["fused"] if not _bytes_equal(out["fused"][k], one["fused"][k])]
         assert not bad, f"rank {r}: fused weights differ from one process in {bad[:5]}"
         assert [rep[:3] for rep in out["reports"]] == [(12, 12, "stage 2"), (56, 56, "stage 2")]
@@ -416,21 +428,18 @@ def test_clean_weights_are_sharded_and_pairs_read_once(files, world, weights, ca
     held = [out["held"] for out in ranks]
     touched = held[0]["touched_bytes"]
     owned = [set(h["owned"]) for h in held]
-    assert set().union(*owned) == set(ranks[0]["fused"]) and sum(map(len, owned)) == 56  # each layer: one owner
+    layers = {k for k in ranks[0]["fused"] if not k.endswith(".weight_scale")}
+    assert set().union(*owned) == layers and sum(map(len, owned)) == 56  # each layer: one owner
     assert sum(h["pairs_read"] for h in held) == 56 + 12  # every pair of the two LoRAs read by one rank
     with capsys.disabled():
         print(f"\n[lora fleet] W={world} {weights}: clean bytes per rank "
               f"{[h['clean_bytes'] for h in held]} of {touched} touched; pairs read {[h['pairs_read'] for h in held]}"
-              f"; fp8 fused bytes per rank {[h['fp8_fused_bytes'] for h in held]}")
-    if weights == "checkpoint_fp8":
-        assert all(h["clean_bytes"] == 0 for h in held)  # nothing to keep: the fp8 tensors are never written
-        n_fused = sum(t.numel() for t in ranks[0]["fused"].values())
-        assert all(h["fp8_fused_bytes"] == 2 * n_fused for h in held)  # bf16 beside every fused fp8 layer
-    else:
-        assert sum(h["clean_bytes"] for h in held) == touched  # together exactly one clean copy
-        for h in held:
-            assert abs(h["clean_bytes"] - touched / world) <= 0.05 * touched, (h["clean_bytes"], touched)
-            assert h["fp8_fused_bytes"] == 0
+              f"; full-precision copies per rank {[h['fused_bytes'] for h in held]}")
+    # fp8 as bf16: the clean bytes as stored (fp8 weights with their scales), no full-precision copy anywhere
+    assert sum(h["clean_bytes"] for h in held) == touched  # together exactly one clean copy
+    for h in held:
+        assert abs(h["clean_bytes"] - touched / world) <= 0.05 * touched, (h["clean_bytes"], touched)
+        assert h["fused_bytes"] == 0
 
 
 @pytest.mark.parametrize("weights", WEIGHTS, ids=["bf16", "fp8"])
@@ -445,6 +454,137 @@ def test_switching_lora_sets_never_rereads_the_checkpoint(files, world, weights)
         assert after == before, "the checkpoint was opened again"
         assert checkpoint not in out["reads_after_load"]
         assert set(out["reads_after_load"]) <= lora_files and out["reads_after_load"]
+
+
+# ---- quantized layers over the ranks: replicated and sharded --------------------------------------------------------
+
+#: the quantized tiny files of the requantization fleet test: name -> how `quantized_files` writes it
+QUANT_KINDS = ("fp8_lightricks", "fp8_comfy", "int8", "int8_convrot")
+
+
+@pytest.fixture(scope="module")
+def quantized_files(tiny_dir, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """name -> (transformer file, LoRA file): the LTX-2.0 tiny fp8 single file (Lightricks' scaled fp8, no markers)
+    with its distilled LoRA, and the LTX-2.3 tiny transformer in ComfyUI's `.comfy_quant` layouts — fp8 (with
+    `input_scale`), int8 per tensor, int8 ConvRot (per-row scales) — with the tiny 2.3 distilled LoRA."""
+    from mgpu_backend.testing.tiny import write_tiny_transformer
+
+    out = tmp_path_factory.mktemp("lora_requant_fleet")
+    lora23 = str(tiny_dir["2.3"]["distilled_lora"])
+    files = {"fp8_lightricks": (str(tiny_dir[VARIANT]["checkpoint_fp8"]), str(tiny_dir[VARIANT]["distilled_lora"]))}
+    for kind, quantization in (("fp8_comfy", "fp8"), ("int8", "int8"), ("int8_convrot", "int8-convrot")):
+        files[kind] = (str(write_tiny_transformer(out / f"ltx-2.3-tiny-{kind}.safetensors", "2.3", 0,
+                                                  quantization=quantization)), lora23)
+    return files
+
+
+def _whole(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's whole weight (gathered when sharded: a collective, every rank calls it) as bytes, and its scale."""
+    from mgpu_backend.weights.sharding import full_weight
+
+    w = full_weight(layer.weight).detach().contiguous().reshape(-1).view(torch.uint8).clone()
+    scale = getattr(layer, "weight_scale", None)
+    return w, None if scale is None else scale.detach().clone()
+
+
+def _fuse_and_restore(transformer, lora_path: str, rank: int = 0, world: int = 1) -> dict:
+    """Fuse the LoRA at 0.75 into `transformer` (on this rank of `world`), read every fused layer whole, restore, and
+    report what was held and whether the clean bytes came back."""
+    from mgpu_backend.weights.sharding import local_shard
+
+    model_bytes = sum(local_shard(t).numel() * t.element_size() for t in (*transformer.parameters(),
+                                                                            *transformer.buffers()))
+    fuser = LoRAFuser(transformer, rank=rank, world_size=world)
+    names = list(read_lora(lora_path).index)
+    layers = {n: m for n, m in transformer.named_modules() if n in set(names)}
+    objects = {n: (m.weight, getattr(m, "weight_scale", None)) for n, m in layers.items()}
+    clean = {n: _whole(m) for n, m in layers.items()}
+    fuser.fuse([read_lora(lora_path, 0.75)])
+    fused = {n: _whole(layers[n]) for n in fuser.fused_names}
+    out = {"fused": fused, "clean_bytes": fuser.clean_bytes, "fused_bytes": fuser.fuse_stats.fused_bytes,
+           "owned": len(fuser.owned()), "sharded": fuser.sharded,
+           "same_tensors": all(m.weight is objects[n][0] and getattr(m, "weight_scale", None) is objects[n][1]
+                               for n, m in layers.items()),
+           "flagged": all(getattr(layers[n], "lora_fused", True) for n in fuser.fused_names),
+           "model_bytes_unchanged": model_bytes == sum(local_shard(t).numel() * t.element_size() for t in (
+               *transformer.parameters(), *transformer.buffers())),
+           "touched": sum(local_shard(m.weight).numel() * m.weight.element_size() for m in layers.values()),
+           "scale_bytes": sum(m.weight_scale.numel() * 4 for m in layers.values() if hasattr(m, "weight_scale")),
+           "rows": sum(m.in_features * m.weight.element_size() for m in layers.values()),
+           "largest": max(m.weight.numel() * m.weight.element_size() + (m.weight_scale.numel() * 4 if hasattr(
+               m, "weight_scale") else 0) for m in layers.values())}
+    fuser.restore()
+    after = {n: _whole(m) for n, m in layers.items()}
+    out["restored"] = all(torch.equal(after[n][0], clean[n][0]) and (clean[n][1] is None or torch.equal(
+        after[n][1], clean[n][1])) for n in layers)
+    out["unflagged"] = not any(getattr(m, "lora_fused", False) for m in layers.values())
+    return out
+
+
+def _requant_rank(rank: int, world: int, files: dict, kinds: tuple[str, ...]) -> dict:
+    from mgpu_backend.weights.sharding import shard_transformer
+
+    out = {}
+    for kind in kinds:
+        path, lora = files[kind]
+        for mode in ("replicated", "sharded"):
+            transformer = loader.load_transformer(loader.SafetensorsFile(path), torch.bfloat16)[0]
+            if mode == "sharded":
+                shard_transformer(transformer, torch.device("cpu"))
+            out[(kind, mode)] = _fuse_and_restore(transformer, lora, rank, world)
+    return out
+
+
+_REQUANT: dict = {}
+
+
+def _requant_one_process(files: dict, kind: str) -> dict:
+    if kind not in _REQUANT:
+        path, lora = files[kind]
+        _REQUANT[kind] = _fuse_and_restore(loader.load_transformer(loader.SafetensorsFile(path), torch.bfloat16)[0],
+                                           lora)
+    return _REQUANT[kind]
+
+
+@pytest.mark.parametrize("world,kinds", [(2, QUANT_KINDS), (3, ("fp8_comfy", "int8_convrot"))],
+                         ids=["W2", "W3"])
+def test_quantized_layers_fused_over_the_ranks_equal_one_process(quantized_files, world, kinds, capsys):
+    """fp8 (Lightricks' file and ComfyUI's marked one), int8 per tensor and int8 ConvRot: fused on W gloo ranks,
+    replicated (each layer by its owner, bytes and scale broadcast) and sharded (each layer gathered and rounded whole
+    on every rank, its rows written into each shard), every layer's whole bytes and scale equal one process's (the
+    stochastic rounding's seed and random draws are the layer's own, whichever rank computes); restore gives the clean
+    bytes back; the same tensors throughout, no full-precision copy held, the model's bytes unchanged; clean bytes
+    per rank ≈ 1/W of the touched bytes (replicated: together exactly once, within one layer of each other; sharded:
+    each rank its rows, within W − 1 rows per layer, plus the whole scales)."""
+    ranks = run_ranks(_requant_rank, world, quantized_files, kinds, timeout_s=300.0)
+    for kind in kinds:
+        one = _requant_one_process(quantized_files, kind)
+        assert one["restored"] and one["same_tensors"] and one["fused_bytes"] == 0 and len(one["fused"]) > 0
+        for mode in ("replicated", "sharded"):
+            held = [r[(kind, mode)] for r in ranks]
+            for r, got in enumerate(held):
+                where = f"{kind} {mode} W={world} rank {r}"
+                assert got["sharded"] == (mode == "sharded"), where
+                assert got["fused"].keys() == one["fused"].keys(), where
+                bad = [n for n in one["fused"] if not (torch.equal(got["fused"][n][0], one["fused"][n][0]) and
+                                                       torch.equal(got["fused"][n][1], one["fused"][n][1]))]
+                assert not bad, f"{where}: fused bytes differ from one process: {bad[:4]}"
+                assert got["restored"] and got["unflagged"] and got["flagged"], where
+                assert got["same_tensors"] and got["model_bytes_unchanged"] and got["fused_bytes"] == 0, where
+            clean = [h["clean_bytes"] for h in held]
+            touched, scales = one["touched"], one["scale_bytes"]
+            with capsys.disabled():
+                print(f"\n[lora requant] {kind} {mode} W={world}: clean bytes per rank {clean} "
+                      f"(touched {touched} + scales {scales})")
+            if mode == "replicated":
+                assert sum(clean) == touched + scales  # together exactly one clean copy
+                assert sum(h["owned"] for h in held) == len(one["fused"])
+                assert max(clean) - min(clean) <= one["largest"], clean  # LPT: within one layer of each other
+            else:  # each rank: its rows of every layer and every scale whole; FSDP splits rows as torch.chunk does
+                # (ceil(R / W) each, the last ranks the rest): within W − 1 rows of R / W per layer
+                assert sum(c - scales for c in clean) == touched
+                for c in clean:
+                    assert abs(c - scales - touched / world) <= (world - 1) * one["rows"], (c, touched, world)
 
 
 # ---- the controller's worker fleet -----------------------------------------------------------------------------------

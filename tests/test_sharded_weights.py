@@ -13,7 +13,13 @@ What is asserted:
   fp8 checkpoints: sharded equals replicated bit for bit; fp8 weights stay float8 in their shards;
 - what a rank holds: its shards are 1/W of the units' bytes (to one row per parameter), the rest is replicated;
 - the policies a sharded fleet cannot follow are refused by name before any work (a sub-group SP degree, batch rows
-  or guidance passes spread over ranks, a tile count that is not a multiple of W, compile).
+  or guidance passes spread over ranks, a tile count that is not a multiple of W, compile);
+- placed weights (issue 35: some blocks whole, the rest sharded; `fleet_rules.place_weights`): the workers'
+  `WorkerState` places an 8-block tiny transformer in the budget — given per GPU (`gpu_budget_gib`, 4 ranks) or
+  different on each rank (2 ranks: they agree on the smallest) — as the hand-derived mix of whole and sharded units,
+  and its native forwards and LoRA equal the replicated fleet's bit for bit, sequence parallel over the same ranks;
+  an explicit mix (one block sharded, one whole) gives the stage jobs' bits on the fp8 file; a budget too small is
+  refused on every rank before any weight is read, naming the budget, the need and what would fit.
 """
 from __future__ import annotations
 
@@ -36,14 +42,22 @@ def _components(checkpoint: str, dtype: torch.dtype, transformer_only: bool):
     return load_components(checkpoint, dtype=dtype, device=torch.device("cpu"), transformer_only=transformer_only)
 
 
-def _state(components, rank: int, world: int, sharded: bool, dtype: torch.dtype):
+def _state(components, rank: int, world: int, sharded: bool, dtype: torch.dtype, units: tuple[int, ...] | None = None):
+    """What the jobs need of a worker (components, plan, dtype, device): replicated, or `sharded` — every unit, or
+    the `units` given (the others whole: a placement)."""
     from mgpu_backend.protocol.fleet_config import FleetPolicy
+    from mgpu_backend.protocol.fleet_rules import WeightPlacement
     from mgpu_backend.splits.plan import build_plan
-    from mgpu_backend.weights.sharding import shard_transformer
+    from mgpu_backend.weights.sharding import shard_transformer, units_of
 
     device = torch.device("cpu")
-    report = shard_transformer(components.transformer, device, connectors=(
-        components.video_connector, components.audio_connector)) if sharded else None
+    connectors = (components.video_connector, components.audio_connector)
+    placement = None if units is None else WeightPlacement(  # only which units: no budget, no sizes
+        requested="placed", world_size=world, units=len(units_of(components.transformer, connectors)),
+        block_units=len(components.transformer.transformer_blocks), sharded=units, budget_bytes=None,
+        reserve_bytes=0, resident_bytes=0, gathered_bytes=0, transient_bytes=0)
+    report = shard_transformer(components.transformer, device, connectors=connectors,
+                               placement=placement) if sharded else None
     plan = build_plan(components.transformer, rank, world, device,
                       FleetPolicy(min_tokens_per_rank=0, guidance_parallel="off"), sharded=sharded)
     return SimpleNamespace(components=components, plan=plan, dtype=dtype, device=device), report
@@ -140,8 +154,9 @@ def tiny_components_23(tmp_path_factory):
 
 # ---- the stage jobs (CLI, SP Sampler, TDP Upscale) -----------------------------------------------------------------
 
-def _stage_rank(rank: int, world: int, checkpoint: str, distilled: str) -> dict:
-    """Stage 1 (sequence parallel), stage 2 (tiled, distilled LoRA), stage 1 again, replicated then sharded."""
+def _stage_rank(rank: int, world: int, checkpoint: str, distilled: str, placed: bool = False) -> dict:
+    """Stage 1 (sequence parallel), stage 2 (tiled, distilled LoRA), stage 1 again, replicated then sharded (and,
+    `placed`, with transformer block 0 sharded and block 1 and the connectors whole)."""
     from test_lora_fleet import _Ctx, _payload
 
     from mgpu_backend.serving.jobs import stages
@@ -151,38 +166,155 @@ def _stage_rank(rank: int, world: int, checkpoint: str, distilled: str) -> dict:
     jobs = [("stage1", "sequence_parallel", []), ("stage2", "tiled", [(distilled, 1.0)]),
             ("stage1 again", "sequence_parallel", [])]
     out = {}
-    for sharded in (False, True):
+    for mode in ("replicated", "sharded") + (("placed",) if placed else ()):
+        sharded = mode != "replicated"
         components = _components(checkpoint, torch.bfloat16, False)
-        state, _ = _state(components, rank, world, sharded, torch.bfloat16)
+        state, _ = _state(components, rank, world, sharded, torch.bfloat16, (0,) if mode == "placed" else None)
         pipe = TwoStagePipeline(components, None, dtype=torch.bfloat16, plan=state.plan)
         results = {}
-        for name, mode, loras in jobs:
-            r = stages.run_sample(SimpleNamespace(pipeline=pipe), _payload(mode, loras), _Ctx(rank))
+        for name, split, loras in jobs:
+            r = stages.run_sample(SimpleNamespace(pipeline=pipe), _payload(split, loras), _Ctx(rank))
             results[name] = (getattr(r, "video", None), getattr(r, "audio", None), getattr(r, "lora_reports", None))
         read_loras  # noqa: B018 - the LoRA files are read by the job itself
         if sharded:
-            from mgpu_backend.weights.sharding import units_of
+            from mgpu_backend.weights.sharding import local_shard, sharding_of, units_of
 
-            results["dtypes"] = sorted({str(p.to_local().dtype) for u in units_of(components.transformer)
+            results["dtypes"] = sorted({str(local_shard(p).dtype) for u in units_of(components.transformer)
                                         for p in u.parameters()})
-        out["sharded" if sharded else "replicated"] = results
+            results["report"] = sharding_of(components.transformer)
+        out[mode] = results
     return out
 
 
-@pytest.mark.parametrize("file,expect", [("checkpoint", "torch.bfloat16"), ("checkpoint_fp8", "torch.float8_e4m3fn")])
-def test_stage_jobs_sharded_equal_replicated(tiny_dir, file, expect):
+@pytest.mark.parametrize("file,expect,placed", [("checkpoint", "torch.bfloat16", False),
+                                                ("checkpoint_fp8", "torch.float8_e4m3fn", True)])
+def test_stage_jobs_sharded_equal_replicated(tiny_dir, file, expect, placed):
+    """Sharded — and on the fp8 file placed, block 0 sharded and block 1 whole (an fp8 block in each form, the tiled
+    stage's lockstep rule in force) — equal replicated bit for bit through the stage jobs."""
     files = tiny_dir["2.0"]
-    ranks = run_ranks(_stage_rank, 2, str(files[file]), str(files["distilled_lora"]), timeout_s=300.0)
-    replicated, sharded = ranks[0]["replicated"], ranks[0]["sharded"]
-    for name in ("stage1", "stage2", "stage1 again"):
-        for i, what in enumerate(("video", "audio")):
-            a, b = sharded[name][i], replicated[name][i]
-            assert (a is None) == (b is None), (name, what)
-            if a is not None:
-                assert _same(a, b), f"{name} {what}: sharded differs from replicated"
-        assert sharded[name][2] == replicated[name][2], name  # the LoRA coverage reports
-    assert _same(sharded["stage1 again"][0], sharded["stage1"][0]), "the LoRA was not restored exactly"
-    assert expect in sharded["dtypes"], sharded["dtypes"]
+    ranks = run_ranks(_stage_rank, 2, str(files[file]), str(files["distilled_lora"]), placed, timeout_s=300.0)
+    replicated = ranks[0]["replicated"]
+    for mode in ("sharded", "placed") if placed else ("sharded",):
+        sharded = ranks[0][mode]
+        for name in ("stage1", "stage2", "stage1 again"):
+            for i, what in enumerate(("video", "audio")):
+                a, b = sharded[name][i], replicated[name][i]
+                assert (a is None) == (b is None), (name, what)
+                if a is not None:
+                    assert _same(a, b), f"{name} {what}: {mode} differs from replicated"
+            assert sharded[name][2] == replicated[name][2], name  # the LoRA coverage reports
+        assert _same(sharded["stage1 again"][0], sharded["stage1"][0]), "the LoRA was not restored exactly"
+        assert expect in sharded["dtypes"], sharded["dtypes"]
+    if placed:  # 4 units: blocks 0 and 1, one block per connector; only block 0 sharded
+        report = ranks[0]["placed"]["report"]
+        assert (report.units, report.replicated_units, report.sharded_units) == (4, 3, 1)
+        assert report.describe().startswith("weights placed: 3 of 4 units replicated, 1 sharded over 2 ranks;")
+
+
+# ---- placed weights: the workers place the blocks in the fleet's budget ---------------------------------------------
+
+PLACED_CASES = ("t2v_b2", "i2v_b2", "stg_b1")
+DEEP_BLOCKS = 8  # the placed tests' transformer: the tiny model with 8 blocks (2 blocks never pay for a gather)
+# the fewest sharded units whose placement fits, of the 8 blocks + 2 connector units (hand-derived from the sizes:
+# each sharded float32 block of ~0.40 MB saves (W - 1)/W of it, the first sharded block adds two gathered blocks)
+PLACED = {2: (6, (1, 3, 5, 7, 8, 9)), 4: (5, (1, 4, 6, 8, 9))}
+
+
+@pytest.fixture(scope="module")
+def deep_transformer(tmp_path_factory) -> str:
+    """The tiny LTX-2.3 transformer with 8 blocks (float32, `diffusion_models/` layout)."""
+    from mgpu_backend.testing import tiny
+
+    original = tiny.tiny_transformer_metadata
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny, "tiny_transformer_metadata", lambda variant: {**original(variant), "num_layers": DEEP_BLOCKS})
+        return str(tiny.write_tiny_transformer(tmp_path_factory.mktemp("placed") / "ltx-2.3-tiny-8-blocks.safetensors",
+                                               "2.3", seed=0, dtype=torch.float32))
+
+
+def _placed_rank(rank: int, world: int, checkpoint: str, lora_path: str, uneven: bool) -> dict:
+    """A replicated `WorkerState`, then one with weights="placed" in a budget where the fewest sharded units that fit
+    are `PLACED[world]`'s count: `gpu_budget_gib` on every rank (even), or (uneven) each rank's GPU reporting a
+    different budget, the last rank the smallest. The golden cases and the LoRA sequence on each; then the
+    refusals of a budget too small."""
+    from mgpu_backend.models.loader import weight_bytes
+    from mgpu_backend.protocol import fleet_rules as F
+    from mgpu_backend.protocol.fleet_config import FleetIdentity, FleetPolicy
+    from mgpu_backend.protocol.validation import ValidationError
+    from mgpu_backend.serving.worker import WorkerState
+    from mgpu_backend.weights import sharding
+
+    meta, tensors = load_golden()
+    policy = FleetPolicy(min_tokens_per_rank=0, guidance_parallel="off")  # sequence parallel over all ranks
+    base = dict(devices=("cpu",) * world, checkpoint=checkpoint, gemma=None, transformer_only=True, dtype="float32")
+    sizes = weight_bytes([checkpoint], torch.float32, transformer_only=True)
+    needs = [F.placement_of(sizes, world, F.sharded_units(k, DEEP_BLOCKS, 2)).need_bytes
+             for k in range(DEEP_BLOCKS + 3)]
+    count = PLACED[world][0]
+    assert needs[count] < min(needs[:count]), needs  # the model's sizes make `count` the first that fits
+    budget = (needs[count] + min(needs[:count])) // 2
+    out = {"budget": budget}
+    rank_budget = sharding.rank_budget
+    for weights in ("replicated", "placed"):
+        gib = budget / F.GiB if weights == "placed" and not uneven else None
+        if weights == "placed" and uneven:  # this rank's GPU: rank 0 has the most memory (enough for a replica)
+            sharding.rank_budget = lambda device, cap, mine=budget + (world - 1 - rank) * F.GiB: mine
+        try:
+            state = WorkerState(FleetIdentity(**base, weights=weights, gpu_budget_gib=gib), policy, rank,
+                                torch.device("cpu"))
+        finally:
+            sharding.rank_budget = rank_budget
+        entry = {"jobs": _run_jobs(state, rank, meta, tensors, PLACED_CASES),
+                 "lora": _run_lora(state, rank, meta, tensors, lora_path), "placement": state.placement,
+                 "report": state.sharding, "agreed": state.budget}
+        out[weights] = entry
+    refusals = {}
+    # replicated in the budget that holds the placement; placed in a budget below every placement's need
+    for weights, gib in (("replicated", budget / F.GiB), ("placed", (min(needs) - 2 ** 20) / F.GiB)):
+        try:
+            WorkerState(FleetIdentity(**base, weights=weights, gpu_budget_gib=gib), policy, rank, torch.device("cpu"))
+            refusals[weights] = "accepted"
+        except ValidationError as exc:
+            refusals[weights] = str(exc)
+    out["refusals"] = refusals
+    out["needs"] = needs
+    return out
+
+
+@pytest.mark.parametrize("world,uneven", [(2, True), (4, False)], ids=["W2-uneven-budgets", "W4-gpu_budget_gib"])
+def test_placed_weights_equal_replicated(golden, deep_transformer, world, uneven):
+    ranks = run_ranks(_placed_rank, world, deep_transformer, golden.lora, uneven, timeout_s=300.0)
+    count, units = PLACED[world]
+    replicated, placed = ranks[0]["replicated"], ranks[0]["placed"]
+    _assert_equal_outputs(placed, replicated)
+    assert set(replicated["jobs"]["outputs"]) == set(PLACED_CASES)
+    budget = ranks[0]["budget"]
+    for r in ranks:
+        p = r["placed"]["placement"]
+        # every rank placed the same units in the smallest budget (uneven: the last rank's)
+        assert r["placed"]["agreed"] == budget and p.budget_bytes == budget
+        assert p.sharded == units and p.mode == "placed" and p.replicated_units == 10 - count
+        assert p.need_bytes <= budget
+        assert r["replicated"]["placement"].sharded == () and r["replicated"]["agreed"] is None  # CPU: unbounded
+        rep = r["placed"]["report"]
+        assert (rep.units, rep.replicated_units, rep.world_size) == (10, 10 - count, world)
+        assert rep.resident_bytes < rep.replica_bytes and not r["replicated"]["report"].sharded_units
+        # what a rank holds and receives, as the header predicted (FSDP rounds each parameter's rows up: the first
+        # ranks hold a row more of a parameter whose rows W does not divide — a few KiB here)
+        assert abs(rep.resident_bytes - p.resident_bytes) <= 16 * 1024, (rep.resident_bytes, p.resident_bytes)
+        assert abs(rep.gathered_bytes - p.gathered_bytes) <= 16 * 1024, (rep.gathered_bytes, p.gathered_bytes)
+    whole = ranks[0]["placed"]["report"]  # the ranks' shards together are the sharded units, byte for byte
+    assert sum(r["placed"]["report"].sharded_bytes for r in ranks) == whole.unit_bytes - whole.whole_unit_bytes
+    assert ranks[0]["placed"]["report"].describe().startswith(
+        f"weights placed: {10 - count} of 10 units replicated, {count} sharded over {world} ranks; resident ")
+    needs = ranks[0]["needs"]
+    for r in ranks:  # refused on every rank before any weight, naming the budget, the need and what would fit
+        message = r["refusals"]["replicated"]
+        assert message.startswith(f"cpu: a budget of {budget / 2 ** 30:.1f} GiB per GPU (gpu_budget_gib=")
+        assert f"cannot hold replicated weights: that needs {needs[0] / 2 ** 30:.1f} GiB" in message, message
+        assert f"Would fit: weights='placed' ({10 - count} of 10 units replicated, " in message, message
+        assert r["refusals"]["placed"].startswith("cpu: a budget of "), r["refusals"]["placed"]
+        assert f"cannot hold weights='placed' (even with " in r["refusals"]["placed"]
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------------
@@ -203,7 +335,7 @@ def test_sharded_policy_refusals():
         check_sharded_policy(2, None, None, "on")
     from mgpu_backend.protocol.fleet_config import FleetIdentity
 
-    with pytest.raises(ValueError, match="weights='fsdp': choose one of replicated, sharded"):
+    with pytest.raises(ValueError, match="weights='fsdp': choose one of auto, replicated, placed, sharded"):
         FleetIdentity(devices=("cpu",), checkpoint="x.safetensors", gemma=None, weights="fsdp")
 
 
@@ -233,6 +365,7 @@ def test_weight_bytes_from_the_header_equal_what_a_rank_holds(tiny_dir, tiny_com
     """The header-only byte count the workers check the GPU's free memory with equals the modules the loader builds
     (bf16 single file, fp8 single file, int8 transformer-only file)."""
     from mgpu_backend.models.loader import load_components, weight_bytes
+    from mgpu_backend.weights.sharding import units_of
 
     def held(components, transformer_only):
         mods = ((components.transformer, components.video_connector, components.audio_connector) if transformer_only
@@ -253,6 +386,10 @@ def test_weight_bytes_from_the_header_equal_what_a_rank_holds(tiny_dir, tiny_com
         components = load_components(str(path), dtype=torch.bfloat16, transformer_only=only)
         blocks, rest = held(components, only)
         assert sizes.blocks == blocks, path
+        # per unit, in the units' order (what a placement shards): the transformer's blocks, then the connectors'
+        units = units_of(components.transformer, (components.video_connector, components.audio_connector))
+        held_units = tuple(sum(t.numel() * t.element_size() for t in (*u.parameters(), *u.buffers())) for u in units)
+        assert sizes.units == held_units and len(sizes.block_units) == 2 and len(sizes.connector_units) == 2, path
         if only:
             assert sizes.rest == rest, path
         else:  # the rest of a single file is an estimate: the loader keeps the vocoder in float32 (counted in the

@@ -16,9 +16,12 @@ Two ways to compute `FP8Linear` (`compute_path` chooses per call and says why):
   ComfyUI's kernel library `comfy-kitchen` computes its fp8 linear with the same `torch._scaled_mm` call (per-tensor
   activation scale) plus a CUDA quantize kernel of its own; it is no faster side by side (`bench/bench_speed.py
   --what gemm`), so it is not a dependency here.
-- **dequantize** (CPU, GPUs before Ada, e5m2 weights, LoRA-fused layers, float32 compute, shapes the fp8 kernels
-  refuse, or `set_compute("off")`): `x · (weight·weight_scale)ᵀ` in the compute dtype, exact to the file; the bf16
-  copy exists only for the duration of one matmul.
+- **dequantize** (CPU, GPUs before Ada, e5m2 weights, float32 compute, shapes the fp8 kernels refuse, or
+  `set_compute("off")`): `x · (weight·weight_scale)ᵀ` in the compute dtype, exact to the file; the bf16 copy exists
+  only for the duration of one matmul.
+
+A LoRA fused into an fp8 layer is written into the layer's own fp8 weight and per-tensor scale, re-quantized as
+ComfyUI does it (`models.requantize`, `weights.lora`), so a fused layer computes on the same path as a clean one.
 
 Error against the bf16 forward: the dequantizing path carries the weights' e4m3 rounding alone, the fp8 matmul path
 the activations' e4m3 rounding too (relative L2 errors measured in bench/results/speed_h200.txt). int8
@@ -46,8 +49,10 @@ raises where they cannot run), "off" (always dequantize)."""
 _MODE = os.environ.get("LTX2_MGPU_FP8_COMPUTE", "auto")
 
 WEIGHT_GENERATION = [0]
-"""Bumped whenever an `FP8Linear`'s effective weight changes (LoRA fuse / restore): captured CUDA graphs key on it
-(`mgpu_backend.engine.cuda_graphs`), since a fused weight is a new tensor the captured kernels do not read."""
+"""Bumped whenever an `FP8Linear`'s weight or scale becomes another tensor object: captured CUDA graphs key on it
+(`mgpu_backend.engine.cuda_graphs`), since their kernels read the tensors they were captured with. LoRA fusing and
+restoring write the bytes in place (`FP8Linear.scale_written` rewrites the derived row scales in place too), so they
+keep the tensors and the captured graphs valid and do not bump it."""
 
 
 def set_compute(mode: str) -> None:
@@ -78,12 +83,10 @@ def scaled_mm_capable(device: torch.device) -> bool:
 def compute_path(layer: "FP8Linear", x: torch.Tensor) -> tuple[str, str]:
     """("scaled_mm" | "dequantize", why) for `layer` applied to `x` `[..., in_features]`.
 
-    Pure selection logic (no GPU work): mode, device, LoRA fusion, dtypes and the kernels' shape rule (in and out
-    features multiples of 16, cuBLASLt's fp8 alignment)."""
+    Pure selection logic (no GPU work): mode, device, dtypes and the kernels' shape rule (in and out features
+    multiples of 16, cuBLASLt's fp8 alignment). A fused LoRA changes nothing here: it lives in the fp8 weight."""
     if _MODE == "off":
         return "dequantize", "fp8 compute set off"
-    if layer.fused_weight is not None:
-        return "dequantize", "a LoRA is fused into this layer (full-precision weight)"
     if not scaled_mm_capable(x.device):
         why = "CPU" if x.device.type != "cuda" else "this GPU has no fp8 matmuls (compute capability < 8.9)"
         return "dequantize", why
@@ -212,8 +215,8 @@ class FP8Linear(nn.Module):
         input_scale: optional 0-d float32 buffer: the file's activation scale, used by the fp8 matmul path.
         bias: `[out_features]` in the compute dtype, or None.
         compute_dtype: dtype the weight is dequantized to per call (bf16 on GPU by default).
-        fused_weight: optional full-precision override set by LoRA fusing (`mgpu_backend.weights.lora`); when present it
-            is used instead of the fp8 weight, and dropping it restores the original exactly.
+        lora_fused: True while `mgpu_backend.weights.lora` has a LoRA fused into `weight` / `weight_scale` (re-quantized
+            in place; the fuser keeps the clean bytes and puts them back on restore).
         computed: how the latest eager call computed (`ComputeRecord`: "scaled_mm" / "dequantize" and why; None
             before the first) — a module's forward returns only its tensor, so `compute_report` reads it here.
     """
@@ -230,19 +233,19 @@ class FP8Linear(nn.Module):
         if has_input_scale:
             self.register_buffer(INPUT_SCALE_SUFFIX, torch.ones((), dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype), requires_grad=False) if bias else None
-        self._fused_weight: torch.Tensor | None = None
+        self.lora_fused = False
         self._scale_rows: torch.Tensor | None = None
         self._scale_rows_src: tuple = (None, -1)
         self.computed: ComputeRecord | None = None
 
-    @property
-    def fused_weight(self) -> torch.Tensor | None:
-        return self._fused_weight
-
-    @fused_weight.setter
-    def fused_weight(self, value: torch.Tensor | None) -> None:
-        self._fused_weight = value
-        WEIGHT_GENERATION[0] += 1
+    def scale_written(self) -> None:
+        """After `weight_scale` was written in place (a LoRA fused or restored): the row-wise copy of it that the fp8
+        matmul reads (`_scale_b_rows`) is rewritten in place as well, so that a CUDA graph captured before — which
+        replays without running this module's Python — reads the new scale."""
+        rows = getattr(self, "_scale_rows", None)  # (`quant.Int8Linear` reads `weight_scale` itself: none)
+        if rows is not None and self._scale_rows_src[0] is self.weight_scale:
+            rows.copy_(self.weight_scale.float().reshape(1, 1).expand(1, self.out_features))
+            self._scale_rows_src = (self.weight_scale, self.weight_scale._version)
 
     def dequantized_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The weight in `compute_dtype`: `weight.to(compute_dtype) · weight_scale` (`weight`: this layer's, or the
@@ -269,8 +272,7 @@ class FP8Linear(nn.Module):
             input_scale = getattr(self, INPUT_SCALE_SUFFIX, None)
             return fp8_linear(x, self.weight, self.weight_scale, bias, input_scale,
                               None if input_scale is not None else self._scale_b_rows())
-        w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
-        return F.linear(x, w.to(x.dtype), bias)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

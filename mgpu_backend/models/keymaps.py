@@ -86,6 +86,21 @@ def connector_to_original(key: str) -> str:
     return _rename_segments(key, _invert(_CONNECTOR_SEGMENTS))
 
 
+COMFYUI_MODEL_PREFIX = "diffusion_model."  # ComfyUI's `BaseModel` holds the LTX(AV) model as `diffusion_model`
+_CONNECTOR_MODULES = ("video_connector.", "audio_connector.")  # the connectors' diffusers module names
+
+
+def comfyui_weight_key(module: str) -> str:
+    """The key ComfyUI's model state dict gives the weight of the Linear at diffusers module path `module`:
+    `transformer_blocks.0.attn1.to_q` -> `diffusion_model.transformer_blocks.0.attn1.to_q.weight`; the text
+    connectors (`video_connector.transformer_blocks.0.attn1.to_q`, the connector modules' diffusers names) sit inside
+    ComfyUI's LTX-AV model: `diffusion_model.video_embeddings_connector.transformer_1d_blocks.0.attn1.to_q.weight`
+    (ComfyUI 0.33 `comfy/ldm/lightricks/av_model.py`). The key ComfyUI seeds a LoRA's re-quantization with."""
+    original = connector_to_original(module) if module.startswith(_CONNECTOR_MODULES) else \
+        transformer_to_original(module)
+    return f"{COMFYUI_MODEL_PREFIX}{original}.weight"
+
+
 # Video VAE block numbering. The original encoder is a flat list: resnet stage i at 2i, its downsampler at 2i+1,
 # the mid block last; the decoder starts with the mid block, then (upsampler, resnet stage) pairs.
 _ENC = re.compile(r"^encoder\.down_blocks\.(\d+)\.(.*)$")

@@ -15,6 +15,7 @@ as float8 stay float8 (`FP8Linear`). Every component is loaded `strict`: a missi
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -265,14 +266,31 @@ def _quantized_layers(file: SafetensorsFile, component: str, mapped: dict[str, s
     return int8_layers, fp8_weights
 
 
+_UNIT_KEY = re.compile(r"(transformer_blocks|transformer_1d_blocks)\.(\d+)\.")
+
+
+def _unit_of(key: str) -> tuple[int, int] | None:
+    """The FSDP unit a tensor belongs to, as (0 transformer / 1 video connector / 2 audio connector, block index):
+    the order of `weights.sharding.units_of(transformer, (video_connector, audio_connector))`; None: not a block."""
+    m = _UNIT_KEY.search(key)
+    if m is None:
+        return None
+    owner = key[:m.start()]
+    kind = (2 if "audio" in owner else 1) if "connector" in owner else 0
+    return kind, int(m.group(2))
+
+
 def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
                  int8_dequantized: bool = False) -> WeightBytes:
     """The bytes the ranks will hold of these files (header reads only): a `WeightBytes` with the
-    transformer's and text connectors' block tensors apart. Floating tensors count in `dtype`, fp8 / int8 weights
-    and their scales as stored. `transformer_only`: only the transformer's keys of the first file.
-    `int8_dequantized`: int8 weights count in `dtype` and their scales not at all (the fleet option
-    `int8_compute="dequantize"`, `quant.dequantize_int8_linears`)."""
+    transformer's and text connectors' block tensors apart, and per block (`block_units`: the transformer's blocks
+    in order; `connector_units`: the video connector's blocks, then the audio connector's — the units of
+    `weights.sharding.units_of`). Floating tensors count in `dtype`, fp8 / int8 weights and their scales as stored.
+    `transformer_only`: only the transformer's keys of the first file. `int8_dequantized`: int8 weights count in
+    `dtype` and their scales not at all (the fleet option `int8_compute="dequantize"`,
+    `quant.dequantize_int8_linears`)."""
     blocks = rest = 0
+    units: dict[tuple[int, int], int] = {}
     for i, path in enumerate(dict.fromkeys(p for p in paths if p)):
         file = path if isinstance(path, SafetensorsFile) else SafetensorsFile(path, counted=False)
         keys = file.keys
@@ -295,11 +313,15 @@ def weight_bytes(paths, dtype: torch.dtype, transformer_only: bool = False,
                     file.tensor_dtype(key[: -len(SCALE_SUFFIX)] + "weight") == torch.int8:
                 size = 0  # the int8 layer's scale: gone with the int8 weight
             n = math.prod(file.tensor_shape(key)) * size
-            if "transformer_blocks." in key or "transformer_1d_blocks." in key:  # the connectors' blocks
+            unit = _unit_of(key)
+            if unit is not None:  # a transformer block or a connector's block (transformer_1d_blocks)
                 blocks += n
+                units[unit] = units.get(unit, 0) + n
             else:
                 rest += n
-    return WeightBytes(blocks, rest)
+    order = sorted(units)
+    return WeightBytes(blocks, rest, block_units=tuple(units[u] for u in order if u[0] == 0),
+                       connector_units=tuple(units[u] for u in order if u[0] != 0))
 
 
 def identity_files(identity) -> tuple[str | None, ...]:
@@ -310,13 +332,14 @@ def identity_files(identity) -> tuple[str | None, ...]:
 
 
 def int8_path_for(identity, dtype: torch.dtype, device: torch.device,
-                  reserve_bytes: int = ACTIVATION_RESERVE_BYTES) -> tuple[str, str]:
+                  reserve_bytes: int = ACTIVATION_RESERVE_BYTES, budget_bytes: int | None = None) -> tuple[str, str]:
     """The int8 path ("w8a8" or "dequantize") and its reason for a rank of a fleet (`FleetIdentity`, its compute
     `dtype`, the rank's `device`), from the fleet option `identity.int8_compute` (the fleet's rule,
-    `protocol.fleet_rules.resolve_int8_compute`: on CUDA against this GPU's free memory, `torch.cuda.mem_get_info`,
-    with `reserve_bytes` kept for one forward). Header reads only. ("w8a8", "") for files without int8 layers.
-    Raises ValidationError naming the device for "dequantize" when the dequantized weights would not fit (naming the
-    sizes)."""
+    `protocol.fleet_rules.resolve_int8_compute`: against `budget_bytes`, the fleet's per-GPU budget for the weights
+    (`weights.sharding.agree_budget`: every rank then takes the same path), else on CUDA this GPU's free memory,
+    `torch.cuda.mem_get_info`; with `reserve_bytes` kept for one forward). Header reads only. ("w8a8", "") for files
+    without int8 layers. Raises ValidationError naming the device for "dequantize" when the dequantized weights would
+    not fit (naming the sizes)."""
     from ..protocol.validation import ValidationError
 
     files = identity_files(identity)
@@ -324,7 +347,8 @@ def int8_path_for(identity, dtype: torch.dtype, device: torch.device,
     dequantized = weight_bytes(files, dtype, transformer_only=identity.transformer_only, int8_dequantized=True)
     if as_int8 == dequantized:
         return "w8a8", ""
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    free = budget_bytes if budget_bytes is not None else (
+        torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
     try:
         return resolve_int8_compute(
             identity.int8_compute, device_type=device.type, weights=identity.weights,

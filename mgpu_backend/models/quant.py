@@ -38,13 +38,13 @@ torch) and its "triton" backend off unless `--enable-triton-backend`; where the 
 its fused kernels compute the same rule (int8 GEMM with int32 accumulation, per-row activation scales) in their own
 order. A LoRA on an int8 layer: ComfyUI patches the dequantized weight and *re-quantizes* it (`set_weight` ->
 `requantize_from_float(scale="recalculate", stochastic_rounding=<seed of the key>)`), then computes W8A8 again; the
-fleet fuses the LoRA in full precision and computes that layer W8A16 (`fused_weight`: x · Wᵀ in D) — the one place
-where it still differs from ComfyUI (by the int8 rounding of the patched weight). ComfyUI dequantizes and runs a
-float matmul (W8A16) only where the cast hands back a plain tensor: a layer carrying `weight_function`s (LoRA patches
-applied per call in low-VRAM mode) or an input whose dtype differs from the layer's compute dtype
-(`comfy/ops.py::cast_bias_weight`). `full_precision_mm=True` (its text encoders, `comfy/sd1_clip.py`) does NOT make
-int8 layers dequantize: the weight stays a `QuantizedTensor` and `F.linear` still dispatches to comfy-kitchen's
-int8_linear (checked on ComfyUI 0.33 + comfy-kitchen 0.2.31, CPU, float32 and bf16).
+fleet does the same (`models.requantize`, `weights.lora`: the new int8 bytes and scale written into the layer in
+place). ComfyUI dequantizes and runs a float matmul (W8A16) only where the cast hands back a plain tensor: a layer
+carrying `weight_function`s (LoRA patches applied per call in low-VRAM mode) or an input whose dtype differs from the
+layer's compute dtype (`comfy/ops.py::cast_bias_weight`). `full_precision_mm=True` (its text encoders,
+`comfy/sd1_clip.py`) does NOT make int8 layers dequantize: the weight stays a `QuantizedTensor` and `F.linear`
+still dispatches to comfy-kitchen's int8_linear (checked on ComfyUI 0.33 + comfy-kitchen 0.2.31, CPU, float32 and
+bf16).
 
 The fleet calls comfy-kitchen's own op (`torch.ops.comfy_kitchen.int8_linear`, the `kitchen` extra), with its backends
 chosen as comfy/quant_ops.py chooses them. Without comfy-kitchen, `int8_linear_torch` computes the same steps 1-6 in
@@ -260,10 +260,11 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 class Int8Linear(FP8Linear):
     """`y = x · deq(weight)ᵀ + bias` with `weight` resident as int8 (ComfyUI `int8_tensorwise`, optional ConvRot),
-    computed W8A8 by `int8_linear` (activations quantized per row at run time), or W8A16 with a fused LoRA.
+    computed W8A8 by `int8_linear` (activations quantized per row at run time; W8A16 with
+    `LTX2_MGPU_INT8_COMPUTE=w8a16`). A fused LoRA is re-quantized into `weight` / `weight_scale` (`weights.lora`).
 
-    A subclass of `FP8Linear` so that everything that handles resident-quantized layers (LoRA fusing through
-    `fused_weight`, memory reports) treats it alike.
+    A subclass of `FP8Linear` so that everything that handles resident-quantized layers (LoRA fusing, memory reports)
+    treats it alike.
 
     Attributes:
         weight: `[out_features, in_features]` int8 parameter, frozen (on a sharded fleet: a float8_e4m3fn view of
@@ -272,8 +273,9 @@ class Int8Linear(FP8Linear):
         convrot_group: Hadamard group size, or None (no rotation).
         bias: `[out_features]` in the compute dtype, or None.
         input_act: None, or "gelu_tanh": the GELU applied to the input first (`fold_gelu`).
-        computed: `fp8.ComputeRecord` of the latest eager call ("int8": W8A8, or "dequantize": a fused LoRA / W8A16,
-            and why); None before the first.
+        lora_fused: True while a LoRA is fused into `weight` / `weight_scale` (`weights.lora`).
+        computed: `fp8.ComputeRecord` of the latest eager call ("int8": W8A8, or "dequantize": W8A16, and why); None
+            before the first.
     """
 
     QUANT_FORMAT = "int8"
@@ -292,7 +294,7 @@ class Int8Linear(FP8Linear):
         self.register_buffer("weight_scale", torch.ones((out_features, 1) if per_row_scale else (),
                                                         dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype), requires_grad=False) if bias else None
-        self.fused_weight: torch.Tensor | None = None
+        self.lora_fused = False
         self.computed: ComputeRecord | None = None  # for `fp8.compute_report`, like FP8Linear's
         self.input_act: str | None = None  # "gelu_tanh" once `fold_gelu` moved a FeedForward's GELU in here
 
@@ -307,15 +309,13 @@ class Int8Linear(FP8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.fused_weight is not None or INT8_COMPUTE == "w8a16":  # W8A16 (a LoRA fused in full precision)
+        if INT8_COMPUTE == "w8a16":  # weights dequantized per call
             if not torch.compiler.is_compiling():
-                self.computed = ComputeRecord("dequantize", (
-                    "a LoRA is fused into this layer (W8A16)" if self.fused_weight is not None
-                    else "LTX2_MGPU_INT8_COMPUTE=w8a16 (weights dequantized per call)"))
+                self.computed = ComputeRecord("dequantize",
+                                              "LTX2_MGPU_INT8_COMPUTE=w8a16 (weights dequantized per call)")
             if self.input_act == "gelu_tanh":
                 x = F.gelu(x, approximate="tanh")
-            w = self.fused_weight if self.fused_weight is not None else self.dequantized_weight()
-            return F.linear(x, w.to(x.dtype), bias)
+            return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
         if not torch.compiler.is_compiling():
             self.computed = ComputeRecord("int8", (
                 "W8A8, comfy-kitchen int8_linear" if kitchen_op() is not None
@@ -369,7 +369,7 @@ def dequantize_int8_linears(module: nn.Module, reason: str = "") -> int:
 
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, Int8Linear)]
     for name, m in layers:
-        if m.fused_weight is not None:
+        if m.lora_fused:
             raise ValueError(f"{name}: a LoRA is fused into this int8 layer; dequantize at load, before fusing")
         if m.weight.dtype != torch.int8:
             raise ValueError(f"{name}: the int8 weight is sharded ({m.weight.dtype} view); dequantize before "

@@ -5,9 +5,10 @@ Standard library only: the nodes build these without importing torch. The rules 
 parts (sharded × compile, sharded × the split, degrees and heads) are `fleet_rules.py`'s (`check_fleet`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import math
+from dataclasses import dataclass, field, fields, replace
 
-from .fleet_rules import INT8_COMPUTE_MODES, WEIGHT_MODES, check_int8_mode  # noqa: F401 - the modes, for the nodes
+from .fleet_rules import INT8_COMPUTE_MODES, WEIGHT_MODES, WeightPlacement, check_int8_mode  # noqa: F401 - nodes
 
 DTYPES = ("float32", "bfloat16", "float16")
 GUIDANCE_PARALLEL_MODES = ("auto", "on", "off")  # = splits/passes.py MODES (not imported: no torch here)
@@ -49,16 +50,26 @@ class FleetIdentity:
     gemma_reserve_gib: kept free on every fleet device when planning Gemma's memory (for the transformer).
     gemma_max_memory: per-device caps for Gemma, Accelerate max_memory style: (("cuda:0", "20GiB"), ("cpu", "64GiB"));
         a device named here that is not a fleet device ("cpu", "disk") takes the sharded layers the GPUs cannot hold.
-    weights: the transformer's weights over the ranks (`WEIGHT_MODES`): "replicated" (every rank holds the whole
-        transformer: the latency mode) or "sharded" (each rank holds 1/W of every block layer, FSDP2, gathered layer by
-        layer as it runs: the memory mode for GPUs that cannot hold a replica; every forward then runs sequence
-        parallel over all ranks, and the world size must divide the attention heads — fleet_rules.py).
+    weights: the transformer's weights over the ranks (`WEIGHT_MODES`, placed by `fleet_rules.place_weights` at
+        load): "auto" (the default: "replicated" when a replica and one forward fit every GPU's budget, else
+        "placed"), "replicated" (every rank holds the whole transformer: the latency mode; refused at load when it
+        does not fit), "placed" (as many blocks whole as the budget allows, the rest sharded: see "sharded") or
+        "sharded" (each rank holds 1/W of every block, FSDP2, gathered block by block as it runs: the memory mode).
+        Whenever some block is sharded every forward runs sequence parallel over all ranks, and the world size must
+        divide the attention heads (fleet_rules.py); for "auto" / "placed" that is known once the workers have
+        placed the weights.
+    gpu_budget_gib: the memory (GiB) the pack may use on each GPU for the transformer's weights and one forward
+        (`fleet_rules.place_weights`); None = each GPU's free memory at load. On CUDA it is also made a hard cap
+        (`torch.cuda.set_per_process_memory_fraction`), so one 80 GB card can stand for a 24 GB one; the cap covers
+        all the worker allocates on that GPU (a Gemma resident there too: see `gemma_reserve_gib`). The ranks
+        place the weights in the smallest budget of the fleet (mixed cards: the larger card's extra memory holds no
+        weights). On CPU ranks: None = unbounded (every block whole).
     int8_compute: how an int8(-convrot) transformer file computes (`INT8_COMPUTE_MODES`, fleet_rules.py
         `resolve_int8_compute`): "w8a8" (int8 weights resident, activations quantized per token: ComfyUI's result),
         "dequantize" (the weights dequantized to `dtype` at load, as ComfyUI dequantizes them: bf16 speed, 2× those
         weights' memory; refused at start, naming the sizes, when they would not fit the GPU, and here with sharded
-        weights) or "auto" (CUDA: "dequantize" when it fits, else "w8a8"; CPU and sharded weights: "w8a8"). Files
-        without int8 layers ignore it.
+        weights) or "auto" (CUDA: "dequantize" when a dequantized replica fits, else "w8a8"; CPU and sharded
+        weights: "w8a8"). Files without int8 layers ignore it.
 
     Raises ValueError (naming the field, the value and the rule) on construction.
     """
@@ -79,8 +90,9 @@ class FleetIdentity:
     gemma_unload: bool = False
     gemma_reserve_gib: float = 0.0
     gemma_max_memory: tuple[tuple[str, str], ...] | None = None
-    weights: str = "replicated"
+    weights: str = "auto"
     int8_compute: str = "auto"
+    gpu_budget_gib: float | None = None
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_MODES:
@@ -101,6 +113,11 @@ class FleetIdentity:
         if isinstance(self.gemma_reserve_gib, bool) or not isinstance(self.gemma_reserve_gib, (int, float)) \
                 or self.gemma_reserve_gib < 0:
             raise ValueError(f"gemma_reserve_gib={self.gemma_reserve_gib!r}: must be 0 or a positive number of GiB")
+        if self.gpu_budget_gib is not None and (
+                isinstance(self.gpu_budget_gib, bool) or not isinstance(self.gpu_budget_gib, (int, float))
+                or not math.isfinite(self.gpu_budget_gib) or self.gpu_budget_gib <= 0):
+            raise ValueError(f"gpu_budget_gib={self.gpu_budget_gib!r}: must be a positive, finite number of GiB per "
+                             f"GPU, or None (each GPU's free memory at load)")
 
     @property
     def world_size(self) -> int:
@@ -215,6 +232,9 @@ class FleetPlan:
         guidance passes over ranks, one GPU) is chosen per job and reported with the job.
     valid_degrees: the degrees the heads allow on this fleet (`FleetPolicy.sp_degree` must be one of them).
     set_by_policy: `sp_degree` is the policy's explicit `FleetPolicy.sp_degree`, not the largest valid one.
+    placement: where the workers placed the transformer's weights (`FleetIdentity.weights` resolved at load:
+        `fleet_rules.WeightPlacement`, its `describe()` the load report's line); None: not reported. A report
+        beside the split: not compared (two plans are equal when they split the same way).
     """
 
     world_size: int
@@ -223,6 +243,7 @@ class FleetPlan:
     valid_degrees: tuple[int, ...]
     set_by_policy: bool = False
     sequence_parallel: bool = True
+    placement: WeightPlacement | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

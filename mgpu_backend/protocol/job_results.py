@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .fleet_config import FleetPlan, FleetPolicy
+from .link import LinkReport
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,9 @@ class RankReport:
 
     rank: the rank; stage_1 / stage_2: how each stage ran on it (the split and why, "local" in one process);
     decode: its `DecodeReport`; timings: its `GenerateTimings`; speed: lines on CUDA graphs, fp8 / int8 compute and
-    batched guidance passes (`speed_report`; () when there is nothing to say).
+    batched guidance passes (`speed_report`; () when there is nothing to say); weights: where its transformer weights
+    are (`weights.sharding.ShardingReport.describe`: "weights placed: 40 of 52 units replicated, 12 sharded over 2
+    ranks; resident … GiB; gathers … GB per forward …"; "" in one process).
     """
 
     rank: int
@@ -88,6 +91,7 @@ class RankReport:
     decode: DecodeReport
     timings: GenerateTimings
     speed: tuple[str, ...] = ()
+    weights: str = ""
 
 
 @dataclass(frozen=True)
@@ -223,12 +227,16 @@ class FleetDescription:
 
     generation: the fleet's number (it grows by one with every fleet this controller starts); devices: one torch
     device string per rank ("cuda:0", "cpu"); worker_pids: one worker process id per rank (rank order);
-    checkpoint: the transformer checkpoint's path; weights: "replicated" or "sharded" (`FleetIdentity.weights`);
+    checkpoint: the transformer checkpoint's path; weights: the mode asked for (`FleetIdentity.weights`; where the
+    workers placed them: `plan.weights`);
     load_seconds: the slowest rank's load time at start, seconds; int8_compute: the int8 path rank 0's layers take
     (None: not an int8 checkpoint); policy: the policy of the fleet's last job (its start policy before any job);
     plan: the split its jobs get under that policy (`Fleet.plan_for`); open_counts: per rank, how many times the
     worker has opened a checkpoint file (`loader.OPEN_COUNT`) as of its last report (start or last job) — it stays
-    put while the same fleet serves.
+    put while the same fleet serves; link: what the fleet measured of its links at start (`LinkReport`, rank 0's;
+    None from a fleet that did not measure); predicted: the predicted step times of the 720p template's stages on
+    this fleet against one card with weight streaming, one line per stage (`splits/weights_cost.py`; () on CPU
+    ranks).
 
     Raises ValueError when devices, worker_pids and open_counts do not give one entry per rank each."""
 
@@ -242,6 +250,8 @@ class FleetDescription:
     policy: FleetPolicy
     plan: FleetPlan
     open_counts: tuple[int, ...]
+    link: LinkReport | None = None
+    predicted: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not len(self.devices) == len(self.worker_pids) == len(self.open_counts):

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .fleet_config import FleetPolicy
+from .fleet_rules import WeightPlacement
 from .job_requests import JobSpec
+from .link import LinkReport
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,11 @@ class WorkerReady:
     """Worker -> fleet, once: the process group is up and the weights are loaded. `open_count`: checkpoint opens so
     far (`models.loader.OPEN_COUNT`); `load_seconds`: from joining the group to ready; `heads`: the loaded
     transformer's attention heads (the SP degree must divide them; `FleetPlan`); `int8_compute`: which path the
-    transformer's int8 layers take ("int8 W8A8 …" / "int8 dequantized to bfloat16 at load …"; None: no int8 layers)."""
+    transformer's int8 layers take ("int8 W8A8 …" / "int8 dequantized to bfloat16 at load …"; None: no int8 layers);
+    `link`: the links measured once the weights were loaded (`splits/link.py`; rank 0's is kept); `predicted`: rank 0's
+    predicted step times of the 720p template's stages, this fleet against one card with weight streaming
+    (`weights_cost.FleetFacts.lines`; () on CPU ranks); `placement`: where the fleet's transformer weights went
+    (`protocol.fleet_rules.WeightPlacement`, the same on every rank; None: not reported)."""
 
     rank: int
     pid: int
@@ -36,6 +42,9 @@ class WorkerReady:
     load_seconds: float
     heads: int
     int8_compute: str | None = None
+    link: LinkReport | None = None
+    predicted: tuple[str, ...] = ()
+    placement: WeightPlacement | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.headers import FAMILY_NAMES
+from ..protocol.fleet_rules import WEIGHT_MODES
 from ..protocol.job_results import FleetTeardown, RankReport
 
 DEFAULT_BUSY_WAIT_S = 3600.0  # how long a fleet run waits for another client's job (--busy-wait)
@@ -89,11 +90,16 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool) -> None:
                    help="run on a worker fleet: 'all', a count, a CUDA list like '0,1,3', or 'cpu:N' "
                         "(default: in this process)")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (with --devices, or CPU ranks)")
-    p.add_argument("--weights", choices=("replicated", "sharded"), default=None,
-                   help="the transformer's weights over the fleet's ranks: replicated (every GPU holds the whole "
-                        "transformer: fastest) or sharded (each GPU holds 1/N of its layers, gathered layer by layer "
-                        "as they run: for GPUs that cannot hold the model, e.g. 22B on 24 GB cards); fleet runs only "
-                        "(default: replicated)")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default=None,
+                   help="the transformer's weights over the fleet's ranks: auto (default: replicated when a replica "
+                        "fits every GPU, else placed), replicated (every GPU holds the whole transformer: fastest; "
+                        "refused when it does not fit), placed (as many blocks whole as each GPU's budget allows, "
+                        "the rest sharded over the GPUs) or sharded (each GPU holds 1/N of every block, gathered "
+                        "block by block as they run); fleet runs only")
+    p.add_argument("--gpu-budget-gib", type=float, default=None, metavar="GIB",
+                   help="memory the fleet may use per GPU for the transformer's weights and one forward (a hard cap "
+                        "on CUDA); the weights are placed in it (default: each GPU's free memory at load); fleet "
+                        "runs only")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks: the first job at a size pays the compile, later "
                         "jobs on the same fleet run faster")
@@ -187,14 +193,15 @@ def _in_process_identity(args: argparse.Namespace, files: dict, dtype, device):
     return FleetIdentity(devices=(str(device),), checkpoint=files["checkpoint"], gemma=files.get("gemma"),
                          upscaler=files.get("upscaler"), video_vae=files.get("video_vae"),
                          audio_vae=files.get("audio_vae"), text_projection=files.get("text_projection"),
-                         dtype=str(dtype).replace("torch.", ""),
+                         dtype=str(dtype).replace("torch.", ""), weights="replicated",
                          int8_compute=getattr(args, "int8_compute", None) or "auto")
 
 
 def on_fleet(args: argparse.Namespace) -> bool:
     """A fleet option given: the job runs on the background controller's fleet, else in this process."""
     return any(getattr(args, name, None) is not None for name in
-               ("devices", "world_size", "sp_degree", "guidance_parallel", "min_tokens_per_rank", "weights", "busy_wait"))
+               ("devices", "world_size", "sp_degree", "guidance_parallel", "min_tokens_per_rank", "weights",
+                "gpu_budget_gib", "busy_wait"))
 
 
 def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
@@ -266,6 +273,8 @@ def _finish(args, out: Generated) -> dict[str, float]:
         for line in report.speed if report.rank == 0 else []:
             if line.startswith("int8 compute"):  # which int8 path ran (--int8-compute)
                 print(f"  {line}")
+        if report.rank == 0 and report.weights:  # where the weights went (--weights, --gpu-budget-gib)
+            print(f"  {report.weights}")
     print(f"wrote {args.output}")
     return timings
 
@@ -391,8 +400,9 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
     threads = 1 if on_gpu else max(1, (os.cpu_count() or 1) // len(devices))
     config = FleetConfig(devices=devices, dtype=dtype, threads_per_worker=threads, sp_degree=args.sp_degree,
                          compile=args.compile, guidance_parallel=args.guidance_parallel or "auto",
-                         min_tokens_per_rank=args.min_tokens_per_rank, weights=args.weights or "replicated",
-                         int8_compute=args.int8_compute or "auto", **files)
+                         min_tokens_per_rank=args.min_tokens_per_rank, weights=args.weights or "auto",
+                         gpu_budget_gib=getattr(args, "gpu_budget_gib", None), int8_compute=args.int8_compute or "auto",
+                         **files)
     # headers, the fleet's rules and rank counts: a bad degree or file is refused before a controller is started (the
     # controller checks host memory, knowing what a running fleet would give back)
     check_config(config, memory=False)

@@ -93,6 +93,9 @@ class Fleet:
         self.load_seconds = 0.0
         self.heads: int | None = None  # the loaded transformer's attention heads (`WorkerReady`)
         self.int8_compute: str | None = None  # the int8 path rank 0 took (`WorkerReady.int8_compute`), for status
+        self.link = None  # rank 0's `WorkerReady.link` (protocol.link.LinkReport) and predicted step times, for status
+        self.predicted: tuple[str, ...] = ()
+        self.placement = None  # where the weights went (`WorkerReady.placement`, rank 0's), for the plan
         self.lost: str | None = None
         # frames blocks handed to clients lately (theirs to unlink); any other block of this fleet's workers left in
         # /dev/shm at teardown is an orphan (e.g. written by rank 0 of a job another rank's death ended)
@@ -161,6 +164,8 @@ class Fleet:
                     self.heads = message.heads
                     if rank == 0:
                         self.int8_compute = getattr(message, "int8_compute", None)
+                        self.link, self.predicted = message.link, tuple(message.predicted)
+                        self.placement = getattr(message, "placement", None)
                 elif isinstance(message, WorkerInitError):
                     self._fail(f"rank {rank} failed to start: {message.error}",
                                details=ErrorDetails(traceback=message.traceback))
@@ -226,10 +231,12 @@ class Fleet:
         degree rule the workers apply (`protocol.fleet_rules.top_sp_degree`, as `ParallelPlan.for_policy`). Raises
         ValidationError for a degree the heads do not allow (the controller's `check_config` refuses it first)."""
         heads = self.heads or 1
+        placement = getattr(self, "placement", None)  # the weights' placement the workers reported
         if not self.identity.sequence_parallel:
-            return FleetPlan(self.world_size, heads, 1, (1,), sequence_parallel=False)
+            return FleetPlan(self.world_size, heads, 1, (1,), sequence_parallel=False, placement=placement)
         return FleetPlan(self.world_size, heads, top_sp_degree(heads, self.world_size, policy.sp_degree),
-                         tuple(valid_sp_degrees(heads, self.world_size)), set_by_policy=policy.sp_degree is not None)
+                         tuple(valid_sp_degrees(heads, self.world_size)), set_by_policy=policy.sp_degree is not None,
+                         placement=placement)
 
     def describe(self) -> FleetDescription:
         """The fleet for status answers and for saying what a stop or a rebuild replaces (the one place a
@@ -238,7 +245,7 @@ class Fleet:
             generation=self.generation, devices=tuple(self.config.devices), worker_pids=tuple(self.pids),
             checkpoint=self.config.checkpoint, weights=self.config.weights, load_seconds=self.load_seconds,
             int8_compute=self.int8_compute, policy=self.policy, plan=self.plan_for(self.policy),
-            open_counts=tuple(self.open_counts))
+            open_counts=tuple(self.open_counts), link=self.link, predicted=self.predicted)
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol.fleet_config import FleetIdentity, FleetPolicy
-from ..protocol.fleet_rules import check_fits, check_policy
+from ..protocol.fleet_rules import check_int8_mode, check_policy, place_weights
 from ..protocol.job_requests import JOB_STAGES, FaultSpec, JobSpec
 from ..protocol.transport import Pickled, send_inline
 from ..protocol.worker_messages import JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerReady
@@ -109,19 +109,29 @@ class WorkerState:
         from ..stages.text_encoder import TextEncoderService
         from ..splits.plan import build_plan
         from ..stages.pipelines import TwoStagePipeline
+        from ..weights.sharding import agree_budget, rank_budget, shard_transformer
 
         dtype = getattr(torch, identity.dtype)
         self.config, self.rank, self.device, self.dtype = identity, rank, device, dtype
-        sharded = identity.weights == "sharded"
-        # the int8 path (FleetIdentity.int8_compute), and on CUDA this GPU's free memory against what this rank will
-        # hold, before any weight (the fleet's rules: protocol/fleet_rules.py)
-        self.int8_compute, int8_reason = loader.int8_path_for(identity, dtype, device)
-        if device.type == "cuda":
-            sizes = loader.weight_bytes(loader.identity_files(identity), dtype,
-                                        transformer_only=identity.transformer_only,
-                                        int8_dequantized=self.int8_compute == "dequantize")
-            check_fits(str(device), torch.cuda.mem_get_info(device)[0], sizes, identity.weights, identity.world_size)
-        # sharded weights: loaded as a memory map on the host, then each rank moves only its shards to the device
+        # the weights' placement, before any weight (the fleet's rules: protocol/fleet_rules.py): the fleet's per-GPU
+        # budget — free memory at load or gpu_budget_gib, the smallest over the ranks (one all_reduce MIN: every
+        # rank must shard the same units) —, the int8 path in it, then which units are sharded (`place_weights`:
+        # refused, naming the budget and the need, when even fully sharded they would not fit)
+        self.budget = agree_budget(rank_budget(device, identity.gpu_budget_gib), device)
+        self.int8_compute, int8_reason = loader.int8_path_for(identity, dtype, device, budget_bytes=self.budget)
+        sizes = loader.weight_bytes(loader.identity_files(identity), dtype, transformer_only=identity.transformer_only,
+                                    int8_dequantized=self.int8_compute == "dequantize")
+        source = (f"gpu_budget_gib={identity.gpu_budget_gib:g}" if identity.gpu_budget_gib is not None else
+                  "the smallest free memory of the fleet's GPUs at load")
+        try:
+            self.placement = place_weights(sizes, identity.world_size, self.budget, identity.weights,
+                                           budget_from=source)
+        except ValidationError as exc:
+            raise ValidationError(f"{device}: {exc}") from None
+        check_int8_mode(self.placement, self.int8_compute)
+        sharded = self.placement.any_sharded
+        # sharded units: loaded as a memory map on the host, then each rank moves only its shards (and the whole
+        # modules) to the device
         load_device = torch.device("cpu") if sharded else device
         if identity.transformer_only:
             self.components = loader.load_components(identity.checkpoint, dtype=dtype, device=load_device,
@@ -133,13 +143,10 @@ class WorkerState:
                                           text_encoder=identity.gemma)
             self.components = loader.load_components(identity.checkpoint, files, dtype=dtype, device=load_device,
                                                      int8_compute=self.int8_compute, int8_reason=int8_reason)
-        self.sharding = None
+        c = self.components
+        self.sharding = shard_transformer(c.transformer, device, connectors=(c.video_connector, c.audio_connector),
+                                          placement=self.placement)  # collective when a unit is sharded
         if sharded:
-            from ..weights.sharding import shard_transformer
-
-            c = self.components
-            self.sharding = shard_transformer(c.transformer, device,
-                                              connectors=(c.video_connector, c.audio_connector))
             for module in c.modules().values():
                 if module not in (c.transformer, c.video_connector, c.audio_connector):
                     module.to(device)
@@ -154,6 +161,7 @@ class WorkerState:
         self.plan = plan  # the frozen plan of the last job's policy (parallel.plan.ParallelPlan)
         self.pipeline = TwoStagePipeline(self.components, self.text, device=device, dtype=dtype, plan=self.plan)
         self.policy: FleetPolicy | None = None
+        self.speed = None  # weights_cost.FleetFacts (rank 0 of a CUDA fleet), set at start by `_probe_links`
         self.apply_policy(policy)
 
     def apply_policy(self, policy: FleetPolicy) -> None:
@@ -161,11 +169,11 @@ class WorkerState:
         fleet's groups under it (`ParallelPlan.with_policy`: degree cap, token minimum, guidance-parallel mode, token
         cap; no collective), handed to the pipeline (`TwoStagePipeline.use_plan`), and the
         compiled or eager transformer blocks (`compile.compile_blocks` / `uncompile_blocks`). Raises ValidationError
-        for a policy the fleet's rules refuse (`fleet_rules.check_policy`: compile with sharded weights, a degree the
-        heads or the fleet do not allow, …), before anything changes."""
+        for a policy the fleet's rules refuse (`fleet_rules.check_policy` on the weights' placement: compile with a
+        sharded unit, a degree the heads or the fleet do not allow, …), before anything changes."""
         if policy == self.policy:
             return
-        check_policy(self.config.weights, self.config.world_size, policy,  # the fleet's rules (fleet_rules.py)
+        check_policy(self.placement, self.config.world_size, policy,  # the fleet's rules (fleet_rules.py)
                      int(self.components.transformer.config.num_attention_heads), self.config.sequence_parallel)
         if self.plan is not None:
             self.plan = self.plan.with_policy(policy)  # raises before anything changes
@@ -220,6 +228,17 @@ class WorkerLinks:
     watch: Any
 
 
+def _probe_links(state: WorkerState, config: FleetIdentity, device: torch.device):
+    """`splits.link.probe_at_start` on every rank (a collective), after the weights are loaded: the `LinkReport`,
+    and `state.speed` the `FleetFacts` of the step-time predictions (rank 0 of a CUDA fleet; None elsewhere)."""
+    from ..splits.link import probe_at_start
+
+    c = state.components
+    link, state.speed = probe_at_start(c.transformer, device, config.devices,
+                                       (getattr(c, "video_connector", None), getattr(c, "audio_connector", None)))
+    return link
+
+
 def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, links: WorkerLinks) -> None:
     """Entry point of a spawned worker: rank `rank` of the fleet `config` under its first `policy`, joining the
     process group through `init_file`. Ends with its parent (`bind_to_parent`). Reports `WorkerReady` or
@@ -250,8 +269,11 @@ def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file
         state = WorkerState(config, policy, rank, device)
         dist.barrier()
         heads = int(state.components.transformer.config.num_attention_heads)
+        link = _probe_links(state, config, device)  # the links measured once (issue 35): in the fleet's report
         conn.send(WorkerReady(rank, os.getpid(), loader.OPEN_COUNT, time.perf_counter() - t0, heads,
-                              getattr(state.components.transformer, "int8_compute_note", None) or None))
+                              getattr(state.components.transformer, "int8_compute_note", None) or None,
+                              link, state.speed.lines() if state.speed is not None else (),
+                              placement=state.placement))
     except Exception as exc:  # reported to the controller, which tears the fleet down
         conn.send(WorkerInitError(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return

@@ -27,6 +27,7 @@ from ..engine import sampling as S
 from ..protocol import validation as V
 from ..engine.denoiser import speed_report, text_contexts
 from ..weights.lora import LoRAFuser, LoRAReport, read_lora, read_loras
+from ..weights.sharding import sharding_of
 from ..models.diffusion_decoder import denormalize
 from ..models.loader import LTX2Components
 from ..protocol.fleet_config import FleetIdentity
@@ -131,6 +132,12 @@ def _parallel_summary(report: RankReport, distilled: bool) -> str:
     if not distilled or report.stage_2 == report.stage_1:
         return report.stage_1
     return f"{named('stage 1')}; {named('stage 2')}"
+
+
+def _weights_line(transformer) -> str:
+    """Where the transformer's weights are on this rank (`ShardingReport.describe`); "" when no fleet placed them."""
+    report = sharding_of(transformer)
+    return report.describe() if report is not None else ""
 
 
 @contextmanager
@@ -392,7 +399,8 @@ class TwoStagePipeline:
         seconds = GenerateTimings.from_phases(timings)
         report = RankReport(rank=self.plan.rank if self.plan is not None else 0, stage_1=stage_1, stage_2=stage_2,
                             decode=decode, timings=seconds,
-                            speed=tuple(speed_report(self.components.transformer, self.batch_notes) or ()))
+                            speed=tuple(speed_report(self.components.transformer, self.batch_notes) or ()),
+                            weights=_weights_line(self.components.transformer))
         summary, rank_reports = self._job_report(report, job.distilled)
         return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, seconds, reports + more,
                               summary, rank_reports)

@@ -196,7 +196,7 @@ def write_tiny_checkpoint(path: Path, variant: str = "2.0", seed: int = 0, dtype
 #: ConvRot group size of the tiny int8 twin: a power of 4 that divides every tiny Linear's input width (32 … 256);
 #: ComfyUI's default (the released files) is 256.
 TINY_CONVROT_GROUP = 16
-TRANSFORMER_QUANTIZATIONS = ("int8-convrot", "fp8")
+TRANSFORMER_QUANTIZATIONS = ("int8-convrot", "int8", "fp8")
 
 
 def _comfy_quantize(state: dict[str, torch.Tensor], quantization: str,
@@ -206,6 +206,7 @@ def _comfy_quantize(state: dict[str, torch.Tensor], quantization: str,
     * "int8-convrot": `weight` int8 (rotated by the group Hadamard of `convrot_group`, then per-row scale),
       `weight_scale [out, 1]`, `comfy_quant` = `{"format": "int8_tensorwise", "convrot": true,
       "convrot_groupsize": convrot_group}` (the tiny files use 16, the released ones ComfyUI's default 256);
+    * "int8": `weight` int8 with one per-tensor `weight_scale` (0-d), `comfy_quant` = `{"format": "int8_tensorwise"}`;
     * "fp8": `weight` float8_e4m3fn, per-tensor `weight_scale` and `input_scale`, `comfy_quant` =
       `{"format": "float8_e4m3fn"}`.
     Other tensors are kept as they are.
@@ -219,6 +220,9 @@ def _comfy_quantize(state: dict[str, torch.Tensor], quantization: str,
         if quantization == "int8-convrot":
             q, scale = quant.quantize_int8(tensor.float(), convrot_group)
             conf = {"format": quant.INT8_FORMAT, "convrot": True, "convrot_groupsize": convrot_group}
+        elif quantization == "int8":
+            q, scale = quant.quantize_int8(tensor.float())
+            conf = {"format": quant.INT8_FORMAT}
         elif quantization == "fp8":
             q, scale = quantize_fp8(tensor.float())
             out[layer + "input_scale"] = torch.ones((), dtype=torch.float32)
@@ -247,7 +251,8 @@ def write_tiny_transformer(path: Path, variant: str, seed: int = 0, modules: dic
                            quantization: str | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
     """`diffusion_models/` layout (what ComfyUI's `UNETLoader` loads): bare transformer + text-connector keys
     (`video_embeddings_connector.*`, `audio_embeddings_connector.*`), `config` metadata with the `transformer`
-    section. `quantization`: None (floating `dtype`), "int8-convrot" or "fp8" (ComfyUI `.comfy_quant` layouts)."""
+    section. `quantization`: None (floating `dtype`), "int8-convrot", "int8" or "fp8" (ComfyUI `.comfy_quant`
+    layouts)."""
     modules = modules or build_tiny_modules(variant, seed)
     return write_transformer_file(path, modules, tiny_transformer_metadata(variant), quantization, dtype,
                                   f"ltx-{variant}-tiny")

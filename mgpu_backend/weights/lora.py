@@ -1,43 +1,51 @@
-"""LoRA files in the LTX / ComfyUI key naming, fused into the transformer and exactly restored — in one process or
-over a fleet of ranks, without ever reading the checkpoint again.
+"""LoRA files in the LTX / ComfyUI key naming, fused into the transformer the way ComfyUI applies them and exactly
+restored — in one process or over a fleet of ranks, without ever reading the checkpoint again.
 
 File layout (Lightricks' distilled LoRA, ComfyUI's LoRA loader): for a Linear at original path `P`
 (`transformer_blocks.0.attn1.to_q`, …) the keys `diffusion_model.P.lora_A.weight` `[rank, in]`,
 `diffusion_model.P.lora_B.weight` `[out, rank]` and optionally `diffusion_model.P.alpha` (scalar); the kohya spelling
-`lora_down` / `lora_up` is read the same way. The fused weight is `W + strength · (alpha / rank) · B @ A` (alpha
-defaults to rank; the PEFT / kohya convention ComfyUI follows in `comfy/lora.py`); several LoRAs add their deltas
-(summed in float32 in the order given) before the one rounding to the weight's dtype.
+`lora_down` / `lora_up` is read the same way. `read_lora` reads only the file's header and the alpha scalars (an
+index of the pairs with their shapes); the A / B tensors are read from the memory-mapped file when a layer is fused,
+so a rank reads only the pairs it fuses.
 
-`read_lora` reads only the file's header and the alpha scalars (an index of the pairs with their shapes); the A / B
-tensors are read from the memory-mapped file when a layer is fused, so a rank reads only the pairs it fuses.
+The fused weight is ComfyUI 0.33's (`comfy/model_patcher.py::patch_weight_to_device`; the facts and sources in
+`models/requantize.py`): the weight in ComfyUI's LoRA patch dtype D (float32 on the CPU, float16 on recent GPUs; a
+quantized weight dequantized into D), plus `((strength · alpha / rank) · B @ A).to(D)` for each LoRA in the order
+given (B @ A in float32; alpha defaults to the rank), then put back in the layer's own format: a plain weight cast
+to its dtype; an fp8 layer (`FP8Linear`) re-quantized with a recalculated per-tensor scale and ComfyUI's seeded
+stochastic rounding; an int8 layer (`Int8Linear`, tensorwise, per row or ConvRot) re-quantized as comfy-kitchen does.
+The seed is ComfyUI's `string_to_seed` of the layer's state-dict key in ComfyUI (`keymaps.comfyui_weight_key`). On
+the CPU the bytes equal ComfyUI's (tests/test_lora_requant.py, goldens made by ComfyUI itself).
 
-Fusing and restoring (`LoRAFuser`), one process: the original tensor of each touched Linear is kept (a clone) and
-copied back on `restore()` — the very same bits: stage 1 after a stage-2 LoRA equals stage 1 with no LoRA. For
-fp8-resident layers (`FP8Linear`) the fused weight is held in the compute dtype beside the untouched fp8 weight
-(`FP8Linear.fused_weight`) and dropped on restore: nothing to keep, nothing to copy back.
+Memory: no full-precision copy of any layer is held while a LoRA is fused (one layer's patch-dtype copy exists
+while that layer is computed). What is kept is the clean bytes of each touched layer — its weight as stored (bf16,
+fp8 or int8) plus its scale — for an exact restore: the same bits come back, so stage 1 after a stage-2 LoRA equals
+stage 1 with no LoRA. The new bytes are copied into the existing tensors (no tensor object changes: captured CUDA
+graphs stay valid; `FP8Linear.scale_written` refreshes the scale copy their fp8 matmul reads).
 
-On a fleet of W ranks (every rank holds a full working copy of the weights, docs/design/fleet.md#weights-and-loras) each
-touched layer has one owner rank (largest layers first, each to the least-loaded rank: ~1/W of the touched bytes per
-rank):
-- fuse: the owner alone reads the layer's LoRA pairs, keeps the layer's clean weight (its shard of the clean copies),
-  computes the fused weight in place; then every layer is broadcast from its owner into all ranks (`dist.broadcast`
-  of the tensor's bytes: exact, gloo or NCCL). Reading and computing are split W ways and run on all ranks at once;
+On a fleet of W ranks (every rank holds a full working copy of the weights, docs/design/fleet.md#weights-and-loras)
+each touched layer has one owner rank (largest layers first, each to the least-loaded rank):
+- fuse: the owner alone reads the layer's LoRA pairs, keeps the layer's clean bytes, computes the fused weight and
+  writes it in place; then every layer is broadcast from its owner into all ranks (`dist.broadcast` of the weight's
+  bytes and of its scale: exact, gloo or NCCL). Reading and computing are split W ways and run on all ranks at once;
   every rank ends with bit-identical weights, equal to what one process computes.
-- restore: the owner copies its clean weight back and broadcasts it into the layer on every rank. fp8 layers: the
-  fused weight is dropped on every rank (no communication; the fp8 tensors were never touched).
-Clean weights held per rank: ~1/W of the touched layers (`LoRAFuser.clean_bytes`). The checkpoint is not opened.
+- restore: the owner copies the clean bytes back and broadcasts them into the layer on every rank.
+Clean bytes held per rank: ~1/W of the touched layers' stored bytes (`LoRAFuser.clean_bytes`). The checkpoint is not
+opened.
 
 With sharded weights (`weights/sharding.py`: each rank holds rows of every block layer) each rank fuses every touched
-layer itself: the layer is gathered whole (in model order on every rank), the fused weight computed as one process
-computes it, and the rank's own rows written into its shard, with those rows' clean copy kept; restore copies them
-back. No broadcast; the same bits as one process, row for row.
+layer itself: the layer is gathered whole (in model order on every rank), the fused weight computed and rounded
+whole, as one process does (the same seed, the same random draws), and the rank's own rows written into its shard,
+with those rows' clean bytes kept (~1/W of the touched bytes; in pinned host memory when the weights are on a GPU,
+`backup_device_for`); a per-tensor or per-row scale is a whole buffer on every rank, written (and kept) whole.
+Restore copies them back. No broadcast; the same bits as one process, row for row.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +56,7 @@ from torch import nn
 
 from ..models import keymaps
 from ..models.fp8 import FP8Linear
+from ..models.requantize import PATCH_DTYPES, PatchedWeight, lora_patched, string_to_seed
 from .sharding import full_weight, is_dtensor, local_rows, local_shard
 from ..protocol.stage_params import LORA_PAIR_SUFFIXES, lora_pair_keys, open_lora
 from ..protocol.validation import ValidationError
@@ -221,24 +230,6 @@ def read_loras(specs) -> list[LoRAFile]:
     return out
 
 
-def _fused_weight(layer: nn.Module, terms: list[tuple[torch.Tensor, torch.Tensor, float]]) -> torch.Tensor:
-    """The fused weight of one layer: `W + Σ scale_i · B_i @ A_i`, the sum in float32 in the LoRAs' order, rounded
-    once to the weight's dtype (fp8 layers: the dequantized weight, rounded to the compute dtype). One function for
-    one process and every rank of a fleet, so that their fused weights are the same bits. A layer sharded over the
-    ranks (`weights/sharding.py`) is gathered whole first (a collective: every rank calls it for the layer)."""
-    fp8 = isinstance(layer, FP8Linear)
-    sharded = is_dtensor(layer.weight)
-    weight = full_weight(layer.weight) if sharded else layer.weight
-    device = weight.device
-    delta = None
-    for a, b, scale in terms:
-        d = scale * (b.to(device, torch.float32) @ a.to(device, torch.float32))
-        delta = d if delta is None else delta + d
-    if fp8:
-        return (layer.dequantized_weight(weight).float() + delta).to(layer.compute_dtype)
-    return (weight.float() + delta).to(weight.dtype)
-
-
 def assign_owners(sizes: list[int], world_size: int) -> list[int]:
     """Owner rank of each item: largest first, each to the rank with the fewest bytes so far (ties: lower rank,
     then earlier item). Deterministic, so every rank computes the same map."""
@@ -259,9 +250,23 @@ class _Fused:
 
 
 @dataclass(frozen=True)
+class _Clean:
+    """The clean bytes of one fused layer that this rank keeps: its shard of the weight as stored (the whole weight
+    when it is not sharded) and, for an fp8 / int8 layer, its scale (a whole buffer)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale) if t is not None)
+
+
+@dataclass(frozen=True)
 class FuseStats:
-    """What one `LoRAFuser.fuse` did on this rank: layers fused, of them owned by this rank (it backs up their clean
-    weights), LoRA pairs read, clean_bytes (backups held) and fused_bytes (full-precision copies of fp8 layers), and
+    """What one `LoRAFuser.fuse` did on this rank: layers fused, of them owned by this rank (it keeps their clean
+    bytes), LoRA pairs read, clean_bytes (the clean weight bytes and scales this rank keeps), fused_bytes
+    (full-precision copies of layers held while fused: 0 — fused layers are re-quantized into their own format), and
     its wall time in seconds."""
 
     layers: int
@@ -280,26 +285,64 @@ class RestoreStats:
     seconds: float
 
 
+def backup_device_for(weight_device: torch.device, sharded: bool,
+                      configured: torch.device | None = None) -> torch.device:
+    """Where a rank keeps the clean bytes of a fused layer: `configured` when given; for sharded weights on a GPU
+    (the memory mode, e.g. 24 GB cards) pinned host memory — as ComfyUI keeps its patch backups on its offload
+    device — so that a fused LoRA costs the GPU nothing beyond the model (restore copies ~1/W of the touched bytes
+    back over PCIe); otherwise the weight's own device (the replicated fleet: restore at device speed)."""
+    if configured is not None:
+        return configured
+    if sharded and weight_device.type == "cuda":
+        return torch.device("cpu")
+    return weight_device
+
+
+def _quantized(layer: nn.Module) -> bool:
+    return isinstance(layer, FP8Linear)  # fp8, and int8 (`Int8Linear` is a subclass)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as a flat uint8 view of the same memory (any dtype, 0-d included): copies and broadcasts through
+    it are exact and land in `t`. Raises RuntimeError for a tensor whose memory is not one contiguous run (a copy
+    would silently write elsewhere)."""
+    return t.detach().view(-1).view(torch.uint8)
+
+
 class LoRAFuser:
-    """Fuses LoRAs into a transformer's Linear weights and restores the originals exactly.
+    """Fuses LoRAs into a transformer's Linear weights as ComfyUI applies them and restores the originals exactly.
 
     Usage: `fuser = LoRAFuser(transformer); reports = fuser.fuse([lora, ...]); ...; fuser.restore()`;
     `fuser.apply(set)` fuses a set unless that very set is already fused (and restores for an empty set).
 
     Args:
-        model: the transformer (every rank's own full copy on a fleet).
+        model: the transformer (every rank's own full copy on a fleet), or a module holding the text connectors as
+            `video_connector` / `audio_connector`.
         rank, world_size, group: this rank in the process group whose ranks fuse together (`world_size` 1: one
             process, no communication). `rank` is the rank within `group` (None = the default group).
-        backup_device: where the clean copies of plain (non-fp8) layers are kept (None: the weight's device).
+        backup_device: where the clean bytes are kept (None: `backup_device_for`'s choice — the weight's device,
+            except pinned host memory for sharded CUDA weights).
+        patch_dtype: the dtype the LoRA is patched in (None: ComfyUI's rule for the weight's device,
+            `models.requantize.lora_compute_dtype`).
+        use_kitchen: None = comfy-kitchen's quantizers when installed, False = the torch steps (the same bits on CPU).
+        seed_key: module path -> the ComfyUI state-dict key whose `string_to_seed` seeds the stochastic rounding
+            (default `keymaps.comfyui_weight_key`).
     Every rank of the group must call `fuse` / `apply` / `restore` with the same LoRA sets, in the same order.
+    Raises ValueError for a `patch_dtype` other than float32, float16 or bfloat16.
     """
 
     def __init__(self, model: nn.Module, rank: int = 0, world_size: int = 1, group=None,
-                 backup_device: torch.device | str | None = None):
+                 backup_device: torch.device | str | None = None, patch_dtype: torch.dtype | None = None,
+                 use_kitchen: bool | None = None, seed_key: Callable[[str], str] = keymaps.comfyui_weight_key):
+        if patch_dtype is not None and patch_dtype not in PATCH_DTYPES:
+            raise ValueError(f"LoRA patch_dtype {patch_dtype}: choose one of "
+                             f"{', '.join(str(d).replace('torch.', '') for d in PATCH_DTYPES)} (or None: ComfyUI's "
+                             f"choice for the device)")
         self.model = model
         self.rank, self.world_size, self.group = rank, world_size, group
         self.backup_device = None if backup_device is None else torch.device(backup_device)
-        self._backup: dict[str, torch.Tensor] = {}  # module path -> clean weight (owned plain Linears only)
+        self.patch_dtype, self.use_kitchen, self.seed_key = patch_dtype, use_kitchen, seed_key
+        self._backup: dict[str, _Clean] = {}  # module path -> the clean bytes this rank keeps (owned layers)
         self._fused: list[_Fused] = []
         self._key: tuple | None = None
         self._reports: list[LoRAReport] = []
@@ -319,19 +362,14 @@ class LoRAFuser:
     def sharded(self) -> bool:
         """The fused layers are sharded over the ranks (`weights/sharding.py`): each rank fuses every layer itself
         — its own rows of a sharded layer (gathered whole first, in model order on every rank), the whole of a
-        replicated one — and keeps the clean copy of what it holds; nothing is broadcast."""
+        replicated one — and keeps the clean bytes of what it holds; nothing is broadcast."""
         return self._sharded
 
     @property
     def clean_bytes(self) -> int:
-        """Bytes of clean weights this rank keeps for the fused set (its shard)."""
-        return sum(t.numel() * t.element_size() for t in self._backup.values())
-
-    @property
-    def fused_fp8_bytes(self) -> int:
-        """Bytes of the compute-dtype weights held beside fp8 layers while a set is fused (every rank holds all)."""
-        return sum(f.layer.fused_weight.numel() * f.layer.fused_weight.element_size() for f in self._fused
-                   if isinstance(f.layer, FP8Linear) and f.layer.fused_weight is not None)
+        """Bytes of clean weights (as stored: bf16, fp8 or int8, with their scales) this rank keeps for the fused
+        set: ~1/W of the touched layers' bytes on a fleet of W ranks."""
+        return sum(c.nbytes for c in self._backup.values())
 
     @property
     def fused_names(self) -> list[str]:
@@ -369,7 +407,8 @@ class LoRAFuser:
                     raise LoRAError(
                         f"{lora.path}: LoRA for {name} has A {a}, B {b} but the layer is "
                         f"{layer.in_features} -> {layer.out_features}; was it made for another model?")
-                terms.setdefault(name, []).append((i, name, lora.strength * pair.alpha / a[0]))
+                # ComfyUI's factor: strength · (alpha / rank), alpha / rank taken first
+                terms.setdefault(name, []).append((i, name, lora.strength * (pair.alpha / a[0])))
                 matched += 1
             if matched == 0:
                 raise LoRAError(f"{lora.path}: none of its {len(lora.index)} LoRA layers matches a Linear of this "
@@ -393,7 +432,8 @@ class LoRAFuser:
         return self.fuse(loras, stage)
 
     def fuse(self, loras: list[LoRAFile], stage: str = "") -> list[LoRAReport]:
-        """Add every LoRA's delta to the matching Linears. Restores first if something is fused.
+        """Add every LoRA's delta to the matching Linears, as ComfyUI does (module docstring). Restores first if
+        something is fused.
 
         Raises LoRAError (before touching any weight) for a LoRA that matches no layer, or whose shapes do not fit
         the model (a LoRA for another model width), naming the file, the key and both shapes.
@@ -410,7 +450,7 @@ class LoRAFuser:
         try:
             with torch.no_grad(), contextlib.ExitStack() as stack:
                 getters = {}
-                # 1. each rank computes the layers it owns (all ranks at once), keeping their clean weights
+                # 1. each rank computes the layers it owns (all ranks at once), keeping their clean bytes
                 for (name, layer, terms), item in zip(plan, fused):
                     if item.owner != self.rank:
                         continue
@@ -421,54 +461,45 @@ class LoRAFuser:
                         a, b, _ = getters[i](module)
                         values.append((a, b, scale))
                         pairs_read += 1
-                    weight = _fused_weight(layer, values)
-                    self._fused.append(item)  # from here on, restore() undoes it
-                    if isinstance(layer, FP8Linear):
-                        layer.fused_weight = weight
-                    else:
-                        shard = local_shard(layer.weight)
-                        self._backup[name] = self._keep(shard.detach())
-                        shard.copy_(local_rows(layer.weight, weight))
+                    weight = full_weight(layer.weight)  # gathered whole when sharded (a collective, model order)
+                    patched = lora_patched(layer, weight, values, string_to_seed(self.seed_key(name)),
+                                           self.patch_dtype, self.use_kitchen)
                     del weight, values
+                    self._fused.append(item)  # from here on, restore() undoes it
+                    self._write(name, layer, patched)
+                    del patched
             # 2. every fused layer from its owner into every rank (the same order on all ranks)
             self._fused = fused  # model order; restore() and the rollback walk this list
             if self.world_size > 1 and not self.sharded:
                 with torch.no_grad():
                     for item in fused:
-                        layer = item.layer
-                        if isinstance(layer, FP8Linear):
-                            if item.owner != self.rank:
-                                layer.fused_weight = torch.empty(layer.out_features, layer.in_features,
-                                                                 dtype=layer.compute_dtype, device=layer.weight.device)
-                            self._broadcast(layer.fused_weight, item.owner)
-                        else:
-                            self._broadcast(layer.weight, item.owner)
+                        self._broadcast_layer(item.layer, item.owner)
+                        if _quantized(item.layer):
+                            item.layer.lora_fused = True
         except BaseException:
             self._rollback_local()
             raise
         self._key = tuple(lora.key for lora in loras)
         self._reports = reports
         self.fuse_stats = FuseStats(layers=len(fused), owned=sum(f.owner == self.rank for f in fused),
-                                    pairs_read=pairs_read, clean_bytes=self.clean_bytes,
-                                    fused_bytes=self.fused_fp8_bytes, seconds=_seconds_since(t0, self._device()))
+                                    pairs_read=pairs_read, clean_bytes=self.clean_bytes, fused_bytes=0,
+                                    seconds=_seconds_since(t0, self._device()))
         return reports
 
     def restore(self) -> None:
-        """Put back the exact original weights of every fused layer (on a fleet: from their owners)."""
+        """Put back the exact original bytes of every fused layer (on a fleet: from their owners)."""
         if not self.active:
             return
         t0 = time.perf_counter()
         layers, device = len(self._fused), self._device()
         with torch.no_grad():
             for item in self._fused:
-                layer = item.layer
-                if isinstance(layer, FP8Linear):
-                    layer.fused_weight = None  # the fp8 weight was never touched
-                    continue
                 if item.owner == self.rank:
-                    local_shard(layer.weight).copy_(self._backup.pop(item.name))
+                    self._put_back(item.name, item.layer)
                 if self.world_size > 1 and not self.sharded:
-                    self._broadcast(layer.weight, item.owner)
+                    self._broadcast_layer(item.layer, item.owner)
+                if _quantized(item.layer):
+                    item.layer.lora_fused = False
         self._clear()
         self.restore_stats = RestoreStats(layers=layers, seconds=_seconds_since(t0, device))
 
@@ -482,6 +513,32 @@ class LoRAFuser:
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
 
+    def _write(self, name: str, layer: nn.Module, patched: PatchedWeight) -> None:
+        """Keep the clean bytes this rank holds of `layer`, then write the patched weight's rows this rank holds (and
+        the new scale, whole) into the layer's own tensors, in place."""
+        shard = local_shard(layer.weight)
+        scale = getattr(layer, "weight_scale", None) if _quantized(layer) else None
+        self._backup[name] = _Clean(self._keep(shard.detach()), None if scale is None else self._keep(scale))
+        _byte_view(shard).copy_(_byte_view(local_rows(layer.weight, patched.weight).contiguous()))
+        if scale is not None:
+            _byte_view(scale).copy_(_byte_view(patched.scale.contiguous()))
+            layer.scale_written()
+            layer.lora_fused = True
+
+    def _put_back(self, name: str, layer: nn.Module) -> None:
+        clean = self._backup.pop(name)
+        _byte_view(local_shard(layer.weight)).copy_(_byte_view(clean.weight))
+        if clean.scale is not None:
+            _byte_view(layer.weight_scale).copy_(_byte_view(clean.scale))
+            layer.scale_written()
+
+    def _broadcast_layer(self, layer: nn.Module, owner: int) -> None:
+        """The layer's weight (and scale) bytes from group rank `owner` into every rank."""
+        self._broadcast(layer.weight, owner)
+        if _quantized(layer):
+            self._broadcast(layer.weight_scale, owner)
+            layer.scale_written()
+
     def _clear(self) -> None:
         self._backup.clear()
         self._fused = []
@@ -492,16 +549,15 @@ class LoRAFuser:
         failure here is not symmetric: the fleet is torn down, this only leaves the process consistent)."""
         with torch.no_grad():
             for item in self._fused:
-                layer = item.layer
-                if isinstance(layer, FP8Linear):
-                    layer.fused_weight = None
-                elif item.name in self._backup:
-                    local_shard(layer.weight).copy_(self._backup[item.name])
+                if item.name in self._backup:
+                    self._put_back(item.name, item.layer)
+                if _quantized(item.layer):
+                    item.layer.lora_fused = False
         self._clear()
 
     def _keep(self, clean: torch.Tensor) -> torch.Tensor:
-        """A copy of a clean weight on the backup device (pinned host memory for a GPU weight kept on the host)."""
-        device = self.backup_device or clean.device
+        """A copy of clean bytes on the backup device (pinned host memory for a GPU tensor kept on the host)."""
+        device = backup_device_for(clean.device, self.sharded, self.backup_device)
         if device.type == "cpu" and clean.device.type == "cuda":
             return torch.empty(clean.shape, dtype=clean.dtype, pin_memory=True).copy_(clean)
         return clean.to(device, copy=True)
@@ -509,7 +565,7 @@ class LoRAFuser:
     def _broadcast(self, tensor: torch.Tensor, owner: int) -> None:
         """Broadcast the bytes of `tensor` from group rank `owner` (uint8 view: exact for every dtype and backend)."""
         src = owner if self.group is None else dist.get_global_rank(self.group, owner)
-        dist.broadcast(tensor.detach().view(torch.uint8), src=src, group=self.group)
+        dist.broadcast(_byte_view(tensor), src=src, group=self.group)
 
     def _device(self) -> torch.device | None:
         return next((f.layer.weight.device for f in self._fused), None)

@@ -128,7 +128,11 @@ def run_sample(state, request: SampleRequest, ctx) -> SampleResult | None:
     if isinstance(result.runner, TiledRunner):
         t = result.runner.tiled
         tiled = {"tile_drift": tuple(t.drift), "weights_normalized": bool(t.normalized), "audio_frozen": audio_frozen}
-    return SampleResult(L.unpack_video(result.video, f, h, w), L.unpack_audio(result.audio), result.report,
+    report = result.report
+    speed = getattr(state, "speed", None)  # splits.weights_cost.FleetFacts: rank 0 of a CUDA fleet (worker start)
+    if speed is not None and not tiled:  # this stage's predicted step time on the fleet vs one streaming card
+        report = "; ".join(filter(None, (report, speed.line(stage, f * h * w))))
+    return SampleResult(L.unpack_video(result.video, f, h, w), L.unpack_audio(result.audio), report,
                         tuple(r.detail() for r in lora_reports), **tiled)
 
 
