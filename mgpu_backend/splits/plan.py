@@ -433,8 +433,9 @@ def memory_budget(transformer, device: torch.device, sharded: bool = False, budg
                   batch: int = 1) -> MemoryBudget | None:
     """This rank's `MemoryBudget` for the "auto" token cap, read now (after the weights are loaded): budget =
     `budget_bytes` (a per-GPU budget) or the GPU's total memory; resident = `torch.cuda.memory_allocated` (the
-    weights and every other resident component); gathered = 2 × the largest sharded unit (the running block and
-    the prefetched next, `weights/sharding.py gathered`; 0 replicated); the transformer's `ActivationShape` in its
+    weights and every other resident component); gathered = 2 × the largest sharded unit when any is sharded (the
+    running block and the prefetched next, `weights/sharding.py gathered`; 0 replicated; `sharded` is not read:
+    the transformer's `sharding_of` report says); the transformer's `ActivationShape` in its
     compute dtype with its Linears' path (`linear_path`), every timestep per token (the largest plan). None on a
     CPU device, or a "cuda" device without CUDA (tests' simulated fleets): no budget to plan against."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -442,8 +443,8 @@ def memory_budget(transformer, device: torch.device, sharded: bool = False, budg
     from ..weights.sharding import sharding_of
 
     total = torch.cuda.get_device_properties(device).total_memory
-    report = sharding_of(transformer) if sharded else None
-    gathered = 2 * report.largest_unit_bytes if report is not None else 0
+    report = sharding_of(transformer)  # sharded or placed weights: some units gathered while they run
+    gathered = 2 * report.largest_unit_bytes if report is not None and report.sharded_units > 0 else 0
     dtype = next((p.dtype for p in transformer.proj_in.parameters()), torch.bfloat16)
     shape = ActivationShape.of(transformer.config, linear=linear_path(transformer, device),
                                act_bytes=torch.empty((), dtype=dtype).element_size())
