@@ -613,14 +613,14 @@ def test_token_cap_refused_before_any_work(reference, monkeypatch):
     plan = ParallelPlan.hand_built(0, 1, CPU, PlanPolicy(1, token_cap=4))
     pipeline = TwoStagePipeline(ref["components"], ref["gemma"], plan=plan)
     monkeypatch.setattr(pipeline, "encode_prompts", lambda *a: pytest.fail("work started before the token cap check"))
-    with pytest.raises(ValidationError, match="27 video tokens over 1 ranks is 27 tokens per rank, above the cap of "
-                                              "4: use at least 7 GPUs"):
+    with pytest.raises(ValidationError, match="27 video tokens over 1 rank is 27 tokens per rank, above the cap of "
+                                              "4; at 192×192 not even one frame fits 1 rank: use at least 7 GPUs"):
         pipeline.generate(GenerateRequest(prompt="x", steps=1, **PIPELINE_SIZE))
 
     tf = copy.deepcopy(ref["components"].transformer)
     sp = SequenceDriver(tf, Exchange(None, 1, 0))  # the job's cap comes with its split (StageRun.forward)
     monkeypatch.setattr(tf, "forward", lambda *a, **k: pytest.fail("forward ran above the token cap"))
     kwargs = _forward_kwargs(ref["components"], "odd", ref["contexts"])
-    with pytest.raises(ValueError, match="9 video tokens over 1 ranks is 9 tokens per rank, above the cap of 4: use "
+    with pytest.raises(ValueError, match="9 video tokens over 1 rank is 9 tokens per rank, above the cap of 4: use "
                                          "at least 3 GPUs"):
         sp(token_cap=4, **kwargs)

@@ -16,7 +16,9 @@ Steps of `run_eager(transformer, batch, semantics, split, options)`:
 3. the blocks in the semantics' order (`Semantics.block_order`: "diffusers" = the block's own forward, "comfyui" =
    `comfy_block`), each called as `block(blk, video, audio, inputs)`; the `VideoKeys` reach the split's processors
    (installed beforehand by `splits.apply.apply_plan`) in the `attention_mask` argument of the attentions whose keys
-   are the video tokens;
+   are the video tokens; the video feed-forward runs over token chunks when `BlockInputs.ff_chunk` says so
+   (`ForwardOptions.ff_chunk_tokens`, by default `protocol/memory_plan.py auto_ff_chunk`: only when the rank's
+   4×-wide FF hidden would exceed 256 MiB — the same result, a lower peak);
 4. output layers (the audio output loses its `audio_prefix` reference-audio tokens); the split gathers the parts'
    outputs (`Split.gather`: the plan's output entries — the video tokens gathered and the padding cut, or the tiles
    blended).
@@ -44,6 +46,7 @@ import torch
 
 from . import cuda_graphs
 from .attention import GuideBias, VideoKeys
+from ..protocol.memory_plan import ActivationShape, resolve_ff_chunk
 from ..protocol.native_forward import ForwardOptions
 from ..weights.sharding import gathered
 from .semantics import REFERENCE, Semantics
@@ -85,6 +88,79 @@ def _transformer_qk_norms(transformer) -> list[torch.nn.Module]:
     return norms
 
 
+# ---- the feed-forward over token chunks (issue 35) ------------------------------------------------------------------
+
+def feed_forward(ff, x: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """`ff(x)` for `x` `[B, N, C]`, over slices of `chunk` tokens of the batch's B·N tokens taken in order (rows
+    flattened; None or ≥ B·N: one call). Returns `[B, N, C_out]`.
+
+    Each slice runs the same modules (the FF's Linears, its GELU) on a contiguous row range `[chunk, C]`, so every
+    token's result is that of the whole call up to the GEMM kernel's choice for the row count (measured on CPU:
+    bf16 bit-equal, float32 within 2e-7 relative — MKL's sgemm is not row-slice invariant; tests/test_long_clips.py).
+    The output goes into one `[B·N, C_out]` buffer made at the first slice, so the peak holds the buffer and one
+    slice's 4×-wide hidden instead of the whole hidden. The slices are Python ints from the shape (no data-dependent
+    control flow): CUDA graphs and torch.compile capture fixed slices.
+    """
+    b, n = x.shape[0], x.shape[1]
+    rows = b * n
+    if chunk is None or chunk >= rows:
+        return ff(x)
+    flat = x.reshape(rows, x.shape[-1])
+    out = None
+    for start in range(0, rows, chunk):
+        part = ff(flat[start:start + chunk])
+        if out is None:
+            out = part.new_empty(rows, part.shape[-1])
+        out[start:start + part.shape[0]] = part
+    return out.view(b, n, out.shape[-1])
+
+
+class _ChunkedFeedForward:
+    """Put in front of a block's feed-forward class by `chunked_ff`: `forward` is `feed_forward` over the class's
+    own forward, by `ff_chunk_tokens` (class default None: one call)."""
+
+    ff_chunk_tokens: int | None = None
+
+    def forward(self, hidden_states, *args, **kwargs):
+        chunk = self.ff_chunk_tokens
+        base = super().forward
+        if chunk is None:
+            return base(hidden_states, *args, **kwargs)
+        return feed_forward(lambda x: base(x, *args, **kwargs), hidden_states, chunk)
+
+
+_CHUNKED_CLASSES: dict[type, type] = {}
+
+
+@contextlib.contextmanager
+def chunked_ff(ff: torch.nn.Module, chunk: int | None):
+    """Within the block, `ff` (a block's `ff`, called by diffusers' own block forward) runs over token chunks of
+    `chunk` (None: unchanged). The module's class gets `_ChunkedFeedForward` in front of it once (keeping its name,
+    state dict and parameters; like FSDP2's `fully_shard` class swap), and the chunk is an instance attribute for
+    the duration of the block (removed after: between blocks the module computes whole, as before)."""
+    if chunk is None:
+        yield
+        return
+    cls = type(ff)
+    if not issubclass(cls, _ChunkedFeedForward):
+        if cls not in _CHUNKED_CLASSES:
+            _CHUNKED_CLASSES[cls] = type(cls.__name__, (_ChunkedFeedForward, cls), {"__module__": cls.__module__})
+        ff.__class__ = _CHUNKED_CLASSES[cls]
+    ff.ff_chunk_tokens = chunk
+    try:
+        yield
+    finally:
+        del ff.ff_chunk_tokens
+
+
+def ff_chunk_of(options: ForwardOptions, hidden: torch.Tensor) -> int | None:
+    """The chunk one part's video feed-forward runs in (`memory_plan.resolve_ff_chunk` on `options.ff_chunk_tokens`
+    and `hidden` `[B, N, u]`'s shape and dtype): None = whole."""
+    b, n, width = hidden.shape
+    return resolve_ff_chunk(options.ff_chunk_tokens, n, ActivationShape(video_dim=width,
+                                                                        act_bytes=hidden.element_size()), b)
+
+
 # ---- the two block orders -------------------------------------------------------------------------------------------
 
 def _mod(table: torch.Tensor, temb: torch.Tensor, b: int):
@@ -103,7 +179,8 @@ class BlockInputs:
     None; rope: the RoPE tables (`video_rotary_emb`, `audio_rotary_emb`, `ca_video_rotary_emb`,
     `ca_audio_rotary_emb`); options: ComfyUI's per-call switches (`ForwardOptions`: run_vx / run_ax, a2v / v2a
     cross-attention; STG is the caller's processor swap); keys: the split's `VideoKeys` for the attentions of
-    `VIDEO_KEY_ATTENTIONS` (None: no split, or nothing to pass).
+    `VIDEO_KEY_ATTENTIONS` (None: no split, or nothing to pass); ff_chunk: the video feed-forward's token chunk
+    (`ff_chunk_of`; None: whole).
     """
 
     video_context: torch.Tensor
@@ -121,17 +198,23 @@ class BlockInputs:
     rope: Mapping[str, tuple]
     options: ForwardOptions = PLAIN
     keys: VideoKeys | None = None
+    ff_chunk: int | None = None
 
 
 def diffusers_block(block, vx, ax, inputs: BlockInputs):
     """diffusers' `LTX2VideoTransformerBlock.forward` (the reference's order), called as diffusers' transformer calls
     it; the split's `VideoKeys` go in the masks of `attn1` and `video_to_audio_attn`. a2v / v2a False skip those
-    attentions (`isolate_modalities`). Raises ValueError for `run_vx` / `run_ax` False (ComfyUI's switches: the
-    "comfyui" block order only)."""
+    attentions (`isolate_modalities`); `inputs.ff_chunk` runs the video feed-forward over token chunks (`chunked_ff`).
+    Raises ValueError for `run_vx` / `run_ax` False (ComfyUI's switches: the "comfyui" block order only)."""
     i, o = inputs, inputs.options
     if not (o.run_vx and o.run_ax):
         raise ValueError("run_vx / run_ax False need ComfyUI's block order (semantics 'comfyui')")
     rope = i.rope
+    with chunked_ff(block.ff, i.ff_chunk):
+        return _diffusers_call(block, vx, ax, i, o, rope)
+
+
+def _diffusers_call(block, vx, ax, i: BlockInputs, o: ForwardOptions, rope):
     return block(hidden_states=vx, audio_hidden_states=ax, encoder_hidden_states=i.video_context,
                  audio_encoder_hidden_states=i.audio_context, temb=i.temb, temb_audio=i.temb_audio,
                  temb_ca_scale_shift=i.video_ca_ss, temb_ca_audio_scale_shift=i.audio_ca_ss, temb_ca_gate=i.a2v_gate,
@@ -150,7 +233,8 @@ def comfy_block(block, vx, ax, inputs: BlockInputs):
     Differences from diffusers' block order (ComfyUI's win): the video→audio cross-attention normalizes the video
     stream *after* the audio→video update of the same block; `run_vx` / `run_ax` False skip a stream's self-attention,
     text cross-attention and feed-forward (a2v needs run_vx, v2a run_ax); a2v / v2a False skip those attentions.
-    STG is the attention processor's business (`denoiser.skip_self_attention`)."""
+    STG is the attention processor's business (`denoiser.skip_self_attention`); `inputs.ff_chunk` runs the video
+    feed-forward over token chunks (`feed_forward`)."""
     i, o = inputs, inputs.options
     run_vx, run_ax, rope, keys = o.run_vx, o.run_ax, i.rope, i.keys
     temb, temb_audio, temb_prompt, temb_prompt_audio = i.temb, i.temb_audio, i.temb_prompt, i.temb_prompt_audio
@@ -205,7 +289,7 @@ def comfy_block(block, vx, ax, inputs: BlockInputs):
             ax = ax + out * _mod(block.audio_a2v_cross_attn_scale_shift_table[4:], v2a_gate, b)[0]
     if run_vx:
         shift, scale, gate = v_vals[3:6]
-        vx = vx + block.ff(block.norm3(vx) * (1 + scale) + shift) * gate
+        vx = vx + feed_forward(block.ff, block.norm3(vx) * (1 + scale) + shift, i.ff_chunk) * gate
     if run_ax:
         shift, scale, gate = a_vals[3:6]
         ax = ax + block.audio_ff(block.audio_norm3(ax) * (1 + scale) + shift) * gate
@@ -287,7 +371,7 @@ def _local(transformer, batch: TokenBatch, semantics: Semantics, options: Forwar
             audio_rotary_emb=t.audio_rope(a_coords, device=audio_hidden.device),
             ca_video_rotary_emb=t.cross_attn_rope(coords[:, 0:1], device=hidden.device),
             ca_audio_rotary_emb=t.cross_attn_audio_rope(a_coords[:, 0:1], device=audio_hidden.device))),
-        options=options, keys=keys)
+        options=options, keys=keys, ff_chunk=ff_chunk_of(options, hidden))
     block = block_function(semantics.block_order)
     for blk in gathered(t.transformer_blocks):  # sharded weights: each block gathered as it runs
         hidden, audio_hidden = block(blk, hidden, audio_hidden, inputs)
@@ -343,5 +427,5 @@ def run(transformer, batch: TokenBatch, semantics: Semantics = REFERENCE, split:
         return cuda_graphs.call(transformer, forward, tensors, extra=key, what=what)
 
 
-__all__ = ["BlockInputs", "PLAIN", "Split", "block_function", "comfy_block", "diffusers_block", "qk_eps", "qk_norms",
-           "run", "run_eager"]
+__all__ = ["BlockInputs", "PLAIN", "Split", "block_function", "chunked_ff", "comfy_block", "diffusers_block",
+           "feed_forward", "ff_chunk_of", "qk_eps", "qk_norms", "run", "run_eager"]

@@ -42,6 +42,7 @@ What ComfyUI's forward receives and where it goes here (ComfyUI 0.33 names -> fi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -89,6 +90,11 @@ class ForwardOptions:
         (`LTXVModalityGuidance` sets both False).
     run_vx / run_ax: False skips the video / audio stream's block updates (the stream's hidden state passes through
         the blocks unchanged; a2v needs run_vx, v2a needs run_ax, as in ComfyUI).
+    ff_chunk_tokens: the pack's own switch, not ComfyUI's: the video feed-forward over chunks of this many tokens
+        (of a rank's part, batch rows flattened; `engine/forward.py feed_forward`: the same kernels on row slices,
+        equal to the whole to float tolerance), lowering the forward's peak memory. None = automatic (`protocol/memory_plan.py
+        auto_ff_chunk`: chunked only when the rank's 4×-wide FF hidden exceeds 256 MiB), 0 = never chunked, k > 0 =
+        chunks of k tokens. Does not change what a pass computes (`is_plain` ignores it).
     """
 
     stg_self_attn_blocks: tuple[int, ...] = ()
@@ -96,6 +102,7 @@ class ForwardOptions:
     v2a_cross_attn: bool = True
     run_vx: bool = True
     run_ax: bool = True
+    ff_chunk_tokens: int | None = None
 
     def __post_init__(self):
         blocks = self.stg_self_attn_blocks
@@ -110,10 +117,15 @@ class ForwardOptions:
         for name in ("a2v_cross_attn", "v2a_cross_attn", "run_vx", "run_ax"):
             if not isinstance(getattr(self, name), bool):
                 raise ForwardContractError(f"options.{name}={getattr(self, name)!r}: expected a bool")
+        chunk = self.ff_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+            raise ForwardContractError(f"options.ff_chunk_tokens={chunk!r}: expected None (automatic), 0 (never "
+                                       f"chunked) or a positive token count")
 
     @property
     def is_plain(self) -> bool:
-        return self == ForwardOptions()
+        """No switch that changes what the forward computes (the feed-forward chunking does not)."""
+        return dataclasses.replace(self, ff_chunk_tokens=None) == ForwardOptions()
 
 
 @dataclass(frozen=True)

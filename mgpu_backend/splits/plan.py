@@ -19,12 +19,16 @@ Three objects, apart: `PlanGroups` (the process groups and their sequence splits
 fleet by `build_plan`, kept by the worker), `ParallelPlan` (those groups under one job's `PlanPolicy`: a frozen
 value made per job by `ParallelPlan.for_policy` / `with_policy`, never changed in place) and `PlanReport` (how one
 stage was split, returned by `split` inside its `StageRun`). The per-rank token cap travels with the `StageRun`'s
-split to each forward; the shared splits hold no policy. How a stage's branches run (sequence parallel or spread
+split to each forward; the shared splits hold no policy. The cap is the policy's fixed number, or with "auto"
+(`AUTO_TOKEN_CAP`, issue 35) the activation plan's per degree (`ParallelPlan.cap_at`: `protocol/memory_plan.py`
+on this rank's `MemoryBudget`, measured by `build_plan` on CUDA); `check` refuses a job above it before any work,
+naming the longest clip that fits at the job's size and the ranks that would hold it. How a stage's branches run (sequence parallel or spread
 over ranks) is asked through `dispatch.py`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -34,6 +38,7 @@ import torch.distributed as dist
 
 from ..protocol.fleet_config import FleetPolicy
 from ..protocol.job_results import RankReport
+from ..protocol.memory_plan import ActivationShape, MemoryBudget, token_cap as planned_token_cap
 from ..protocol.validation import ValidationError
 from .cost import CostModel, ModelShape, best_sp_degree, choice_reason, default_model
 from .decode import decode_tiles
@@ -47,6 +52,10 @@ from .tiled import TiledSplit
 from .tiling import TileCountConfig
 
 DEFAULT_TOKEN_CAP = 65536  # video tokens per rank per forward (≈ 241 frames at 1920×1088 on 2 ranks)
+AUTO_TOKEN_CAP = "auto"
+"""A policy's `token_cap` asking for the memory plan's cap (`protocol/memory_plan.py`): per degree, the largest
+tokens per rank whose planned forward fits the rank's memory (`PlanGroups.memory`, measured by `build_plan` on
+CUDA); `DEFAULT_TOKEN_CAP` where no budget is known (CPU fleets)."""
 DEFAULT_BUILD_POLICY = FleetPolicy(min_tokens_per_rank=0, token_cap=DEFAULT_TOKEN_CAP)
 """`build_plan`'s policy when none is given: every stage at the full degree (tests, tools; a fleet passes its own)."""
 
@@ -70,6 +79,8 @@ class PlanGroups:
     heads / model_shape: the transformer's attention heads (the SP degree must divide them) and shape (cost model).
     built: False for a plan made by hand (`ParallelPlan.hand_built`): no other policy can be applied to it.
     sharded: the weights are sharded over all ranks (`weights/sharding.py`): every forward runs on all of them.
+    memory: this rank's memory for a forward (`memory_plan.MemoryBudget`, `memory_budget` at build time; None: not
+    known, e.g. CPU): what an "auto" token cap is planned from.
     """
 
     rank: int
@@ -81,6 +92,7 @@ class PlanGroups:
     model_shape: ModelShape | None = None
     built: bool = True
     sharded: bool = False  # the transformer's weights are sharded over all ranks (sharding.py): lockstep forwards
+    memory: MemoryBudget | None = None
 
     @property
     def comm_device(self) -> torch.device:
@@ -97,7 +109,9 @@ class PlanPolicy:
     group sizes a stage may pick among; token_cap: video tokens per rank per forward; min_tokens_per_rank: the rule
     "at least that many video tokens per rank" (0: the full degree) when no cost model is set; cost_model / shape:
     the cost model that picks a stage's split (CUDA) and the transformer's shape for it; guidance_parallel: "auto" |
-    "on" | "off" (`passes.py`); requested_sp_degree: the policy's explicit `sp_degree` (None: the largest allowed).
+    "on" | "off" (`passes.py`); requested_sp_degree: the policy's explicit `sp_degree` (None: the largest allowed);
+    memory: with `token_cap` None, the budget the per-rank cap is planned from at each degree (`ParallelPlan.cap_at`;
+    None: `token_cap` alone, None meaning no cap).
     """
 
     sp_degree: int
@@ -109,6 +123,7 @@ class PlanPolicy:
     shape: ModelShape | None = None
     guidance_parallel: str = "off"
     requested_sp_degree: int | None = None
+    memory: MemoryBudget | None = None
 
 
 @dataclass(frozen=True)
@@ -172,13 +187,22 @@ class ParallelPlan:
 
     @classmethod
     def for_policy(cls, groups: PlanGroups, sp_degree: int | None = None, min_tokens_per_rank: int | None = 0,
-                   guidance_parallel: str = "auto", token_cap: int | None = DEFAULT_TOKEN_CAP) -> ParallelPlan:
+                   guidance_parallel: str = "auto", token_cap: int | str | None = DEFAULT_TOKEN_CAP) -> ParallelPlan:
         """The plan of `groups` (from `build_plan`) under a parallel policy (`FleetPolicy`'s fields; see
         `build_plan`), on every rank with the same values, per job: a new `PlanPolicy` choosing among the groups
-        `build_plan` built, so no collective runs and nothing is reloaded. Raises ValidationError (a degree the heads
-        or the fleet do not allow), ValueError (an unknown guidance-parallel mode) or RuntimeError (hand-built
-        groups)."""
+        `build_plan` built, so no collective runs and nothing is reloaded. `token_cap`: an int, None (no cap) or
+        "auto" (`AUTO_TOKEN_CAP`: the memory plan's cap per degree from `groups.memory`, `DEFAULT_TOKEN_CAP` without
+        one). Raises ValidationError (a degree the heads or the fleet do not allow, a token cap that is none of
+        those), ValueError (an unknown guidance-parallel mode) or RuntimeError (hand-built groups)."""
         check_mode(guidance_parallel)
+        memory = None
+        if token_cap == AUTO_TOKEN_CAP:
+            memory = groups.memory
+            token_cap = None if memory is not None else DEFAULT_TOKEN_CAP
+        elif token_cap is not None and (isinstance(token_cap, bool) or not isinstance(token_cap, int)
+                                        or token_cap < 1):
+            raise ValidationError(f"token_cap={token_cap!r}: must be a positive number of video tokens per rank, "
+                                  f"None (no cap) or {AUTO_TOKEN_CAP!r} (the memory plan's)")
         if not groups.built:
             raise RuntimeError("a policy needs the groups of build_plan (a hand-built plan's policy is fixed)")
         if groups.sharded:
@@ -197,7 +221,7 @@ class ParallelPlan:
         pass_degrees = tuple(groups.pass_groups) if use_passes else ()
         shape = groups.model_shape if cost_model is not None or pass_degrees else None
         return cls(groups, PlanPolicy(degree, stage_degrees, pass_degrees, token_cap, min_tokens_per_rank,
-                                      cost_model, shape, guidance_parallel, sp_degree))
+                                      cost_model, shape, guidance_parallel, sp_degree, memory))
 
     def with_policy(self, policy) -> ParallelPlan:
         """This plan's groups under a job's `FleetPolicy` (protocol.fleet_config): a new plan (`for_policy`) from the
@@ -215,13 +239,22 @@ class ParallelPlan:
     all_stages = property(lambda self: dict(self.groups.stages) if self.groups.built else None)
     all_pass_groups = property(lambda self: dict(self.groups.pass_groups) if self.groups.built else None)
     sp_degree = property(lambda self: self.policy.sp_degree)
-    token_cap = property(lambda self: self.policy.token_cap)
+    token_cap = property(lambda self: self.cap_at(self.policy.sp_degree))  # the cap at the plan's SP degree
     min_tokens_per_rank = property(lambda self: self.policy.min_tokens_per_rank)
     cost_model = property(lambda self: self.policy.cost_model)
     shape = property(lambda self: self.policy.shape)
     guidance_parallel = property(lambda self: self.policy.guidance_parallel)
     requested_sp_degree = property(lambda self: self.policy.requested_sp_degree)
     sharded = property(lambda self: self.groups.sharded)
+
+    def cap_at(self, degree: int) -> int | None:
+        """The job's per-rank video token cap for a forward over `degree` ranks: the policy's fixed `token_cap`, or,
+        with a memory budget (`PlanPolicy.memory`, an "auto" cap), the largest tokens per rank whose planned
+        forward fits it at that degree (`memory_plan.token_cap`; the attention and the gathered video→audio keys
+        grow with the total tokens, so the cap differs per degree). None: no cap."""
+        if self.policy.memory is None or self.policy.token_cap is not None:
+            return self.policy.token_cap
+        return _planned_cap(self.policy.memory, degree)
 
     @property
     def stages(self) -> dict[int, SPStage]:
@@ -276,24 +309,29 @@ class ParallelPlan:
         choice = choose_split(StageWork(stage, tokens, passes, pass_bytes),
                               SplitChoices(self.guidance_parallel, self.world_size, sp.degree,
                                            tuple(self.pass_groups or {}), model, self.shape or ModelShape(),
-                                           self.token_cap))
+                                           self.cap_at(1)))  # a spread pass holds all the tokens on one rank
         if choice.kind == "passes":
             report = PlanReport(sp_choice.degree, sp_choice.reason, choice)
-            return StageRun(choice, self.pass_groups[choice.degree], None, report, self.token_cap)
+            return StageRun(choice, self.pass_groups[choice.degree], None, report, self.cap_at(1))
         reason = sp_choice.reason
         if choice.reason:
             reason = f"{reason}; {choice.reason}" if reason else choice.reason
-        forward = None if sp.forward is None else dataclasses.replace(sp.forward, token_cap=self.token_cap)
-        return StageRun(choice, sp.group, forward, PlanReport(sp_choice.degree, reason), self.token_cap)
+        cap = self.cap_at(sp.degree)
+        forward = None if sp.forward is None else dataclasses.replace(sp.forward, token_cap=cap)
+        return StageRun(choice, sp.group, forward, PlanReport(sp_choice.degree, reason), cap)
 
     @property
     def in_sp_group(self) -> bool:
         return self.rank < self.sp_degree
 
-    def check(self, tokens: int) -> None:
-        """Before any work: the per-rank token cap of the largest SP stage (raises ValidationError)."""
+    def check(self, tokens: int, frame_tokens: int | None = None, size: str | None = None) -> None:
+        """Before any work: the per-rank token cap of the largest SP stage (raises ValidationError). The refusal
+        names, with `frame_tokens` (latent tokens per latent frame of the checked stage) and `size` (the job's
+        "width×height"), the longest clip that fits, and the fewest ranks that would hold the asked clip among the
+        degrees the heads allow (`sequence.check_token_cap`)."""
+        degrees = valid_sp_degrees(self.heads) if self.heads else None
         try:
-            check_token_cap(tokens, self.sp_degree, self.token_cap)
+            check_token_cap(tokens, self.sp_degree, self.token_cap, frame_tokens, size, degrees, self.cap_at)
         except ValueError as exc:
             raise ValidationError(str(exc)) from None
 
@@ -373,8 +411,49 @@ class ParallelPlan:
                 f"wait for its result{reason}")
 
 
+@functools.lru_cache(maxsize=256)
+def _planned_cap(memory: MemoryBudget, degree: int) -> int:
+    """`memory_plan.token_cap(memory, degree)`, once per budget and degree (a bisection over the plan)."""
+    return planned_token_cap(memory, degree)
+
+
+def linear_path(transformer, device: torch.device) -> str:
+    """How the transformer's block Linears compute on `device`, for the memory plan (`ActivationShape.linear`):
+    "int8" (W8A8 layers, `models.quant`), "fp8" (fp8 layers on a GPU with fp8 tensor cores: compute capability ≥
+    8.9) or "bf16" (plain weights, or fp8 dequantized per call)."""
+    names = {type(m).__name__ for m in transformer.transformer_blocks.modules()}
+    if "Int8Linear" in names:
+        return "int8"
+    if "FP8Linear" in names and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        return "fp8"
+    return "bf16"
+
+
+def memory_budget(transformer, device: torch.device, sharded: bool = False, budget_bytes: int | None = None,
+                  batch: int = 1) -> MemoryBudget | None:
+    """This rank's `MemoryBudget` for the "auto" token cap, read now (after the weights are loaded): budget =
+    `budget_bytes` (a per-GPU budget) or the GPU's total memory; resident = `torch.cuda.memory_allocated` (the
+    weights and every other resident component); gathered = 2 × the largest sharded unit when any is sharded (the
+    running block and the prefetched next, `weights/sharding.py gathered`; 0 replicated; `sharded` is not read:
+    the transformer's `sharding_of` report says); the transformer's `ActivationShape` in its
+    compute dtype with its Linears' path (`linear_path`), every timestep per token (the largest plan). None on a
+    CPU device, or a "cuda" device without CUDA (tests' simulated fleets): no budget to plan against."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    from ..weights.sharding import sharding_of
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    report = sharding_of(transformer)  # sharded or placed weights: some units gathered while they run
+    gathered = 2 * report.largest_unit_bytes if report is not None and report.sharded_units > 0 else 0
+    dtype = next((p.dtype for p in transformer.proj_in.parameters()), torch.bfloat16)
+    shape = ActivationShape.of(transformer.config, linear=linear_path(transformer, device),
+                               act_bytes=torch.empty((), dtype=dtype).element_size())
+    return MemoryBudget(budget=int(budget_bytes or total), resident=int(torch.cuda.memory_allocated(device)),
+                        gathered=int(gathered), shape=shape, batch=batch)
+
+
 def build_plan(transformer, rank: int, world_size: int, device: torch.device, policy: FleetPolicy | None = None,
-               sharded: bool = False) -> ParallelPlan:
+               sharded: bool = False, budget_bytes: int | None = None) -> ParallelPlan:
     """Called by every rank of an initialized default process group (creating the sub-groups is collective).
 
     Every group a policy may use is built here, once, in the same order on every rank: an SP group of ranks
@@ -390,7 +469,9 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device, po
     `sp_degree`: an explicit degree (checked by `check_requested_degree`); None = the largest valid one. It is the
     largest degree a stage uses; the policy may still pick fewer ranks.
     `guidance_parallel`: "auto" | "on" | "off" (`passes.py`): whether a guided stage may run its passes in parallel
-    instead ("on", or "auto" on CUDA). `token_cap`: video tokens per rank per forward.
+    instead ("on", or "auto" on CUDA). `token_cap`: video tokens per rank per forward (an int, None: no cap, or
+    "auto": the memory plan's per degree, from this rank's `memory_budget` measured here, against `budget_bytes` —
+    a per-GPU budget — or the GPU's total memory).
     `sharded`: the weights are sharded over all ranks (every forward on all of them). Raises ValidationError /
     ValueError for a policy the heads, the fleet or sharded weights do not allow.
     """
@@ -414,6 +495,7 @@ def build_plan(transformer, rank: int, world_size: int, device: torch.device, po
         all_pass_groups[g] = (None if g == world_size else all_stages[g].group if g in all_stages
                               else dist.new_group(list(range(g))))
     groups = PlanGroups(rank, world_size, device, MappingProxyType(all_stages), MappingProxyType(all_pass_groups),
-                        heads, ModelShape.of(transformer.config), sharded=sharded)
+                        heads, ModelShape.of(transformer.config), sharded=sharded,
+                        memory=memory_budget(transformer, device, sharded, budget_bytes))
     return ParallelPlan.for_policy(groups, sp_degree=sp_degree, min_tokens_per_rank=min_tokens_per_rank,
                                    guidance_parallel=guidance_parallel, token_cap=policy.token_cap)

@@ -34,21 +34,26 @@ import torch
 from ..engine.attention import LTX2AttnProcessor, video_keys
 from ..engine.tokens import TokenBatch
 from ..protocol.fleet_rules import check_sp_degree
+from ..protocol.memory_plan import cap_refusal
 from .exchange import Exchange
 from .forward_plan import SEQUENCE, ForwardPlan, shard_batch
 
 NEG_INF = float("-inf")
 
 
-def check_token_cap(tokens: int, world_size: int, cap: int | None) -> None:
-    """Refuse a forward whose per-rank video token count exceeds `cap`, saying how to get under it."""
+def check_token_cap(tokens: int, world_size: int, cap: int | None, frame_tokens: int | None = None,
+                    size: str | None = None, degrees=None, cap_at=None) -> None:
+    """Refuse (ValueError) a forward whose per-rank video token count ⌈tokens / world_size⌉ exceeds `cap` (None: no
+    cap), saying how to get under it (`protocol/memory_plan.py cap_refusal`): with `frame_tokens` (latent tokens per
+    latent frame) the longest clip that fits at this `size`, and the ranks that would hold the asked clip — the
+    fewest of `degrees` (valid SP degrees) under `cap_at(d)` (the per-rank cap at d ranks; default: `cap` at every
+    degree), or ⌈tokens / cap⌉ without `degrees`."""
     if cap is None:
         return
-    per_rank = -(-tokens // world_size)
-    if per_rank > cap:
-        need = -(-tokens // cap)
-        raise ValueError(f"{tokens} video tokens over {world_size} ranks is {per_rank} tokens per rank, above the cap "
-                         f"of {cap}: use at least {need} GPUs, fewer frames or a smaller size, or raise the cap")
+    msg = cap_refusal(tokens, world_size, lambda d: cap if d == world_size or cap_at is None else cap_at(d), degrees,
+                      frame_tokens, size)
+    if msg is not None:
+        raise ValueError(msg)
 
 
 class UlyssesSelfAttention(LTX2AttnProcessor):
@@ -60,9 +65,11 @@ class UlyssesSelfAttention(LTX2AttnProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  query_rotary_emb=None, key_rotary_emb=None, **_):
         keys = video_keys(attention_mask, "video self-attention (IC-LoRA)")
-        q, k, v = self.project(attn, hidden_states, None, query_rotary_emb, key_rotary_emb)
-        # one all_to_all for q, k and v (stacked along the batch): a third of the collectives' launches and waits
-        q, k, v = self.exchange.seq_to_heads(torch.cat((q, k, v))).chunk(3)
+        # one all_to_all for q, k and v (stacked along the batch): a third of the collectives' launches and waits.
+        # The projections are not kept past their concatenation (no local names): during the all_to_all the rank
+        # holds the stack, the send and the receive buffer — 9 token-widths instead of 12 (issue 35's memory plan)
+        q, k, v = self.exchange.seq_to_heads(torch.cat(self.project(attn, hidden_states, None, query_rotary_emb,
+                                                                    key_rotary_emb))).chunk(3)
         attend = keys.self_attention or self.attend
         out = attend(q, k, v, None if keys.mask is None else keys.mask.to(q.dtype))
         out = self.exchange.heads_to_seq(out)

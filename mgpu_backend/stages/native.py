@@ -58,6 +58,7 @@ from ..engine.denoiser import skip_self_attention, text_contexts
 from ..protocol.native_forward import ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraSet, PreprocessTextReply, PreprocessTextRequest
 from ..weights.lora import LoRAFile, LoRAFuser, LoRAPair
 from ..engine.forward import Split, comfy_block, qk_eps, qk_norms  # noqa: F401 (re-exported)
+from ..engine.latents import VAE_SPATIAL_COMPRESSION
 from ..models import keymaps
 from ..splits.apply import apply_plan
 from ..splits.dispatch import dispatch
@@ -332,7 +333,8 @@ class NativeEngine:
             raise NotSupported("generated_keyframes on a model with the keyframe embedding (LTX-2.5) are not "
                                "supported by the fleet yet")
         if self.plan is not None:
-            self.plan.check(request.video_tokens)
+            h, w = request.video.shape[-2:]
+            self.plan.check(request.video_tokens, h * w, f"{w * VAE_SPATIAL_COMPRESSION}×{h * VAE_SPATIAL_COMPRESSION}")
 
     # ---- LoRA ----
     def lora_missing(self, request) -> str | None:

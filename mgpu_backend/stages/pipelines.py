@@ -434,7 +434,8 @@ class TwoStagePipeline:
         frames_lat = L.latent_frames(request.frames)
         h1, w1 = request.height // 64, request.width // 64
         h2, w2 = 2 * h1, 2 * w1
-        limits.check_tokens(frames_lat * h2 * w2 if distilled else frames_lat * h1 * w1)  # the larger split stage
+        frame_tokens = h2 * w2 if distilled else h1 * w1  # the larger split stage's (stage 2 of TDP is tiled)
+        limits.check_tokens(frames_lat * frame_tokens, frame_tokens, f"{request.width}×{request.height}")
         grid2 = (frames_lat, h2, w2)
         stage2_tiling = None if distilled else limits.tiling(request.tiles, grid2, request.tile_overlap,
                                                              "stage-2 tiles")

@@ -243,11 +243,13 @@ class StageLimits:
     family: ModelFamily | str  # or its name
     n_blocks: int
     plan: ParallelPlan | None = None
+    heads: int | None = None  # the video attention heads (the SP degrees a refusal may name); None: not known
 
     @classmethod
     def of(cls, components, plan=None) -> StageLimits:
         """The limits of loaded `components` (`LTX2Components`) under `plan`."""
-        return cls(components.family, len(components.transformer.transformer_blocks), plan)
+        tr = components.transformer
+        return cls(components.family, len(tr.transformer_blocks), plan, tr.config.num_attention_heads)
 
     @property
     def ranks(self) -> int:
@@ -287,17 +289,21 @@ class StageLimits:
                                         f"{list(self.default_stg_blocks())})")
         return video, audio
 
-    def check_tokens(self, tokens: int) -> None:
-        """A split stage's `tokens` video tokens against the plan's per-rank token cap; in one process the cap a
-        one-rank fleet applies (so a huge size is refused here, not by the allocator)."""
+    def check_tokens(self, tokens: int, frame_tokens: int | None = None, size: str | None = None) -> None:
+        """A split stage's `tokens` video tokens against the plan's per-rank token cap (`ParallelPlan.check`); in
+        one process the cap a one-rank fleet applies (so a huge size is refused here, not by the allocator). With
+        `frame_tokens` (latent tokens per latent frame of the stage) and `size` (the job's "width×height") the
+        refusal names the longest clip that fits and the ranks that would hold this one. Raises ValidationError."""
         if self.plan is not None:
-            self.plan.check(tokens)
+            self.plan.check(tokens, frame_tokens, size)
             return
+        from ..protocol.fleet_rules import valid_sp_degrees
         from ..splits.plan import DEFAULT_TOKEN_CAP
         from ..splits.sequence import check_token_cap
 
+        degrees = valid_sp_degrees(self.heads) if self.heads else None
         try:
-            check_token_cap(tokens, 1, DEFAULT_TOKEN_CAP)
+            check_token_cap(tokens, 1, DEFAULT_TOKEN_CAP, frame_tokens, size, degrees)
         except ValueError as exc:
             raise V.ValidationError(str(exc)) from None
 

@@ -88,7 +88,8 @@ def run_sample(state, request: SampleRequest, ctx) -> SampleResult | None:
                                ranks=max(limits.ranks, 2) if r.tiles is None else None)
         limits.check_tdp_sigmas(sigmas, DEFAULT_MAX_FIRST_SIGMA if r.max_first_sigma is None else r.max_first_sigma)
     else:
-        limits.check_tokens(f * h * w)
+        px = L.VAE_SPATIAL_COMPRESSION
+        limits.check_tokens(f * h * w, h * w, f"{w * px}×{h * px}")
     # stg_blocks "auto": the model's default STG block (the CLI's); explicit blocks must exist
     video_guidance, audio_guidance = limits.guidance(r.video_guidance or S.NO_GUIDANCE,
                                                      r.audio_guidance or S.NO_GUIDANCE, r.stg_blocks)
