@@ -188,8 +188,8 @@ def measure_rank(path: str, world: int, sizes, budget_gib: float | None, device,
             from mgpu_backend.models.loader import weight_bytes
             from mgpu_backend.protocol.fleet_rules import place_weights
 
-            sizes = weight_bytes([path], dtype, transformer_only=True)
-            placement = place_weights(sizes, world, int(budget_gib * GiB) if budget_gib else None, weights)
+            header_sizes = weight_bytes([path], dtype, transformer_only=True)
+            placement = place_weights(header_sizes, world, int(budget_gib * GiB) if budget_gib else None, weights)
             out["placement"] = placement.describe()
         report = shard_transformer(c.transformer, device, connectors=(c.video_connector, c.audio_connector),
                                    placement=placement)

@@ -241,6 +241,6 @@ def test_clean_bytes_of_sharded_gpu_weights_go_to_host_memory():
 
     cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
     assert backup_device_for(cuda, sharded=True) == cpu  # the memory mode: nothing kept on the GPU
-    assert backup_device_for(cuda, sharded=False) == cuda  # the replicated fleet: restore at device speed
+    assert backup_device_for(cuda, sharded=False) == cpu  # replicated too: ComfyUI keeps its backups off the GPU
     assert backup_device_for(cpu, sharded=True) == cpu
     assert backup_device_for(cuda, sharded=True, configured=cuda) == cuda

@@ -314,7 +314,7 @@ def test_placed_weights_equal_replicated(golden, deep_transformer, world, uneven
         assert f"cannot hold replicated weights: that needs {needs[0] / 2 ** 30:.1f} GiB" in message, message
         assert f"Would fit: weights='placed' ({10 - count} of 10 units replicated, " in message, message
         assert r["refusals"]["placed"].startswith("cpu: a budget of "), r["refusals"]["placed"]
-        assert f"cannot hold weights='placed' (even with " in r["refusals"]["placed"]
+        assert f"cannot hold weights='placed' (its smallest need: " in r["refusals"]["placed"]
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ each touched layer has one owner rank (largest layers first, each to the least-l
   bytes and of its scale: exact, gloo or NCCL). Reading and computing are split W ways and run on all ranks at once;
   every rank ends with bit-identical weights, equal to what one process computes.
 - restore: the owner copies the clean bytes back and broadcasts them into the layer on every rank.
-Clean bytes held per rank: ~1/W of the touched layers' stored bytes (`LoRAFuser.clean_bytes`). The checkpoint is not
-opened.
+Clean bytes held per rank: ~1/W of the touched layers' stored bytes (`LoRAFuser.clean_bytes`), in pinned host
+memory when the weights are on a GPU (`backup_device_for`, as ComfyUI keeps its backups on its offload device). The
+checkpoint is not opened.
 
 With sharded weights (`weights/sharding.py`: each rank holds rows of every block layer) each rank fuses every touched
 layer itself: the layer is gathered whole (in model order on every rank), the fused weight computed and rounded
@@ -287,13 +288,15 @@ class RestoreStats:
 
 def backup_device_for(weight_device: torch.device, sharded: bool,
                       configured: torch.device | None = None) -> torch.device:
-    """Where a rank keeps the clean bytes of a fused layer: `configured` when given; for sharded weights on a GPU
-    (the memory mode, e.g. 24 GB cards) pinned host memory — as ComfyUI keeps its patch backups on its offload
-    device — so that a fused LoRA costs the GPU nothing beyond the model (restore copies ~1/W of the touched bytes
-    back over PCIe); otherwise the weight's own device (the replicated fleet: restore at device speed)."""
+    """Where a rank keeps the clean bytes of a fused layer: `configured` when given; for a GPU weight pinned host
+    memory — as ComfyUI keeps its patch backups on its offload device — so that a fused LoRA costs the GPU nothing
+    beyond the model (a LoRA on every block of the 22B fp8 model touches 17 GiB: on the GPU that would be 17 GiB in
+    one process, ~17/W GiB per owner rank of a replicated fleet; measured in bench/results/sharded_lora_h100.txt);
+    restore copies the clean bytes back over PCIe. CPU weights: their own device. `sharded` (the layer is sharded
+    over the ranks) does not change the rule; it is kept for the callers' clarity."""
     if configured is not None:
         return configured
-    if sharded and weight_device.type == "cuda":
+    if weight_device.type == "cuda":
         return torch.device("cpu")
     return weight_device
 
@@ -320,8 +323,8 @@ class LoRAFuser:
             `video_connector` / `audio_connector`.
         rank, world_size, group: this rank in the process group whose ranks fuse together (`world_size` 1: one
             process, no communication). `rank` is the rank within `group` (None = the default group).
-        backup_device: where the clean bytes are kept (None: `backup_device_for`'s choice — the weight's device,
-            except pinned host memory for sharded CUDA weights).
+        backup_device: where the clean bytes are kept (None: `backup_device_for`'s choice — pinned host memory for
+            CUDA weights, else the weight's device).
         patch_dtype: the dtype the LoRA is patched in (None: ComfyUI's rule for the weight's device,
             `models.requantize.lora_compute_dtype`).
         use_kitchen: None = comfy-kitchen's quantizers when installed, False = the torch steps (the same bits on CPU).
