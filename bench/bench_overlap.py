@@ -4,8 +4,9 @@ with weight streaming beside it (issue 35: gathers hidden behind compute; the ba
 A rank of a W-rank fleet is simulated on one GPU: the whole transformer resident (a replica: the compute of a block
 does not depend on where its weights came from), its sequence-parallel share of the tokens through the W-way
 exchange on one GPU (`bench_memory.MemoryExchange`), and the bytes the weights mode moves per forward copied through
-host memory on two side streams, each unit's copies one block ahead of the compute (what `weights.sharding.gathered`
-does with FSDP's all-gathers: the next unit's gather starts when the current block starts):
+host memory on two side streams in the order `weights.sharding.gathered` issues FSDP's all-gathers (the first moving
+unit's before the first block, each next moving unit's when the current moving block starts, so that it overlaps the
+whole blocks in between):
 
 - a sharded unit of a W-rank fleet without P2P (NCCL's ring through host memory): the rank sends and receives
   (W−1)/W of the unit's bytes: a device→host copy and a host→device copy of that size, concurrently (one stream each);
@@ -157,33 +158,34 @@ class Copier:
         self.dev_out = torch.empty(largest, dtype=torch.uint8, device=device)
 
     def only(self, m: Moves) -> None:
-        """The copies alone, in the same order and one block apart, as `gathering` issues them."""
+        """The copies alone, back to back in the order `gathering` issues them."""
         for i in range(len(m.h2d)):
             self._queue(m, i, None)
 
     @contextlib.contextmanager
     def gathering(self, m: Moves):
-        """Within: the forward's block loop (`engine.forward.gathered`) issues block i+1's copies when block i starts
-        and block i waits for its own."""
+        """Within: the forward's block loop (`engine.forward.gathered`) issues the next moving block's copies when a
+        moving block starts, and each moving block waits for its own."""
         from mgpu_backend.engine import forward as fwd
 
         original = fwd.gathered
         copier = self
 
-        def gathered(blocks):
-            blocks = list(blocks)
+        def gathered(blocks):  # the order of `weights.sharding.gathered`: the next moving block's copies are
+            blocks = list(blocks)  # issued when the current moving block starts (the first: before the loop)
             current = torch.cuda.current_stream(copier.device)
-            pending = {}
+            moving = [i for i in range(len(blocks)) if m.h2d[i] or m.d2h[i]]
+            following = dict(zip(moving, moving[1:]))
+            pending = {moving[0]: copier._queue(m, moving[0], None)} if moving else {}
             for i, block in enumerate(original(blocks)):
-                if i == 0:
-                    pending[0] = copier._queue(m, 0, None)
-                start = torch.cuda.Event()
-                start.record(current)
-                if i + 1 < len(blocks):
-                    pending[i + 1] = copier._queue(m, i + 1, start)
-                waits = pending.pop(i)
-                for ev in waits:
-                    current.wait_event(ev)
+                if i in pending:
+                    nxt = following.get(i)
+                    if nxt is not None:
+                        start = torch.cuda.Event()
+                        start.record(current)
+                        pending[nxt] = copier._queue(m, nxt, start)
+                    for ev in pending.pop(i):
+                        current.wait_event(ev)
                 yield block
 
         fwd.gathered = gathered

@@ -48,6 +48,15 @@ ACTIVATION_RESERVE_BYTES = 3 * GiB
 1280×704×121 (stage 2, 7,040 tokens per rank at W = 2: 2.96 GiB; 640×352×121 with a CFG batch of 2: 1.88 GiB), in
 bench/results/sharded_h200.txt. Larger sizes need more (a finer split: more ranks)."""
 
+ALLOCATOR_MARGIN_BYTES = 1 * GiB
+"""Kept free beside the reserve when weights are placed to fill a budget: the caching allocator's reserved-but-unused
+memory and the fragmentation around the gathered blocks (0.65 GiB reserved above allocated at stage 2 on a placed
+W = 2 rank under 24 GiB, bench/results/sharded_lora_h100.txt, where a placement made with the 3 GiB reserve alone
+peaked at 22.36 GiB of 24)."""
+
+PLACEMENT_RESERVE_BYTES = ACTIVATION_RESERVE_BYTES + ALLOCATOR_MARGIN_BYTES
+"""What `place_weights` keeps free per GPU beside the weights and the gathered blocks (one forward + the margin)."""
+
 
 # ---- the facts the rules read -----------------------------------------------------------------------------------
 
@@ -426,7 +435,7 @@ def placement_of(sizes: WeightBytes, world_size: int, sharded, budget_bytes: int
 
 
 def place_weights(sizes: WeightBytes, world_size: int, budget_bytes: int | None, weights: str = "auto",
-                  reserve_bytes: int = ACTIVATION_RESERVE_BYTES, budget_from: str = "") -> WeightPlacement:
+                  reserve_bytes: int = PLACEMENT_RESERVE_BYTES, budget_from: str = "") -> WeightPlacement:
     """Where the weights go on every rank of a fleet of `world_size` ranks, each GPU given `budget_bytes` (the
     fleet's smallest, `agreed_budget`; None: unbounded) for its weights, the gathered blocks and `reserve_bytes` of
     one forward's activations.
@@ -510,7 +519,7 @@ def check_fleet(identity, policy, heads: int | None = None) -> None:
     check_policy(identity.weights, identity.world_size, policy, heads, identity.sequence_parallel)
 
 
-__all__ = ["ACTIVATION_RESERVE_BYTES", "CheckpointFacts", "GiB", "INT8_COMPUTE_MODES", "WEIGHT_MODES", "WeightBytes",
+__all__ = ["ACTIVATION_RESERVE_BYTES", "ALLOCATOR_MARGIN_BYTES", "PLACEMENT_RESERVE_BYTES", "CheckpointFacts", "GiB", "INT8_COMPUTE_MODES", "WEIGHT_MODES", "WeightBytes",
            "WeightPlacement", "agreed_budget", "check_compile", "check_fits", "check_fleet", "check_int8_mode",
            "check_policy", "check_requested_degree", "check_sharded_policy", "check_sharded_tiles", "check_sp_degree",
            "largest_sp_degree", "place_weights", "placement_of", "resolve_int8_compute", "sharded_units", "shards",
