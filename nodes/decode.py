@@ -26,7 +26,8 @@ class DistributedDecodeMGPU(io.ComfyNode):
                 io.Latent.Input("latent", tooltip="LTX-2 latent: audio+video (decodes both) or video only."),
                 io.Int.Input("tiles_height", default=0, min=0, max=16,
                              tooltip="Decode tiles along the height; 0 and 0 = a balanced grid from the device "
-                                     "count (one device: untiled)."),
+                                     "count, no tile under 256 px (one device, or a video under 448 px: "
+                                     "untiled, as VAEDecode)."),
                 io.Int.Input("tiles_width", default=0, min=0, max=16,
                              tooltip="Decode tiles along the width; 0 and 0 = a balanced grid from the device "
                                      "count."),

@@ -33,7 +33,10 @@ from typing import Any
 
 import torch
 
-from ..mgpu_backend.protocol import native_forward as F
+try:  # inside ComfyUI the pack is one package (mangled name); tests import `nodes` and `mgpu_backend` top-level
+    from ..mgpu_backend.protocol import native_forward as F
+except ImportError:
+    from mgpu_backend.protocol import native_forward as F
 from . import native_forward as NF
 from .native_patches import refuse_core_multigpu, refuse_patcher_features
 from .native_types import UnsupportedInput
@@ -119,6 +122,7 @@ class FleetTransformer(torch.nn.Module):
         self._lock = threading.Lock()
         self.known_contexts: OrderedDict[str, None] = OrderedDict()  # context row keys the fleet holds
         self.known_loras: set[str] = set()
+        self.logged_loras: set[tuple[str, str]] = set()  # (LoRA set key, part) whose coverage is in ComfyUI's log
         self.stats = {"forwards": 0, "context_sent": 0, "misses": 0, "preprocess": 0}
         # how the fleet ran the latest forward: ComfyUI's sampler keeps only the forward's tensors, so the reply's
         # report stays here for whoever shows it
@@ -157,6 +161,9 @@ class FleetTransformer(torch.nn.Module):
                 raise RuntimeError("the fleet kept answering ForwardMiss for the same preprocess_text request")
             if request.lora is not None and request.lora.patches is not None:
                 self.known_loras.add(request.lora.key)
+            if request.lora is not None:
+                self._log_coverage(request.lora.key, "on the text connectors",
+                                   tuple(getattr(reply, "lora_reports", ()) or ()))
             self.stats["preprocess"] += 1
         return reply.context.to(device=context.device, dtype=context.dtype)
 
@@ -241,12 +248,20 @@ class FleetTransformer(torch.nn.Module):
             self.known_contexts.popitem(last=False)
         if request.lora is not None and request.lora.patches is not None:
             self.known_loras.add(request.lora.key)
-            coverage = "; ".join(lora_reports) or reply.report
-            log.info("MGPU model: LoRA set %s (%d layer patches) shipped to the fleet: %s", request.lora.key,
-                     len(request.lora.patches), coverage)
+        if request.lora is not None:
+            self._log_coverage(request.lora.key, "in the transformer", lora_reports)
         partial = [r for r in lora_reports if "not in this model" in r]
         if partial:  # ComfyUI would patch those weights (e.g. the text connectors'): never dropped silently
             raise UnsupportedInput(f"the fleet could not apply every layer of the LoRA: {'; '.join(partial)}")
+
+    def _log_coverage(self, key: str, part: str, reports: tuple[str, ...]) -> None:
+        """Log (INFO, through ComfyUI's root logger: its console and log file) the coverage the fleet reported for a
+        LoRA set, once per set and part — the first reply after the set is fused, whichever job shipped its patches
+        (`preprocess_text` ships them before the first forward, then the forwards name the set by its key)."""
+        if not reports or (key, part) in self.logged_loras:
+            return
+        self.logged_loras.add((key, part))
+        log.info("MGPU model: LoRA fused on the fleet %s: %s", part, "; ".join(reports))
 
     def _call(self, kind: str, payload):
         return self._transport(kind, payload)
@@ -255,6 +270,7 @@ class FleetTransformer(torch.nn.Module):
         """Forget what the fleet holds (a new fleet: everything is shipped again)."""
         self.known_contexts.clear()
         self.known_loras.clear()
+        self.logged_loras.clear()
 
 
 class FleetTransport:

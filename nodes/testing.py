@@ -12,6 +12,9 @@ samplers and ours on the same inputs:
     ComfyUI), or
   - `tiny gemma`: the prompts through a (tiny) Gemma file and the checkpoint's text projection, in this process,
     with the engine's Gemma loader and feature extractor (valid tokens only, as Text Encode (MGPU) returns them).
+- **Test Tiny Gemma 4 CLIP (MGPU)** (`LTX2MGPU_TestTinyCLIP`): ComfyUI's CLIPLoader (ltxv) for a tiny Gemma 4 file,
+  the tiny widths given as ComfyUI's own `_model_config` override: a native CLIP for CLIPTextEncode and core's
+  Select CLIP Device.
 - **Test LTXAV Reference Fix (MGPU)** (`LTX2MGPU_TestLTXAVFix`): a MODEL patch for golden runs. ComfyUI 0.20.x feeds
   the unscaled sigma to the four audio-video cross-attention AdaLNs (fixed upstream by Comfy-Org/ComfyUI#14097) and
   builds the attention q/k RMS norms with eps 1e-5 (the reference: 1e-6). The patch (a `model_function_wrapper`,
@@ -216,7 +219,48 @@ class TestLTXAVFixMGPU(io.ComfyNode):
         return io.NodeOutput(patched)
 
 
-TEST_NODES: list[type[io.ComfyNode]] = [TestConditioningMGPU, TestLTXAVFixMGPU]
+class TestTinyCLIPMGPU(io.ComfyNode):
+    """ComfyUI's CLIPLoader (`type="ltxv"`) for a tiny Gemma 4 file: what `nodes.CLIPLoader.load_clip` does —
+    `comfy.sd.load_clip(ckpt_paths=[file], embedding_directory=…, clip_type=LTXV, model_options=…)` — with ComfyUI's
+    own per-model config override `model_options["_model_config"]` (read by `sd1_clip.SDClipModel`) carrying the tiny
+    widths: ComfyUI builds the 12B from its hard-coded `Gemma4_12B_Config` otherwise. Everything else (the file's
+    detection, the LTXAV text encoder, its tokenizer, the bundled projection) is ComfyUI's, so ComfyUI's CLIP nodes
+    (CLIPTextEncode, Select CLIP Device) can run in front of the pack on the tiny models."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        import folder_paths
+
+        return io.Schema(
+            node_id="LTX2MGPU_TestTinyCLIP",
+            display_name="Test Tiny Gemma 4 CLIP (MGPU)",
+            category=CATEGORY,
+            description="TEST ONLY (LTX2_MGPU_TEST_NODES=1): ComfyUI's CLIPLoader (ltxv) for a tiny Gemma 4 file, "
+                        "the tiny widths given as ComfyUI's _model_config override.",
+            is_dev_only=True,
+            inputs=[io.Combo.Input("clip_name", options=sorted(folder_paths.get_filename_list("text_encoders")),
+                                   tooltip="The tiny Gemma 4 file (with its text projection) in text_encoders/."),
+                    io.String.Input("model_config", default="{}", multiline=True,
+                                    tooltip="JSON: the Gemma 4 config ComfyUI builds instead of the 12B's "
+                                            "(mgpu_backend.testing.tiny_gemma4.tiny_comfy_config()).")],
+            outputs=[io.Clip.Output()],
+        )
+
+    @classmethod
+    def execute(cls, clip_name, model_config) -> io.NodeOutput:
+        import json
+
+        import comfy.sd
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        clip = comfy.sd.load_clip(ckpt_paths=[path], embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                                  clip_type=comfy.sd.CLIPType.LTXV,
+                                  model_options={"_model_config": json.loads(model_config)})
+        return io.NodeOutput(clip)
+
+
+TEST_NODES: list[type[io.ComfyNode]] = [TestConditioningMGPU, TestLTXAVFixMGPU, TestTinyCLIPMGPU]
 
 
 def test_nodes() -> list[type[io.ComfyNode]]:

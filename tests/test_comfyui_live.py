@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import struct
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -33,6 +34,8 @@ pytestmark = pytest.mark.comfyui
 ROOT = Path(__file__).resolve().parent.parent
 # comfyui-*: ComfyUI's own templates with the minimal swap, queued by tests/test_templates_live.py
 WORKFLOWS = sorted(p for p in (ROOT / "workflows" / "api").glob("*.json") if not p.name.startswith("comfyui-"))
+# the API twin the previous release shipped (its loader without weights / int8_compute / gpu_budget_gib): still runs
+SAVED_WORKFLOWS = [ROOT / "tests" / "fixtures" / "saved-workflows-098787a" / "api" / "ltx2-mgpu-two-stage-t2v.json"]
 BASE_WORKFLOW = ROOT / "workflows" / "api" / "ltx2-mgpu-two-stage-t2v.json"  # what the error / interrupt tests vary
 URL = os.environ.get("COMFYUI_URL", "").rstrip("/")
 COMFY_DIR = Path(os.environ.get("COMFYUI_DIR", "/tmp/comfyui"))
@@ -257,7 +260,8 @@ def test_workflows_are_api_format():
                     assert value[0] in wf, (path.name, node_id, value)
 
 
-@pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
+@pytest.mark.parametrize("path", WORKFLOWS + SAVED_WORKFLOWS,
+                         ids=[p.stem for p in WORKFLOWS] + [f"saved-098787a-{p.stem}" for p in SAVED_WORKFLOWS])
 def test_shipped_workflow_writes_mp4_with_audio(server, tiny_models, example_image, path, tmp_path):
     from mgpu_backend.stages.media import probe_mp4
 
@@ -818,3 +822,50 @@ def test_interrupt_stops_a_sampling_on_the_mgpu_model_and_the_next_prompt_runs(s
     assert interrupted_at is not None and interrupted_at < 200
     again = native_model_graph("mgpu", int.from_bytes(os.urandom(4), "little"), f"ltx2-mgpu-int-{uuid.uuid4().hex[:8]}")
     assert wait(queue(again))["status"]["status_str"] == "success"
+
+
+COVERAGE_LINE = re.compile(r"MGPU model: LoRA fused on the fleet in the transformer: lora (\S+)#0 @ ([0-9.]+): "
+                           r"(\d+)/(\d+) layers applied")
+
+
+def test_lora_coverage_line_in_comfyuis_log(server, tiny_models):
+    """LoraLoaderModelOnly at 0.5 and at 1.0 on the MGPU MODEL (Load Checkpoint (MGPU)'s `model`, 2 CPU ranks): each
+    sampling puts the fleet's coverage of that LoRA set in ComfyUI's log — what its console prints, read back through
+    ComfyUI's own `/internal/logs/raw` — as docs/nodes.md promises: one line per LoRA set, every layer of the tiny
+    distilled LoRA applied. A ModelSamplingLTXV with a shift of this run in front of the LoRA loader makes the LoRA
+    a new patch set (ComfyUI caches the loader's output otherwise, and the proxy logs a set once). Before issue 36
+    no such line appeared (the patches travelled with preprocess_text, the forward logged only what it shipped)."""
+    import random
+
+    _test_nodes_or_skip()
+    if not _engine_has_forward_job():
+        pytest.skip("the engine has no 'forward' job yet (mgpu_backend/serving/jobs/forward.py)")
+    since = time.time()
+    shift = round(random.uniform(1.5, 2.5), 2)
+    for strength in (0.5, 1.0):
+        g = native_model_graph("mgpu", int.from_bytes(os.urandom(4), "little"),
+                               f"ltx2-mgpu-lora-log-{uuid.uuid4().hex[:8]}", lora=strength)
+        g["44"] = {"class_type": "ModelSamplingLTXV", "inputs": {"model": g["41"]["inputs"]["model"],
+                                                                 "max_shift": shift, "base_shift": 0.95}}
+        g["41"]["inputs"]["model"] = ["44", 0]
+        entry = wait(queue(g))
+        assert entry["status"]["status_str"] == "success", entry["status"]
+    entries = _get("/internal/logs/raw")["entries"]
+    lines = [m for e in entries if _log_time(e["t"]) >= since - 1 for m in e["m"].splitlines()]
+    found = {}
+    for line in lines:
+        m = COVERAGE_LINE.search(line)
+        if m:
+            found.setdefault(float(m[2]), []).append((m[1], int(m[3]), int(m[4])))
+    assert set(found) == {0.5, 1.0}, "\n".join(lines[-40:])
+    for strength, hits in found.items():
+        assert len(hits) == 1, (strength, hits)  # once per LoRA set, not once per forward
+        _key, applied, total = hits[0]
+        assert applied == total > 0, (strength, hits)
+    assert found[0.5][0][0] != found[1.0][0][0]  # two LoRA sets
+
+
+def _log_time(stamp: str) -> float:
+    import datetime
+
+    return datetime.datetime.fromisoformat(stamp).timestamp()

@@ -65,6 +65,8 @@ UNUSED_VAE_STATS = {"per_channel_statistics.mean-of-stds", "per_channel_statisti
                     "per_channel_statistics.mean-of-stds_over_std-of-means"}  # stored in the released files too
 
 FRAMES, HEIGHT, WIDTH, AUDIO_FRAMES, PROMPT_TOKENS, FPS, SIGMA = 2, 2, 3, 5, 23, 25.0, 0.7
+# the smallest decodes of issue 36 (width × height × frames -> latent (F, H, W)); 96×64×9 is `decode_latent`
+SMALL_DECODES = {"64x64x9": (2, 2, 2), "64x96x9": (2, 3, 2), "32x64x9": (2, 2, 1)}
 
 _DRIVER = r'''
 import inspect, json, logging, os, sys
@@ -149,6 +151,13 @@ with torch.no_grad():
     for h in handles:
         h.remove()
     out["decoded"] = vae.decode(inputs["decode_latent"]).float()
+    # VAEDecode (VAE.decode) at the smallest sizes: what it decodes, and the error where it cannot
+    info["small_decode_errors"] = {}
+    for name, latent in inputs["small_decode_latents"].items():
+        try:
+            out["small_decoded/" + name] = vae.decode(latent).float()
+        except Exception as exc:
+            info["small_decode_errors"][name] = f"{type(exc).__name__}: {exc}"
     # LTXVAudioVAELoader (comfy_extras/nodes_lt_audio.py) re-reads the checkpoint: audio_vae.* -> autoencoder.*
     sd, metadata = comfy.utils.load_torch_file(ckpt, return_metadata=True)
     sd = comfy.utils.state_dict_prefix_replace(sd, {"audio_vae.": "autoencoder.", "vocoder.": "vocoder."},
@@ -228,6 +237,9 @@ def _inputs(variant: str, width: int) -> dict:
         "decode_latent": torch.randn(1, 128, 2, 2, 3, generator=g),
         "decode_audio_latent": torch.randn(1, 8, 6, 16, generator=g),
         "mel": torch.randn(1, 2, 13, 64, generator=g),
+        # width × height × frames -> a model-space latent (its own generator: the inputs above stay as they were)
+        "small_decode_latents": {name: torch.randn(1, 128, *grid, generator=torch.Generator().manual_seed(21))
+                                 for name, grid in SMALL_DECODES.items()},
     }
 
 
@@ -428,3 +440,33 @@ def test_audio_decode_matches(variant, runs):
     assert _max_diff(run["out"]["vocoder"], alone) <= DECODE_ATOL  # measured 0.0
     chain_atol = 5e-3 if variant == "2.3" else DECODE_ATOL  # measured 0.0-5.7e-4 (2.3), 0.0 (2.0)
     assert _max_diff(run["out"]["waveform"], waveform) <= chain_atol
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_default_distributed_decode_is_vaedecode_at_the_smallest_sizes(variant, runs):
+    """Distributed Decode's default tiles for 2 ranks (what the decode job resolves) at 64×64×9, 96×64×9 and
+    64×96×9: one tile — a tile under 256 px would be mostly seam — so the decode is ComfyUI 0.33's VAEDecode
+    (`VAE.decode`) to DECODE_ATOL (the 2-rank run equals this one-process run bit for bit: `test_decode.py`).
+    At 32×64×9 (1 latent cell wide) VAEDecode fails inside its first convolution, and ours refuses before decoding
+    saying so: the refusal's "ComfyUI's VAEDecode fails the same" is true. (Before issue 36: 64×64 was refused with
+    that claim although VAEDecode decodes it, and 96×64 came out in two 2-cell tiles, far from VAEDecode.)"""
+    from mgpu_backend.splits.decode import decode_tiles
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
+
+    run = runs[variant]
+    vae = run["ours"].video_vae
+    cases = {"96x64x9": run["inputs"]["decode_latent"], **run["inputs"]["small_decode_latents"]}
+    for name, latent in cases.items():
+        tiling = TwoStagePipeline.resolve_tiling(None, 2, tuple(latent.shape[2:]), 2, "decode tiles")
+        x = L.denormalize_latents(latent, vae.latents_mean, vae.latents_std)
+        if name == "32x64x9":
+            assert "Padding size should be less than" in run["info"]["small_decode_errors"][name], run["info"]
+            with pytest.raises(ValueError, match=r"the latent is 1 latent cell \(32 px\) in width; .*\(ComfyUI's "
+                                                 r"VAEDecode fails the same\)"):
+                decode_tiles(vae, x, tiling)
+            continue
+        assert tiling.num_tiles == 1 and name not in run["info"]["small_decode_errors"], (name, tiling)
+        pixels, _ = decode_tiles(vae, x, tiling)
+        frames = ((pixels.clamp(-1, 1) + 1) / 2)[0].permute(1, 2, 3, 0)  # [F, H, W, 3]
+        got = run["out"]["decoded"] if name == "96x64x9" else run["out"]["small_decoded/" + name]
+        assert _max_diff(got.reshape(frames.shape), frames) <= DECODE_ATOL, name

@@ -370,3 +370,125 @@ def test_small_and_odd_latents_decode_or_are_refused_before_work(vaes, diffusion
                                                  rf"{axis} tiles"):
                 decode_tiles(vae, latent, tiling)
             assert calls == []
+
+
+# ---- the default tiling at the smallest sizes: what ComfyUI's VAEDecode computes (issue 36) -------------------------
+
+# pixel size (width × height × frames) -> latent grid (F, H, W); 9 frames = 2 latent frames
+SMALLEST = {"64x64x9": (2, 2, 2), "96x64x9": (2, 2, 3), "64x96x9": (2, 3, 2), "32x64x9": (2, 2, 1),
+            "416x64x9": (2, 2, 13)}  # 13 cells: the widest latent two default tiles of 8 cells cannot cover
+FIRST_SPLIT = (2, 2, 14)  # 448 px: the narrowest width the default splits in two (two 8-cell tiles, 2 overlapping)
+
+
+def _default_decode_tiling(ranks: int, grid) -> TileCountConfig:
+    """What the decode job resolves for a request without tiles (`run_decode` -> `TwoStagePipeline.resolve_tiling`)."""
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
+
+    return TwoStagePipeline.resolve_tiling(None, ranks, grid, 2, "decode tiles")
+
+
+def test_default_decode_tiles_are_never_smaller_than_comfyui_vaedecode_tiles():
+    """Every latent of 1..40 cells high and wide, 2..8 ranks: the default decode tiling (overlap 2, the node's
+    default) never makes a tile of fewer than 8 cells (256 px: the smallest tile ComfyUI 0.33's VAEDecode makes when
+    it tiles a video latent) on an axis it splits; a latent too small for that is not split there (one tile: rank 0
+    decodes it whole). And it splits as soon as two such tiles fit: 14 cells wide at 2 ranks."""
+    from mgpu_backend.splits.decode import MIN_DEFAULT_TILE
+
+    assert MIN_DEFAULT_TILE * SPATIAL == 256
+    for ranks in range(2, 9):
+        for h in range(1, 41):
+            for w in range(1, 41):
+                tiling = _default_decode_tiling(ranks, (2, h, w))
+                assert tiling.frames.num_tiles == 1 and tiling.num_tiles <= ranks
+                for length, axis in ((h, tiling.height), (w, tiling.width)):
+                    if axis.num_tiles > 1:
+                        sizes = [e - s for s, e in split_axis(length, axis.num_tiles, axis.overlap)]
+                        assert min(sizes) >= MIN_DEFAULT_TILE, (ranks, h, w, sizes)
+    for grid in SMALLEST.values():
+        assert _default_decode_tiling(2, grid).num_tiles == 1, grid
+    tiling = _default_decode_tiling(2, FIRST_SPLIT)
+    assert (tiling.height.num_tiles, tiling.width.num_tiles, tiling.width.overlap) == (1, 2, 2)
+    assert split_axis(14, 2, 2) == [(0, 8), (6, 14)]
+    assert (_default_decode_tiling(4, (2, 22, 40)).height.num_tiles,
+            _default_decode_tiling(4, (2, 22, 40)).width.num_tiles) == (2, 2)  # 1280×704: unchanged
+
+
+def _smallest_rank_fn(rank: int, world: int, checkpoint: str, diffusion_path: str) -> dict:
+    from mgpu_backend.models.loader import load_diffusion_vae
+
+    decoders = {"conv": load_components(checkpoint, dtype=torch.float32).video_vae,
+                "diffusion": load_diffusion_vae(diffusion_path, dtype=torch.float32).decoder}
+    out = {}
+    for kind, vae in decoders.items():
+        for name, grid in SMALLEST.items():
+            tiling = _default_decode_tiling(world, grid)
+            try:
+                pixels, report = decode_tiles(vae, _latent(grid), tiling, None, None, world, rank)
+                out[kind, name] = (pixels, report.tiles)
+            except ValueError as exc:
+                out[kind, name] = str(exc)
+    return out
+
+
+def test_default_decode_on_two_ranks_equals_the_one_process_decode_at_the_smallest_sizes(tiny_dir, tmp_path):
+    """64×64×9, 96×64×9, 64×96×9, 32×64×9 and 416×64×9 on 2 gloo ranks with the default tiles, both decoders: the
+    decode is the one-process untiled decode (`decode_untiled`, what ComfyUI's VAEDecode computes: equal to it in
+    `test_comfyui_load.py` for the conv VAE, `test_diffusion_decoder.py` for LTX-2.5's), bit for bit — rank 0
+    decodes the whole latent, rank 1 adds zeros. (Before issue 36: 64×64 was refused, 96×64 came out in two 2-cell
+    tiles 0.3-0.7 relative L2 away.) The conv VAE refuses 32 px in width as VAEDecode fails on it, naming the width."""
+    from mgpu_backend.splits.decode import decode_untiled
+    from mgpu_backend.testing.tiny_vae25 import write_tiny_diffusion_vae
+    from mgpu_backend.models.loader import load_diffusion_vae
+
+    diffusion_path = write_tiny_diffusion_vae(tmp_path / "ltx-2.5-tiny-diffusion-vae.safetensors", 0)
+    checkpoint = str(tiny_dir["2.3"]["checkpoint"])
+    results = run_ranks(_smallest_rank_fn, 2, checkpoint, str(diffusion_path))
+    decoders = {"conv": load_components(checkpoint, dtype=torch.float32).video_vae,
+                "diffusion": load_diffusion_vae(diffusion_path, dtype=torch.float32).decoder}
+    for kind, vae in decoders.items():
+        for name, grid in SMALLEST.items():
+            got, idle = results[0][kind, name], results[1][kind, name]
+            if kind == "conv" and grid[2] == 1:
+                axis = "width"
+                expect = (f"decode: the latent is 1 latent cell (32 px) in {axis}; the conv VAE decoder pads by "
+                          f"reflection and needs at least 2 latent cells (64 px) per axis (ComfyUI's VAEDecode fails "
+                          f"the same): make the video at least 64 px in {axis}")
+                assert got == idle == expect, (name, got)
+                continue
+            assert not isinstance(got, str), f"{kind} {name}: refused: {got}"
+            pixels, tiles = got
+            assert tiles == (0,) and idle == (None, ()), (kind, name, tiles, idle)
+            reference = decode_untiled(vae, _latent(grid))
+            assert pixels.shape == (1, 3, (grid[0] - 1) * 8 + 1, grid[1] * SPATIAL, grid[2] * SPATIAL)
+            assert torch.equal(pixels, reference.float()), \
+                f"{kind} {name}: {float((pixels - reference).norm() / reference.norm()):.3e} relative L2"
+
+
+def test_decode_refusals_name_what_cannot_be_decoded(vaes):
+    """Every clause of a refusal is true. The conv VAE (reflection padding, 2 cells per axis):
+    - a latent 1 cell (32 px) wide is refused naming the WIDTH and that ComfyUI's VAEDecode fails the same (it does:
+      `test_comfyui_load.py`), whatever tiles were asked — even 2 height tiles, which before issue 36 were blamed;
+    - explicit tiles of 1 cell on a latent VAEDecode decodes are refused naming those tiles, saying the whole latent
+      decodes, and NOT claiming that VAEDecode fails."""
+    vae = vaes["2.3"]
+    for grid, axis in (((2, 2, 1), "width"), ((2, 1, 2), "height")):
+        for tiling in (_default_decode_tiling(2, grid), TileCountConfig.spatial(2, 1, overlap=0),
+                       TileCountConfig.spatial(1, 2, overlap=0)):
+            if (tiling.height.num_tiles > grid[1]) or (tiling.width.num_tiles > grid[2]):
+                continue  # two tiles of a 1-cell axis: split_axis refuses the tiles themselves (tested above)
+            with pytest.raises(ValueError) as info:
+                decode_tiles(vae, _latent(grid), tiling)
+            assert str(info.value) == (
+                f"decode: the latent is 1 latent cell (32 px) in {axis}; the conv VAE decoder pads by reflection and "
+                f"needs at least 2 latent cells (64 px) per axis (ComfyUI's VAEDecode fails the same): make the "
+                f"video at least 64 px in {axis}")
+    for grid, tiling, axis in (((2, 2, 2), TileCountConfig.spatial(1, 2, overlap=0), "width"),
+                               ((2, 2, 3), TileCountConfig.spatial(2, 1, overlap=0), "height")):
+        with pytest.raises(ValueError) as info:
+            decode_tiles(vae, _latent(grid), tiling)
+        whole = grid[1] if axis == "height" else grid[2]
+        assert str(info.value) == (
+            f"decode: a {axis} tile of the 2-tile split is 1 latent cell (32 px) in {axis}; the conv VAE decoder "
+            f"pads by reflection and needs at least 2 latent cells (64 px) per axis of each tile (the whole latent, "
+            f"{whole} cells, decodes untiled): use fewer {axis} tiles (each needs 2 cells) or the default tiling")
+        assert "VAEDecode" not in str(info.value)

@@ -163,3 +163,23 @@ def test_pipeline_decodes_with_the_diffusion_vae(tiny_dir, tiny_file, golden):
     for tiling in (None, TileCountConfig()):
         frames, _ = pipe.decode_video(tensors["small/latent"], seed=123, tiling=tiling)  # decode noise: seed 0 always
         assert (frames[None] - tensors["small/vae_decode"]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("case", ["base", "wide", "small"])
+def test_default_distributed_decode_matches_comfyui(golden, tiny_file, case):
+    """The decode job's default tiles for 2 ranks on these small latents (2×3×3, 3×3×4, 1×2×2 cells: 96×96 to 128×96
+    px) are one tile — no tile smaller than ComfyUI's VAEDecode's own smallest (8 cells, `splits.decode`'s
+    `MIN_DEFAULT_TILE`) fits — so the distributed decode is ComfyUI 0.33's untiled VAEDecode to `TOL` (before issue
+    36 the default split them in two tiles of 1-2 cells: O(0.1..1) away). The 2-rank run equals this one-process
+    run bit for bit (`test_decode.py`)."""
+    from mgpu_backend.models.diffusion_decoder import denormalize
+    from mgpu_backend.splits.decode import decode_tiles
+    from mgpu_backend.stages.pipelines import TwoStagePipeline
+
+    tensors, spec, _ = golden
+    decoder = load_diffusion_vae(tiny_file, torch.float32).decoder
+    latent = tensors[f"{case}/latent"]
+    tiling = TwoStagePipeline.resolve_tiling(None, 2, tuple(latent.shape[2:]), 2, "decode tiles")
+    pixels, _ = decode_tiles(decoder, denormalize(decoder, latent), tiling)
+    s = spec["stride"]
+    assert (pixels[..., ::s, ::s] - tensors[f"{case}/raw"]).abs().max() <= TOL

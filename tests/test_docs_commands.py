@@ -273,3 +273,30 @@ def test_troubleshooting_messages_are_the_codes():
                     assert piece in source, f"troubleshooting.md quotes {piece!r}, which the code no longer says"
                     checked += 1
     assert checked >= 20
+
+
+def test_the_comfyui_install_block_runs_as_written(tmp_path):
+    """docs/install-and-hardware.md's ComfyUI install block, run as written, in order, by bash -e from the folder that
+    holds a `ComfyUI` folder whose `venv` is this interpreter's environment (which has the pack's requirements):
+    the clone lands in `ComfyUI/custom_nodes/ltx2-multigpu` and pip, run from where the block's `cd` left it, finds
+    the requirements file (before issue 36 it ran `ComfyUI/venv/bin/pip` from inside `ComfyUI/custom_nodes`: no such
+    file). Only `<URL of this repository>` is replaced (by this checkout); pip runs with `PIP_DRY_RUN=1` and
+    `PIP_NO_INDEX=1` in its environment, so it resolves the requirements against the installed packages and changes
+    nothing."""
+    page = REPO / "docs" / "install-and-hardware.md"
+    block = next(b for b in bash_blocks(page)
+                 if b.marker == ("tested-by", "tests/test_docs_commands.py::test_the_comfyui_install_block_runs_as_written"))
+    comfy = tmp_path / "ComfyUI"
+    (comfy / "custom_nodes").mkdir(parents=True)
+    (comfy / "venv").symlink_to(sys.prefix, target_is_directory=True)
+    if not (comfy / "venv" / "bin" / "python").exists():
+        pytest.skip(f"this interpreter's environment ({sys.prefix}) has no bin/python")
+    script = block.text.replace("<URL of this repository>", shlex.quote(str(REPO)))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")},
+           "PIP_DRY_RUN": "1", "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"{block.where()} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert (comfy / "custom_nodes" / "ltx2-multigpu" / "requirements.txt").is_file()
+    assert (comfy / "custom_nodes" / "ltx2-multigpu" / "nodes" / "__init__.py").is_file()
+    assert "Would install" not in proc.stdout, proc.stdout  # every requirement resolved, none to fetch

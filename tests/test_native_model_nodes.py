@@ -208,3 +208,80 @@ def test_a_fleet_without_gemma_has_no_text_service_check():
     config = FleetConfig(devices=("cpu",), checkpoint="ltx.safetensors", gemma=None, gemma_unload=True)
     svc = TextEncoderService.for_fleet(config, 0, torch.device("cpu"), projection=object())
     assert svc.encoder is None and svc.header is None and svc.projection is None
+
+
+# ---- the LoRA coverage line in ComfyUI's log (issue 36 item 4) -------------------------------------------------------
+
+class _FakeFleet:
+    """The fleet's side of the native MODEL's jobs, as `serving/jobs/forward.py` answers them: a LoRA set shipped
+    once (with its patches, by whichever job comes first) is held under its key and named by the key afterwards;
+    every reply carries the coverage of the set fused for it (`NativeEngine.apply_lora`: one line per strength
+    group, on every forward)."""
+
+    def __init__(self):
+        self.held: dict[str, F.LoraSet] = {}
+        self.calls: list[tuple[str, bool | None]] = []  # (job kind, whether the request shipped patches)
+
+    def _coverage(self, lora, what):
+        if lora is None:
+            return ()
+        held = self.held[lora.key]  # a key the fleet does not hold would be a ForwardMiss (not exercised here)
+        return tuple(f"{what} {lora.key}#0 @ {p.strength:g}: 1/1 layers applied" for p in held.patches[:1])
+
+    def __call__(self, kind, payload):
+        lora = payload.lora
+        self.calls.append((kind, None if lora is None else lora.patches is not None))
+        if lora is not None and lora.patches is not None:
+            self.held[lora.key] = lora
+        if kind == F.PREPROCESS_TEXT_JOB:  # this LoRA has no connector pairs: nothing fused for the call
+            return F.PreprocessTextReply(payload.context.clone(), ())
+        return F.ForwardReply(torch.zeros_like(payload.video), torch.zeros_like(payload.audio), "one rank", 0.1,
+                              self._coverage(lora, "lora"))
+
+
+class _Owner:  # the BaseModel the proxy reads its sampling patcher from (weakly referenced)
+    current_patcher = None
+
+
+def test_the_fleets_lora_coverage_reaches_comfyuis_log_once_per_lora(monkeypatch, caplog):
+    """LoraLoaderModelOnly on the MGPU MODEL at 0.5, then at 1.0: ComfyUI runs `preprocess_text_embeds` first, which
+    ships the LoRA set to the fleet; every forward after it names the set by its key. The coverage the fleet reports
+    for the transformer reaches ComfyUI's log (logger `ltx2_mgpu.nodes`, INFO, which ComfyUI's root logger prints)
+    once per LoRA set — one line at 0.5, one at 1.0, none for the second forward of a set, none without a LoRA.
+    Before issue 36 the line was logged only by a forward that shipped the patches itself, which after
+    `preprocess_text` never happens: the line the docs promise never appeared."""
+    import logging
+    import sys
+
+    stub = types.ModuleType("comfy.ldm.lightricks.symmetric_patchifier")
+    stub.SymmetricPatchifier = stub.AudioPatchifier = lambda *a, **k: None
+    for name in ("comfy", "comfy.ldm", "comfy.ldm.lightricks"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "comfy.ldm.lightricks.symmetric_patchifier", stub)
+    from nodes.native_model import FleetTransformer
+
+    fleet = _FakeFleet()
+    proxy = FleetTransformer({}, torch.float32, {}, fleet, name="tiny")
+    owner = _Owner()
+    proxy.attach(owner)
+    g = torch.Generator().manual_seed(3)
+    key = "diffusion_model.transformer_blocks.0.attn1.to_q.weight"
+    adapter = _adapter(torch.randn(64, 4, generator=g), torch.randn(4, 32, generator=g))
+
+    def sample(patcher, forwards=2):
+        owner.current_patcher = patcher
+        x, ts, ctx, options = _args()
+        proxy.preprocess_text_embeds(ctx, unprocessed=True)
+        for _ in range(forwards):
+            proxy._remote_forward(x, ts[0], ctx, None, 25, options, None, a_timestep=ts[1])
+
+    caplog.set_level(logging.INFO, logger="ltx2_mgpu.nodes")
+    for strength, uid in ((0.5, uuid.UUID(int=5)), (1.0, uuid.UUID(int=10))):
+        sample(_patcher({key: [(strength, adapter, 1.0, None, None)]}, patches_uuid=uid))
+    sample(_patcher())  # no LoRA: the fleet restores its clean weights, nothing to log
+    assert fleet.calls[:3] == [(F.PREPROCESS_TEXT_JOB, True), (F.FORWARD_JOB, False), (F.FORWARD_JOB, False)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ltx2_mgpu.nodes" and r.levelno == logging.INFO]
+    assert lines == [f"MGPU model: LoRA fused on the fleet in the transformer: lora {uuid.UUID(int=5)}#0 @ 0.5: "
+                     f"1/1 layers applied",
+                     f"MGPU model: LoRA fused on the fleet in the transformer: lora {uuid.UUID(int=10)}#0 @ 1: "
+                     f"1/1 layers applied"]

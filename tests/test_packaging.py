@@ -174,3 +174,23 @@ def test_help_shows_the_defaults():
                             ("--fps FPS", "(default: 24.0)"), ("--tile-overlap TILE_OVERLAP", "(default: 5)")):
         start = text.index(option)
         assert default in text[start:start + 200], option
+
+
+def test_a_bare_pytest_collects_the_modules_that_import_the_pack():
+    """docs/testing.md runs tests with a bare `pytest` (the entry point; `python -m pytest` also puts the current
+    folder on sys.path, the entry point does not). From the repository root, with no PYTHONPATH, the entry point
+    beside this interpreter collects the modules that import `nodes/` (the pack's ComfyUI layer, which no install
+    puts on the path) without an error: pyproject's `pythonpath = ["."]` (before issue 36: "No module named
+    'nodes'")."""
+    entry = Path(sys.executable).parent / "pytest"
+    if not entry.exists():
+        pytest.skip(f"no pytest entry point beside {sys.executable}")
+    modules = ["tests/test_nodes_native.py", "tests/test_native_model_nodes.py", "tests/test_sp_sampler_inputs.py",
+               "tests/test_golden.py"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = _run(str(entry), "--collect-only", "-q", "-p", "no:cacheprovider", *modules, cwd=REPO, env=env)
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert "error" not in proc.stdout.lower() and "No module named" not in proc.stdout, tail
+    assert re.search(r"^\d+ tests? collected", proc.stdout.strip().splitlines()[-1]), tail
+    assert {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line} == set(modules), tail

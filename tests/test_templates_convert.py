@@ -367,3 +367,73 @@ def test_ic_lora_depth_preprocessor_becomes_canny_and_nothing_else_changes():
             assert out[k] == v, k
     with pytest.raises(C.ConversionError, match="MoGeRender"):
         C.swap_depth_for_canny(out)
+
+
+# ---- workflows saved by the previous release (issue 36): the loaders' new inputs --------------------------------------
+
+SAVED = C.HERE.parent / "fixtures" / "saved-workflows-098787a"
+NEW_LOADER_INPUTS = ("weights", "int8_compute", "gpu_budget_gib")
+
+
+def _widget_specs(node_type: str) -> list[tuple[str, bool, object]]:
+    """(name, optional, default) of a node type's widgets in ComfyUI's order, from `object_info.json`."""
+    info = INFO[node_type]
+    optional = set(info["input_order"].get("optional", []))
+    return [(name, name in optional, opts.get("default")) for name, typ, opts in C._spec_inputs(info)
+            if C._is_widget(typ, opts)]
+
+
+def test_the_loaders_entries_are_the_loaders_inputs():
+    """`object_info.json` holds the pack's two loaders as their /object_info (refreshed from a live ComfyUI 0.33 with
+    this pack): Load Diffusion Model (MGPU)'s widgets are what the template swap writes (`DIFFUSION_LOADER_WIDGETS`,
+    in order, the optional ones drawn as such) with `DIFFUSION_LOADER_DEFAULTS`; Load Checkpoint (MGPU)'s widgets
+    are, in order, the inputs of the shipped API workflows (which carry every widget). Both end with the inputs the
+    previous release's workflows lack."""
+    import json
+
+    specs = _widget_specs("LTX2MGPU_LoadDiffusionModel")
+    assert [(n, o) for n, o, _d in specs] == [(n, o) for n, _t, o in C.DIFFUSION_LOADER_WIDGETS]
+    assert {n: d for n, _o, d in specs if n in NEW_LOADER_INPUTS} == C.DIFFUSION_LOADER_DEFAULTS
+    names = [n for n, _o, _d in _widget_specs("LTX2MGPU_LoadCheckpoint")]
+    assert tuple(names[-3:]) == NEW_LOADER_INPUTS == tuple(n for n, _o, _d in specs[-3:])
+    for path in sorted(WF.glob("api/ltx2-mgpu-*.json")):
+        api = json.loads(path.read_text())
+        (loader,) = C.nodes_of(api, "LTX2MGPU_LoadCheckpoint")
+        assert list(api[loader]["inputs"]) == names, path.name  # the shipped workflows have the current inputs
+
+
+@pytest.mark.parametrize("name", ["ltx2-mgpu-two-stage-t2v", "comfyui-ltx2.5-t2v-mgpu"])
+def test_a_workflow_saved_by_the_previous_release_still_loads(name):
+    """A UI workflow saved before the loaders had `weights` / `int8_compute` / `gpu_budget_gib` (the shipped file at
+    098787a, committed under tests/fixtures/) loads as the frontend loads it: its loader's widget values named by
+    position (Load Checkpoint (MGPU), 11 values) or by name (Load Diffusion Model (MGPU)) onto the loader's current
+    widgets give the values it was saved with, every required widget among them and no unknown one; the widgets it
+    lacks take the node's defaults — and that is exactly the loader of the workflow shipped now. For the template
+    workflow the whole queued graph equals the current API twin but for those three inputs."""
+    import json
+
+    old = json.loads((SAVED / f"{name}.json").read_text())
+    new = json.loads((WF / f"{name}.json").read_text())
+
+    def loader(ui):
+        graphs = [ui] + ui.get("definitions", {}).get("subgraphs", [])
+        (node,) = [n for g in graphs for n in g["nodes"] if n["type"] in C.PACK_LOADERS]
+        return node
+
+    node = loader(old)
+    specs = _widget_specs(node["type"])
+    got = C.widget_values(node, INFO)
+    required = [n for n, optional, _d in specs if not optional]
+    assert set(required) <= set(got) <= {n for n, _o, _d in specs}, got
+    assert not set(got) & set(NEW_LOADER_INPUTS)  # saved before they existed
+    if "widgets_values_named" not in node:  # positional: the first values, in the widgets' order
+        assert list(got) == [n for n, _o, _d in specs][:len(node["widgets_values"])]
+        assert list(got.values()) == node["widgets_values"]
+    loaded = {**{n: d for n, _o, d in specs if n not in got}, **got}  # the frontend: defaults for the rest
+    assert loaded == C.widget_values(loader(new), INFO)
+    if name.startswith("comfyui-"):
+        old_api, new_api = C.ui_to_api(old, INFO), json.loads((WF / "api" / f"{name}.json").read_text())
+        assert old_api == json.loads((SAVED / "api" / f"{name}.json").read_text())
+        (k,) = C.nodes_of(new_api, "LTX2MGPU_LoadDiffusionModel")
+        assert {**old_api[k]["inputs"], **C.DIFFUSION_LOADER_DEFAULTS} == new_api[k]["inputs"]
+        assert {j: v for j, v in old_api.items() if j != k} == {j: v for j, v in new_api.items() if j != k}

@@ -212,10 +212,15 @@ def _control_video(path: Path) -> Path:
 
 
 def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, devices: str, swap: bool,
-                   tag: str, prompt_enhance: bool = False) -> dict:
+                   tag: str, prompt_enhance: bool = False, text: str = "pack",
+                   select_clip: str | None = None) -> dict:
     """The template as an API graph on the tiny files: text through Text Encode (MGPU) on a `devices` fleet (see
     the module docstring), the model loader swapped when `swap`, SaveLatent on the final video and audio latents;
-    the prompt enhancer off unless `prompt_enhance`."""
+    the prompt enhancer off unless `prompt_enhance`. `text="comfyui"` (LTX-2.5: a Gemma 4 ComfyUI's loader can
+    build at the tiny widths) keeps the template's own text path instead: its CLIPLoader becomes the test node
+    LTX2MGPU_TestTinyCLIP (the same loader, given the tiny config), followed by core's Select CLIP Device when
+    `select_clip` names a device, into the template's CLIPTextEncode pair; the swap is then Load Diffusion Model
+    (MGPU)."""
     ui = C.load_template(stem)
     labels = {n for d in ui.get("definitions", {}).get("subgraphs", []) for i in d["inputs"]
               for n in (i.get("label"), i["name"])}
@@ -245,6 +250,12 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
         api[k]["inputs"]["audio"] = images[2]
     if len(C.nodes_of(api, "LoadImage")) > 1:
         api[C.nodes_of(api, "LoadImage")[1]]["inputs"]["image"] = images[1]
+    if text == "comfyui":
+        _comfyui_text(api, tiny, select_clip)
+        if swap:
+            api = C.swap_model_loader(api, via="diffusion_model", devices=devices)
+        add_latent_outputs(api, f"ltx2-mgpu-templates/{tag}")
+        return api
     api = C.swap_text_encode(api, checkpoint=tiny["checkpoint"], gemma=tiny["gemma"], devices=devices)
     if "video_vae" in tiny:  # LTX-2.5: the fleet of a transformer file takes its VAE files beside it
         api[C.nodes_of(api, "LTX2MGPU_LoadCheckpoint")[0]]["inputs"].update(video_vae=tiny["video_vae"],
@@ -256,6 +267,23 @@ def template_graph(stem: str, tiny: dict[str, str], images: list[str], *, device
     for k in C.nodes_of(api, "GetICLoRAParameters"):  # what the IC-LoRA's metadata told LTXVAddGuide
         api["ic_lora_parameters"] = {"class_type": "PreviewAny", "inputs": {"source": [k, 0]}}
     return api
+
+
+def _comfyui_text(api: dict, tiny: dict[str, str], select_clip: str | None) -> None:
+    """The template's text encoder CLIPLoader (the one its CLIPTextEncode pair reads) -> LTX2MGPU_TestTinyCLIP on the
+    tiny Gemma 4 with the tiny config; core's Select CLIP Device between it and the encoders when `select_clip`."""
+    from mgpu_backend.testing.tiny_gemma4 import tiny_comfy_config
+
+    encoders = C.nodes_of(api, "CLIPTextEncode")
+    (loader,) = {api[k]["inputs"]["clip"][0] for k in encoders}
+    assert api[loader]["class_type"] == "CLIPLoader" and api[loader]["inputs"]["type"] == "ltxv", api[loader]
+    api[loader] = {"class_type": "LTX2MGPU_TestTinyCLIP",
+                   "inputs": {"clip_name": tiny["gemma"], "model_config": json.dumps(tiny_comfy_config())}}
+    if select_clip is not None:
+        api["select_clip"] = {"class_type": "SelectCLIPDevice", "inputs": {"clip": [loader, 0],
+                                                                         "device": select_clip}}
+        for k in encoders:
+            api[k]["inputs"]["clip"] = ["select_clip", 0]
 
 
 def _lora_map(api: dict, tiny: dict[str, str]) -> dict[str, str]:
@@ -645,3 +673,37 @@ def test_tdp_upscale_runs_the_template_stage2_with_a_raised_bound(live, tiny_mod
     drift_line = next(line for line in text.splitlines() if line.startswith("tile drift per forward"))
     assert len(drift_line.split(":", 1)[1].split(",")) == 3
     assert "blend weights normalized: no" in text and "audio: re-denoised" in text
+
+
+# ---- core's Select CLIP Device with the pack (issue 36 item 8) --------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "default"])
+def test_select_clip_device_with_comfyuis_text_path_and_the_mgpu_model(live, tiny_25, images, device, tmp_path):
+    """Select CLIP Device (docs/core-multigpu-nodes.md) in ComfyUI's LTX-2.5 t2v template with ComfyUI's own text
+    path — its CLIPLoader (ltxv) on the tiny Gemma 4, given the tiny widths through ComfyUI's `_model_config` override
+    (the test node LTX2MGPU_TestTinyCLIP: ComfyUI's loaders otherwise build only the 12B shape), then core's Select
+    CLIP Device, then the template's CLIPTextEncode pair — and the model loader swapped for Load Diffusion Model
+    (MGPU) on 2 CPU ranks: the final latents equal the native template's (no Select CLIP Device, ComfyUI's own
+    MODEL) to TOL. A CPU host offers "default" and "cpu" only: GPUs are not tested here (docs/core-multigpu-nodes.md).
+    Before issue 36 the server had no such loader: Select CLIP Device was untested."""
+    if not _has_node(live, "SelectCLIPDevice"):
+        pytest.skip("this ComfyUI has no Select CLIP Device (comfy_extras/nodes_multigpu.py, ComfyUI 0.33)")
+    if not _has_node(live, "LTX2MGPU_TestConditioning"):
+        pytest.skip("the server has no test nodes: start it with LTX2_MGPU_TEST_NODES=1 (nodes/testing.py)")
+    assert _has_node(live, "LTX2MGPU_TestTinyCLIP"), "the test nodes lack LTX2MGPU_TestTinyCLIP (nodes/testing.py)"
+    stem = "video_ltx2_5_t2v"
+    key = ("comfyui-text", stem)
+    if key not in _native_cache:
+        api = template_graph(stem, tiny_25, images, devices="cpu:2", swap=False, tag=f"{stem}-clip-native",
+                             text="comfyui")
+        _native_cache[key] = run_graph(live, api, tmp_path)
+    native = _native_cache[key]
+    api = template_graph(stem, tiny_25, images, devices="cpu:2", swap=True, tag=f"{stem}-clip-{device}",
+                         text="comfyui", select_clip=device)
+    assert api["select_clip"]["inputs"]["device"] == device and C.nodes_of(api, "LTX2MGPU_LoadDiffusionModel")
+    assert not C.nodes_of(api, "LTX2MGPU_TextEncode") and len(C.nodes_of(api, "CLIPTextEncode")) == 2
+    swapped = run_graph(live, api, tmp_path)
+    for modality in ("video", "audio"):
+        diff = max_diff(swapped[modality], native[modality])
+        print(f"Select CLIP Device {device}: {modality} max |MGPU - native| = {diff:.2e}")
+        assert diff <= TOL, (modality, diff)

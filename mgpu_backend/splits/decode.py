@@ -18,10 +18,26 @@ import torch
 import torch.distributed as dist
 
 from ..protocol.job_results import DecodeReport
-from .tiling import TileCountConfig, axis_weights, split_axis
+from .tiling import TileCountConfig, axis_weights, default_tiling, split_axis
 
 SPATIAL = 32  # pixels per latent cell (VAE spatial compression)
 MIN_REFLECT_CELLS = 2  # a conv decoder that pads by reflection needs this many latent cells per spatial axis
+# The smallest tile the DEFAULT decode tiling makes on a split axis, in latent cells: ComfyUI 0.33's own VAEDecode,
+# when it has to tile a video latent (its out-of-memory fallback, `comfy/sd.py` `VAE.decode`), starts from tiles of
+# 256 px (`256 // spacial_compression_decode()` = 8 cells, overlap a quarter of that) and only grows them. Smaller
+# tiles are mostly seam: a tile's pixels within the decoder's receptive field of an inner edge (6.6 cells for the
+# tiny VAE, more for the real one) differ from the untiled decode's (e.g. 96×64 px in two tiles of 2 cells: ~32 %
+# relative L2 away from VAEDecode, issue 36). A latent too small for two such tiles on an axis is not split on it;
+# too small on both, it is decoded whole by one rank — exactly what VAEDecode computes. Explicit tiles are taken as
+# asked (down to what the decoder can take: `check_decodable`).
+MIN_DEFAULT_TILE = 256 // SPATIAL
+
+
+def default_decode_tiling(ranks: int, grid: tuple[int, int, int], overlap: int) -> TileCountConfig:
+    """The decode's default tiles for `ranks` ranks over the latent `grid` (F, H, W): the balanced grid
+    (`tiling.default_tiling`) whose tiles all have at least `MIN_DEFAULT_TILE` cells on a split axis, else fewer
+    tiles, down to one (the whole latent, decoded by rank 0 as ComfyUI's VAEDecode decodes it)."""
+    return default_tiling(ranks, grid, overlap, min_tile=MIN_DEFAULT_TILE)
 
 
 def check_decodable(vae, h_spans: list[tuple[int, int]], w_spans: list[tuple[int, int]]) -> None:
@@ -29,26 +45,37 @@ def check_decodable(vae, h_spans: list[tuple[int, int]], w_spans: list[tuple[int
 
     The LTX conv decoders (diffusers' `AutoencoderKLLTX2Video`, ComfyUI 0.33's `VideoVAE`: the files' default
     `spatial_padding_mode` "reflect") pad their 3×3 convolutions by reflection, which torch allows only for a pad
-    smaller than the axis: an axis of 1 latent cell (32 px) fails inside the first convolution ("Padding size should be
-    less than the corresponding input dimension"), in ComfyUI's VAEDecode as here. Raises ValueError naming the size,
-    the rule and what would fit.
+    smaller than the axis: a piece of 1 latent cell (32 px) on an axis fails inside the first convolution
+    ("Padding size should be less than the corresponding input dimension"). The whole latent is checked first, on
+    both axes (ComfyUI's VAEDecode fails on it the same), then the tiles (the whole latent would decode: fewer tiles
+    fix it). Raises ValueError naming the size, the rule and what would fit.
     """
     config = getattr(vae, "config", None)
     mode = config.get("decoder_spatial_padding_mode") if isinstance(config, dict) else \
         getattr(config, "decoder_spatial_padding_mode", None)
     if is_diffusion_decoder(vae) or mode != "reflect":
         return
-    for axis, spans in (("height", h_spans), ("width", w_spans)):
+    rule = (f"the conv VAE decoder pads by reflection and needs at least {MIN_REFLECT_CELLS} latent cells "
+            f"({MIN_REFLECT_CELLS * SPATIAL} px) per axis")
+    axes = (("height", h_spans), ("width", w_spans))
+    for axis, spans in axes:
+        length = spans[-1][1] - spans[0][0]
+        if length < MIN_REFLECT_CELLS:
+            raise ValueError(
+                f"decode: the latent is {_cells(length)} in {axis}; {rule} (ComfyUI's VAEDecode fails the same): "
+                f"make the video at least {MIN_REFLECT_CELLS * SPATIAL} px in {axis}")
+    for axis, spans in axes:
         narrow = [e - s for s, e in spans if e - s < MIN_REFLECT_CELLS]
-        if not narrow:
-            continue
-        what = "the latent" if len(spans) == 1 else f"a {axis} tile of the {len(spans)}-tile split"
-        fix = f"make the video at least {MIN_REFLECT_CELLS * SPATIAL} px in {axis}" if len(spans) == 1 else \
-            f"use fewer {axis} tiles (each needs {MIN_REFLECT_CELLS} cells)"
-        raise ValueError(
-            f"decode: {what} is {narrow[0]} latent cell ({narrow[0] * SPATIAL} px) in {axis}; the conv VAE decoder "
-            f"pads by reflection and needs at least {MIN_REFLECT_CELLS} latent cells ({MIN_REFLECT_CELLS * SPATIAL} "
-            f"px) per axis (ComfyUI's VAEDecode fails the same): {fix}")
+        if narrow:
+            length = spans[-1][1] - spans[0][0]
+            raise ValueError(
+                f"decode: a {axis} tile of the {len(spans)}-tile split is {_cells(narrow[0])} in {axis}; {rule} of "
+                f"each tile (the whole latent, {length} cells, decodes untiled): use fewer {axis} tiles (each needs "
+                f"{MIN_REFLECT_CELLS} cells) or the default tiling")
+
+
+def _cells(n: int) -> str:
+    return f"{n} latent cell{'' if n == 1 else 's'} ({n * SPATIAL} px)"
 
 
 def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch.Tensor | None = None,
@@ -69,6 +96,7 @@ def decode_tiles(vae, latent: torch.Tensor, tiling: TileCountConfig, temb: torch
         raise ValueError("the decode never splits the frame axis (the causal first frame); use height/width tiles")
     _, _, f, h, w = latent.shape
     param = next(vae.parameters())
+    check_decodable(vae, [(0, h)], [(0, w)])  # the whole latent first: what no tiling can fix
     decode_tile = _tile_decoder(vae, latent, temb)
     h_spans = split_axis(h, tiling.height.num_tiles, tiling.height.overlap)
     w_spans = split_axis(w, tiling.width.num_tiles, tiling.width.overlap)
@@ -184,8 +212,6 @@ def fit_decode_tiling(grid: tuple[int, int, int], tiling: TileCountConfig | None
     report, e.g. "tiled 2×2 automatically: untiled needs ~85 GiB, 60 GiB free".
     Raises ValueError naming the sizes when no grid of up to `MAX_AUTO_TILES` tiles fits.
     """
-    from .tiling import default_tiling
-
     if free_bytes is None:
         return tiling, None
 

@@ -133,12 +133,15 @@ def fit_overlap(length: int, num_tiles: int, overlap: int) -> int:
     raise ValueError(f"{num_tiles} tiles do not fit an axis of {length} latent cells")
 
 
-def default_tiling(world_size: int, grid: tuple[int, int, int], overlap: int) -> TileCountConfig:
+def default_tiling(world_size: int, grid: tuple[int, int, int], overlap: int,
+                   min_tile: int = 1) -> TileCountConfig:
     """The balanced spatial grid for `world_size` ranks (height gets the smaller factor), overlap fitted to the grid.
 
     A grid too small for that split (fewer cells on an axis than tiles: a latent 1-3 cells high or wide) gets the
     squarest split of the same tile count that fits, else of the largest smaller count, down to one tile: every
-    size runs, as in one process (ranks without a tile wait for the blend, as when tiles < ranks)."""
+    size runs, as in one process (ranks without a tile wait for the blend, as when tiles < ranks). `min_tile`: the
+    fewest latent cells a tile may have on an axis that is split (the decode's `splits.decode.MIN_DEFAULT_TILE`):
+    a split whose tiles would be smaller is passed over the same way."""
     for count in range(world_size, 0, -1):
         h_tiles, w_tiles = balanced_tile_split(count)
         pairs = sorted({(d, count // d) for d in range(1, count + 1) if count % d == 0},
@@ -147,8 +150,11 @@ def default_tiling(world_size: int, grid: tuple[int, int, int], overlap: int) ->
             if grid[1] < ht or grid[2] < wt:
                 continue
             try:
-                return TileCountConfig(height=DimensionTilingConfig(ht, fit_overlap(grid[1], ht, overlap)),
-                                       width=DimensionTilingConfig(wt, fit_overlap(grid[2], wt, overlap)))
+                tiling = TileCountConfig(height=DimensionTilingConfig(ht, fit_overlap(grid[1], ht, overlap)),
+                                         width=DimensionTilingConfig(wt, fit_overlap(grid[2], wt, overlap)))
             except ValueError:  # no clean partition of unity on an axis: try fewer tiles
                 continue
+            if all(axis.num_tiles == 1 or min(e - s for s, e in split_axis(length, axis.num_tiles, axis.overlap))
+                   >= min_tile for length, axis in ((grid[1], tiling.height), (grid[2], tiling.width))):
+                return tiling
     raise ValueError(f"world_size={world_size}, grid={grid}: no tiling fits (a latent axis of 0 cells?)")

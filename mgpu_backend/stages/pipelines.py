@@ -37,7 +37,7 @@ from ..splits.tiling import TileCountConfig, split_axis
 from ..protocol.job_requests import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
 from ..protocol.job_results import DecodeReport, GenerateTimings, RankReport
 from ..engine.semantics import REFERENCE
-from .stage import CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageLimits, StageResult, StageSpec, TiledRunner, resolve_tiling, run_stage
+from .stage import DECODE_TILES, CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageLimits, StageResult, StageSpec, TiledRunner, resolve_tiling, run_stage
 
 
 PIPELINES = ("two-stage", "distilled")
@@ -452,7 +452,7 @@ class TwoStagePipeline:
                        ) -> TileCountConfig | None:
         """The decode's tiles of the full-size latent `grid` (`StageLimits.tiling`), refused before sampling when
         they split the frame axis or give a tile the conv decoder cannot take."""
-        tiling = limits.tiling(request.decode_tiles, grid, request.decode_overlap, "decode tiles")
+        tiling = limits.tiling(request.decode_tiles, grid, request.decode_overlap, DECODE_TILES)
         if tiling is None:
             return None
         if tiling.frames.num_tiles != 1:

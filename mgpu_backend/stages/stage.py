@@ -37,6 +37,7 @@ from ..engine import sampling as S
 from ..protocol import validation as V
 from ..engine.denoiser import LTX2Denoiser, TextContext, text_contexts
 from ..engine.forward import qk_eps, qk_norms
+from ..splits.decode import default_decode_tiling
 from ..splits.tiling import TileCountConfig, default_tiling, make_tiles
 from ..engine.semantics import ALL as ALL_SEMANTICS
 from ..engine.semantics import Semantics, semantics_named
@@ -324,15 +325,24 @@ class StageLimits:
             raise V.ValidationError(str(exc)) from None
 
 
+DECODE_TILES = "decode tiles"  # the `what` of the decode's tiles (the decode job, `TwoStagePipeline._decode_tiling`)
+
+
 def resolve_tiling(explicit: TileCountConfig | None, ranks: int, grid: tuple[int, int, int], overlap: int,
                    what: str) -> TileCountConfig | None:
     """An explicit tiling (checked against the grid), or the balanced default for `ranks` (none for one rank).
+    The decode's default (`what` == `DECODE_TILES`) is `splits.decode.default_decode_tiling`: no tile smaller than
+    ComfyUI's VAEDecode's own smallest, fewer tiles — down to the whole latent on one rank — on a smaller latent.
     Raises ValidationError naming `what`."""
     try:
         if explicit is not None:
             make_tiles(grid, explicit)
             return explicit
-        return default_tiling(ranks, grid, overlap) if ranks > 1 else None
+        if ranks <= 1:
+            return None
+        if what == DECODE_TILES:
+            return default_decode_tiling(ranks, grid, overlap)
+        return default_tiling(ranks, grid, overlap)
     except ValueError as exc:
         raise V.ValidationError(f"{what}: {exc}") from None
 
@@ -580,7 +590,7 @@ def run_stage(spec: StageSpec, env: StageEnv, hooks: StageHooks | None = None) -
     return choose_runner(spec, env).run(spec, env, hooks or StageHooks())
 
 
-__all__ = ["ComfyGuides", "GuidancePassRunner", "NOISE_LAYOUTS", "OneDeviceRunner", "SAMPLERS", "SEMANTICS",
+__all__ = ["ComfyGuides", "DECODE_TILES", "GuidancePassRunner", "NOISE_LAYOUTS", "OneDeviceRunner", "SAMPLERS", "SEMANTICS",
            "SamplerSpec", "SequenceParallelRunner", "StageEnv", "StageHooks", "StageLimits", "StageResult",
            "StageRunner", "StageSpec", "TiledRunner", "applied", "choose_runner", "denoise", "model_fn", "resolve_tiling",
            "run_stage", "stage_contexts"]

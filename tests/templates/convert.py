@@ -447,6 +447,18 @@ def swap_model_loader(api: dict, *, devices: str = "all", world_size: int = 0, v
     return api
 
 
+# Load Diffusion Model (MGPU)'s widgets in its input order (nodes/loader.py; checked against the node's /object_info
+# entry in `object_info.json`): (name, type, optional — the frontend draws an optional input's socket with shape 7),
+# and the values the swap gives the fleet options (the node's defaults)
+DIFFUSION_LOADER_WIDGETS = (("unet_name", "COMBO", False), ("devices", "STRING", False), ("world_size", "INT", False),
+                            ("weights", "COMBO", True), ("int8_compute", "COMBO", True),
+                            ("gpu_budget_gib", "FLOAT", True))
+DIFFUSION_LOADER_DEFAULTS = {"weights": "auto", "int8_compute": "auto", "gpu_budget_gib": 0.0}
+# the pack's loaders, whose /object_info entries `object_info.json` keeps too: a saved workflow's positional widget
+# values are named through them (tests/test_templates_convert.py, the workflows saved by the previous release)
+PACK_LOADERS = ("LTX2MGPU_LoadCheckpoint", "LTX2MGPU_LoadDiffusionModel")
+
+
 def swap_model_loader_ui(ui: dict, *, devices: str = "all", world_size: int = 0) -> dict:
     """The same minimal swap in the UI format (for the shipped workflows): a Load Diffusion Model (MGPU) node is
     added beside the template's model loader (in whichever graph or subgraph holds it) and every link from the
@@ -472,17 +484,18 @@ def swap_model_loader_ui(ui: dict, *, devices: str = "all", world_size: int = 0)
     links = loader["outputs"][0]["links"]
     name = (loader.get("widgets_values") or [None])[0]
     x, y = loader.get("pos", [0, 0])
+    values = {"unet_name": name, "devices": devices, "world_size": world_size, **DIFFUSION_LOADER_DEFAULTS}
     node = {
-        "id": new_id, "type": "LTX2MGPU_LoadDiffusionModel", "pos": [x, y - 220], "size": [430, 170], "flags": {},
+        "id": new_id, "type": "LTX2MGPU_LoadDiffusionModel", "pos": [x, y - 220], "size": [430, 230], "flags": {},
         "order": loader.get("order", 0), "mode": 0,
-        "inputs": [{"localized_name": w, "name": w, "type": t, "widget": {"name": w}, "link": None}
-                   for w, t in (("unet_name", "COMBO"), ("devices", "STRING"), ("world_size", "INT"))],
+        "inputs": [{"localized_name": w, "name": w, **({"shape": 7} if optional else {}), "type": t,
+                    "widget": {"name": w}, "link": None} for w, t, optional in DIFFUSION_LOADER_WIDGETS],
         "outputs": [{"localized_name": "model", "name": "model", "type": "MODEL", "links": list(links)},
                     {"localized_name": "fleet", "name": "fleet", "type": "LTX2_MGPU_FLEET", "links": []}],
         "title": "Load Diffusion Model (MGPU) - the model runs on the fleet",
         "properties": {"Node name for S&R": "LTX2MGPU_LoadDiffusionModel", "cnr_id": "ltx2-multigpu"},
-        "widgets_values": [name, devices, world_size],
-        "widgets_values_named": {"unet_name": name, "devices": devices, "world_size": world_size},
+        "widgets_values": [values[w] for w, _t, _o in DIFFUSION_LOADER_WIDGETS],
+        "widgets_values_named": values,
     }
     g["nodes"].append(node)
     loader["outputs"][0]["links"] = []
@@ -666,7 +679,7 @@ def refresh_object_info(url: str, directory: Path | None = None, out: Path = OBJ
 
     with urllib.request.urlopen(url.rstrip("/") + "/object_info", timeout=60) as r:
         info = json.load(r)
-    types: set[str] = {"SaveLatent"}  # what the live tests add
+    types: set[str] = {"SaveLatent", *PACK_LOADERS}  # what the live tests add; the pack's loaders (saved workflows)
     d = directory or templates_dir()
     for stems in TEMPLATES.values():
         for stem in stems:
