@@ -147,6 +147,30 @@ def test_parse_devices_bounds_a_count_before_anything_starts():
             parse_devices("512")
 
 
+@pytest.mark.parametrize("spec", ["100000000", "3000000000", "cpu:3000000000"])
+def test_a_huge_device_count_is_refused_before_any_list_is_built(spec):
+    """Issue 36: "100000000" was refused only after building a 100-million-entry tuple (+760 MB) and "3000000000"
+    ended in a bare MemoryError. The count is held to MAX_RANKS first: the refusal names the value and the limit, and
+    nothing of that size is allocated (tracemalloc's peak stays under 1 MiB)."""
+    import tracemalloc
+
+    if spec[0].isdigit() and R.gpu_count():
+        pytest.skip("with CUDA a plain count is a GPU count, refused against the GPUs present")
+    tracemalloc.start()
+    try:
+        with pytest.raises(R.FleetTooLarge) as e:
+            parse_devices(spec)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    count = int(spec.split(":")[-1])
+    assert f"devices={spec!r}: {count} ranks; a fleet has at most {R.MAX_RANKS}" in str(e.value)
+    assert peak < MIB, f"{peak} bytes allocated while refusing {spec!r}"
+    with pytest.raises(R.FleetTooLarge, match=rf"world_size=3000000000: 3000000000 ranks; a fleet has at most "
+                                               rf"{R.MAX_RANKS}"):
+        parse_devices("cpu", world_size=3_000_000_000)
+
+
 # ---- refusals and starts, with real processes ---------------------------------------------------------------------
 
 def test_a_fleet_too_large_for_this_host_spawns_nothing(tiny_dir):

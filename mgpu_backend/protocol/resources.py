@@ -215,15 +215,22 @@ def max_cpu_ranks(host: Host, threads_per_worker: int = 1) -> int:
     return max(0, min(MAX_RANKS, THREADS_PER_CORE * host.cores // threads_per_worker))
 
 
+def check_rank_total(count: int, what: str, host: Host, threads_per_worker: int = 1) -> None:
+    """`MAX_RANKS` on a rank count alone, before any list of that many devices is built (`client.parse_devices`
+    calls it on the count a string asks for: "3000000000" is refused, not a 3-billion-entry tuple built first).
+    Raises FleetTooLarge naming `what` (the value as given), the count, the limit and what would fit here."""
+    if count > MAX_RANKS:
+        raise FleetTooLarge(f"{what}: {count} ranks; a fleet has at most {MAX_RANKS} (one process per rank, "
+                            f"on one host){_cpu_fit(host, threads_per_worker)}")
+
+
 def check_rank_count(devices: tuple[str, ...], threads_per_worker: int = 1, host: Host | None = None,
                      what: str | None = None) -> None:
     """The rules that need no model file: `MAX_RANKS`, CUDA devices that exist (one rank each), CPU threads within
     `THREADS_PER_CORE` per core. Raises FleetTooLarge naming the value, the rule and what would fit."""
     host = host or Host(cpu_cores(), gpu_count(), None)
     what = what or f"devices={_short(devices)}"
-    if len(devices) > MAX_RANKS:
-        raise FleetTooLarge(f"{what}: {len(devices)} ranks; a fleet has at most {MAX_RANKS} (one process per rank, "
-                            f"on one host){_cpu_fit(host, threads_per_worker)}")
+    check_rank_total(len(devices), what, host, threads_per_worker)
     indices = []
     for d in devices:
         if d.startswith("cuda"):

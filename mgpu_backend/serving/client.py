@@ -25,7 +25,7 @@ from ..protocol.job_requests import JobSpec
 from ..protocol.job_results import ControllerStatus, FleetTeardown
 from ..protocol.messages import Accepted, Busy, Cancel, Configure, Configured, JobError, JobResult, Ping, Pong, Progress, Refused, Reply, Request, ShutdownFleet, Status, Stop, Submit
 from ..protocol.transport import INLINE_JOBS, Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir, read_or_create_key, recv, send, wire_job
-from ..protocol.resources import Host, check_rank_count, cpu_cores
+from ..protocol.resources import Host, check_rank_count, check_rank_total, cpu_cores
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the directory that holds `mgpu_backend` (this file: mgpu_backend/serving/client.py)
 START_TIMEOUT_S = 60.0
@@ -37,17 +37,25 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
 
     Without CUDA, "all" and counts give CPU ranks (gloo). `world_size` caps / sets the count.
     Raises ValueError naming the value and the rule; FleetTooLarge (a ValueError) for more ranks than this host runs
-    (`resources.check_rank_count`: GPUs present, CPU cores, `MAX_RANKS`), before any process starts.
+    (`resources.check_rank_count`: GPUs present, CPU cores, `MAX_RANKS`), before any process starts; a count is
+    held to `MAX_RANKS` before the device tuple is built (`resources.check_rank_total`), so "3000000000" is refused
+    at once, not after building billions of entries.
     """
     spec = str(devices if devices is not None else "all").strip().lower()
     cuda = torch.cuda.device_count()
+    what = f"devices={devices!r}" + (f", world_size={world_size}" if world_size is not None else "")
+
+    def bounded(count: int) -> int:  # MAX_RANKS before a tuple of `count` entries is built (issue 36)
+        check_rank_total(count, what, Host(cpu_cores(), cuda, None))
+        return count
+
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one rank")
     if spec.startswith("cpu"):
         count_text = spec.split(":", 1)[1] if ":" in spec else str(world_size or 1)
         if not count_text.isdigit() or int(count_text) < 1:
             raise ValueError(f"devices={devices!r}: 'cpu:N' needs a positive rank count N")
-        out = ("cpu",) * int(count_text)
+        out = ("cpu",) * bounded(int(count_text))
     elif "," in spec:  # an index list ("0,1,3"; a single index is written "1,")
         indices = [int(s) for s in spec.split(",") if s.strip()]
         if len(set(indices)) != len(indices):
@@ -72,13 +80,12 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
                 raise ValueError(f"devices={devices!r}: asked for {count} GPUs, this machine has {cuda}")
             out = tuple(f"cuda:{i}" for i in range(count))
         else:
-            out = ("cpu",) * count
+            out = ("cpu",) * bounded(count)
     if world_size is not None and world_size != len(out):
         if world_size > len(out):
             raise ValueError(f"world_size={world_size} is larger than the {len(out)} devices given ({devices!r})")
         out = out[:world_size]
-    check_rank_count(out, 1, Host(cpu_cores(), cuda, None), what=f"devices={devices!r}"
-                     + (f", world_size={world_size}" if world_size is not None else ""))
+    check_rank_count(out, 1, Host(cpu_cores(), cuda, None), what=what)
     return out
 
 
