@@ -218,7 +218,10 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     identity = _in_process_identity(args, files, dtype, device)
-    check_fleet(identity, FleetPolicy(compile=bool(args.compile)))  # the fleet's rules, as for a fleet
+    from ..models.headers import checkpoint_facts
+
+    # the fleet's rules, as for a fleet (with the header's facts: --int8-compute needs a file with int8 layers)
+    check_fleet(identity, FleetPolicy(compile=bool(args.compile)), facts=checkpoint_facts(files["checkpoint"]))
     t = time.perf_counter()
     pipeline = load_one_process(identity, dtype=dtype, device=device, compile_blocks=bool(args.compile))
     components = pipeline.components

@@ -496,7 +496,8 @@ def check_config(config: FleetConfig, freed_bytes: int = 0, memory: bool = True)
     down for a configuration that cannot work): the host can run the fleet (`resources.check_fleet`: ranks, GPUs,
     cores; host memory unless memory=False, with `freed_bytes` given back by a fleet this one replaces), the
     checkpoint is a readable LTX-2 file (`models.headers.checkpoint_facts`), and the fleet's rules hold for its
-    heads (`fleet_rules.check_fleet`: degrees and heads, sharded weights × the split and × compile, int8 modes).
+    heads (`fleet_rules.check_fleet`: degrees and heads, sharded weights × the split and × compile, int8 modes, an
+    explicit `int8_compute` on a file with no int8 layers).
     (Each field's own rule — a known guidance-parallel mode, a non-negative token minimum, … — is checked when the
     `FleetIdentity` / `FleetPolicy` is built.)
 
@@ -521,7 +522,7 @@ def check_config(config: FleetConfig, freed_bytes: int = 0, memory: bool = True)
         raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
     try:
         facts = checkpoint_facts(config.checkpoint)
-        check_fleet(config.identity, config.policy, facts.heads)
+        check_fleet(config.identity, config.policy, facts=facts)  # with the header: an int8 switch needs int8 layers
     except (ValidationError, CheckpointError, FileNotFoundError) as exc:
         raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
 
