@@ -168,8 +168,9 @@ def test_the_controllers_reports_print_as_the_json_users_read():
                              "processes"]
     fleet = printed["fleet"]
     assert list(fleet) == ["generation", "devices", "worker_pids", "checkpoint", "weights", "load_seconds",
-                           "int8_compute", "policy", "plan", "open_counts", "link", "predicted"]
+                           "int8_compute", "policy", "plan", "open_counts", "link", "predicted", "transformer_only"]
     assert fleet["link"] is None and fleet["predicted"] == []  # (issue 35: keys added at the end)
+    assert fleet["transformer_only"] is False  # (issue 36: a key added at the end)
     assert (fleet["generation"], fleet["devices"], fleet["worker_pids"], fleet["open_counts"]) == \
         (3, ["cpu", "cpu"], [11, 12], [2, 2])
     assert fleet["policy"]["sp_degree"] == 2 and fleet["policy"]["guidance_parallel"] == "auto"

@@ -292,7 +292,8 @@ class Controller:
     def configure(self, config: FleetConfig, client: str = "a client",
                   others: list[str] | None = None) -> tuple[FleetHandle, FleetTeardown | None]:
         """Reuse the running fleet when its identity (`FleetConfig.identity`: model files, devices, dtype, …) is
-        unchanged — whatever the policy, which the returned handle carries to each of its jobs (no worker restarts,
+        unchanged, or serves this one (`FleetIdentity.serves`: a whole-checkpoint fleet for a transformer-only
+        configuration of the same transformer) — whatever the policy, which the returned handle carries to each of its jobs (no worker restarts,
         no file is read again by a worker) — else (re)build it. Refused while a job runs.
 
         Returns the handle and what was replaced: None, or a `FleetTeardown` (the old fleet, the other clients
@@ -308,12 +309,17 @@ class Controller:
                 self.current_client = client
             with self.fleet_lock:
                 fleet = self.fleet
-                kept = fleet is not None and fleet.alive() and fleet.identity == config.identity
+                # the same identity, or a whole-checkpoint fleet serving a transformer-only one of the same
+                # transformer (`FleetIdentity.serves`: both loaders of one prompt share one fleet)
+                kept = fleet is not None and fleet.alive() and fleet.identity.serves(config.identity)
                 # headers and host limits, before any worker starts; nothing running is touched. A fleet this one
                 # replaces gives its workers' memory back first.
                 freed = 0 if kept or fleet is None else sum(R.rss_bytes(p) or 0 for p in fleet.pids)
                 check_config(config, freed_bytes=freed, memory=not kept)
                 if kept:
+                    if fleet.identity != config.identity:
+                        log.info("fleet generation %d kept for %s: it holds the whole checkpoint and serves the "
+                                 "transformer-only configuration of the same file", fleet.generation, client)
                     if config.policy != fleet.config.policy:
                         log.info("fleet generation %d kept for %s: a policy change only (%s)", fleet.generation,
                                  client, _policy_change(fleet.config.policy, config.policy))
@@ -395,7 +401,7 @@ class Controller:
             fleet = self.fleet
             if fleet is not None:
                 fleet.cancel_flag.value = 0
-        if fleet is not None and fleet.alive() and fleet.identity != handle.config.identity:
+        if fleet is not None and fleet.alive() and not fleet.identity.serves(handle.config.identity):
             return _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was rebuilt "
                                 f"with another configuration (generation {fleet.generation}); load the checkpoint "
                                 f"again", ErrorKind.STALE_HANDLE)

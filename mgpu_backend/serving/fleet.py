@@ -245,7 +245,8 @@ class Fleet:
             generation=self.generation, devices=tuple(self.config.devices), worker_pids=tuple(self.pids),
             checkpoint=self.config.checkpoint, weights=self.config.weights, load_seconds=self.load_seconds,
             int8_compute=self.int8_compute, policy=self.policy, plan=self.plan_for(self.policy),
-            open_counts=tuple(self.open_counts), link=self.link, predicted=self.predicted)
+            open_counts=tuple(self.open_counts), link=self.link, predicted=self.predicted,
+            transformer_only=self.identity.transformer_only)
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:
