@@ -33,7 +33,7 @@ from ..protocol.job_results import FleetDescription
 from ..protocol.messages import Progress
 from ..protocol.transport import Pickled, send_inline
 from ..protocol.worker_messages import JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerMessage, WorkerReady
-from ..protocol.resources import FleetTooLarge, check_fleet, write_pid_file
+from ..protocol.resources import FleetTooLarge, check_fleet, oom_text, write_pid_file
 from .worker import WorkerLinks, clean_allocator_env, worker_main
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
@@ -73,7 +73,7 @@ class Fleet:
         `resources.reap`). Raises ControllerError (kind "validation") for a fleet this host cannot run
         (`resources.check_fleet`), before any process starts."""
         try:
-            check_fleet(config)
+            self.memory = check_fleet(config)  # the host's memory figures, for a worker's SIGKILL (`_death_text`)
         except FleetTooLarge as exc:
             raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
         self.config, self.generation = config, generation  # the configuration it was started with
@@ -194,7 +194,16 @@ class Fleet:
         self.processes[rank].join(5)
         code = self.processes[rank].exitcode
         self._drain_progress()  # rank 0's progress sent before the death names the stage in the report
-        self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(code)}" + self._where(rank))
+        self._fail(self._death_text(rank, code, self._where(rank)))
+
+    def _death_text(self, rank: int, code: int | None, when: str = "") -> str:
+        """"worker rank R (pid P) died with exit code C{when}" (`when`: where the job was, or " while the fleet was
+        idle"); for SIGKILL, what most often sends it — the kernel's out-of-memory killer — with the fleet's memory
+        figures (`resources.oom_text`)."""
+        text = f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(code)}{when}"
+        if code == -getattr(signal, "SIGKILL", 9):
+            text += f": {oom_text(getattr(self, 'memory', None))}"
+        return text
 
     def _drain_progress(self) -> None:
         for conn in self.conns:
@@ -222,8 +231,7 @@ class Fleet:
         for rank, proc in enumerate(self.processes):
             if not proc.is_alive():
                 proc.join(1)
-                return (f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(proc.exitcode)} while "
-                        f"the fleet was idle")
+                return self._death_text(rank, proc.exitcode, " while the fleet was idle")
         return None
 
     def plan_for(self, policy: FleetPolicy) -> FleetPlan:
