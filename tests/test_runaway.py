@@ -28,7 +28,7 @@ from mgpu_backend.protocol.errors import ControllerError, ErrorKind
 from mgpu_backend.protocol.fleet_config import FleetConfig
 from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
 from mgpu_backend.protocol.job_results import ProcessInfo
-from mgpu_backend.serving.worker import EXIT_PARENT_GONE
+from mgpu_backend.serving.worker_start import EXIT_PARENT_GONE
 from _procs import bound_child, deadline, process_alive, stop_controller, wait_gone
 
 GUARD_S = 240
@@ -336,7 +336,7 @@ def test_an_interrupted_start_reaps_every_worker_it_spawned(tiny_dir, tmp_path, 
 
 
 def test_the_watched_pipe_ends_a_worker_when_its_parent_end_closes():
-    """The portable half of `worker.bind_to_parent` on its own: the parent stays, only its end of the pipe closes
+    """The portable half of `worker_start.bind_to_parent` on its own: the parent stays, only its end of the pipe closes
     (as when a parent dies), and the worker exits with EXIT_PARENT_GONE."""
     import torch.multiprocessing as mp
 

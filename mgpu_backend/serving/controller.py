@@ -29,6 +29,7 @@ import time
 from dataclasses import fields, replace
 from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..protocol.errors import ControllerError, ErrorDetails, ErrorKind, FleetBusy, JobCancelled
 from ..protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
@@ -38,8 +39,13 @@ from ..protocol.messages import Accepted, Busy, Cancel, Configure, Configured, D
 from ..protocol.shm_lane import remove_dead_lanes, unlink_lane
 from ..protocol.transport import HANDSHAKE_TIMEOUT_S, MAX_MESSAGE_BYTES, SOCKET_NAME, default_runtime_dir, ensure_private_dir, loads, read_or_create_key, send
 from ..protocol import resources as R
-from ..protocol.frames import free_frames, remove_orphans
-from .fleet import Fleet, next_generation
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
+
+# No torch at this module's top (`.fleet`, `..protocol.frames` are imported where used): a spawned worker runs this
+# module again as its `__mp_main__` before it can bind to this process (serving/worker_start.py), and a controller
+# killed in that window must not leave it importing torch for seconds (issue 36).
 
 log = logging.getLogger("ltx2_mgpu.controller")
 
@@ -74,6 +80,8 @@ class Controller:
                         record["pid"], record.get("rank"), record.get("generation"), record.get("controller_pid"),
                         "ended" if record.get("was_running") else "had already exited")
         if stale:
+            from ..protocol.frames import remove_orphans
+
             remove_orphans(tuple(r["pid"] for r in stale))
         remove_dead_lanes()  # shared-memory lanes of clients killed before a rank mapped them (shm_lane.py)
 
@@ -268,6 +276,8 @@ class Controller:
 
     def _start_fleet(self, config: FleetConfig, why: str) -> Fleet:
         """Start a fleet (caller holds fleet_lock) and log it. Raises ControllerError (fleet_lost)."""
+        from .fleet import Fleet, next_generation
+
         t0 = time.monotonic()
         generation = next_generation()
         try:
@@ -388,6 +398,8 @@ class Controller:
         log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
         # released first: a client submitting again the moment it reads this answer finds the fleet free
         if not _send_quiet(conn, final) and isinstance(final, JobResult):
+            from ..protocol.frames import free_frames
+
             free_frames(final.result)  # the client went away: nobody will read (and unlink) the frames
             log.info("job %s: its client had gone; its frames were freed", spec.job_id)
 

@@ -34,7 +34,8 @@ from ..protocol.messages import Progress
 from ..protocol.transport import Pickled, send_inline
 from ..protocol.worker_messages import JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerMessage, WorkerReady
 from ..protocol.resources import FleetTooLarge, check_fleet, oom_text, write_pid_file
-from .worker import WorkerLinks, clean_allocator_env, worker_main
+from .worker import clean_allocator_env
+from .worker_start import WorkerLinks, start as start_worker
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
 ERROR_GRACE_S = 10.0
@@ -45,7 +46,7 @@ EventFn = Callable[[Progress], None]
 
 log = logging.getLogger("ltx2_mgpu.fleet")
 
-# Workers get PR_SET_PDEATHSIG (worker.bind_to_parent), which fires when the *thread* that spawned them ends, not
+# Workers get PR_SET_PDEATHSIG (worker_start.bind_to_parent, before they import torch), which fires when the *thread* that spawned them ends, not
 # the process: every worker is started from this one thread, which lives as long as the process (the controller
 # starts fleets from per-connection threads that end with their client).
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ltx2-mgpu-spawner")
@@ -118,7 +119,7 @@ class Fleet:
         try:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=worker_main, name=f"ltx2-mgpu-rank{rank}", daemon=True,
+                proc = ctx.Process(target=start_worker, name=f"ltx2-mgpu-rank{rank}", daemon=True,
                                    args=(rank, self.identity, self.config.policy, init_file,
                                          WorkerLinks(child, self.cancel_flag, self.heartbeat, os.getpid(), watch)))
                 self.conns.append(parent)
