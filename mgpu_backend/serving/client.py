@@ -194,10 +194,9 @@ class ControllerClient:
         """The error for a controller that went away (the connection closed or reset) while it was `during` what
         this client asked: it names the controller, the moment and what to do (kind "controller_lost", fleet_lost:
         its workers end with it, `serving/worker_start.py`)."""
-        who = f"the multi-GPU controller (pid {self.controller_pid})" if self.controller_pid else \
-            "the multi-GPU controller"
+        pid = f" (pid {self.controller_pid})" if self.controller_pid else ""
         return ControllerError(
-            f"lost {who} while {during}: the connection closed ({_what(exc)}), so it was killed or crashed (the "
+            f"lost the multi-GPU controller{pid} while {during}: the connection closed ({_what(exc)}), so it was killed or crashed (the "
             f"out-of-memory killer, a kill -9, a crash) and its workers end with it; run it again: the next request "
             f"starts a new controller (why this one ended: {self.runtime_dir / 'controller.log'}, and `dmesg` for the "
             f"out-of-memory killer)", kind=ErrorKind.CONTROLLER_LOST, fleet_lost=True)
