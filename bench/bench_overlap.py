@@ -146,7 +146,7 @@ def moves(layout: str, unit_bytes: list[int], world: int, moved: int, scale: flo
 
 
 class Copier:
-    """Host-staged copies on two side streams, issued one block ahead of the compute (see the module docstring)."""
+    """Host-staged copies on two side streams, issued ahead of the compute in `gathered`'s order (see the module docstring)."""
 
     def __init__(self, device, largest: int):
         self.device = device

@@ -66,14 +66,14 @@ def header(scale: float, scale_source: str) -> list[str]:
         "",
         "model: per block, forward = blocks in order; block i waits for its weights (resident, or moved g_i s), "
         "computes c_i, then its exchange x_i (Ulysses, on the link).",
-        "  moves one block ahead: block i+1's move is issued when block i starts, after the moves queued; the link is "
-        "one FIFO for moves and exchanges (simulated block by block, not a closed form);",
+        "  moves in gathered()'s order: the first moving block's at 0, the next moving block's when a moving block "
+        "starts, after the moves queued; the link is one FIFO for moves and exchanges (simulated block by block);",
         "  exposed = total − Σc − Σx. Fleet: c_i = compute(T, W)/N, x_i = Σ sp_collectives(T, W)/N at the link's bus "
         "bandwidth (η = 1) + λ each,",
         "  g_i = block_bytes·(W−1)/W / all_gather GB/s for the sharded blocks (the fewest that fit the smallest card, "
         "spread over the blocks). One card: W = 1, no exchange,",
         "  g_i = block_bytes / host->GPU GB/s for the blocks that do not fit (assumed: ComfyUI streams from pinned "
-        "memory on a second stream, one block ahead, overlapped: optimistic).",
+        "memory on a second stream, in the same order, overlapped: optimistic).",
         f"compute(T, W) = scale × ({m.c0 * 1e3:.1f} ms + {m.c_lin * 1e6:.1f} µs·T/W + {m.c_attn * 1e9:.3f} ns·T²/W) "
         f"(splits/cost.py H200_NVLINK, the eager forward fitted to bench/results/sp_forward_h200.txt); λ = "
         f"{m.latency * 1e6:.0f} µs per collective",
@@ -110,7 +110,7 @@ def table(model: M.ModelBytes, scale: float) -> list[str]:
                 if f is None:
                     fleet = f"{'—':>2} {'—':>8} {'—':>7} {'—':>8} {'—':>6} {'—':>7} {'—':>7}"
                 else:
-                    rank = M.fleet_rank_bytes(model, len(cards), p.sharded_blocks, tokens) / GiB
+                    rank = M.fleet_rank_bytes(p.placement, tokens) / GiB
                     fleet = (f"{p.sharded_blocks:>2} {rank:>8.1f} {f.compute:>7.2f} {f.exchange:>8.2f} "
                              f"{f.gather:>6.2f} {f.exposed_gather:>7.2f} {f.total:>7.2f}")
                 one = ("—".rjust(2) + " " + "—".rjust(5) + " " + "—".rjust(7) + " " + "—".rjust(8) if o is None else

@@ -50,6 +50,7 @@ def _compile_rank(rank: int, world: int, files: dict) -> dict:
     blocks = components.transformer.transformer_blocks
     state = WorkerState.__new__(WorkerState)  # a rank's state without the fleet around it: no plan, just the model
     state.components, state.plan, state.policy, state.sharding = components, None, FleetPolicy(compile=True), None
+    state.placement = "replicated"  # the fleet's weights (a mode, or the `WeightPlacement` a worker resolves)
     state.config = FleetIdentity(devices=("cpu",) * world, checkpoint=str(files["2.0"]["checkpoint"]),  # for the rules
                                  gemma=str(files["2.0"]["gemma"]))
     state.apply_policy(FleetPolicy(compile=False))

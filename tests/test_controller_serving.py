@@ -465,7 +465,8 @@ def test_shutdown_fleet_and_stop_answer_what_they_ended_typed(tiny_dir):
         fleet = status.fleet
         assert isinstance(fleet, FleetDescription) and fleet.generation == handle.generation
         assert (fleet.devices, fleet.worker_pids, fleet.open_counts) == (("cpu",), handle.worker_pids, (2,))
-        assert (fleet.checkpoint, fleet.weights) == (handle.config.checkpoint, "replicated")
+        assert (fleet.checkpoint, fleet.weights) == (handle.config.checkpoint, "auto")  # the default mode asked for
+        assert fleet.plan.placement.mode == "replicated"  # … and what the workers made of it (CPU: unbounded)
         assert fleet.policy == handle.config.policy and fleet.plan == handle.plan and fleet.load_seconds > 0
         assert [p.role for p in status.processes if p.pid in handle.worker_pids] == ["worker rank 0"]
         ended = client.shutdown_fleet()

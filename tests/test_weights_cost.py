@@ -1,5 +1,5 @@
-"""The cost model of a step with weights moving (`splits/weights_cost.py`): the block-by-block timeline (prefetch one
-block ahead, one link shared with the exchange) against timelines worked out by hand, the fleet's and one card's
+"""The cost model of a step with weights moving (`splits/weights_cost.py`): the block-by-block timeline (the moves
+in `gathered`'s order, one link shared with the exchange) against timelines worked out by hand, the fleet's and one card's
 forwards against the cost model's formula written out here, the memory rules on round numbers, the activation fit
 against the peaks it cites, and the report line."""
 from __future__ import annotations
@@ -26,8 +26,12 @@ LAMBDA = C.H200_NVLINK.latency
     ([1, 1], [2, 0.5], [0, 0], 4.0, 2.0),
     # chained moves: 1 on 0..2, 2 issued when block 1 starts (2) on 2..4; blocks at 0..1, 2..3, 4..5
     ([1, 1, 1], [0, 2, 2], [0, 0, 0], 5.0, 2.0),
-    # one block ahead, no more: block 2's move is issued when block 1 starts (1), not at 0: 1..4, block 2 4..5
-    ([1, 1, 1], [0, 0, 3], [0, 0, 0], 5.0, 2.0),
+    # the first moving block's move is issued before the loop, as `gathered` does: 0..3 under blocks 0 and 1
+    # (0..1, 1..2), block 2 3..4
+    ([1, 1, 1], [0, 0, 3], [0, 0, 0], 4.0, 1.0),
+    # the next moving block's move is issued when the current moving block starts: move 1 on 0..1 (under block 0),
+    # block 1 1..2, move 4 issued at 1: 1..4 under blocks 1-3 (1..4), block 4 4..5 — hidden whole
+    ([1, 1, 1, 1, 1], [0, 1, 0, 0, 3], [0, 0, 0, 0, 0], 5.0, 0.0),
     # one link: block 0's exchange waits for block 1's move (0..2): 2..2.5; block 1 2.5..3.5, its exchange ..4
     ([1, 1], [0, 2], [0.5, 0.5], 4.0, 1.0),
 ])
@@ -143,16 +147,17 @@ def test_ltx23_fp8_bytes():
 TOY = M.ModelBytes(blocks=10, block_bytes=1 * GiB, other_bytes=1 * GiB)
 
 
-def test_fleet_sharded_blocks_on_round_numbers():
-    """W = 2, 10 blocks of 1 GiB, 1 GiB besides, no tokens (activations = the fixed term a): a rank holds
-    1 + (10 − k) + k/2 + 2·[k > 0] GiB + a. Budget 12 + a: k = 0; 10 + a: 13 − k/2 ≤ 10 → k = 6; 7 + a: none."""
-    a = M.ACTIVATION_FIXED
-    card = lambda budget: budget * GiB + a + M.RESERVE_BYTES  # noqa: E731
-    assert M.fleet_sharded_blocks(TOY, 2, card(12), 0) == 0
-    assert M.fleet_sharded_blocks(TOY, 2, card(10), 0) == 6
-    assert M.fleet_rank_bytes(TOY, 2, 6, 0) == pytest.approx(10 * GiB + a)
-    assert M.fleet_sharded_blocks(TOY, 2, card(7), 0) is None
-    assert M.fleet_sharded_blocks(TOY, 1, card(10), 0) is None  # one rank cannot shard
+def test_fleet_placement_is_the_fleets_rule():
+    """W = 2, 10 blocks of 1 GiB, 1 GiB besides, no connectors; the fleet's rule keeps 4 GiB free and holds the largest
+    sharded block twice from two on: need(0) = 1 + 10 + 4 = 15, need(1) = 15.5, need(k ≥ 2) = 1 + (10 − k) + k/2 + 2
+    + 4 = 17 − k/2 GiB. A budget (card − 1 GiB) of 15: k = 0; 14: k = 6; 11.9: none (all 10 need 12)."""
+    card = lambda budget: budget * GiB + M.RESERVE_BYTES  # noqa: E731
+    assert M.fleet_placement(TOY, 2, card(15)).sharded == ()
+    six = M.fleet_placement(TOY, 2, card(14))
+    assert len(six.sharded) == 6 and M.gathered_blocks(TOY, six) == six.sharded
+    assert M.fleet_rank_bytes(six, 0) == pytest.approx((1 + 4 + 3 + 2) * GiB + M.ACTIVATION_FIXED)
+    assert M.fleet_placement(TOY, 2, card(11.9)) is None
+    assert M.fleet_placement(TOY, 1, card(10)) is None  # one rank cannot shard its way into less memory
 
 
 def test_resident_blocks_on_round_numbers():
@@ -167,13 +172,17 @@ def test_resident_blocks_on_round_numbers():
 # ---- a box ---------------------------------------------------------------------------------------------------------
 
 def test_predict_box_two_24gb_cards_stage_1():
-    """2 × 24 GiB over PCIe 4.0 without P2P, the 22B fp8 model, stage 1 (3,520 tokens), compute × 6: a rank holds
-    0.80 + 3.76 (connectors) + 17.30 GiB + activations of 1,760 rows (0.67 GiB) = 22.53 ≤ 23: nothing sharded; one
-    card holds 0.80 + 17.30 + 1.17 ≤ 23: nothing streamed. So fleet = compute(W=2) + exchange at 10 GB/s, one card =
-    compute(W=1)."""
+    """2 × 24 GiB over PCIe 4.0 without P2P, the 22B fp8 model, stage 1 (3,520 tokens), compute × 6. The fleet's rule
+    in a 23 GiB budget with 4 GiB kept free: the 16 connector units (t = 0.235 GiB) sharded first still need
+    0.796 + 17.297 (48 blocks of b = 0.3604 GiB) + 16·t/2 + 2t + 4 = 24.44 GiB; then m blocks: 0.796 + (48 − m)·b +
+    m·b/2 + 1.88 + 2b + 4 = 24.69 − 0.18·m ≤ 23 → m = 10 blocks gathered every forward, spread through the 48. Each
+    move (b/2 at 10 GB/s: 19 ms) runs under the ~5 whole blocks before it (20 ms of compute each) and is off the link
+    before the moving block's exchange: nothing exposed, the fleet = compute(W=2) + exchange. One card holds
+    0.80 + 17.30 + 1.17 ≤ 23: nothing streamed, compute(W=1)."""
     p = M.predict_box(M.Box.of((24, 24), "pcie4-host"), 3520, compute_scale=6.0)
-    assert p.sharded_blocks == 0 and p.streamed_blocks == 0
+    assert p.sharded_blocks == 10 and p.streamed_blocks == 0 and len(p.placement.sharded) == 26
     fleet = _compute(3520, 2, 6.0) + _exchange(3520, 2, 10.0)
+    assert p.fleet.exposed_gather == pytest.approx(0.0, abs=1e-9)
     assert p.fleet.total == pytest.approx(fleet)
     assert p.one_card.total == pytest.approx(_compute(3520, 1, 6.0))
     assert p.ratio == pytest.approx(fleet / _compute(3520, 1, 6.0))
@@ -181,13 +190,16 @@ def test_predict_box_two_24gb_cards_stage_1():
 
 def test_predict_box_bf16_streams_on_one_card():
     """The bf16 22B model (48 × 0.72 GiB) on one 24 GiB card at stage 1: room 23 − 0.80 − 1.17 = 21.03 GiB, minus
-    2 buffers: ⌊19.59 / 0.72⌋ = 27 resident, 21 streamed; 2 cards shard some blocks."""
+    2 buffers: ⌊19.59 / 0.72⌋ = 27 resident, 21 streamed; 2 cards cannot hold it, 4 shard some blocks."""
     p = M.predict_box(M.Box.of((24, 24), "pcie4-host"), 3520, model=M.LTX23_22B_BF16, compute_scale=6.0)
     b = M.LTX23_22B_BF16.block_bytes
     room = 23 * GiB - M.LTX23_22B_BF16.other_bytes - (M.ACTIVATION_FIXED + 3520 * M.ACTIVATION_PER_ROW) - 2 * b
     assert p.streamed_blocks == 48 - int(room // b) == 21
     assert p.one_card.gathered_blocks == 21 and p.one_card.gather == pytest.approx(21 * b / 25e9)
-    assert p.sharded_blocks and 0 < p.sharded_blocks < 48 and p.fleet.gathered_blocks == p.sharded_blocks
+    # 2 ranks: even every unit sharded needs 0.80 + 34.6/2 + 3.76/2 + 2 × 0.72 (gathered) + 4 kept free = 25.4 GiB
+    assert p.fleet is None and p.sharded_blocks is None and p.ratio is None
+    four = M.predict_box(M.Box.of((24,) * 4, "pcie4-host"), 3520, model=M.LTX23_22B_BF16, compute_scale=6.0)
+    assert 0 < four.sharded_blocks < 48 and four.fleet.gathered_blocks == four.sharded_blocks
 
 
 def test_box_of_unknown_link():
@@ -196,8 +208,8 @@ def test_box_of_unknown_link():
 
 
 def test_one_24gb_card_cannot_hold_the_fleets_replica():
-    """A one-rank fleet holds the connectors too (0.80 + 3.76 + 17.30 + 1.17 > 23 GiB): it does not fit, while one
-    card with ComfyUI's loading (connectors by need) does."""
+    """A one-rank fleet holds the connectors too (0.80 + 3.76 + 17.30 + 4 GiB kept free > 23 GiB): it does not fit,
+    while one card with ComfyUI's loading (connectors by need) does."""
     p = M.predict_box(M.Box.of((24,), "pcie4-host"), 3520, compute_scale=6.0)
     assert p.fleet is None and p.sharded_blocks is None and p.ratio is None
     assert p.one_card is not None

@@ -156,7 +156,10 @@ class FleetPolicy:
         passes of each step on different ranks when the cost model predicts it faster than the stage's sequence
         parallelism; CPU: sequence parallel), "on" (whenever a stage has more than one pass per step and the fleet
         more than one rank) or "off".
-    token_cap: video tokens per rank per SP forward; larger jobs are refused before work (None: no cap).
+    token_cap: video tokens per rank per SP forward; larger jobs are refused before work, the refusal naming the
+        longest clip that fits. "auto" (the default): on CUDA the memory plan's cap for each SP degree
+        (`protocol/memory_plan.py`, from the memory the rank has left after its weights), elsewhere 65,536; an int:
+        that cap; None: no cap.
     init_timeout_s: how long a fleet start may take (used when the controller starts a fleet for this policy).
     stall_timeout_s: a job with no step progress for this long is declared hung and the fleet torn down.
     compile: regional torch.compile of the transformer blocks (mgpu_backend/engine/compile.py): the first job at each size
@@ -169,7 +172,7 @@ class FleetPolicy:
     sp_degree: int | None = None
     min_tokens_per_rank: int | None = None
     guidance_parallel: str = "auto"
-    token_cap: int | None = 65536
+    token_cap: int | str | None = "auto"
     init_timeout_s: float = 120.0
     stall_timeout_s: float = 300.0
     compile: bool = False
@@ -183,7 +186,8 @@ class FleetPolicy:
         if self.guidance_parallel not in GUIDANCE_PARALLEL_MODES:
             raise ValueError(f"guidance_parallel={self.guidance_parallel!r}: choose one of "
                              f"{', '.join(GUIDANCE_PARALLEL_MODES)}")
-        _positive("token_cap", self.token_cap, integer=True, allow_none=True)
+        if self.token_cap != "auto":
+            _positive("token_cap", self.token_cap, integer=True, allow_none=True)
         _positive("init_timeout_s", self.init_timeout_s)
         _positive("stall_timeout_s", self.stall_timeout_s)
         if not isinstance(self.compile, bool):

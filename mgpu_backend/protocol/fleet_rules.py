@@ -422,7 +422,7 @@ def sharded_units(count: int, block_units: int, connector_units: int) -> tuple[i
 
 
 def placement_of(sizes: WeightBytes, world_size: int, sharded, budget_bytes: int | None = None,
-                 reserve_bytes: int = ACTIVATION_RESERVE_BYTES, requested: str = "placed") -> WeightPlacement:
+                 reserve_bytes: int = PLACEMENT_RESERVE_BYTES, requested: str = "placed") -> WeightPlacement:
     """The `WeightPlacement` that shards the units `sharded` (indices into `sizes.units`) over `world_size` ranks and
     holds the others whole, with its bytes per rank (formulas in `WeightPlacement`'s docstring). Does not check the
     budget (`place_weights` does). Raises ValueError for an index out of range or repeated, per-unit sizes unknown,
@@ -496,8 +496,8 @@ def place_weights(sizes: WeightBytes, world_size: int, budget_bytes: int | None,
     raise ValidationError(
         f"a budget of {budget_bytes / GiB:.1f} GiB per GPU{source} cannot hold {what}: that needs "
         f"{best.need_bytes / GiB:.1f} GiB ({best.resident_bytes / GiB:.1f} GiB of weights resident + "
-        f"{best.transient_bytes / GiB:.1f} GiB of gathered blocks + {best.reserve_bytes / GiB:.1f} GiB for one "
-        f"forward). Would fit: {'; '.join(would) if would else 'nothing on this fleet'} (also: free the GPU, "
+        f"{best.transient_bytes / GiB:.1f} GiB of gathered blocks + {best.reserve_bytes / GiB:.1f} GiB kept free "
+        f"for one forward). Would fit: {'; '.join(would) if would else 'nothing on this fleet'} (also: free the GPU, "
         f"raise gpu_budget_gib, or use an fp8 / int8 file)")
 
 

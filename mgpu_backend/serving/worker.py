@@ -152,7 +152,8 @@ class WorkerState:
                                                  family=self.components.family)
         # every group any policy may use is built here, once (build_plan), and kept (`groups`); each job gets a
         # frozen plan of them under its policy (`apply_policy`)
-        plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy, sharded=sharded)
+        plan = (build_plan(self.components.transformer, rank, identity.world_size, device, policy, sharded=sharded,
+                           budget_bytes=self.budget)
                 if identity.sequence_parallel else None)
         self.groups = plan.groups if plan is not None else None  # parallel.plan.PlanGroups, for the fleet's life
         self.plan = plan  # the frozen plan of the last job's policy (parallel.plan.ParallelPlan)

@@ -4,16 +4,17 @@ not fit copied from pinned host memory every forward). Pure python; times in sec
 
 **One forward, block by block** (`simulate_step`, a loop over the N blocks, not a closed form). Block i needs its
 weights (resident, or moved: g_i seconds), computes (c_i), then waits for its exchange (x_i: the Ulysses
-collectives, in the block's critical path). The moves go one block ahead (prefetch): block i+1's move is issued when
-block i starts and starts when the link is free, so it never runs more than one block ahead of the compute. The
-link is one FIFO resource shared by the moves and the exchanges (a block's exchange waits for a move issued before
-it). So, with s_i the start of block i, e_i its end and L the time the link is free:
+collectives, in the block's critical path). The moves run in the order `weights.sharding.gathered` issues FSDP's
+all-gathers: the first moving block's at 0 (before the loop), each next moving block's when the current moving block
+starts, once the link is free — so a move overlaps the compute of every whole block before its own, and at most two
+moved blocks are held at once. The link is one FIFO resource shared by the moves and the exchanges (a block's
+exchange waits for a move issued before it). So, with s_i the start of block i, e_i its end, L the time the link is
+free and j the next moving block after a moving block i:
 
-    s_i = max(e_{i-1}, end of move i);  move i+1 on [max(L, s_i), +g_{i+1}];
+    s_i = max(e_{i-1}, end of move i);  move j on [max(L, s_i), +g_j];
     exchange i on [max(L, s_i + c_i), +x_i];  e_i = its end (s_i + c_i without an exchange);  total = e_{N-1}.
 
-Move 0 (when block 0 is not resident) is issued at 0 and exposed whole. The exposed move time is
-total − Σc − Σx (≥ 0): what the moves add to a forward after the overlap.
+The exposed move time is total − Σc − Σx (≥ 0): what the moves add to a forward after the overlap.
 
 **The fleet** (`fleet_step`): compute = `CostModel.compute(tokens, W)` of one rank (splits/cost.py), spread evenly over
 the blocks; exchange = Σ `CostModel.sp_collectives(tokens, W)` with the link's bus bandwidth (η = 1: a measured bus
@@ -23,7 +24,7 @@ receives per second).
 
 **One card with weight streaming** (`one_card_step`): the same loop at W = 1: no exchange; each streamed block moves
 block_bytes host -> device at the pinned copy rate. Assumption (not measured here): ComfyUI's dynamic VRAM copies
-asynchronously on a second stream from pinned host memory, one block ahead, overlapped with the compute — an
+asynchronously on a second stream from pinned host memory, in the same order, overlapped with the compute — an
 optimistic baseline. Resident = what fits the card's budget after the rest of the transformer, the activations and
 two block buffers (the one computing, the one arriving).
 
@@ -31,9 +32,9 @@ two block buffers (the one computing, the one arriving).
 - activations of one forward with r token rows (tokens × batch / W) per rank: `activation_bytes(r)` =
   a + b·r, fitted (`fit_activations`) to the peaks of bench/results/sharded_h200.txt (`SHARDED_PEAKS_H200`: replica and
   one rank of 2 and 4, an LTX-2.3-shaped fp8 file): peak − resident (− 2 gathered blocks on a sharded rank);
-- a fleet rank holds the rest of the transformer (`other_bytes`), the text connectors (`text_bytes`, 1/W of them
-  once any block is sharded: the sharded mode shards them), N − k replicated blocks, k shards of 1/W and, when
-  k > 0, two gathered blocks; `fleet_sharded_blocks` is the smallest k that fits (replicate what fits);
+- a fleet rank holds what the fleet's own placement rule gives it (`fleet_placement`: `protocol.fleet_rules.
+  place_weights`, the fewest sharded units that fit with `PLACEMENT_RESERVE_BYTES` kept free, the text connectors
+  sharded first) plus the stage's activations (`fleet_rank_bytes`);
 - one card holds `other_bytes`, the resident blocks, two block buffers when it streams, the activations; the text
   connectors run once per prompt and are not counted (ComfyUI loads them by need).
 
@@ -50,6 +51,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..protocol.errors import ValidationError
+from ..protocol.fleet_rules import WeightBytes, WeightPlacement, place_weights
 from .cost import H200_NVLINK, LTX2_19B, CostModel, ModelShape
 
 GiB = 2**30
@@ -122,14 +125,17 @@ def simulate_step(compute: Sequence[float], gather: Sequence[float], exchange: S
     if min((*compute, *gather, *exchange), default=0.0) < 0:
         raise ValueError("simulate_step: a negative time")
     arrive = [0.0] * n  # when each block's weights are there (0: resident)
+    moving = [i for i in range(n) if gather[i] > 0]
+    following = dict(zip(moving, moving[1:]))
     link = 0.0  # when the link is free
-    if n and gather[0] > 0:
-        link = arrive[0] = gather[0]
+    if moving:  # the first moving block's move is issued before the loop (`weights.sharding.gathered`)
+        link = arrive[moving[0]] = gather[moving[0]]
     end = 0.0
     for i in range(n):
         start = max(end, arrive[i])
-        if i + 1 < n and gather[i + 1] > 0:  # prefetch: one block ahead, after the moves already queued
-            link = arrive[i + 1] = max(link, start) + gather[i + 1]
+        nxt = following.get(i)
+        if nxt is not None:  # the next moving block's move, issued when this moving block starts, after the queue
+            link = arrive[nxt] = max(link, start) + gather[nxt]
         end = start + compute[i]
         if exchange[i] > 0:
             link = end = max(link, end) + exchange[i]
@@ -168,7 +174,7 @@ def fleet_step(tokens: int, world_size: int, gathered: Sequence[int], block_byte
 def one_card_step(tokens: int, streamed: Sequence[int], block_bytes: float, h2d_GBps: float,
                   cost: CostModel = H200_NVLINK, shape: ModelShape = LTX2_19B) -> StepPrediction:
     """One forward of `tokens` video tokens on one card whose blocks `streamed` are copied host -> device every
-    forward at `h2d_GBps` (pinned, GB/s), one block ahead of the compute (the module docstring's assumption)."""
+    forward at `h2d_GBps` (pinned, GB/s), in `gathered`'s order (the module docstring's assumption)."""
     n = shape.blocks
     copy = block_bytes / (h2d_GBps * 1e9)
     moved = set(streamed)
@@ -197,23 +203,40 @@ def activation_bytes(rows: float) -> float:
     return ACTIVATION_FIXED + ACTIVATION_PER_ROW * rows
 
 
-def fleet_rank_bytes(model: ModelBytes, world_size: int, sharded: int, tokens: int) -> float:
-    """What one rank of the fleet holds at its peak with `sharded` of the blocks sharded (module docstring)."""
-    w = world_size
-    text = model.text_bytes / w if sharded else model.text_bytes
-    gathered = 2 * model.block_bytes if sharded else 0.0
-    return (model.other_bytes + text + (model.blocks - sharded) * model.block_bytes
-            + sharded * model.block_bytes / w + gathered + activation_bytes(tokens / w))
+# the 22B files' text connectors: 8 blocks for video and 8 for audio (bench_sharded --connector-layers 8), the units
+# `weights.sharding.units_of` lists after the transformer's blocks
+TEXT_UNITS = 16
 
 
-def fleet_sharded_blocks(model: ModelBytes, world_size: int, card_bytes: float, tokens: int) -> int | None:
-    """The fewest sharded blocks with which a rank fits `card_bytes` − `RESERVE_BYTES` (None: not even all of
-    them). At W = 1 nothing can be sharded: 0 or None."""
-    budget = card_bytes - RESERVE_BYTES
-    for k in range(model.blocks + 1 if world_size > 1 else 1):
-        if fleet_rank_bytes(model, world_size, k, tokens) <= budget:
-            return k
-    return None
+def weight_bytes_of(model: ModelBytes, text_units: int = TEXT_UNITS) -> WeightBytes:
+    """`model` as the fleet's placement rule reads a checkpoint (`protocol.fleet_rules.WeightBytes`): its blocks, then
+    its text connectors in `text_units` equal units, and the rest."""
+    blocks = (int(model.block_bytes),) * model.blocks
+    text = (int(model.text_bytes // text_units),) * text_units if model.text_bytes else ()
+    return WeightBytes(blocks=sum(blocks) + sum(text), rest=int(model.other_bytes), block_units=blocks,
+                       connector_units=text)
+
+
+def fleet_placement(model: ModelBytes, world_size: int, card_bytes: float) -> WeightPlacement | None:
+    """Where a fleet of `world_size` cards of `card_bytes` puts `model`'s weights: the fleet's own rule
+    (`protocol.fleet_rules.place_weights`, weights="auto": the fewest sharded units that fit, the text connectors
+    first, `PLACEMENT_RESERVE_BYTES` kept free) in the card's budget (card − `RESERVE_BYTES`); None when not even
+    every unit sharded fits."""
+    try:
+        return place_weights(weight_bytes_of(model), world_size, int(card_bytes - RESERVE_BYTES), "auto")
+    except ValidationError:
+        return None
+
+
+def gathered_blocks(model: ModelBytes, placement: WeightPlacement) -> tuple[int, ...]:
+    """The transformer blocks a placement gathers every forward (its sharded units that are blocks, not connectors)."""
+    return tuple(i for i in placement.sharded if i < model.blocks)
+
+
+def fleet_rank_bytes(placement: WeightPlacement, tokens: int) -> float:
+    """What one rank holds at its peak in a forward of `tokens` video tokens: its resident weights, the gathered
+    blocks and the activations of its tokens / W rows (`activation_bytes`)."""
+    return placement.resident_bytes + placement.transient_bytes + activation_bytes(tokens / placement.world_size)
 
 
 def resident_blocks(model: ModelBytes, card_bytes: float, tokens: int) -> int | None:
@@ -263,6 +286,7 @@ class BoxPrediction:
     sharded_blocks: int | None
     one_card: StepPrediction | None
     streamed_blocks: int | None
+    placement: WeightPlacement | None = None  # the fleet's (None: it does not fit)
 
     @property
     def ratio(self) -> float | None:
@@ -279,15 +303,19 @@ def predict_box(box: Box, tokens: int, model: ModelBytes = LTX23_22B_FP8, comput
     compute terms of `cost` × it; the link terms are the box's)."""
     card = cost.scaled(compute_scale)
     w = box.world_size
-    k = fleet_sharded_blocks(model, w, min(box.cards_GiB) * GiB, tokens)
-    fleet = (None if k is None else
-             fleet_step(tokens, w, spread_blocks(model.blocks, k), model.block_bytes, box.all_gather_GBps, card,
-                        shape))
+    smallest = min(box.cards_GiB) * GiB
+    placement = fleet_placement(model, w, smallest)
+    if placement is not None and fleet_rank_bytes(placement, tokens) > smallest - RESERVE_BYTES:
+        placement = None  # the weights fit, this stage's activations beside them do not
+    gathered = None if placement is None else gathered_blocks(model, placement)
+    k = None if gathered is None else len(gathered)
+    fleet = (None if gathered is None else
+             fleet_step(tokens, w, gathered, model.block_bytes, box.all_gather_GBps, card, shape))
     resident = resident_blocks(model, max(box.cards_GiB) * GiB, tokens)
     streamed = None if resident is None else model.blocks - resident
     one = (None if streamed is None else
            one_card_step(tokens, spread_blocks(model.blocks, streamed), model.block_bytes, box.h2d_GBps, card, shape))
-    return BoxPrediction(box, tokens, fleet, k, one, streamed)
+    return BoxPrediction(box, tokens, fleet, k, one, streamed, placement)
 
 
 # ---- a running fleet ---------------------------------------------------------------------------------------------
