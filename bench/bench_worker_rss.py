@@ -7,7 +7,7 @@ What is measured (CPU ranks, gloo, the tiny LTX-2.0 model with its Gemma and ups
 - `status` of a fresh controller's fleet: every process it owns with its RSS (VmRSS, /proc), and each worker's
   anonymous / file-backed split (RssAnon / RssFile: shared libraries are file-backed);
 - the controller SIGKILLed (no teardown: as the OOM killer would): milliseconds until every worker is gone, polled
-  every millisecond (parent-death signal and watched pipe, `worker.bind_to_parent`).
+  every millisecond (parent-death signal and watched pipe, `worker_start.bind_to_parent`).
 """
 from __future__ import annotations
 

@@ -114,9 +114,10 @@ def run_job(handle: FleetHandle, kind: str, payload: Any, *, node_id: str | None
     """Run one job on the fleet: progress into ComfyUI's bar, ComfyUI's interrupt cancels it (every rank stops at
     the next step boundary and the fleet stays), engine errors become NodeError with the engine's message.
 
-    A stale handle (the fleet was rebuilt with another configuration since) or a controller that went away is
-    handled transparently once: the fleet is configured again from the handle's own configuration and the job
-    re-submitted. A job that fails because a worker died is reported (the next run starts a fresh fleet).
+    A stale handle (the fleet was rebuilt with another configuration since) or a controller that went away (the
+    client's ControllerError of kind "controller_lost") is handled transparently once: the fleet is configured again
+    from the handle's own configuration and the job re-submitted; a second loss is shown with the client's message
+    (what was lost, when, what to do). A job that fails because a worker died is reported (the next run starts a fresh fleet).
 
     progress=False: the job's progress events are not shown (a model forward inside ComfyUI's own sampler, whose
     progress bar is ComfyUI's). on_handle: called with the new handle when the fleet was configured again."""
@@ -145,6 +146,9 @@ def run_job(handle: FleetHandle, kind: str, payload: Any, *, node_id: str | None
             raise NodeError(f"{what}: {exc} (another client — a CLI run or a second ComfyUI — is using the fleet; "
                             f"queue again when it is done)") from None
         except ControllerError as exc:
+            if exc.kind == ErrorKind.CONTROLLER_LOST and attempt == 1:  # killed mid-job: a new one, the job again
+                log.warning("%s: %s — starting the controller again and re-submitting once", what, exc)
+                continue
             if exc.kind == ErrorKind.STALE_HANDLE and attempt == 1:
                 log.info("%s: %s — configuring the fleet again from the handle", what, exc)
                 try:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import folder_paths
 from comfy_api.latest import io, ui
@@ -11,29 +10,12 @@ from ..mgpu_backend.protocol.errors import ControllerError
 from ..mgpu_backend.protocol.fleet_config import INT8_COMPUTE_MODES, WEIGHT_MODES, FleetConfig, FleetHandle
 from ..mgpu_backend.protocol.fleet_rules import check_fleet
 from ..mgpu_backend.protocol.job_results import FleetDescription
-from ..mgpu_backend.protocol.resources import LINKS_GBPS, sharded_gather_seconds
 from .common import CATEGORY, Fleet, NodeError, client, guard, log
+from .loader_plan import NONE, CheckpointOptions, checkpoint_config, describe_plan, diffusion_model_config
 from .widgets import read_widgets
 
-NONE = "none"
 UPSCALER_FOLDER = "latent_upscale_models"
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-@dataclass(frozen=True)
-class CheckpointOptions:
-    """Load Checkpoint's optional widgets: the separate component files (video_vae, audio_vae, text_projection; NONE:
-    from the checkpoint), sp_degree (0: the largest valid), compile, weights (`WEIGHT_MODES`), int8_compute
-    (`INT8_COMPUTE_MODES`), gpu_budget_gib (GiB per GPU for the weights and one forward; 0: the free memory)."""
-
-    video_vae: str = NONE
-    audio_vae: str = NONE
-    text_projection: str = NONE
-    sp_degree: int = 0
-    compile: bool = False
-    weights: str = "auto"
-    int8_compute: str = "auto"
-    gpu_budget_gib: float = 0.0
 
 
 def _ensure_upscaler_folder() -> None:
@@ -90,23 +72,6 @@ def _optional(name: str, *folders: str) -> str | None:
     return None if name in (None, "", NONE) else _resolve(name, *folders)
 
 
-def _free_memory(devices: tuple[str, ...]) -> str:
-    import torch
-
-    parts = []
-    for dev in dict.fromkeys(devices):
-        if dev.startswith("cuda"):
-            free, total = torch.cuda.mem_get_info(torch.device(dev))
-            parts.append(f"{dev} {free / 2**30:.1f}/{total / 2**30:.1f} GiB free")
-        else:
-            try:
-                avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-                parts.append(f"host RAM {avail / 2**30:.1f} GiB free")
-            except (ValueError, OSError):
-                pass
-    return ", ".join(parts)
-
-
 def _device_inputs() -> list:
     """The `devices` and `world_size` inputs both loader nodes share."""
     return [io.String.Input("devices", default="all",
@@ -155,76 +120,10 @@ def _int8_input():
                           tooltip=INT8_COMPUTE_TOOLTIP)
 
 
-def describe_plan(handle: FleetHandle, fleet: FleetDescription | None = None) -> str:
-    """The node's text: the fleet and the split it computed for this handle's policy (`handle.plan`, a
-    `protocol.fleet_config.FleetPlan`: nothing is re-derived here), the weights and the free memory; with the
-    running fleet's status (`fleet`), the links it measured at start and its predicted step times against one card
-    with weight streaming."""
-    cfg = handle.config
-    w = cfg.world_size
-    backend = "nccl" if any(d.startswith("cuda") for d in cfg.devices) else "gloo"
-    per_job = ("each stage's split - tokens over ranks, guidance passes over ranks, or one GPU - is chosen per job "
-               "and shown by the SP Sampler")
-    plan = getattr(handle, "plan", None)
-    if plan is None:
-        sp = "parallel plan: not reported by the running controller (stop it to start the current one)"
-    elif not plan.sequence_parallel:
-        sp = "no parallel plan (sequence_parallel off): every rank computes every stage whole"
-    elif plan.sp_degree == w:
-        sp = f"sequence parallel up to degree {plan.sp_degree} ({per_job})"
-    elif plan.set_by_policy:
-        sp = (f"sequence parallel up to degree {plan.sp_degree} on ranks 0-{plan.sp_degree - 1}, set by sp_degree "
-              f"({per_job}; changing it keeps the fleet)")
-    else:
-        sp = (f"sequence parallel degree {plan.sp_degree} on ranks 0-{plan.sp_degree - 1}: {w} does not divide the "
-              f"{plan.heads} attention heads (valid: {', '.join(map(str, plan.valid_degrees))})")
-    size = sum(os.path.getsize(p) for p in (cfg.checkpoint, cfg.upscaler, cfg.video_vae, cfg.audio_vae,
-                                            cfg.text_projection) if p and os.path.isfile(p))
-    lines = [
-        f"fleet generation {handle.generation}: {w} rank(s) on {', '.join(cfg.devices)} ({backend}), "
-        f"{cfg.dtype}{', compiled blocks' if cfg.compile else ''}",
-        sp,
-        f"tiled stage 2 / decode: all {w} ranks",
-        _weights_line(cfg, getattr(plan, "placement", None), size),
-        f"memory: {_free_memory(cfg.devices)}",
-        f"worker pids: {', '.join(map(str, handle.worker_pids))}",
-    ]
-    return "\n".join(lines + _measured(fleet))
-
-
-def _measured(fleet: FleetDescription | None) -> list[str]:
-    """The link line and the predicted step times of a `FleetDescription` (none from an older controller)."""
-    link = getattr(fleet, "link", None)
-    return ([link.describe()] if link is not None else []) + list(getattr(fleet, "predicted", ()) or ())
-
-
 def _configure(c, config: FleetConfig) -> tuple[FleetHandle, FleetDescription | None]:
     """The fleet for `config` and its status (what it measured at start)."""
     handle = c.configure(config)
     return handle, c.status().fleet
-
-
-def _weights_line(cfg, placement, size: int) -> str:
-    """The weights' line of the node's text: the placement the workers reported (`FleetPlan.placement`), with the
-    predicted weight gathers per forward over the configured links (`resources.LINKS_GBPS`); the mode asked for
-    when the controller did not report one."""
-    w = cfg.world_size
-    if placement is not None:
-        line = f"weights: {placement.describe()}; Gemma mode {cfg.gemma_mode}"
-        if placement.any_sharded:
-            line += (f"; every forward runs sequence parallel over all {w} ranks; predicted weight gathers per forward "
-                     f"(on top of the compute, unless hidden behind the whole blocks'): "
-                     + ", ".join(f"{placement.gather_seconds(gbps):.2f} s over {link}"
-                                 for link, gbps in LINKS_GBPS.items()))
-        return line
-    if cfg.weights == "sharded":
-        return (f"weights: the transformer's layers sharded over the {w} ranks (~1/{w} each of ~{size / 2**30:.2f} "
-                f"GiB of files, gathered layer by layer as they run; Gemma mode {cfg.gemma_mode}): every forward "
-                f"runs sequence parallel over all {w} ranks; predicted weight gathers per forward (on top of the "
-                f"compute): " + ", ".join(f"{sharded_gather_seconds(size, w, gbps):.2f} s over {link}"
-                                          for link, gbps in LINKS_GBPS.items()))
-    return (f"weights: {cfg.weights} (~{size / 2**30:.2f} GiB of files; the running controller did not report the "
-            f"placement; Gemma mode {cfg.gemma_mode})")
 
 
 class LoadCheckpointMGPU(io.ComfyNode):
@@ -295,16 +194,12 @@ class LoadCheckpointMGPU(io.ComfyNode):
             # ComfyUI passes every optional widget by name: read into one record at once
             o = read_widgets(CheckpointOptions, options, "Load Checkpoint (MGPU)")
             devs = parse_devices(devices, world_size or None)
-            dtype = weight_dtype if weight_dtype != "auto" else (
-                "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32")
-            config = FleetConfig(
-                devices=devs, checkpoint=_resolve(checkpoint, "checkpoints", "diffusion_models"),
-                gemma=_resolve_gemma(gemma), upscaler=_optional(upscaler, UPSCALER_FOLDER),
+            config = checkpoint_config(
+                devs, _resolve(checkpoint, "checkpoints", "diffusion_models"), _resolve_gemma(gemma),
+                _optional(upscaler, UPSCALER_FOLDER), weight_dtype, o,
                 video_vae=_optional(o.video_vae, "vae", "checkpoints"),
                 audio_vae=_optional(o.audio_vae, "vae", "checkpoints"),
-                text_projection=_optional(o.text_projection, "text_encoders", "checkpoints"), dtype=dtype,
-                sp_degree=o.sp_degree or None, compile=bool(o.compile), weights=o.weights,
-                int8_compute=o.int8_compute, gpu_budget_gib=o.gpu_budget_gib or None)
+                text_projection=_optional(o.text_projection, "text_encoders", "checkpoints"))
             # the fleet's rules the values decide (compile × sharded, …): refused before the running fleet is asked
             check_fleet(config.identity, config.policy)
             try:
@@ -380,12 +275,10 @@ class LoadDiffusionModelMGPU(io.ComfyNode):
         what = "Load Diffusion Model (MGPU)"
         with guard(what):
             devs = parse_devices(devices, world_size or None)
-            dtype = "bfloat16" if any(d.startswith("cuda") for d in devs) else "float32"
             path = _resolve(unet_name, "diffusion_models", "checkpoints")
-            # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those)
-            config = FleetConfig(devices=devs, checkpoint=path, gemma=None, dtype=dtype, gemma_unload=True,
-                                 transformer_only=True, weights=weights, int8_compute=int8_compute,
-                                 gpu_budget_gib=gpu_budget_gib or None)
+            # transformer only: no Gemma, no VAEs, no upscaler on the fleet (ComfyUI's own loaders provide those); a
+            # Load Checkpoint (MGPU) fleet of the same file, devices and weights serves it (one fleet for both)
+            config = diffusion_model_config(devs, path, weights, int8_compute, gpu_budget_gib)
             check_fleet(config.identity, config.policy)  # the fleet's rules the values decide
             try:
                 c = client()

@@ -68,8 +68,8 @@ def stop_controller(runtime) -> None:
 
 
 def bound_child(parent_pid: int, watch) -> None:
-    """A spawned process bound to its parent as a worker is (`worker.bind_to_parent`), then idle."""
-    from mgpu_backend.serving.worker import bind_to_parent
+    """A spawned process bound to its parent as a worker is (`worker_start.bind_to_parent`), then idle."""
+    from mgpu_backend.serving.worker_start import bind_to_parent
 
     bind_to_parent(parent_pid, watch)
     time.sleep(600)

@@ -258,7 +258,7 @@ def test_error_kinds_keep_their_wire_values():
     assert "busy" in {ErrorKind.BUSY} and {"validation": 1}[ErrorKind.VALIDATION] == 1
     assert {k.value for k in ErrorKind} == {"validation", "job_error", "cancelled", "busy", "stale_handle",
                                                "fleet_lost", "fleet_stopped", "protocol", "start_failed",
-                                               "not_running", "error"}
+                                               "not_running", "controller_lost", "error"}
     exc = ControllerError("x", kind="cancelled")
     assert exc.kind is ErrorKind.CANCELLED and ControllerError("y").kind is ErrorKind.ERROR
     odd = ControllerError("out of memory on rank 1", kind="out_of_memory", details=ErrorDetails(rank=1))

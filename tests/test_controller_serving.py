@@ -373,8 +373,13 @@ def test_a_worker_killed_between_jobs_shows_in_status(ctl, handle, runtime):
     while (status := ctl.status()).fleet is not None and time.monotonic() < end:
         time.sleep(0.1)
     assert status.fleet is None, status
-    assert status.last_failure == (f"worker rank 0 (pid {victim}) died with exit code -9 (SIGKILL) while the "
-                                      f"fleet was idle"), status
+    assert status.last_failure.startswith(f"worker rank 0 (pid {victim}) died with exit code -9 (SIGKILL) while the "
+                                          f"fleet was idle: "), status
+    # issue 36 item 1: a SIGKILL is told as the out-of-memory killer's likely work, with the fleet's figures
+    assert re.search(r"idle: (probably )?killed by the out-of-memory killer.*: the fleet's 1 worker\(s\) needed about "
+                     r"0\.\d GiB of host memory at start, of \d+\.\d GiB available \((MemAvailable|under the cgroup)"
+                     r".*GiB available now .*`dmesg` or the container's OOM events say for sure\)$",
+                     status.last_failure), status.last_failure
     assert torch.equal(ctl.run(handle, noop()).tensor, torch.arange(4, dtype=torch.float32))  # a new fleet
     after = ctl.status().fleet
     assert after.generation > before.generation and victim not in after.worker_pids

@@ -282,3 +282,36 @@ def test_dequantized_weight_on_cuda_is_comfyuis(group):
     rel = _rel(holder(x), w8a8)
     print(f"cuda group {group}: dequantized vs W8A8 rel L2 {rel:.2e}")
     assert type(holder[0]) is nn.Linear and rel < 2e-2
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "w8a8"])
+def test_an_int8_switch_on_a_file_without_int8_layers_is_refused_by_name(files, mode):
+    """Issue 36 item 10: `int8_compute="dequantize"` on a file with no int8 layers was accepted silently. The fleet's
+    rule (`fleet_rules.check_int8_file`, from the header's `CheckpointFacts.int8_layers`) refuses it by name in the
+    controller's `check_config` — before any worker starts — and in the nodes' / CLI's `check_fleet` with facts;
+    the int8 file and "auto" pass."""
+    from mgpu_backend.models.headers import checkpoint_facts
+    from mgpu_backend.protocol.errors import ControllerError, ErrorKind
+    from mgpu_backend.protocol.fleet_rules import check_fleet, check_int8_file
+    from mgpu_backend.protocol.validation import ValidationError
+    from mgpu_backend.serving.controller import check_config
+
+    bf16 = checkpoint_facts(files["bf16"])
+    assert bf16.int8_layers == 0 and checkpoint_facts(files["int8"]).int8_layers > 0
+    with pytest.raises(ValidationError) as e:
+        check_int8_file(mode, bf16)
+    assert str(e.value) == (f"int8_compute={mode!r}: {files['bf16']} has no int8 layers (its header: bf16 / fp32 "
+                            f"weights, 0 int8), so the switch cannot apply to it; leave int8_compute at 'auto', or "
+                            f"load an int8(-convrot) file")
+    check_int8_file("auto", bf16)
+    check_int8_file(mode, checkpoint_facts(files["int8"]))
+
+    config = FleetConfig(devices=("cpu",), checkpoint=str(files["bf16"]), gemma=None, transformer_only=True,
+                         gemma_unload=True, int8_compute=mode)
+    with pytest.raises(ValidationError, match=rf"^int8_compute='{mode}': .*has no int8 layers"):
+        check_fleet(config.identity, config.policy, facts=bf16)
+    with pytest.raises(ControllerError, match=rf"^int8_compute='{mode}': .*has no int8 layers") as e:
+        check_config(config)
+    assert e.value.kind == ErrorKind.VALIDATION
+    check_config(FleetConfig(devices=("cpu",), checkpoint=str(files["int8"]), gemma=None, transformer_only=True,
+                             gemma_unload=True, int8_compute=mode))

@@ -168,8 +168,9 @@ def test_the_controllers_reports_print_as_the_json_users_read():
                              "processes"]
     fleet = printed["fleet"]
     assert list(fleet) == ["generation", "devices", "worker_pids", "checkpoint", "weights", "load_seconds",
-                           "int8_compute", "policy", "plan", "open_counts", "link", "predicted"]
+                           "int8_compute", "policy", "plan", "open_counts", "link", "predicted", "transformer_only"]
     assert fleet["link"] is None and fleet["predicted"] == []  # (issue 35: keys added at the end)
+    assert fleet["transformer_only"] is False  # (issue 36: a key added at the end)
     assert (fleet["generation"], fleet["devices"], fleet["worker_pids"], fleet["open_counts"]) == \
         (3, ["cpu", "cpu"], [11, 12], [2, 2])
     assert fleet["policy"]["sp_degree"] == 2 and fleet["policy"]["guidance_parallel"] == "auto"
@@ -212,10 +213,22 @@ def test_what_a_stop_or_a_rebuild_ended_in_words():
 
     ended = FleetTeardown(_described(), ("pid 1 (python)",), "a noop job (j1)")
     assert describe_stopped(ended, "stopped") == (
-        "stopped fleet generation 3: 2 rank(s) on cpu,cpu (pids 11, 12) with /m/c.safetensors; 1 other client(s) "
+        "stopped fleet generation 3: 2 rank(s) on cpu,cpu (pids 11, 12) that held /m/c.safetensors; 1 other client(s) "
         "were connected to this controller (pid 1 (python)) — ComfyUI and the CLI share it; their next job starts a "
         "fleet of their own configuration; a noop job (j1) was running and was stopped")
     assert describe_stopped(FleetTeardown(None), "stopped") == "no fleet was loaded"
+
+
+def test_the_replace_note_names_this_runs_checkpoint_and_the_one_it_replaced():
+    """Issue 36 item 10: the CLI's note after a `generate` replaced another fleet read "replaced fleet generation 3:
+    … with /m/c.safetensors" — the previous fleet's checkpoint, as if it were this run's. It names this run's fleet
+    and checkpoint first, then the replaced fleet and the checkpoint it held."""
+    from mgpu_backend.serving.cli import replaced_note
+
+    handle = FleetHandle(4, FleetConfig(devices=("cpu",), checkpoint="/m/new.safetensors", gemma=None), (21,))
+    assert replaced_note(handle, FleetTeardown(_described())) == (
+        "this run's fleet (generation 4, /m/new.safetensors) replaced fleet generation 3: 2 rank(s) on cpu,cpu "
+        "(pids 11, 12) that held /m/c.safetensors")
 
 
 def test_generate_timings_keep_the_printed_phase_names():

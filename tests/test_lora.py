@@ -342,3 +342,30 @@ def test_tiny_ic_lora_is_a_lora_with_the_reference_downscale_metadata(tmp_path):
                                                                                       b.get_tensor(key))
     read = read_lora(ic, 1.0)  # the fleet's reader takes it as a plain LoRA, every pair understood
     assert read.index.keys() == read_lora(plain, 1.0).index.keys() and not read.unmatched_keys
+
+
+def test_a_lora_whose_clean_bytes_do_not_fit_the_hosts_room_is_refused_before_any_weight(tiny_dir, monkeypatch):
+    """Issue 36 item 1: the clean bytes a fuse keeps on the host (pinned host memory for GPU weights:
+    `backup_device_for`) count against the host's room — MemAvailable or the cgroup's limit. A LoRA whose touched
+    layers do not fit is refused with the numbers before any weight changes; one that fits fuses as before."""
+    from mgpu_backend.protocol import resources as R
+    from mgpu_backend.weights.lora import LoRAError, host_clean_bytes
+
+    model = _transformer(tiny_dir["2.0"]["checkpoint"])
+    original = _weights(model)
+    lora = read_lora(tiny_dir["2.0"]["distilled_lora"])
+    fuser = LoRAFuser(model)
+    _, plan = fuser._plan([lora])
+    need = host_clean_bytes(plan, 1)
+    assert need == sum(layer.weight.numel() * 4 for _, layer, _ in plan) and len(plan) == 56  # float32, 56 layers
+    source = "under the cgroup v2 memory limit of /sys/fs/cgroup/x: 2.0 GiB, 2.0 GiB in use; MemAvailable 20.0 GiB"
+    monkeypatch.setattr(R, "memory_room", lambda root="/": R.MemoryRoom(need - 1, source))
+    with pytest.raises(LoRAError) as e:
+        fuser.fuse([lora])
+    assert str(e.value) == (f"LoRA: fusing it keeps the clean bytes of the 56 layers it touches in host memory: "
+                            f"{need / 2**30:.1f} GiB over the fleet's 1 rank(s), more than the {(need - 1) / 2**30:.1f} "
+                            f"GiB available ({source}); use a LoRA on fewer layers, fewer ranks, or raise the memory "
+                            f"limit")
+    assert not fuser.active and _states_equal(_weights(model), original)
+    monkeypatch.setattr(R, "memory_room", lambda root="/": R.MemoryRoom(need, source))
+    assert [(r.matched, r.total) for r in fuser.fuse([lora])] == [(56, 56)] and fuser.clean_bytes == need

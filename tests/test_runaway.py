@@ -28,7 +28,7 @@ from mgpu_backend.protocol.errors import ControllerError, ErrorKind
 from mgpu_backend.protocol.fleet_config import FleetConfig
 from mgpu_backend.protocol.job_requests import JobSpec, NoopRequest
 from mgpu_backend.protocol.job_results import ProcessInfo
-from mgpu_backend.serving.worker import EXIT_PARENT_GONE
+from mgpu_backend.serving.worker_start import EXIT_PARENT_GONE
 from _procs import bound_child, deadline, process_alive, stop_controller, wait_gone
 
 GUARD_S = 240
@@ -147,6 +147,146 @@ def test_parse_devices_bounds_a_count_before_anything_starts():
             parse_devices("512")
 
 
+# ---- host memory under a cgroup's limit (issue 36 item 1), on fake /proc and /sys trees ---------------------------
+
+GIB = 2**30
+
+
+def fake_host(tmp_path: Path, cgroup_lines: str, files: dict[str, str], mem_available_kib: int = 21_600_000) -> Path:
+    """A root with proc/self/cgroup, proc/meminfo and the cgroup files given (path under the root -> text)."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(cgroup_lines)
+    (tmp_path / "proc/meminfo").write_text(f"MemTotal: 65000000 kB\nMemAvailable: {mem_available_kib} kB\n")
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    return tmp_path
+
+
+def v2_host(tmp_path, leaf_max="max", parent_max="max", current=300 * MIB, inactive=100 * MIB, oom_kill=0):
+    base = "sys/fs/cgroup"
+    return fake_host(tmp_path, "0::/user.slice/comfy.scope\n", {
+        f"{base}/cgroup.controllers": "cpu memory pids\n",
+        f"{base}/user.slice/memory.max": f"{parent_max}\n",
+        f"{base}/user.slice/memory.current": f"{current}\n",
+        f"{base}/user.slice/memory.stat": f"anon 1\ninactive_file {inactive}\n",
+        f"{base}/user.slice/comfy.scope/memory.max": f"{leaf_max}\n",
+        f"{base}/user.slice/comfy.scope/memory.current": f"{current}\n",
+        f"{base}/user.slice/comfy.scope/memory.stat": f"anon 1\ninactive_file {inactive}\n",
+        f"{base}/user.slice/comfy.scope/memory.events": f"low 0\nhigh 0\nmax 3\noom 1\noom_kill {oom_kill}\n"})
+
+
+def test_cgroup_v2_limit_is_read_from_the_processs_own_cgroup_or_an_ancestor(tmp_path):
+    root = v2_host(tmp_path / "a", leaf_max=2 * GIB)
+    group = R.cgroup_memory(root)
+    assert (group.version, group.limit_bytes, group.used_bytes, group.oom_kills) == (2, 2 * GIB, 200 * MIB, 0)
+    assert group.path == str(root / "sys/fs/cgroup/user.slice/comfy.scope")
+    assert group.room_bytes == 2 * GIB - 200 * MIB  # the inactive file pages are reclaimable: not counted as used
+    room = R.memory_room(root)
+    assert room.available_bytes == R.available_memory(root) == 2 * GIB - 200 * MIB
+    assert room.mem_available_bytes == 21_600_000 * 1024
+    assert room.source == (f"under the cgroup v2 memory limit of {group.path}: 2.0 GiB, 0.2 GiB in use; MemAvailable "
+                           f"20.6 GiB")
+    # the limit set on a parent slice (the leaf says "max"): the tighter level counts
+    parent = R.cgroup_memory(v2_host(tmp_path / "b", parent_max=3 * GIB))
+    assert parent.limit_bytes == 3 * GIB and parent.path.endswith("sys/fs/cgroup/user.slice")
+    # "max" everywhere: no limit, MemAvailable alone
+    unlimited = v2_host(tmp_path / "c")
+    assert R.cgroup_memory(unlimited) is None
+    assert R.memory_room(unlimited) == R.MemoryRoom(21_600_000 * 1024, "MemAvailable", 21_600_000 * 1024, None)
+    # a limit above MemAvailable: MemAvailable is the smaller room
+    roomy = R.memory_room(v2_host(tmp_path / "d", leaf_max=64 * GIB))
+    assert roomy.available_bytes == 21_600_000 * 1024 and roomy.source == "MemAvailable"
+
+
+def v1_host(tmp_path, limit, usage=500 * MIB, inactive=200 * MIB, path="/docker/abc", at=None, oom_kill=2):
+    at = "sys/fs/cgroup/memory" + (path if at is None else at)
+    return fake_host(tmp_path, f"12:pids:/docker/abc\n4:memory:{path}\n1:name=systemd:/docker/abc\n0::/\n", {
+        f"{at}/memory.limit_in_bytes": f"{limit}\n", f"{at}/memory.usage_in_bytes": f"{usage}\n",
+        f"{at}/memory.stat": f"cache 1\ninactive_file 5\ntotal_inactive_file {inactive}\n",
+        f"{at}/memory.oom_control": f"oom_kill_disable 0\nunder_oom 0\noom_kill {oom_kill}\n"})
+
+
+def test_cgroup_v1_limit_and_its_unlimited_value(tmp_path):
+    group = R.cgroup_memory(v1_host(tmp_path / "a", 2 * GIB))
+    assert (group.version, group.limit_bytes, group.used_bytes, group.oom_kills) == (1, 2 * GIB, 300 * MIB, 2)
+    assert group.path == str(tmp_path / "a/sys/fs/cgroup/memory/docker/abc")
+    # a container without a cgroup namespace: /proc/self/cgroup names the host's path, its own cgroup is the mount
+    mounted = R.cgroup_memory(v1_host(tmp_path / "b", 2 * GIB, at=""))
+    assert mounted.limit_bytes == 2 * GIB and mounted.path == str(tmp_path / "b/sys/fs/cgroup/memory")
+    # v1 writes "no limit" as LONG_MAX rounded to a page
+    assert R.cgroup_memory(v1_host(tmp_path / "c", 9223372036854771712)) is None
+    assert R.memory_room(v1_host(tmp_path / "d", 9223372036854771712)).source == "MemAvailable"
+    # nothing to read (off Linux): no limit, no MemAvailable
+    assert R.cgroup_memory(tmp_path / "empty") is None and R.available_memory(tmp_path / "empty") is None
+
+
+def test_a_fleet_over_a_2_gib_cgroup_is_refused_with_the_numbers(tiny_dir, tmp_path):
+    """The issue's case: a 2 GiB container on a host with 21.6 GB available, 3 CPU workers. The room is the
+    cgroup's (2 GiB less the ~1.4 GiB ComfyUI and the controller hold), and the refusal says so with the numbers,
+    before any worker starts; a fleet that fits returns the figures a SIGKILL is later told with."""
+    root = v2_host(tmp_path, leaf_max=2 * GIB, current=1500 * MIB, inactive=100 * MIB, oom_kill=0)
+    host = R.Host.probe(root)
+    assert host.available_bytes == 2 * GIB - 1400 * MIB and host.memory_source.startswith("under the cgroup v2")
+    before = set(R.children(os.getpid()))
+    with pytest.raises(R.FleetTooLarge) as e:
+        R.check_fleet(config(tiny_dir, 3), root=root)
+    message = str(e.value)
+    files = sum(R.model_files(config(tiny_dir, 3)).values())
+    need = 3 * R.WORKER_RSS_BYTES + files
+    assert message.startswith(f"host memory: 3 rank(s) x {R.WORKER_RSS_BYTES // MIB} MiB per worker (a tiny-model "
+                              f"worker's measured RSS) + {files / GIB:.1f} GiB of model files mapped once in the page "
+                              f"cache (a CPU rank computes from them) = {need / GIB:.1f} GiB, more than the 0.6 GiB "
+                              f"available (under the cgroup v2 memory limit of "), message
+    assert ": 2.0 GiB, 1.4 GiB in use; MemAvailable 20.6 GiB) — at most 1 rank(s) fit; raise the container's " \
+           "memory limit, close other programs or ask for fewer ranks" in message
+    assert set(R.children(os.getpid())) <= before
+    one = R.check_fleet(config(tiny_dir, 1), root=root)
+    assert one == R.MemoryCheck(R.WORKER_RSS_BYTES + files, 2 * GIB - 1400 * MIB, host.memory_source, 1, 0)
+
+
+def test_a_sigkilled_worker_is_told_as_the_oom_killers_work_with_the_figures(tmp_path):
+    check = R.MemoryCheck(3 * R.WORKER_RSS_BYTES, 2 * GIB, "under the cgroup v2 memory limit of x: 2.0 GiB", 3, 0)
+    killed = v2_host(tmp_path / "a", leaf_max=2 * GIB, current=1900 * MIB, inactive=0, oom_kill=1)
+    assert R.oom_text(check, killed) == (
+        "killed by the out-of-memory killer (the cgroup counts 1 new OOM kill(s) since the fleet started): the "
+        "fleet's 3 worker(s) needed about 1.3 GiB of host memory at start, of 2.0 GiB available (under the cgroup v2 "
+        f"memory limit of x: 2.0 GiB); 0.1 GiB available now (under the cgroup v2 memory limit of "
+        f"{killed / 'sys/fs/cgroup/user.slice/comfy.scope'}: 2.0 GiB, 1.9 GiB in use; MemAvailable 20.6 GiB) — a job "
+        "can take more than a worker's start figure; use fewer ranks, raise the memory limit, or free memory "
+        "(`dmesg` or the container's OOM events say for sure)")
+    # no new OOM kill counted (a user's kill -9), or no cgroup: "probably"
+    quiet = v2_host(tmp_path / "b", leaf_max=2 * GIB, oom_kill=0)
+    assert R.oom_text(check, quiet).startswith("probably killed by the out-of-memory killer (or a kill -9): the "
+                                               "fleet's 3 worker(s) needed about 1.3 GiB")
+    assert R.oom_text(None, tmp_path / "empty").startswith("probably killed by the out-of-memory killer (or a kill "
+                                                           "-9) — a job can take more")
+
+
+@pytest.mark.parametrize("spec", ["100000000", "3000000000", "cpu:3000000000"])
+def test_a_huge_device_count_is_refused_before_any_list_is_built(spec):
+    """Issue 36: "100000000" was refused only after building a 100-million-entry tuple (+760 MB) and "3000000000"
+    ended in a bare MemoryError. The count is held to MAX_RANKS first: the refusal names the value and the limit, and
+    nothing of that size is allocated (tracemalloc's peak stays under 1 MiB)."""
+    import tracemalloc
+
+    if spec[0].isdigit() and R.gpu_count():
+        pytest.skip("with CUDA a plain count is a GPU count, refused against the GPUs present")
+    tracemalloc.start()
+    try:
+        with pytest.raises(R.FleetTooLarge) as e:
+            parse_devices(spec)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    count = int(spec.split(":")[-1])
+    assert f"devices={spec!r}: {count} ranks; a fleet has at most {R.MAX_RANKS}" in str(e.value)
+    assert peak < MIB, f"{peak} bytes allocated while refusing {spec!r}"
+    with pytest.raises(R.FleetTooLarge, match=rf"world_size=3000000000: 3000000000 ranks; a fleet has at most "
+                                               rf"{R.MAX_RANKS}"):
+        parse_devices("cpu", world_size=3_000_000_000)
+
+
 # ---- refusals and starts, with real processes ---------------------------------------------------------------------
 
 def test_a_fleet_too_large_for_this_host_spawns_nothing(tiny_dir):
@@ -196,7 +336,7 @@ def test_an_interrupted_start_reaps_every_worker_it_spawned(tiny_dir, tmp_path, 
 
 
 def test_the_watched_pipe_ends_a_worker_when_its_parent_end_closes():
-    """The portable half of `worker.bind_to_parent` on its own: the parent stays, only its end of the pipe closes
+    """The portable half of `worker_start.bind_to_parent` on its own: the parent stays, only its end of the pipe closes
     (as when a parent dies), and the worker exits with EXIT_PARENT_GONE."""
     import torch.multiprocessing as mp
 

@@ -24,6 +24,7 @@ class ErrorKind(str, Enum):
     PROTOCOL = "protocol"  # an unreadable request
     START_FAILED = "start_failed"  # (client side) the controller did not start
     NOT_RUNNING = "not_running"  # (client side) no controller answers
+    CONTROLLER_LOST = "controller_lost"  # (client side) the controller went away during a request or a job
     ERROR = "error"  # anything else (a failure inside the controller itself)
 
     def __str__(self) -> str:

@@ -123,6 +123,24 @@ class FleetIdentity:
     def world_size(self) -> int:
         return len(self.devices)
 
+    def serves(self, other: FleetIdentity) -> bool:
+        """True when a running fleet of this identity runs `other`'s jobs without new workers: the same identity, or
+        `other` is transformer-only (Load Diffusion Model (MGPU): the native MODEL's forward jobs) and this fleet,
+        loading the whole checkpoint, loads that transformer the same way — every field of `TRANSFORMER_FIELDS`
+        equal (the same file, devices, dtype, weights mode, int8 path, budget …). Two loaders of one prompt on one
+        file then share one fleet instead of rebuilding it for each other's jobs (issue 36). A transformer-only
+        fleet never serves a whole-checkpoint identity: it holds no Gemma, VAEs or upscaler."""
+        if self == other:
+            return True
+        return (other.transformer_only and not self.transformer_only
+                and all(getattr(self, name) == getattr(other, name) for name in TRANSFORMER_FIELDS))
+
+
+# the fields that decide how a fleet loads and runs its transformer (`FleetIdentity.serves`); the others (Gemma, the
+# VAEs, the upscaler, the text projection, transformer_only) decide only what else it loads
+TRANSFORMER_FIELDS = ("devices", "checkpoint", "dtype", "threads_per_worker", "collective_timeout_s",
+                      "sequence_parallel", "weights", "int8_compute", "gpu_budget_gib")
+
 
 @dataclass(frozen=True)
 class FleetPolicy:

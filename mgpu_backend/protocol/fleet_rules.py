@@ -307,6 +307,18 @@ def check_int8_mode(weights, int8_compute: str) -> None:
                               f"or int8_compute='w8a8' / 'auto'")
 
 
+def check_int8_file(int8_compute: str, facts: CheckpointFacts) -> None:
+    """An explicit int8 path ("w8a8" / "dequantize") applies only to a transformer file with int8 layers
+    (`facts.int8_layers`, from its header: `models.headers.checkpoint_facts`); on any other file it would be ignored,
+    so it is refused by name, before any worker starts ("auto" fits every file). Raises ValidationError naming the
+    switch, the file and what its header holds."""
+    if int8_compute != "auto" and facts.int8_layers == 0:
+        stored = f"{facts.fp8_layers} fp8 Linear layers" if facts.fp8_layers else "bf16 / fp32 weights"
+        raise ValidationError(f"int8_compute={int8_compute!r}: {facts.path} has no int8 layers (its header: "
+                              f"{stored}, 0 int8), so the switch cannot apply to it; leave int8_compute at 'auto', "
+                              f"or load an int8(-convrot) file")
+
+
 def resolve_int8_compute(mode: str, *, device_type: str, weights: str, int8_bytes: int, dequantized_bytes: int,
                          free_bytes: int | None, reserve_bytes: int = 0) -> tuple[str, str]:
     """The int8 path a rank takes for the fleet option `int8_compute`: `("w8a8" | "dequantize", why)`.
@@ -508,19 +520,23 @@ def check_policy(weights, world_size: int, policy, heads: int | None = None,
                              heads if sequence_parallel else None)
 
 
-def check_fleet(identity, policy, heads: int | None = None) -> None:
+def check_fleet(identity, policy, heads: int | None = None, facts: CheckpointFacts | None = None) -> None:
     """Every rule a configuration's values decide — a `FleetIdentity` and a `FleetPolicy` (protocol.fleet_config; not
     imported here: fleet_config imports this module) and, when known, the checkpoint's `heads`
-    (`CheckpointFacts.heads`): the int8 mode (`check_int8_mode`) and the policy's rules (`check_policy`). What
-    needs the GPU's memory (`place_weights`, `resolve_int8_compute`) is decided by the ranks at load; so are the
-    sharded rules for "auto" / "placed", which shard only when a replica does not fit. Raises ValidationError naming
-    the value and the rule."""
+    (`CheckpointFacts.heads`) or its header's `facts` (heads from them when `heads` is None): the int8 mode
+    (`check_int8_mode`; with `facts`, `check_int8_file`: an explicit int8 path needs int8 layers) and the policy's
+    rules (`check_policy`). What needs the GPU's memory (`place_weights`, `resolve_int8_compute`) is decided by the
+    ranks at load; so are the sharded rules for "auto" / "placed", which shard only when a replica does not fit.
+    Raises ValidationError naming the value and the rule."""
     check_int8_mode(identity.weights, identity.int8_compute)
+    if facts is not None:
+        check_int8_file(identity.int8_compute, facts)
+        heads = facts.heads if heads is None else heads
     check_policy(identity.weights, identity.world_size, policy, heads, identity.sequence_parallel)
 
 
 __all__ = ["ACTIVATION_RESERVE_BYTES", "ALLOCATOR_MARGIN_BYTES", "PLACEMENT_RESERVE_BYTES", "CheckpointFacts", "GiB", "INT8_COMPUTE_MODES", "WEIGHT_MODES", "WeightBytes",
-           "WeightPlacement", "agreed_budget", "check_compile", "check_fits", "check_fleet", "check_int8_mode",
+           "WeightPlacement", "agreed_budget", "check_compile", "check_fits", "check_fleet", "check_int8_file", "check_int8_mode",
            "check_policy", "check_requested_degree", "check_sharded_policy", "check_sharded_tiles", "check_sp_degree",
            "largest_sp_degree", "place_weights", "placement_of", "resolve_int8_compute", "sharded_units", "shards",
            "spread", "top_sp_degree", "valid_sp_degrees", "weights_named"]

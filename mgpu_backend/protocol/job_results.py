@@ -236,7 +236,8 @@ class FleetDescription:
     put while the same fleet serves; link: what the fleet measured of its links at start (`LinkReport`, rank 0's;
     None from a fleet that did not measure); predicted: the predicted step times of the 720p template's stages on
     this fleet against one card with weight streaming, one line per stage (`splits/weights_cost.py`; () on CPU
-    ranks).
+    ranks); transformer_only: the fleet holds the transformer alone (`FleetIdentity.transformer_only`: Load
+    Diffusion Model (MGPU)'s fleet), False for one that holds the whole checkpoint.
 
     Raises ValueError when devices, worker_pids and open_counts do not give one entry per rank each."""
 
@@ -252,6 +253,7 @@ class FleetDescription:
     open_counts: tuple[int, ...]
     link: LinkReport | None = None
     predicted: tuple[str, ...] = ()
+    transformer_only: bool = False
 
     def __post_init__(self):
         if not len(self.devices) == len(self.worker_pids) == len(self.open_counts):

@@ -218,7 +218,10 @@ def run_generate(args: argparse.Namespace, paths: dict | None = None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     identity = _in_process_identity(args, files, dtype, device)
-    check_fleet(identity, FleetPolicy(compile=bool(args.compile)))  # the fleet's rules, as for a fleet
+    from ..models.headers import checkpoint_facts
+
+    # the fleet's rules, as for a fleet (with the header's facts: --int8-compute needs a file with int8 layers)
+    check_fleet(identity, FleetPolicy(compile=bool(args.compile)), facts=checkpoint_facts(files["checkpoint"]))
     t = time.perf_counter()
     pipeline = load_one_process(identity, dtype=dtype, device=device, compile_blocks=bool(args.compile))
     components = pipeline.components
@@ -417,7 +420,7 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
                 handle, replaced = configured.handle, configured.replaced
                 configure_time = time.perf_counter() - t
                 if replaced:  # another configuration was loaded (maybe by ComfyUI): say what this run replaced
-                    print(f"note: {describe_stopped(replaced, 'replaced')}", file=sys.stderr)
+                    print(f"note: {replaced_note(handle, replaced)}", file=sys.stderr)
                 result = client.run(handle, job, on_event=lambda e: progress(e.stage, e.step, e.total))
                 break
             except FleetBusy as exc:
@@ -442,13 +445,23 @@ def run_on_fleet(args: argparse.Namespace, paths: dict | None) -> dict:
         f"{result.parallel}"))
 
 
+def replaced_note(handle, replaced: FleetTeardown) -> str:
+    """The note a `generate` prints when its configure replaced another fleet: this run's fleet (its generation and
+    checkpoint, from `handle`, a `FleetHandle`) first, then what it replaced (`describe_stopped`), so the old fleet's
+    checkpoint is never read as this run's (issue 36)."""
+    return (f"this run's fleet (generation {handle.generation}, {handle.config.checkpoint}) "
+            f"{describe_stopped(replaced, 'replaced')}")
+
+
 def describe_stopped(stopped: FleetTeardown, verb: str) -> str:
-    """What a `stop` / a replacing `generate` stopped, in words: the fleet (generation, ranks, devices, model), the
-    other clients connected to the controller (the CLI and ComfyUI share one per user), the running job."""
+    """What a `stop` / a replacing `generate` stopped, in words: the fleet (generation, ranks, devices, the checkpoint
+    it held), the other clients connected to the controller (the CLI and ComfyUI share one per user), the running
+    job."""
     fleet = stopped.fleet
     if fleet is not None:
         parts = [f"{verb} fleet generation {fleet.generation}: {len(fleet.devices)} rank(s) on "
-                 f"{','.join(fleet.devices)} (pids {', '.join(map(str, fleet.worker_pids))}) with {fleet.checkpoint}"]
+                 f"{','.join(fleet.devices)} (pids {', '.join(map(str, fleet.worker_pids))}) that held "
+                 f"{fleet.checkpoint}"]
     else:
         parts = ["no fleet was loaded"]
     if stopped.clients:

@@ -25,7 +25,7 @@ from ..protocol.job_requests import JobSpec
 from ..protocol.job_results import ControllerStatus, FleetTeardown
 from ..protocol.messages import Accepted, Busy, Cancel, Configure, Configured, JobError, JobResult, Ping, Pong, Progress, Refused, Reply, Request, ShutdownFleet, Status, Stop, Submit
 from ..protocol.transport import INLINE_JOBS, Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir, read_or_create_key, recv, send, wire_job
-from ..protocol.resources import Host, check_rank_count, cpu_cores
+from ..protocol.resources import Host, check_rank_count, check_rank_total, cpu_cores
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the directory that holds `mgpu_backend` (this file: mgpu_backend/serving/client.py)
 START_TIMEOUT_S = 60.0
@@ -37,17 +37,25 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
 
     Without CUDA, "all" and counts give CPU ranks (gloo). `world_size` caps / sets the count.
     Raises ValueError naming the value and the rule; FleetTooLarge (a ValueError) for more ranks than this host runs
-    (`resources.check_rank_count`: GPUs present, CPU cores, `MAX_RANKS`), before any process starts.
+    (`resources.check_rank_count`: GPUs present, CPU cores, `MAX_RANKS`), before any process starts; a count is
+    held to `MAX_RANKS` before the device tuple is built (`resources.check_rank_total`), so "3000000000" is refused
+    at once, not after building billions of entries.
     """
     spec = str(devices if devices is not None else "all").strip().lower()
     cuda = torch.cuda.device_count()
+    what = f"devices={devices!r}" + (f", world_size={world_size}" if world_size is not None else "")
+
+    def bounded(count: int) -> int:  # MAX_RANKS before a tuple of `count` entries is built (issue 36)
+        check_rank_total(count, what, Host(cpu_cores(), cuda, None))
+        return count
+
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one rank")
     if spec.startswith("cpu"):
         count_text = spec.split(":", 1)[1] if ":" in spec else str(world_size or 1)
         if not count_text.isdigit() or int(count_text) < 1:
             raise ValueError(f"devices={devices!r}: 'cpu:N' needs a positive rank count N")
-        out = ("cpu",) * int(count_text)
+        out = ("cpu",) * bounded(int(count_text))
     elif "," in spec:  # an index list ("0,1,3"; a single index is written "1,")
         indices = [int(s) for s in spec.split(",") if s.strip()]
         if len(set(indices)) != len(indices):
@@ -72,13 +80,12 @@ def parse_devices(devices: str | int | None = "all", world_size: int | None = No
                 raise ValueError(f"devices={devices!r}: asked for {count} GPUs, this machine has {cuda}")
             out = tuple(f"cuda:{i}" for i in range(count))
         else:
-            out = ("cpu",) * count
+            out = ("cpu",) * bounded(count)
     if world_size is not None and world_size != len(out):
         if world_size > len(out):
             raise ValueError(f"world_size={world_size} is larger than the {len(out)} devices given ({devices!r})")
         out = out[:world_size]
-    check_rank_count(out, 1, Host(cpu_cores(), cuda, None), what=f"devices={devices!r}"
-                     + (f", world_size={world_size}" if world_size is not None else ""))
+    check_rank_count(out, 1, Host(cpu_cores(), cuda, None), what=what)
     return out
 
 
@@ -124,7 +131,9 @@ def _launch(runtime_dir: Path, log_path: Path) -> subprocess.Popen:
 class ControllerClient:
     """A connection to the controller. `connect()` starts one when none answers.
 
-    Methods raise ControllerError (or its subclasses FleetBusy, JobCancelled) with the controller's message.
+    Methods raise ControllerError (or its subclasses FleetBusy, JobCancelled) with the controller's message; a
+    controller that goes away during a request or a job (killed, crashed) raises ControllerError of kind
+    "controller_lost" naming what it was doing and what to do (`_lost`), never a bare EOFError.
     `shm_lane`: the large tensors of the `INLINE_JOBS` ride in a shared-memory lane of this process
     (`protocol/shm_lane.py`; default: on where /dev/shm exists, unless LTX2_MGPU_SHM_LANE=0); False: by value.
     """
@@ -134,23 +143,32 @@ class ControllerClient:
         self.socket_path = self.runtime_dir / SOCKET_NAME
         self.key = read_or_create_key(self.runtime_dir)
         self.started_pid: int | None = None
+        self.controller_pid: int | None = None  # the peer of the connection (SO_PEERCRED), for a lost controller
         self.shm_lane = _lanes_default() if shm_lane is None else bool(shm_lane)
+        self._handshake_lost: BaseException | None = None
         self._conn = self._connect(start)
+        self.controller_pid = _peer_pid(self._conn)
 
     def _try_connect(self):
         """A connection to the controller, or None where none answers: no socket, a stale one (refused), or a
-        controller that died during the handshake (reset, or closed before the challenge: it was SIGKILLed or is
-        stopping)."""
+        controller that died during the handshake (reset, or closed before or after the challenge: it was SIGKILLed
+        or is stopping; kept in `_handshake_lost` for the error)."""
         try:
             return _Connect(str(self.socket_path), family="AF_UNIX", authkey=self.key)
-        except (FileNotFoundError, ConnectionError, EOFError):
+        except (FileNotFoundError, ConnectionRefusedError):
+            return None
+        except (ConnectionError, EOFError) as exc:
+            self._handshake_lost = exc
             return None
 
     def _connect(self, start: bool):
         conn = self._try_connect()
         if conn is not None or not start:
             if conn is None:
-                raise ControllerError(f"no controller answers on {self.socket_path}",
+                lost = self._handshake_lost
+                why = (f": the controller went away during the connection's handshake ({_what(lost)}) — it was "
+                       f"killed or is stopping; see {self.runtime_dir / 'controller.log'}" if lost is not None else "")
+                raise ControllerError(f"no controller answers on {self.socket_path}{why}",
                                       kind=ErrorKind.NOT_RUNNING)
             return conn
         proc = _launch(self.runtime_dir, self.runtime_dir / "controller.log")
@@ -172,11 +190,26 @@ class ControllerClient:
     def close(self) -> None:
         self._conn.close()
 
+    def _lost(self, during: str, exc: BaseException) -> ControllerError:
+        """The error for a controller that went away (the connection closed or reset) while it was `during` what
+        this client asked: it names the controller, the moment and what to do (kind "controller_lost", fleet_lost:
+        its workers end with it, `serving/worker_start.py`)."""
+        pid = f" (pid {self.controller_pid})" if self.controller_pid else ""
+        return ControllerError(
+            f"lost the multi-GPU controller{pid} while {during}: the connection closed ({_what(exc)}), so it was killed or crashed (the "
+            f"out-of-memory killer, a kill -9, a crash) and its workers end with it; run it again: the next request "
+            f"starts a new controller (why this one ended: {self.runtime_dir / 'controller.log'}, and `dmesg` for the "
+            f"out-of-memory killer)", kind=ErrorKind.CONTROLLER_LOST, fleet_lost=True)
+
     def request(self, message: Request) -> Reply:
         """Send one request (not `Submit`: `run`) and read its reply. Raises FleetBusy / ControllerError when the
-        controller refuses it (`Refused`)."""
-        send(self._conn, message)
-        reply = recv(self._conn)
+        controller refuses it (`Refused`), ControllerError (kind "controller_lost") when it goes away before it
+        answers."""
+        try:
+            send(self._conn, message)
+            reply = recv(self._conn)
+        except (EOFError, OSError) as exc:
+            raise self._lost(_during(message), exc) from None
         if isinstance(reply, Refused):
             cls = FleetBusy if reply.kind == ErrorKind.BUSY else ControllerError
             raise cls(reply.message, kind=reply.kind)
@@ -305,7 +338,23 @@ class ControllerClient:
     def _run(self, job: JobSpec, lanes, handle: FleetHandle, on_event, on_accepted, cancel_requested,
              poll_s: float) -> Any:
         """`run` of a job already wired (`transport.wire_job`); `lanes`: the `ClientLanes` its payload's lane is
-        of, or None."""
+        of, or None. Raises ControllerError (kind "controller_lost") when the controller goes away before the job's
+        end, naming the job and its fleet."""
+        accepted: list[Accepted] = []
+
+        def during() -> str:
+            if accepted:
+                return f"job {job.job_id} ({job.kind}) ran on fleet generation {accepted[0].generation}"
+            return f"it was taking job {job.job_id} ({job.kind}) (a fleet may have been starting for it)"
+
+        try:
+            return self._stream(job, lanes, handle, on_event, on_accepted, cancel_requested, poll_s, accepted)
+        except (EOFError, OSError) as exc:
+            raise self._lost(during(), exc) from None
+
+    def _stream(self, job: JobSpec, lanes, handle: FleetHandle, on_event, on_accepted, cancel_requested,
+                poll_s: float, accepted: list) -> Any:
+        """Submit the job and read its events to the end (`_run`'s body; `accepted` gets the `Accepted` event)."""
         send(self._conn, Submit(handle, job))
         cancel_sent = False
 
@@ -328,6 +377,7 @@ class ControllerClient:
                 raise FleetBusy(f"the fleet is busy with {event.running}; try again when it is done",
                                 kind=ErrorKind.BUSY)
             if isinstance(event, Accepted):
+                accepted.append(event)
                 if on_accepted:
                     on_accepted(event)
             elif isinstance(event, Progress):
@@ -357,3 +407,38 @@ class ControllerClient:
 
 def _lanes_default() -> bool:
     return shm_lane.enabled_by_default()
+
+
+def _what(exc: BaseException) -> str:
+    """"EOFError", "ConnectionResetError: [Errno 104] Connection reset by peer": an exception named in a message
+    (an EOFError's own message is empty)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _during(message: Request) -> str:
+    """What the controller was doing for `message` when it was lost, in the words of `ControllerClient._lost`."""
+    if isinstance(message, Configure):
+        config = message.config
+        devices = getattr(config, "devices", ())
+        return (f"it set up the fleet for this configuration ({len(devices)} rank(s) on {','.join(devices)}: "
+                f"starting workers that load the model, or reusing the running ones)")
+    if isinstance(message, (ShutdownFleet, Stop)):
+        return f"it stopped {'the fleet' if isinstance(message, ShutdownFleet) else 'itself and its fleet'}"
+    return f"it answered a {type(message).__name__} request"
+
+
+def _peer_pid(conn) -> int | None:
+    """The pid of the process at the other end of a Unix-socket connection (SO_PEERCRED; None off Linux)."""
+    import socket
+    import struct
+
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+        finally:
+            sock.close()
+        return pid or None
+    except (OSError, AttributeError):
+        return None

@@ -29,6 +29,7 @@ import time
 from dataclasses import fields, replace
 from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..protocol.errors import ControllerError, ErrorDetails, ErrorKind, FleetBusy, JobCancelled
 from ..protocol.fleet_config import FleetConfig, FleetHandle, FleetPolicy
@@ -38,8 +39,13 @@ from ..protocol.messages import Accepted, Busy, Cancel, Configure, Configured, D
 from ..protocol.shm_lane import remove_dead_lanes, unlink_lane
 from ..protocol.transport import HANDSHAKE_TIMEOUT_S, MAX_MESSAGE_BYTES, SOCKET_NAME, default_runtime_dir, ensure_private_dir, loads, read_or_create_key, send
 from ..protocol import resources as R
-from ..protocol.frames import free_frames, remove_orphans
-from .fleet import Fleet, next_generation
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
+
+# No torch at this module's top (`.fleet`, `..protocol.frames` are imported where used): a spawned worker runs this
+# module again as its `__mp_main__` before it can bind to this process (serving/worker_start.py), and a controller
+# killed in that window must not leave it importing torch for seconds (issue 36).
 
 log = logging.getLogger("ltx2_mgpu.controller")
 
@@ -74,6 +80,8 @@ class Controller:
                         record["pid"], record.get("rank"), record.get("generation"), record.get("controller_pid"),
                         "ended" if record.get("was_running") else "had already exited")
         if stale:
+            from ..protocol.frames import remove_orphans
+
             remove_orphans(tuple(r["pid"] for r in stale))
         remove_dead_lanes()  # shared-memory lanes of clients killed before a rank mapped them (shm_lane.py)
 
@@ -268,6 +276,8 @@ class Controller:
 
     def _start_fleet(self, config: FleetConfig, why: str) -> Fleet:
         """Start a fleet (caller holds fleet_lock) and log it. Raises ControllerError (fleet_lost)."""
+        from .fleet import Fleet, next_generation
+
         t0 = time.monotonic()
         generation = next_generation()
         try:
@@ -292,7 +302,8 @@ class Controller:
     def configure(self, config: FleetConfig, client: str = "a client",
                   others: list[str] | None = None) -> tuple[FleetHandle, FleetTeardown | None]:
         """Reuse the running fleet when its identity (`FleetConfig.identity`: model files, devices, dtype, …) is
-        unchanged — whatever the policy, which the returned handle carries to each of its jobs (no worker restarts,
+        unchanged, or serves this one (`FleetIdentity.serves`: a whole-checkpoint fleet for a transformer-only
+        configuration of the same transformer) — whatever the policy, which the returned handle carries to each of its jobs (no worker restarts,
         no file is read again by a worker) — else (re)build it. Refused while a job runs.
 
         Returns the handle and what was replaced: None, or a `FleetTeardown` (the old fleet, the other clients
@@ -308,12 +319,17 @@ class Controller:
                 self.current_client = client
             with self.fleet_lock:
                 fleet = self.fleet
-                kept = fleet is not None and fleet.alive() and fleet.identity == config.identity
+                # the same identity, or a whole-checkpoint fleet serving a transformer-only one of the same
+                # transformer (`FleetIdentity.serves`: both loaders of one prompt share one fleet)
+                kept = fleet is not None and fleet.alive() and fleet.identity.serves(config.identity)
                 # headers and host limits, before any worker starts; nothing running is touched. A fleet this one
                 # replaces gives its workers' memory back first.
                 freed = 0 if kept or fleet is None else sum(R.rss_bytes(p) or 0 for p in fleet.pids)
                 check_config(config, freed_bytes=freed, memory=not kept)
                 if kept:
+                    if fleet.identity != config.identity:
+                        log.info("fleet generation %d kept for %s: it holds the whole checkpoint and serves the "
+                                 "transformer-only configuration of the same file", fleet.generation, client)
                     if config.policy != fleet.config.policy:
                         log.info("fleet generation %d kept for %s: a policy change only (%s)", fleet.generation,
                                  client, _policy_change(fleet.config.policy, config.policy))
@@ -382,6 +398,8 @@ class Controller:
         log.info("job %s %s from %s: %.2f s, %s", spec.job_id, spec.kind, client, time.monotonic() - t0, outcome)
         # released first: a client submitting again the moment it reads this answer finds the fleet free
         if not _send_quiet(conn, final) and isinstance(final, JobResult):
+            from ..protocol.frames import free_frames
+
             free_frames(final.result)  # the client went away: nobody will read (and unlink) the frames
             log.info("job %s: its client had gone; its frames were freed", spec.job_id)
 
@@ -395,7 +413,7 @@ class Controller:
             fleet = self.fleet
             if fleet is not None:
                 fleet.cancel_flag.value = 0
-        if fleet is not None and fleet.alive() and fleet.identity != handle.config.identity:
+        if fleet is not None and fleet.alive() and not fleet.identity.serves(handle.config.identity):
             return _error(spec, f"fleet handle of generation {handle.generation} is stale: the fleet was rebuilt "
                                 f"with another configuration (generation {fleet.generation}); load the checkpoint "
                                 f"again", ErrorKind.STALE_HANDLE)
@@ -496,7 +514,8 @@ def check_config(config: FleetConfig, freed_bytes: int = 0, memory: bool = True)
     down for a configuration that cannot work): the host can run the fleet (`resources.check_fleet`: ranks, GPUs,
     cores; host memory unless memory=False, with `freed_bytes` given back by a fleet this one replaces), the
     checkpoint is a readable LTX-2 file (`models.headers.checkpoint_facts`), and the fleet's rules hold for its
-    heads (`fleet_rules.check_fleet`: degrees and heads, sharded weights × the split and × compile, int8 modes).
+    heads (`fleet_rules.check_fleet`: degrees and heads, sharded weights × the split and × compile, int8 modes, an
+    explicit `int8_compute` on a file with no int8 layers).
     (Each field's own rule — a known guidance-parallel mode, a non-negative token minimum, … — is checked when the
     `FleetIdentity` / `FleetPolicy` is built.)
 
@@ -521,7 +540,7 @@ def check_config(config: FleetConfig, freed_bytes: int = 0, memory: bool = True)
         raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
     try:
         facts = checkpoint_facts(config.checkpoint)
-        check_fleet(config.identity, config.policy, facts.heads)
+        check_fleet(config.identity, config.policy, facts=facts)  # with the header: an int8 switch needs int8 layers
     except (ValidationError, CheckpointError, FileNotFoundError) as exc:
         raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
 

@@ -33,8 +33,9 @@ from ..protocol.job_results import FleetDescription
 from ..protocol.messages import Progress
 from ..protocol.transport import Pickled, send_inline
 from ..protocol.worker_messages import JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerMessage, WorkerReady
-from ..protocol.resources import FleetTooLarge, check_fleet, write_pid_file
-from .worker import WorkerLinks, clean_allocator_env, worker_main
+from ..protocol.resources import FleetTooLarge, check_fleet, oom_text, write_pid_file
+from .worker import clean_allocator_env
+from .worker_start import WorkerLinks, start as start_worker
 
 # how long the other ranks get to report the same error before an error is treated as asymmetric
 ERROR_GRACE_S = 10.0
@@ -45,7 +46,7 @@ EventFn = Callable[[Progress], None]
 
 log = logging.getLogger("ltx2_mgpu.fleet")
 
-# Workers get PR_SET_PDEATHSIG (worker.bind_to_parent), which fires when the *thread* that spawned them ends, not
+# Workers get PR_SET_PDEATHSIG (worker_start.bind_to_parent, before they import torch), which fires when the *thread* that spawned them ends, not
 # the process: every worker is started from this one thread, which lives as long as the process (the controller
 # starts fleets from per-connection threads that end with their client).
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ltx2-mgpu-spawner")
@@ -73,7 +74,7 @@ class Fleet:
         `resources.reap`). Raises ControllerError (kind "validation") for a fleet this host cannot run
         (`resources.check_fleet`), before any process starts."""
         try:
-            check_fleet(config)
+            self.memory = check_fleet(config)  # the host's memory figures, for a worker's SIGKILL (`_death_text`)
         except FleetTooLarge as exc:
             raise ControllerError(str(exc), kind=ErrorKind.VALIDATION) from None
         self.config, self.generation = config, generation  # the configuration it was started with
@@ -118,7 +119,7 @@ class Fleet:
         try:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=worker_main, name=f"ltx2-mgpu-rank{rank}", daemon=True,
+                proc = ctx.Process(target=start_worker, name=f"ltx2-mgpu-rank{rank}", daemon=True,
                                    args=(rank, self.identity, self.config.policy, init_file,
                                          WorkerLinks(child, self.cancel_flag, self.heartbeat, os.getpid(), watch)))
                 self.conns.append(parent)
@@ -194,7 +195,16 @@ class Fleet:
         self.processes[rank].join(5)
         code = self.processes[rank].exitcode
         self._drain_progress()  # rank 0's progress sent before the death names the stage in the report
-        self._fail(f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(code)}" + self._where(rank))
+        self._fail(self._death_text(rank, code, self._where(rank)))
+
+    def _death_text(self, rank: int, code: int | None, when: str = "") -> str:
+        """"worker rank R (pid P) died with exit code C{when}" (`when`: where the job was, or " while the fleet was
+        idle"); for SIGKILL, what most often sends it — the kernel's out-of-memory killer — with the fleet's memory
+        figures (`resources.oom_text`)."""
+        text = f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(code)}{when}"
+        if code == -getattr(signal, "SIGKILL", 9):
+            text += f": {oom_text(getattr(self, 'memory', None))}"
+        return text
 
     def _drain_progress(self) -> None:
         for conn in self.conns:
@@ -222,8 +232,7 @@ class Fleet:
         for rank, proc in enumerate(self.processes):
             if not proc.is_alive():
                 proc.join(1)
-                return (f"worker rank {rank} (pid {self.pids[rank]}) died with {exit_text(proc.exitcode)} while "
-                        f"the fleet was idle")
+                return self._death_text(rank, proc.exitcode, " while the fleet was idle")
         return None
 
     def plan_for(self, policy: FleetPolicy) -> FleetPlan:
@@ -245,7 +254,8 @@ class Fleet:
             generation=self.generation, devices=tuple(self.config.devices), worker_pids=tuple(self.pids),
             checkpoint=self.config.checkpoint, weights=self.config.weights, load_seconds=self.load_seconds,
             int8_compute=self.int8_compute, policy=self.policy, plan=self.plan_for(self.policy),
-            open_counts=tuple(self.open_counts), link=self.link, predicted=self.predicted)
+            open_counts=tuple(self.open_counts), link=self.link, predicted=self.predicted,
+            transformer_only=self.identity.transformer_only)
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.lost is None:

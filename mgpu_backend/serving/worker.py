@@ -8,7 +8,6 @@ half-entered. Rank 0 streams progress and returns the result: latents by value, 
 from __future__ import annotations
 
 import os
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -25,8 +24,6 @@ from ..protocol.transport import Pickled, send_inline
 from ..protocol.worker_messages import JobDone, JobFailed, JobProgress, JobStopped, RunJob, StopWorker, WorkerInitError, WorkerReady
 from ..protocol.validation import ValidationError
 
-# a worker's exit code when its controller is gone (it exits on its own, `bind_to_parent`)
-EXIT_PARENT_GONE = 75
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # the jobs a transformer-only fleet (FleetConfig.transformer_only) can run: the native MODEL's and the diagnostics
 TRANSFORMER_JOBS = frozenset({"forward", "preprocess_text", "noop", "frames"})
@@ -194,41 +191,6 @@ class WorkerState:
         return self.text.encoder
 
 
-def bind_to_parent(parent_pid: int, watch) -> None:
-    """Make this worker end with the process that spawned it (the controller), within a second, however that one
-    ends (SIGKILL, the OOM killer): Linux's parent-death signal (SIGKILL), and everywhere a thread that waits on
-    `watch`, the read end of a pipe whose only write end the parent holds, and exits when it closes."""
-    from ..protocol.resources import kill_on_parent_death
-
-    kill_on_parent_death()
-    if os.getppid() != parent_pid:  # the parent died before the signal was set
-        os._exit(EXIT_PARENT_GONE)
-
-    def wait_for_close() -> None:
-        try:
-            while True:
-                watch.recv()  # nothing is ever sent: this returns only by EOF when the parent is gone
-        except (EOFError, OSError):
-            os._exit(EXIT_PARENT_GONE)
-
-    threading.Thread(target=wait_for_close, name="ltx2-mgpu-parent-watch", daemon=True).start()
-
-
-@dataclass(frozen=True)
-class WorkerLinks:
-    """How a spawned worker reaches its fleet (handed to `worker_main` by `Fleet`, pickled with the process's
-    arguments): `conn` its end of the duplex pipe to the fleet (messages of protocol/worker_messages.py),
-    `cancel_flag` (multiprocessing.Value('i'), set by the controller, read by rank 0), `heartbeat`
-    (multiprocessing.Array('d', 2 * world_size): per rank steps done and wall time), `parent_pid` (the controller)
-    and `watch` (the read end of a pipe whose write end only the parent holds: `bind_to_parent`)."""
-
-    conn: Any
-    cancel_flag: Any
-    heartbeat: Any
-    parent_pid: int
-    watch: Any
-
-
 def _probe_links(state: WorkerState, config: FleetIdentity, device: torch.device):
     """`splits.link.probe_at_start` on every rank (a collective), after the weights are loaded: the `LinkReport`,
     and `state.speed` the `FleetFacts` of the step-time predictions (rank 0 of a CUDA fleet; None elsewhere)."""
@@ -240,15 +202,15 @@ def _probe_links(state: WorkerState, config: FleetIdentity, device: torch.device
     return link
 
 
-def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, links: WorkerLinks) -> None:
-    """Entry point of a spawned worker: rank `rank` of the fleet `config` under its first `policy`, joining the
-    process group through `init_file`. Ends with its parent (`bind_to_parent`). Reports `WorkerReady` or
+def worker_main(rank: int, config: FleetIdentity, policy: FleetPolicy, init_file: str, links) -> None:
+    """A spawned worker's body (its entry point is `worker_start.start`, which binds it to its parent before this
+    module is imported: it ends with its parent): rank `rank` of the fleet `config` under its first `policy`,
+    joining the process group through `init_file` (`links`: a `worker_start.WorkerLinks`). Reports `WorkerReady` or
     `WorkerInitError`, then serves jobs: each `RunJob` runs under its policy (`WorkerState.apply_policy`) and ends
     with `JobDone`, `JobStopped` or `JobFailed`; a `StopWorker` ends the loop."""
     from ..protocol.resources import set_process_name
 
     conn, cancel_flag, heartbeat = links.conn, links.cancel_flag, links.heartbeat
-    bind_to_parent(links.parent_pid, links.watch)
     set_process_name(f"ltx2mgpu-rank{rank}")
 
     from .jobs import load_all

@@ -421,6 +421,37 @@ class LoRAFuser:
         order = [n for n in modules if n in terms]  # model order: the same on every rank, whatever the files
         return reports, [(n, modules[n], terms[n]) for n in order]
 
+    def _check_host_room(self, plan) -> None:
+        """The clean bytes a fuse keeps in host memory must fit it: with the backup on the host (`backup_device_for`:
+        pinned host memory for GPU weights, the weights' own memory for CPU ranks), every rank of the fleet — one
+        host — keeps its share, so the fleet's whole copy of the touched layers (stored bytes, scales included:
+        `host_clean_bytes`) is checked against the host's room (`protocol.resources.available_memory`: MemAvailable
+        or the room under the cgroup's memory limit, the smaller; the smallest any rank read, one all_reduce MIN, so
+        every rank refuses together). Raises LoRAError with the numbers, before any weight is touched; nothing is
+        checked where the backup is not on the host or the system reports no memory."""
+        from ..protocol.resources import GIB, memory_room
+
+        if not plan:
+            return
+        weight = local_shard(plan[0][1].weight)
+        if backup_device_for(weight.device, False, self.backup_device).type != "cpu":
+            return
+        need = host_clean_bytes(plan, self.world_size)
+        room = memory_room()
+        available = room.available_bytes
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            least = torch.tensor([-1 if available is None else available], dtype=torch.int64,
+                                 device=weight.device if weight.device.type == "cuda" else "cpu")
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.group)
+            available = None if int(least.item()) < 0 else int(least.item())
+        if available is None or need <= available:
+            return
+        where = "pinned host memory" if weight.device.type == "cuda" else "host memory"
+        raise LoRAError(f"LoRA: fusing it keeps the clean bytes of the {len(plan)} layers it touches in {where}: "
+                        f"{need / GIB:.1f} GiB over the fleet's {self.world_size} rank(s), more than the "
+                        f"{available / GIB:.1f} GiB available ({room.source}); use a LoRA on fewer layers, fewer "
+                        f"ranks, or raise the memory limit")
+
     # ---- fuse / restore --------------------------------------------------------------------------------------------
 
     def apply(self, loras: list[LoRAFile], stage: str = "") -> list[LoRAReport]:
@@ -443,6 +474,7 @@ class LoRAFuser:
         """
         self.restore()
         reports, plan = self._plan(loras, stage)
+        self._check_host_room(plan)
         t0 = time.perf_counter()
         owners = assign_owners([layer.weight.numel() for _, layer, _ in plan], self.world_size)
         self._sharded = any(is_dtensor(layer.weight) for _, layer, _ in plan)
@@ -572,6 +604,20 @@ class LoRAFuser:
 
     def _device(self) -> torch.device | None:
         return next((f.layer.weight.device for f in self._fused), None)
+
+
+def host_clean_bytes(plan, world_size: int) -> int:
+    """Bytes of clean weights a fleet of `world_size` ranks keeps in all for a fuse `plan` ((name, layer, terms) per
+    touched layer): each layer's stored weight bytes once (one owner, or 1/W on each rank when sharded), and its
+    scale on each rank that keeps one (every rank of a sharded layer)."""
+    total = 0
+    for _, layer, _ in plan:
+        weight = layer.weight
+        total += weight.numel() * weight.element_size()
+        scale = getattr(layer, "weight_scale", None) if _quantized(layer) else None
+        if scale is not None:
+            total += scale.numel() * scale.element_size() * (world_size if is_dtensor(weight) else 1)
+    return total
 
 
 def _seconds_since(t0: float, device: torch.device | None) -> float:
