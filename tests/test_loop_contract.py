@@ -104,7 +104,7 @@ def test_stage_limits_rules():
                                               r"blocks 0\.\.1"):
         limits.guidance(stg, S.NO_GUIDANCE, (5,))
     limits.check_tokens(65536)
-    with pytest.raises(ValidationError, match="65537 video tokens over 1 ranks"):
+    with pytest.raises(ValidationError, match="^65537 video tokens over 1 rank is 65537 tokens per rank, above the cap of 65536"):
         limits.check_tokens(65537)
     assert limits.tiling(None, (2, 4, 4), 1, "tiles") is None  # one rank: untiled
     assert limits.tiling(None, (2, 4, 4), 1, "tiles", ranks=2) is not None
