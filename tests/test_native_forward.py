@@ -406,10 +406,15 @@ def test_fleet_jobs(golden):
                                                                       audio_timestep=None)))
         assert info.value.kind == "validation" and not info.value.fleet_lost
         assert client.status().fleet.worker_pids == workers  # the same fleet serves on
-        # the native MODEL's fleet: the transformer alone (Load Diffusion Model (MGPU)); same forward, and the stage
-        # jobs refused by name with the fleet kept
+        # the native MODEL's loader on the same file is served by this whole-checkpoint fleet (FleetIdentity.serves)
+        handle = client.configure(dataclasses.replace(config, gemma=None, transformer_only=True))
+        assert client.status().fleet.worker_pids == workers
+        # a fleet of the transformer alone (Load Diffusion Model (MGPU) with no other loader); same forward, and the
+        # stage jobs refused by name with the fleet kept
+        client.shutdown_fleet()
         handle = client.configure(dataclasses.replace(config, gemma=None, transformer_only=True))
         workers = client.status().fleet.worker_pids
+        assert client.status().fleet.transformer_only
         client.run(handle, JobSpec("preprocess_text", PreprocessTextRequest(
             golden.tensors["text.raw"], cache_keys=("row0", "row1"))))
         reply = client.run(handle, JobSpec("forward", requests["t2v_b2"].without_context()))
