@@ -58,6 +58,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(fn, device, repeat: int) -> float:
+    """Seconds per call of `fn`: one warm-up, then `repeat` calls, synchronized on `device`."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / repeat
+
+
 # ---- the link --------------------------------------------------------------------------------------------------------
 
 
@@ -71,25 +82,16 @@ def copy_rates(device, nbytes: int = 512 * 2**20, repeat: int = 5) -> dict:
     pageable = torch.empty(nbytes, dtype=torch.uint8)
     s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
-    def timed(fn) -> float:
-        fn()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        _sync(device)
-        return (time.perf_counter() - t0) / repeat
-
     def duplex():
         with torch.cuda.stream(s1):
             dev.copy_(pinned, non_blocking=True)
         with torch.cuda.stream(s2):
             pinned2.copy_(dev2, non_blocking=True)
 
-    out = {"h2d_pinned": nbytes / timed(lambda: dev.copy_(pinned, non_blocking=True)) / 1e9,
-           "h2d_pageable": nbytes / timed(lambda: dev.copy_(pageable)) / 1e9,
-           "d2h_pinned": nbytes / timed(lambda: pinned2.copy_(dev2, non_blocking=True)) / 1e9}
-    out["duplex_each"] = nbytes / timed(duplex) / 1e9
+    out = {"h2d_pinned": nbytes / _timed(lambda: dev.copy_(pinned, non_blocking=True), device, repeat) / 1e9,
+           "h2d_pageable": nbytes / _timed(lambda: dev.copy_(pageable), device, repeat) / 1e9,
+           "d2h_pinned": nbytes / _timed(lambda: pinned2.copy_(dev2, non_blocking=True), device, repeat) / 1e9}
+    out["duplex_each"] = nbytes / _timed(duplex, device, repeat) / 1e9
     out["bytes"] = nbytes
     return out
 
@@ -242,15 +244,6 @@ def measure(path: str, worlds: list[int], sizes, budget_gib: float, link_gbps: f
            "resident": resident, "link_gbps": link_gbps, "stream_gbps": stream_gbps, "link_scale": link_scale,
            "stream_scale": stream_scale, "budget_gib": budget_gib, "rows": []}
 
-    def timed(fn) -> float:
-        fn()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        _sync(device)
-        return (time.perf_counter() - t0) / repeat
-
     for frames, width, height, batch in sizes:
         kw, tokens = _inputs(model, frames, width, height, batch, device, torch.bfloat16)
         for world in worlds:
@@ -260,7 +253,7 @@ def measure(path: str, worlds: list[int], sizes, budget_gib: float, link_gbps: f
             try:
                 with torch.no_grad():
                     torch.cuda.reset_peak_memory_stats(device)
-                    row["compute_s"] = timed(lambda: driver(**kw))
+                    row["compute_s"] = _timed(lambda: driver(**kw), device, repeat)
                     row["activation_bytes"] = torch.cuda.max_memory_allocated(device) - resident
                     budget = int(budget_gib * GiB)
                     moved = units_that_move(unit_bytes, rest, row["activation_bytes"], world, budget)
@@ -272,13 +265,13 @@ def measure(path: str, worlds: list[int], sizes, budget_gib: float, link_gbps: f
                         if not m.h2d_bytes:
                             row["layouts"][layout] = {"moved_units": 0, "both_s": row["compute_s"], "hidden": 1.0}
                             continue
-                        copies = timed(lambda: copier.only(m))
+                        copies = _timed(lambda: copier.only(m), device, repeat)
 
                         def both():
                             with copier.gathering(m):
                                 driver(**kw)
 
-                        both_s = timed(both)
+                        both_s = _timed(both, device, repeat)
                         hidden = (row["compute_s"] + copies - both_s) / copies
                         emulated = 1 / (stream_scale if world == 1 else link_scale)
                         row["layouts"][layout] = {"moved_units": m.moved_units, "copies_s": copies, "both_s": both_s,

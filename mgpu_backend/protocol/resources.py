@@ -291,6 +291,24 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
+def peer_pid(conn) -> int | None:
+    """The pid of the process at the other end of a Unix-socket connection (SO_PEERCRED; None off Linux or when the
+    socket cannot say)."""
+    import socket
+    import struct
+
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+        finally:
+            sock.close()
+        return pid or None
+    except (OSError, AttributeError):
+        return None
+
+
 def process_name(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:

@@ -25,7 +25,7 @@ from ..protocol.job_requests import JobSpec
 from ..protocol.job_results import ControllerStatus, FleetTeardown
 from ..protocol.messages import Accepted, Busy, Cancel, Configure, Configured, JobError, JobResult, Ping, Pong, Progress, Refused, Reply, Request, ShutdownFleet, Status, Stop, Submit
 from ..protocol.transport import INLINE_JOBS, Pickled, SOCKET_NAME, default_runtime_dir, ensure_private_dir, read_or_create_key, recv, send, wire_job
-from ..protocol.resources import Host, check_rank_count, check_rank_total, cpu_cores
+from ..protocol.resources import Host, check_rank_count, check_rank_total, cpu_cores, peer_pid
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the directory that holds `mgpu_backend` (this file: mgpu_backend/serving/client.py)
 START_TIMEOUT_S = 60.0
@@ -147,7 +147,7 @@ class ControllerClient:
         self.shm_lane = _lanes_default() if shm_lane is None else bool(shm_lane)
         self._handshake_lost: BaseException | None = None
         self._conn = self._connect(start)
-        self.controller_pid = _peer_pid(self._conn)
+        self.controller_pid = peer_pid(self._conn)
 
     def _try_connect(self):
         """A connection to the controller, or None where none answers: no socket, a stale one (refused), or a
@@ -425,20 +425,3 @@ def _during(message: Request) -> str:
     if isinstance(message, (ShutdownFleet, Stop)):
         return f"it stopped {'the fleet' if isinstance(message, ShutdownFleet) else 'itself and its fleet'}"
     return f"it answered a {type(message).__name__} request"
-
-
-def _peer_pid(conn) -> int | None:
-    """The pid of the process at the other end of a Unix-socket connection (SO_PEERCRED; None off Linux)."""
-    import socket
-    import struct
-
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-        try:
-            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                            struct.calcsize("3i")))
-        finally:
-            sock.close()
-        return pid or None
-    except (OSError, AttributeError):
-        return None

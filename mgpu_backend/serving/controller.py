@@ -476,20 +476,11 @@ class Controller:
 
 def _peer(conn) -> str:
     """"pid N (name)" of the process at the other end of a Unix socket (SO_PEERCRED), for the log and status."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-        try:
-            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                            struct.calcsize("3i")))
-        finally:
-            sock.close()
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                return f"pid {pid} ({f.read().strip()})"
-        except OSError:
-            return f"pid {pid}"
-    except (OSError, AttributeError):  # not Linux: no SO_PEERCRED
+    pid = R.peer_pid(conn)
+    if pid is None:  # not Linux: no SO_PEERCRED
         return f"connection {id(conn):x}"
+    name = R.process_name(pid)
+    return f"pid {pid}" if name == "?" else f"pid {pid} ({name})"
 
 
 def _parse(data: bytes) -> Request | str:
