@@ -38,7 +38,18 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def _inputs(grid, seed: int = 4) -> S.ModelInputs:
+    """A denoiser step's inputs for a latent of `grid` (frames, height, width) tokens, on the CPU."""
+    f, h, w = grid
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, f * h * w, 128, generator=g)
+    a = torch.randn(1, AUDIO_TOKENS, 128, generator=g)
+    return S.ModelInputs(x, a, torch.full((1, f * h * w), 0.6), torch.full((1, AUDIO_TOKENS), 0.6),
+                         torch.tensor([0.6]), torch.tensor([0.6]), S.GuidancePass("cond"), 0)
+
+
 def _setup(tiny_dir, variant: str, device: str, dtype: torch.dtype, checkpoint: str = "checkpoint"):
+    """(transformer, denoiser(split=None, grid=GRID) factory, inputs at GRID)."""
     components = load_components(tiny_dir[variant][checkpoint], dtype=dtype)
     transformer = components.transformer.to(device)
     components.video_connector.to(device)
@@ -48,20 +59,16 @@ def _setup(tiny_dir, variant: str, device: str, dtype: torch.dtype, checkpoint: 
     g = torch.Generator().manual_seed(4)
     contexts = text_contexts(components, [torch.randn(1, 7, width, generator=g), torch.randn(1, 3, width, generator=g)],
                              dtype=dtype)
-    f, h, w = GRID
 
-    def denoiser(split=None) -> LTX2Denoiser:
+    def denoiser(split=None, grid=GRID) -> LTX2Denoiser:
         if split is not None:
             apply_plan(transformer, split.plan, split.exchange)
+        f, h, w = grid
         return LTX2Denoiser(transformer, contexts.select(0), contexts.select(1),
                             L.video_coords(transformer, 1, f, h, w, 24.0, device=device),
                             L.audio_coords(transformer, 1, AUDIO_TOKENS, device=device), dtype, split=split)
 
-    x = torch.randn(1, f * h * w, 128, generator=g)
-    a = torch.randn(1, AUDIO_TOKENS, 128, generator=g)
-    inputs = S.ModelInputs(x, a, torch.full((1, f * h * w), 0.6), torch.full((1, AUDIO_TOKENS), 0.6),
-                           torch.tensor([0.6]), torch.tensor([0.6]), S.GuidancePass("cond"), 0)
-    return transformer, denoiser, inputs
+    return transformer, denoiser, _inputs(GRID)
 
 
 # ---- CPU: selection and fallback logic -------------------------------------------------------------------------------
@@ -216,6 +223,65 @@ def test_capture_failure_falls_back_with_reason(tiny_dir, mark):
     assert all(torch.equal(o, x) for o in outs)
     assert "test forward not capturable" in G.report(transformer)
     G.graphs_of(transformer).clear()
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=gpu)])
+def test_failed_capture_leaves_the_process_usable(tiny_dir, mark):
+    """A capture invalidated after a random op (the generator entered capture mode, `capture_end` raised) leaves
+    random ops and later captures working: the sampler's noise and the compiler's autotuning draw random numbers."""
+    transformer, _, _ = _setup(tiny_dir, "2.0", "cuda", torch.bfloat16)
+    x = torch.randn(4, 16, device="cuda")
+
+    def random_then_sync(x):
+        noise = torch.randn_like(x)  # advances the generator's offset inside the capture
+        return x + noise * float(noise.sum().item() > 1e9)  # a host synchronisation: the capture is invalidated
+
+    for _ in range(3):
+        G.call(transformer, random_then_sync, {"x": x}, extra="random", what="random forward")
+    assert "random forward not capturable" in G.report(transformer)
+    torch.cuda.manual_seed(3)
+    a = torch.randn(8, device="cuda")  # raised "Offset increment outside graph capture" before the recovery
+    torch.cuda.manual_seed(3)
+    assert torch.equal(torch.randn(8, device="cuda"), a)
+    outs = [G.call(transformer, lambda x: x * 2 + 1, {"x": x}, extra="good", what="good forward") for _ in range(3)]
+    assert all(torch.equal(o, x * 2 + 1) for o in outs)
+    good = [e for e in G.graphs_of(transformer).entries.values() if e.what == "good forward"]
+    assert len(good) == 1 and good[0].replays == 2  # warm-up; capture + replay; replay
+    G.graphs_of(transformer).clear()
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=gpu)])
+def test_compiled_blocks_keep_their_graphs_through_a_recompile(tiny_dir, mark):
+    """Compiled blocks + CUDA graphs, the compiled mode's path: the batched guidance passes (per-item STG and
+    isolation) are captured and replayed at one size, a second size recompiles the blocks mid-run and is captured
+    too, and the first size's graphs replay afterwards; every forward equals the eager one to bf16 tolerance, none
+    stays eager, and random numbers still draw (the sampler's noise between the stages)."""
+    from mgpu_backend.engine import compile as C
+
+    passes = S.plan_passes(VIDEO, AUDIO)
+    transformer, denoiser, first = _setup(tiny_dir, "2.0", "cuda", torch.bfloat16)
+    second = _inputs((3, 2, 2), 5)
+    G.set_mode("off")
+    try:
+        want = {id(i): denoiser(grid=g).batch(i, passes) for g, i in ((GRID, first), ((3, 2, 2), second))}
+    finally:
+        G.set_mode("auto")
+    cache = G.graphs_of(transformer)
+    C.compile_blocks(transformer)
+    try:
+        for grid, inputs, rounds in ((GRID, first, 3), ((3, 2, 2), second, 3), (GRID, first, 2)):
+            d = denoiser(grid=grid)
+            for _ in range(rounds):  # compile + warm-up; capture; replay (the first size again: replays only)
+                for (gv, ga), (ev, ea) in zip(d.batch(inputs, passes), want[id(inputs)]):
+                    assert _rel(gv, ev) < 2e-2 and _rel(ga, ea) < 2e-2
+            torch.randn(4, device="cuda")
+        assert not cache.failed, cache.failed
+        assert len(cache.entries) == 2 and cache.captures == 2
+        assert sorted(e.replays for e in cache.entries.values()) == [2, 4]
+        print(G.report(transformer))
+    finally:
+        C.uncompile_blocks(transformer)
+        cache.clear()
 
 
 @pytest.mark.parametrize("variant", ["2.0", "2.3"])

@@ -30,6 +30,7 @@ machinery. `set_mode("off")` (or LTX2_MGPU_CUDA_GRAPHS=off) disables it.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from typing import Any, Callable
 import torch
 
 from ..weights.sharding import is_sharded
+
+log = logging.getLogger("ltx2_mgpu.cuda_graphs")
 
 MODES = ("auto", "off")
 CAPACITY = 16  # graphs kept per transformer (sizes × pass sets × stages of a long-lived fleet)
@@ -301,6 +304,12 @@ def call(transformer, forward: Callable[..., Any], kwargs: dict, extra: Any = No
 
 
 def _capture(cache: ForwardGraphs, key: tuple, forward, kwargs: dict, what: str) -> _Entry | None:
+    """Capture `forward` on the static copies of `kwargs`' tensors (the graph reads its inputs there).
+
+    Before the capture the forward runs once eagerly on the capture stream with those copies: whatever the first
+    call on a new stream or new buffers does lazily (a compiled block's guard check or recompile, Triton's autotuning
+    and module loads, a cuBLAS workspace for the stream) happens there, where it may synchronise, not inside the
+    capture, where it would invalidate it ("operation not permitted when stream is capturing")."""
     if _ACTIVE:
         cache.failed[key] = "nested capture"
         return None
@@ -317,6 +326,8 @@ def _capture(cache: ForwardGraphs, key: tuple, forward, kwargs: dict, what: str)
     outputs = None
     try:
         with torch.cuda.stream(stream):
+            forward(**call_kwargs)  # the warm-up on the capture stream (see above)
+            stream.synchronize()
             _ACTIVE.append(capture)
             try:
                 capture.begin()
@@ -327,10 +338,11 @@ def _capture(cache: ForwardGraphs, key: tuple, forward, kwargs: dict, what: str)
                 capture.abort()
     except Exception as exc:  # noqa: BLE001 — any capture failure means: this forward stays eager
         reason = f"{what} not capturable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        log.debug("%s", reason, exc_info=True)
         cache.failed[key] = reason
         cache.events.append(reason)
         del outputs, capture
-        torch.cuda.synchronize()
+        _recover(cache, stream)
         return None
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
@@ -349,3 +361,31 @@ def _capture(cache: ForwardGraphs, key: tuple, forward, kwargs: dict, what: str)
         cache.entries.popitem(last=False)
         cache.evicted += 1
     return entry
+
+
+def _recover(cache: ForwardGraphs, stream: torch.cuda.Stream) -> None:
+    """Leave the process as it was before a capture that failed, so the fleet goes on (eagerly for that forward).
+
+    A capture that fails inside `capture_end` (an invalidated capture) stops before PyTorch's own clean-up: the
+    caching allocator keeps routing the stream's allocations to the graphs' pool ("beginAllocateToPool: already
+    recording to mempool_id" at the next capture) and the default CUDA generator stays in capture mode (the next
+    random op outside a capture raises "Offset increment outside graph capture encountered unexpectedly" — the
+    sampler's noise, or the compiler's autotuning inputs). So: end the pool's allocation routing (a no-op when it
+    ended), give the pool up (the kept graphs hold their own reference to it; later captures get a fresh one), and run
+    one empty capture, whose clean begin and end put the generator back in its normal state."""
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, cache.pool)
+    except Exception:  # noqa: BLE001 — the capture's own clean-up ended it already
+        pass
+    cache.pool = None
+    torch.cuda.synchronize()
+    try:
+        empty = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            empty.capture_begin(capture_error_mode="thread_local")
+            empty.capture_end()
+        del empty
+    except Exception:  # noqa: BLE001 — nothing more can be reset from Python; the reason is already reported
+        log.debug("reset capture after a failed capture failed", exc_info=True)
+    torch.cuda.synchronize()
