@@ -40,6 +40,13 @@ at full size, 3 steps, one forward per step (CFG 1), 1920×1088×121 by default,
 transformer stages run (the engine's one forward, `model_forward.run`, on the same inputs every step): the 2.5 text
 encoder (Gemma 4), upscaler and diffusion decoder are not built here (bench_diffusion_decode.py times the decoder).
 
+Each mode runs in its own process (this script started again with `--modes <mode>`; the parent prints the modes
+side by side), so a mode meets the GPU as a fleet worker does — what one mode leaves (graphs, converted weights,
+the allocator's cache) does not weigh on the next — and the job's own memory plan (`protocol/job_memory.py`:
+the text encoder moved off the GPU, a stage's batching or graphs given up, each with its cost) decides what runs;
+its lines are printed as "engine: memory plan: …". `--in-process` runs the modes one after the other in one
+process instead (the former behaviour; `--reference` implies it).
+
 One warm-up generation (2 stage-1 steps) runs first in every mode, as a persistent fleet is warm (it pays the
 compile and the graph captures); the Gemma prompt cache is cleared before the timed run. Scaling, labelled in the
 output:
@@ -65,7 +72,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -705,8 +714,14 @@ def main(argv=None) -> None:
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--out", default=None, help="also write the output to this file")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke check: tiny configs at 128×128×9")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run several modes one after the other in this process (default: one process per mode)")
+    ap.add_argument("--rows-json", default=None, help=argparse.SUPPRESS)  # a child's results, for its parent
     args = ap.parse_args(argv)
     modes = M.parse_modes("fp8" if args.fp8 else args.modes)
+    if len(modes) > 1 and not (args.in_process or args.reference):
+        run_children(sys.argv[1:] if argv is None else list(argv), modes, args.out)
+        return
     ltx25 = args.preset == "ltx25-distilled"
     args.width = args.width or (1920 if ltx25 else 1280)
     args.height = args.height or (1088 if ltx25 else 704)
@@ -733,9 +748,51 @@ def main(argv=None) -> None:
         f"(torch {torch.__version__}), {dtype}; modes {', '.join(modes)}; preset {args.preset}; command: "
         f"{' '.join(sys.argv)}")
     try:
-        (run_ltx25 if ltx25 else run_two_stage)(args, modes, device, dtype, log)
+        results = (run_ltx25 if ltx25 else run_two_stage)(args, modes, device, dtype, log)
+        if args.rows_json:
+            Path(args.rows_json).write_text(json.dumps(results))
     finally:
         write_results()
+
+
+def _child_argv(argv: list[str], mode: str, rows_json: str) -> list[str]:
+    """`argv` without its mode and output options, for one mode's process."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--modes", "--mode", "--out"):
+            skip = True
+        elif not (a.startswith(("--modes=", "--mode=", "--out=")) or a == "--fp8"):
+            out.append(a)
+    return out + ["--modes", mode, "--rows-json", rows_json]
+
+
+def run_children(argv: list[str], modes: list[str], out: str | None) -> None:
+    """Each mode in its own process (streamed output), then the modes side by side (`summary`)."""
+    lines: list[str] = []
+
+    def log(msg: str = "") -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    results = {}
+    for mode in modes:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = Path(tmp) / "rows.json"
+            cmd = [sys.executable, os.path.abspath(__file__), *_child_argv(argv, mode, str(rows))]
+            log(f"== mode {mode}: a process of its own")
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+                for line in proc.stdout:
+                    log(line.rstrip("\n"))
+            results[mode] = json.loads(rows.read_text()).get(mode) if rows.exists() else {}
+            if proc.returncode:
+                log(f"[{mode}] its process ended with exit status {proc.returncode}")
+    summary(results, {}, None, 1.0, log, False)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("\n".join(lines) + "\n")
+        print(f"written {out}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import gc
 import logging
 import os
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -171,6 +172,7 @@ class ForwardGraphs:
     captures: int = 0
     evicted: int = 0
     events: list[str] = field(default_factory=list)  # fallbacks, in order (for the job report)
+    paused: str | None = None  # why forwards run eagerly for now (`paused`), None: graphs as usual
 
     @property
     def held_bytes(self) -> int:
@@ -209,6 +211,18 @@ def graphs_of(transformer) -> ForwardGraphs:
         cache = ForwardGraphs()
         object.__setattr__(transformer, "_ltx2_forward_graphs", cache)  # not a submodule / buffer
     return cache
+
+
+@contextmanager
+def paused(transformer, reason: str):
+    """Within the block `transformer`'s forwards run eagerly (neither captured nor replayed; its graphs are kept);
+    `reason` is shown once in the report. Used where a job's memory plan has no room for a stage's graphs."""
+    cache = graphs_of(transformer)
+    before, cache.paused = cache.paused, reason
+    try:
+        yield
+    finally:
+        cache.paused = before
 
 
 def report(transformer) -> str | None:
@@ -279,6 +293,9 @@ def call(transformer, forward: Callable[..., Any], kwargs: dict, extra: Any = No
     if eligible(kwargs) is not None:
         return forward(**kwargs)
     cache = graphs_of(transformer)
+    if cache.paused is not None:
+        cache.note_eager(cache.paused)
+        return forward(**kwargs)
     if is_sharded(transformer):  # each block is gathered over the ranks as it runs (FSDP): not captured
         reason = f"{what} runs eagerly: sharded weights (each block is gathered over the ranks as it runs)"
         if reason not in cache.events:

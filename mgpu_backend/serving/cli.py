@@ -274,7 +274,8 @@ def _finish(args, out: Generated) -> dict[str, float]:
         print(f"  rank {report.rank}: stage 2: {report.stage_2}; decode tiles {decode.tiles_text} "
               f"in {decode.seconds:.3f} s" + (f" ({decode.auto_tiling})" if decode.auto_tiling else ""))
         for line in report.speed if report.rank == 0 else []:
-            if line.startswith("int8 compute"):  # which int8 path ran (--int8-compute)
+            # which int8 path ran (--int8-compute); the job's memory plan and its fallbacks with their cost
+            if line.startswith(("int8 compute", "memory plan")):
                 print(f"  {line}")
         if report.rank == 0 and report.weights:  # where the weights went (--weights, --gpu-budget-gib)
             print(f"  {report.weights}")

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..engine import cuda_graphs as G
 from ..engine import latents as L
 from ..engine import sampling as S
+from ..protocol import job_memory as PJ
 from ..protocol import validation as V
 from ..engine.denoiser import speed_report, text_contexts
 from ..weights.lora import LoRAFuser, LoRAReport, read_lora, read_loras
@@ -37,6 +39,7 @@ from ..splits.tiling import TileCountConfig, split_axis
 from ..protocol.job_requests import DEFAULT_NEGATIVE_PROMPT  # noqa: F401 (the requests' default, re-exported)
 from ..protocol.job_results import DecodeReport, GenerateTimings, RankReport
 from ..engine.semantics import REFERENCE
+from . import job_memory as JM
 from .stage import DECODE_TILES, CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageLimits, StageResult, StageSpec, TiledRunner, resolve_tiling, run_stage
 
 
@@ -214,15 +217,19 @@ class TwoStagePipeline:
 
     # ---- text ----------------------------------------------------------------------------------------------------
 
-    def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
-        """Prompts -> CONDITIONING embeddings `[1, T_i, C]` each (valid tokens only, as ComfyUI stores them), through
-        the text service (stages/text_encoder.py: one prompt per forward, prompt cache, the fleet's Gemma mode). A bare
-        `GemmaTextEncoder` is wrapped in a one-process service on first use."""
+    def text_service(self):
+        """The text service (stages/text_encoder.py: one prompt per forward, prompt cache, the fleet's Gemma mode);
+        a bare `GemmaTextEncoder` is wrapped in a one-process service on first use."""
         if not hasattr(self.gemma, "encode_embeds"):
             from .text_encoder import TextEncoderService
 
             self.gemma = TextEncoderService.wrap(self.gemma, self.components.text_projection)
-        return self.gemma.encode_embeds(prompts, strict=False)
+        return self.gemma
+
+    def encode_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Prompts -> CONDITIONING embeddings `[1, T_i, C]` each (valid tokens only, as ComfyUI stores them), through
+        the text service (`text_service`)."""
+        return self.text_service().encode_embeds(prompts, strict=False)
 
     # ---- stages ----------------------------------------------------------------------------------------------------
 
@@ -258,15 +265,17 @@ class TwoStagePipeline:
         if getattr(self, "_native", None) is not None:
             self._native.plan = plan
 
-    def stage_env(self) -> StageEnv:
+    def stage_env(self, batch_mode: str = "auto") -> StageEnv:
         """What this pipeline's stages run on (`stage.StageEnv`)."""
-        return StageEnv(self.components, self.dtype, self.device, self.plan, native=self.native_engine)
+        return StageEnv(self.components, self.dtype, self.device, self.plan, native=self.native_engine,
+                        batch_mode=batch_mode)
 
     def run_stage(self, spec: StageSpec, progress: ProgressFn | None = None,
-                  cancel_check: CancelFn | None = None) -> StageResult:
+                  cancel_check: CancelFn | None = None, batch_mode: str = "auto") -> StageResult:
         """Run one stage (`stage.run_stage`: the plan's runner) and keep how its guidance passes ran for the job
-        report. `cancel_check(stage, step, group)` runs before every step on the ranks that run it."""
-        result = run_stage(spec, self.stage_env(), StageHooks(progress, cancel_check))
+        report. `cancel_check(stage, step, group)` runs before every step on the ranks that run it; `batch_mode`:
+        the guidance passes' batching (`denoiser.BATCH_MODES`; "off" where the job's memory plan says so)."""
+        result = run_stage(spec, self.stage_env(batch_mode), StageHooks(progress, cancel_check))
         if result.batch_note is not None:
             self.batch_notes[spec.name] = result.batch_note
         return result
@@ -372,20 +381,32 @@ class TwoStagePipeline:
 
         Raises ValidationError (before any work), SamplingCancelled, FloatingPointError (non-finite latent)."""
         job = self.plan_job(request)  # every refusal happens here, before any work
+        memory = self.plan_memory(job)
         self.batch_notes = {}
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
+        transformer = self.components.transformer
         with _timed(timings, "text"):
+            if memory is not None and memory.drop_graphs:
+                G.graphs_of(transformer).clear()
+                torch.cuda.empty_cache()
             positive, negative = self._text(request, job)
-        with _timed(timings, "stage 1"):  # half size (guided for the two-stage recipe), split by the plan
+            if memory is not None and memory.encoder == "offload":
+                self.text_service().offload()
+            elif memory is not None and memory.encoder == "drop":
+                self.text_service().unload()
+        with _timed(timings, "stage 1"), JM.stage_memory(memory, "stage 1", transformer, self.device) as batch:
+            # half size (guided for the two-stage recipe), split by the plan
             result1, reports = self._run_with_loras(self._stage1_spec(request, job, positive, negative),
-                                                    job.stage1_loras, progress, cancel_check)
+                                                    job.stage1_loras, progress, cancel_check, batch_mode=batch)
         with _timed(timings, "upscale"):  # 2× latent upscale
             upscaled = self.upscale(L.unpack_video(result1.video, job.frames, job.h1, job.w1))
             V.check_finite(upscaled, "upscale", "video")
-        with _timed(timings, "stage 2"):  # full size, no guidance, audio frozen; the distilled LoRA (two-stage)
+        with _timed(timings, "stage 2"), JM.stage_memory(memory, "stage 2", transformer, self.device) as batch:
+            # full size, no guidance, audio frozen; the distilled LoRA (two-stage)
             result2, more = self._run_with_loras(self._stage2_spec(request, job, positive, upscaled, result1.audio),
-                                                 job.stage2_loras, progress, cancel_check, restore=True)
+                                                 job.stage2_loras, progress, cancel_check, restore=True,
+                                                 batch_mode=batch)
         stage_1 = result1.report if self.plan else "local"
         stage_2 = self._stage2_report(result2, job.distilled)
         with _timed(timings, "decode video"):
@@ -399,11 +420,38 @@ class TwoStagePipeline:
         seconds = GenerateTimings.from_phases(timings)
         report = RankReport(rank=self.plan.rank if self.plan is not None else 0, stage_1=stage_1, stage_2=stage_2,
                             decode=decode, timings=seconds,
-                            speed=tuple(speed_report(self.components.transformer, self.batch_notes) or ()),
+                            speed=(memory.lines() if memory is not None else ())
+                            + tuple(speed_report(self.components.transformer, self.batch_notes) or ()),
                             weights=_weights_line(self.components.transformer))
         summary, rank_reports = self._job_report(report, job.distilled)
         return GenerateResult(frames, waveform, sample_rate, video_latent, audio_latent, seconds, reports + more,
                               summary, rank_reports)
+
+    def plan_memory(self, job: GenerateJob) -> PJ.JobMemoryPlan | None:
+        """The job's memory plan on this process's GPU (`protocol/job_memory.py`: the text encoder kept, offloaded
+        or released after encoding; each stage's batching and graphs), from the components' bytes, the GPU's budget
+        and the stages' activations (`stages/job_memory.py`). None off CUDA and on a fleet (its ranks are planned by
+        the token cap and the weight placement). Raises ValidationError with the figures where no plan fits, before
+        any work."""
+        if self.device.type != "cuda" or self.plan is not None:
+            return None
+        c, device = self.components, self.device
+        t = c.transformer
+        passes = 1 if job.distilled else len(S.plan_passes(job.video_guidance, job.audio_guidance))
+        stages = (JM.stage_need("stage 1", t, job.frames * job.h1 * job.w1, passes, self.dtype, device),
+                  JM.stage_need("stage 2", t, job.frames * job.h2 * job.w2, 1, self.dtype, device))
+        encoder, encoder_activation = JM.encoder_figures(self.text_service(), device)
+        others = (c.video_connector, c.audio_connector, c.text_projection, c.video_vae, c.audio_vae, c.vocoder,
+                  c.upsampler)
+        inputs = PJ.JobMemoryInputs(
+            budget=JM.gpu_budget(device), transformer=JM.module_bytes(t, device),
+            others=sum(JM.module_bytes(m, device) for m in others), encoder=encoder,
+            encoder_activation=encoder_activation, graph_pool=G.graphs_of(t).held_bytes, stages=stages,
+            graphs=G.mode() == "auto", host_room=JM.host_room() if encoder else 0)
+        try:
+            return PJ.plan_job_memory(inputs)
+        except PJ.JobMemoryError as exc:
+            raise V.ValidationError(str(exc)) from None
 
     def _text(self, request: GenerateRequest, job: GenerateJob):
         """The prompt's (and, when a pass needs it, the negative prompt's) text contexts: (positive, negative or
@@ -518,12 +566,13 @@ class TwoStagePipeline:
                          seed=seed, audio_frozen=True, sampler=SamplerSpec(job.sampler, seed),
                          tiling=None if job.distilled else job.stage2_tiling)
 
-    def _run_with_loras(self, spec: StageSpec, loras, progress, cancel_check, restore: bool = False):
+    def _run_with_loras(self, spec: StageSpec, loras, progress, cancel_check, restore: bool = False,
+                        batch_mode: str = "auto"):
         """Fuse `loras` for `spec`'s stage, run it; on any failure restore the weights (`after_error`); `restore`:
         the clean weights after it too. -> (StageResult, the LoRA reports)."""
         try:
             reports = self.lora.apply(list(loras), spec.name)
-            result = self.run_stage(spec, progress, cancel_check)
+            result = self.run_stage(spec, progress, cancel_check, batch_mode)
         except BaseException:
             self.lora.after_error()
             raise

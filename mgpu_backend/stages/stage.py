@@ -368,13 +368,15 @@ def stage_contexts(components, embeds: list[torch.Tensor], semantics: Semantics 
 @dataclass
 class StageEnv:
     """What a stage runs on (one rank): the loaded components, compute dtype and device, the fleet's plan (None: one
-    process), and `native`, a callable returning this rank's `native.NativeEngine` (semantics "comfyui")."""
+    process), `native`, a callable returning this rank's `native.NativeEngine` (semantics "comfyui"), and
+    `batch_mode`, the reference denoiser's guidance-pass batching (`denoiser.BATCH_MODES`)."""
 
     components: object
     dtype: torch.dtype
     device: torch.device
     plan: object = None
     native: Callable[[], object] | None = None
+    batch_mode: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -407,7 +409,10 @@ def _reference_denoiser(spec: StageSpec, env: StageEnv, split=None):
     f, h, w = spec.grid
     video_coords = L.video_coords(transformer, 1, f, h, w, spec.fps, device=env.device)
     audio_coords = L.audio_coords(transformer, 1, spec.audio_frames, device=env.device)
-    return LTX2Denoiser(transformer, spec.positive, spec.negative, video_coords, audio_coords, env.dtype, split=split)
+    denoiser = LTX2Denoiser(transformer, spec.positive, spec.negative, video_coords, audio_coords, env.dtype,
+                            split=split)
+    denoiser.batch_mode = env.batch_mode
+    return denoiser
 
 
 def _comfy_denoiser(spec: StageSpec, env: StageEnv, split=None):

@@ -474,6 +474,7 @@ class TextEncoderService:
         self.layout: str | None = "replica" if encoder is not None else None  # "replica" | "sharded" | None
         self.loaded_fingerprint = None  # rank 0's gemma_fingerprint of the loaded file
         self._offload_dir: str | None = None
+        self.offloaded = False  # the replica sits in host memory (`offload`) until the next encode needs it
         self.cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._cache_used = 0
         self.stats = {"forwards": 0, "hits": 0, "misses": 0, "loads": 0, "unloads": 0}  # `counters()`
@@ -579,6 +580,7 @@ class TextEncoderService:
         fetched here when not given). Reloads when the layout or the Gemma file changed; refuses with
         GemmaMemoryError (every rank) before loading when it cannot fit."""
         check_mode(mode)
+        self._bring_back()
         if self.gemma_path is None:  # an adopted encoder without a file: it is what there is
             if self.encoder is None:
                 raise ValueError("the text encoder was unloaded and this service has no Gemma path to reload it")
@@ -664,10 +666,28 @@ class TextEncoderService:
         self.device_map = shared[1]
         self.encoder = outcome[1][0] if self.rank == 0 else None
 
+    def offload(self) -> bool:
+        """Move a replica held on a GPU to host memory (the job memory plan: the stages need its room); the next
+        encode that needs Gemma brings it back (`ensure_loaded`). Local to this rank. False where there is nothing to
+        move (sharded, on the CPU, not loaded)."""
+        enc = self.encoder
+        if enc is None or self.layout != "replica" or self.device.type != "cuda" or getattr(enc, "device_map", None):
+            return False
+        enc.model.to("cpu")
+        self.offloaded = True
+        torch.cuda.empty_cache()
+        return True
+
+    def _bring_back(self) -> None:
+        if self.offloaded and self.encoder is not None:
+            self.encoder.model.to(self.device)
+        self.offloaded = False
+
     def unload(self) -> None:
         """Drop Gemma from this rank (local; every rank calls it where the layout changes or after an encode with
         unload): Accelerate hooks removed, the model released, cached CUDA blocks returned to the driver."""
         enc, self.encoder = self.encoder, None
+        self.offloaded = False
         had = enc is not None or self.layout is not None
         self.layout, self.device_map = None, None
         if enc is not None:
