@@ -45,9 +45,11 @@ class DistributedDecodeMGPU(io.ComfyNode):
             request = DecodeRequest(video=parts.video, audio=parts.audio,
                                     tiles=tile_config(tiles_height, tiles_width, overlap), overlap=int(overlap))
             result = run_job(fleet, "decode", request, node_id=cls.hidden.unique_id, what=NAME)
-            note = result.report.auto_tiling if result.report is not None else None
-            if note:  # the diffusion decoder would not have fit: tiled automatically (splits/decode.py)
-                log.warning("%s: %s", NAME, note)
+            # the diffusion decoder would not have fit (tiled automatically, splits/decode.py), or ran its attention
+            # without comfy-kitchen on a GPU (models/neighborhood.py)
+            for note in (result.report.auto_tiling, result.report.attention) if result.report is not None else ():
+                if note:
+                    log.warning("%s: %s", NAME, note)
             images = frames_to_image(result.frames)
             audio = waveform_to_audio(result.audio, result.sample_rate)
         return io.NodeOutput(images, audio)

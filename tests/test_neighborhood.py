@@ -102,3 +102,14 @@ def test_kitchen_cuda_matches_plain(dtype, tol):
         ref = na3d_plain(q, k, v, kernel, scale=0.125)
         out = na3d(q.to(dtype), k.to(dtype), v.to(dtype), kernel, scale=0.125, backend="kitchen").float()
         assert (out - ref).abs().max() <= tol, (grid, kernel, dtype)
+
+
+def test_the_plain_fallback_on_a_gpu_is_reported(monkeypatch):
+    """Without comfy-kitchen the decode report names the slower attention on CUDA (its cost in the line), not on the
+    CPU, where comfy-kitchen would run its eager backend too."""
+    monkeypatch.setattr(neighborhood, "_kitchen", None)
+    assert neighborhood.plain_fallback("cuda:1") == neighborhood.PLAIN_ON_GPU
+    assert "comfy-kitchen is not installed" in neighborhood.PLAIN_ON_GPU and " s " in neighborhood.PLAIN_ON_GPU
+    assert neighborhood.plain_fallback("cpu") is None
+    monkeypatch.setattr(neighborhood, "_kitchen", object())
+    assert neighborhood.plain_fallback("cuda") is None

@@ -33,7 +33,18 @@ except ImportError:  # pragma: no cover - exercised where comfy-kitchen is not i
     _kitchen = None
 
 BACKENDS = ("auto", "kitchen", "plain")
+PLAIN_ON_GPU = ("neighborhood attention in plain PyTorch, comfy-kitchen is not installed: several times slower on a GPU "
+                "(1280×704×121 tiled 1×2: 63 s on an H100, 7.6 s with comfy-kitchen on an H200); "
+                "pip install comfy-kitchen")
+"""The decode report's line when the diffusion decoder's attention falls back to `na3d_plain` on a GPU (figures:
+bench/results/diffusion_decode_h200.txt and issue 37's H100 run)."""
 _MASK_BUDGET = 2 ** 24  # elements of one query-slab × key-slab mask in `na3d_plain`
+
+
+def plain_fallback(device: torch.device | str) -> str | None:
+    """`PLAIN_ON_GPU` when the "auto" backend would run `na3d_plain` on `device` (comfy-kitchen absent, CUDA), else
+    None: on the CPU comfy-kitchen runs its eager backend too, so nothing is lost there."""
+    return PLAIN_ON_GPU if not kitchen_available() and torch.device(device).type == "cuda" else None
 
 
 def window_starts(length: int, kernel: int, device: torch.device | None = None) -> tuple[torch.Tensor, int]:

@@ -60,13 +60,15 @@ class DecodeReport:
     tiles: the indices of the tiles this rank decoded (row-major over the tile grid), or "untiled"; seconds: the
     decode's wall time on this rank; rank: this rank; auto_tiling: why the decode was tiled automatically (the
     diffusion decoder's memory estimate, e.g. "tiled 2×2 automatically: untiled needs ~85 GiB, 60 GiB free"), else
-    None.
+    None; attention: the slower attention the decode ran with, and its cost (the diffusion decoder's neighborhood
+    attention without comfy-kitchen on a GPU: `models.neighborhood.PLAIN_ON_GPU`), else None.
     """
 
     tiles: tuple[int, ...] | str
     seconds: float
     rank: int = 0
     auto_tiling: str | None = None
+    attention: str | None = None
 
     @property
     def tiles_text(self) -> str:

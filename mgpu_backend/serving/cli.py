@@ -272,7 +272,8 @@ def _finish(args, out: Generated) -> dict[str, float]:
     for report in out.rank_reports or []:
         decode = report.decode
         print(f"  rank {report.rank}: stage 2: {report.stage_2}; decode tiles {decode.tiles_text} "
-              f"in {decode.seconds:.3f} s" + (f" ({decode.auto_tiling})" if decode.auto_tiling else ""))
+              f"in {decode.seconds:.3f} s" + "".join(f" ({note})" for note in (decode.auto_tiling, decode.attention)
+                                                    if note))
         for line in report.speed if report.rank == 0 else []:
             # which int8 path ran (--int8-compute); the job's memory plan and its fallbacks with their cost
             if line.startswith(("int8 compute", "memory plan")):

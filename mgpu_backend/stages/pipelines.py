@@ -31,6 +31,7 @@ from ..engine.denoiser import speed_report, text_contexts
 from ..weights.lora import LoRAFuser, LoRAReport, read_lora, read_loras
 from ..weights.sharding import sharding_of
 from ..models.diffusion_decoder import denormalize
+from ..models.neighborhood import plain_fallback
 from ..models.loader import LTX2Components
 from ..protocol.fleet_config import FleetIdentity
 from ..splits.decode import check_decodable, decode_tiles, decode_untiled, is_diffusion_decoder
@@ -337,6 +338,8 @@ class TwoStagePipeline:
                                   rank=self.plan.rank if self.plan is not None else 0)
         if auto_note is not None:
             report = dataclasses.replace(report, auto_tiling=auto_note)
+        if is_diffusion_decoder(vae):
+            report = dataclasses.replace(report, attention=plain_fallback(param.device))
         if pixels is None:
             return None, report
         return ((pixels[0].float().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).contiguous(), report
