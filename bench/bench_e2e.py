@@ -12,8 +12,8 @@ the reference recipe in this process: text encode (prompt + the default negative
 upscale -> stage 2 at full size (sigmas 0.909375, 0.725, 0.421875, 0: 3 steps, one forward each, audio frozen) ->
 VAE decode -> audio VAE + vocoder decode; then `media.write_mp4` muxes H.264 + AAC (the CLI's last step).
 
-Modes (`--modes eager,default,compiled,fp8,int8`, any subset, run one after the other in this process and printed
-side by side; `e2e_modes.py` says exactly what each switches on):
+Modes (`--modes eager,default,compiled,fp8,int8`, any subset, each in a process of its own (below) and printed side
+by side; `e2e_modes.py` says exactly what each switches on):
 - default: what the fleet runs — guidance passes batched into one forward, forwards replayed from CUDA graphs;
 - compiled: default + the blocks compiled (torch.compile);
 - fp8: default with fp8 block Linears and fp8 compute forced on (refused by name where it cannot run: CPU, GPUs

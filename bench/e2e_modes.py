@@ -1,8 +1,8 @@
 """The speed modes of `bench_e2e.py` (issue 27): what each mode switches on, the FLOP tally of the forwards a run
 makes, the weight conversions, and the per-stage achieved FLOP/s against the GPU's dense peak.
 
-Modes (`MODES`, run in this order in one process; the quantized ones last because their weights are converted from
-the bf16 ones in place):
+Modes (`MODES`, in this order; `bench_e2e.py` runs each in a process of its own, or all in one with `--in-process`,
+where the quantized ones come last because their weights are converted from the bf16 ones in place):
 - eager: the bench's former behaviour — every forward through a timing wrapper (CUDA-synchronized per forward),
   so the guidance passes run one at a time and nothing is replayed from CUDA graphs (`cuda_graphs.set_mode("off")`).
 - default: what the fleet runs — the denoiser's own forward (`model_forward.run`): guidance passes batched into one
