@@ -241,6 +241,8 @@ class FleetTransformer(torch.nn.Module):
     def _remember(self, request: F.ForwardRequest, reply) -> None:
         lora_reports = tuple(getattr(reply, "lora_reports", ()) or ())
         self.report = FleetForwardReport(reply.report, lora_reports)
+        for line in getattr(reply, "slowdowns", ()) or ():  # new in this reply: forwards eager and why, with the cost
+            log.warning("MGPU MODEL: %s", line)
         for k in request.context_keys:
             self.known_contexts[k] = None
             self.known_contexts.move_to_end(k)

@@ -204,3 +204,14 @@ def test_plan_moves_the_encoder_and_takes_graphs_away_without_changing_the_resul
     assert any("stage 2: forwards eager (the job's memory plan)" in line for line in speed)
     assert 0 < replays() - before < graphed  # stage 1 replayed its graphs, stage 2 none
     assert float((eager.frames - want.frames).abs().max()) < 2e-2
+
+
+def test_eager_native_forwards_are_named_with_their_cost():
+    """`stages.native.eager_cost`: each distinct reason once, with GRAPH_GAIN's share at the forward's token count
+    (23 % at 1,536 tokens, 3 % at 3,520: the table's points)."""
+    from mgpu_backend.stages.native import eager_cost
+
+    why = "native forward not capturable (OutOfMemoryError: no room)"
+    assert eager_cost([why, why], 1536) == (f"{why}: forwards eager, ~23 % slower at 1,536 video tokens",)
+    assert eager_cost([why], 3520) == (f"{why}: forwards eager, ~3 % slower at 3,520 video tokens",)
+    assert eager_cost([], 3520) == ()

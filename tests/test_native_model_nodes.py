@@ -285,3 +285,36 @@ def test_the_fleets_lora_coverage_reaches_comfyuis_log_once_per_lora(monkeypatch
                      f"1/1 layers applied",
                      f"MGPU model: LoRA fused on the fleet in the transformer: lora {uuid.UUID(int=10)}#0 @ 1: "
                      f"1/1 layers applied"]
+
+
+def test_a_forward_that_ran_eagerly_is_a_warning_in_comfyuis_log(monkeypatch, caplog):
+    """A fleet reply naming a slowdown (`ForwardReply.slowdowns`: forwards eager, why, the cost) reaches ComfyUI's
+    console as one WARNING per reply that names it — the fleet names each reason once, in the forward it first
+    happened — not only the controller's log."""
+    import logging
+    import sys
+
+    stub = types.ModuleType("comfy.ldm.lightricks.symmetric_patchifier")
+    stub.SymmetricPatchifier = stub.AudioPatchifier = lambda *a, **k: None
+    for name in ("comfy", "comfy.ldm", "comfy.ldm.lightricks"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "comfy.ldm.lightricks.symmetric_patchifier", stub)
+    from nodes.native_model import FleetTransformer
+
+    line = "native forward not capturable (OutOfMemoryError: x): forwards eager, ~3 % slower at 3,520 video tokens"
+    replies = iter([(line,), (), ()])
+
+    def fleet(kind, payload):
+        return F.ForwardReply(torch.zeros_like(payload.video), torch.zeros_like(payload.audio), "one rank", 0.1,
+                              slowdowns=next(replies))
+
+    proxy = FleetTransformer({}, torch.float32, {}, fleet, name="tiny")
+    owner = _Owner()
+    owner.current_patcher = _patcher()
+    proxy.attach(owner)
+    caplog.set_level(logging.INFO, logger="ltx2_mgpu.nodes")
+    x, ts, ctx, options = _args()
+    for _ in range(3):
+        proxy._remote_forward(x, ts[0], ctx, None, 25, options, None, a_timestep=ts[1])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"MGPU MODEL: {line}"]

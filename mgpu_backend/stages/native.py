@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from ..engine import cuda_graphs, forward as model_forward
 from ..engine.attention import GuideBias
 from ..engine.denoiser import skip_self_attention, text_contexts
+from ..protocol.job_memory import GRAPH_GAIN, gain
 from ..protocol.native_forward import ForwardContractError, ForwardOptions, ForwardRequest, GuideAttentionEntry, LoraSet, PreprocessTextReply, PreprocessTextRequest
 from ..weights.lora import LoRAFile, LoRAFuser, LoRAPair
 from ..engine.forward import Split, comfy_block, qk_eps, qk_norms  # noqa: F401 (re-exported)
@@ -516,6 +517,7 @@ class NativeEngine:
             # applied once and left in place for the next request (a no-op while it stays): a stage job applies its
             # own plan before it runs, and removes it after
             apply_plan(self.transformer, split.plan, split.exchange)
+            eager_before = len(self.graph_fallbacks)
             if chosen.kind == "passes":
                 rows_out = chosen.spread([_Row(r) for r in rows], lambda r: self.run_rows(p, [r.index], split, o))
                 video = torch.cat([v for v, _ in rows_out])
@@ -525,8 +527,9 @@ class NativeEngine:
                 video, audio = self.run_rows(p, rows, split, o)
                 report = self.plan.describe(chosen.run.report) if chosen.run is not None else "one rank"
             self.forwards += 1
+            slowdowns = eager_cost(self.graph_fallbacks[eager_before:], p.batch.video.shape[1])
             video, audio = self.unpack(p, video, audio, request.video.dtype)
-        return NativeForwardResult(video, audio, report, time.perf_counter() - t0)
+        return NativeForwardResult(video, audio, report, time.perf_counter() - t0, slowdowns)
 
     # ---- text ----
     def preprocess_text(self, request: PreprocessTextRequest) -> PreprocessTextReply:
@@ -564,13 +567,22 @@ class NativeForwardResult:
 
     video: `[B, 128, F, H, W]` and audio: `[B, 8, T, 16]` in ComfyUI's layout and the request's dtype (CPU) on the ranks
     that hold the result (rank 0 always), else None. report: how the fleet ran it (`ForwardReply.report`; "" on a
-    rank that held no part). seconds: this rank's wall time of the forward.
+    rank that held no part). seconds: this rank's wall time of the forward. slowdowns: `ForwardReply.slowdowns`.
     """
 
     video: torch.Tensor | None
     audio: torch.Tensor | None
     report: str
     seconds: float
+    slowdowns: tuple[str, ...] = ()
+
+
+def eager_cost(reasons: list[str], tokens: int) -> tuple[str, ...]:
+    """`ForwardReply.slowdowns` for forwards that ran eagerly (cuda_graphs' reasons) at `tokens` video tokens: each
+    reason with the share of a forward's time graphs save there (`protocol.job_memory.GRAPH_GAIN`)."""
+    cost = gain(GRAPH_GAIN, tokens)
+    return tuple(f"{reason}: forwards eager, ~{100 * cost:.0f} % slower at {tokens:,} video tokens"
+                 for reason in dict.fromkeys(reasons))
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def run_forward(state, request, ctx):
     if ctx.rank != 0:
         return None
     return ForwardReply(result.video, result.audio, report=result.report, seconds=result.seconds,
-                        lora_reports=lora_reports)
+                        lora_reports=lora_reports, slowdowns=result.slowdowns)
 
 
 @register(PREPROCESS_TEXT_JOB)
