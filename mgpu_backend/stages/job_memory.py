@@ -19,10 +19,19 @@ from ..protocol import memory_plan as M
 HOST_MARGIN_BYTES = 4 * J.GiB  # left to the host when an encoder is offloaded to it
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index: a tensor's device is "cuda:0", never "cuda", and the two compare unequal."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def module_bytes(module, device: torch.device) -> int:
     """Bytes of `module`'s parameters and buffers on `device` (0 for None); a shared tensor counts once."""
     if module is None:
         return 0
+    device = _indexed(device)
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
         if t.device == device and t.data_ptr() not in seen:

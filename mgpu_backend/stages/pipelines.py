@@ -14,6 +14,7 @@ guidance passes in parallel, tiled), so the recipe does not change with the spli
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -42,6 +43,8 @@ from ..protocol.job_results import DecodeReport, GenerateTimings, RankReport
 from ..engine.semantics import REFERENCE
 from . import job_memory as JM
 from .stage import DECODE_TILES, CancelFn, ProgressFn, SamplerSpec, StageEnv, StageHooks, StageLimits, StageResult, StageSpec, TiledRunner, resolve_tiling, run_stage
+
+log = logging.getLogger("ltx2_mgpu.pipeline")
 
 
 PIPELINES = ("two-stage", "distilled")
@@ -452,9 +455,11 @@ class TwoStagePipeline:
             encoder_activation=encoder_activation, graph_pool=G.graphs_of(t).held_bytes, stages=stages,
             graphs=G.mode() == "auto", host_room=JM.host_room() if encoder else 0)
         try:
-            return PJ.plan_job_memory(inputs)
+            plan = PJ.plan_job_memory(inputs)
         except PJ.JobMemoryError as exc:
             raise V.ValidationError(str(exc)) from None
+        log.info("%s (%s)", "; ".join(plan.lines()), inputs)  # the plan and its figures, before the job runs
+        return plan
 
     def _text(self, request: GenerateRequest, job: GenerateJob):
         """The prompt's (and, when a pass needs it, the negative prompt's) text contexts: (positive, negative or
