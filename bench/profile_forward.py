@@ -34,7 +34,9 @@ CATEGORIES = (  # (category, substrings of a CUDA kernel's name, lower case), fi
     ("attention", ("fmha", "flash", "sdpa", "attention", "attn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "scaled_mm", "sm90_")),
     ("norm", ("norm",)),
-    ("copy / cast", ("copy", "memcpy", "memset", "cast")),
+    # not "cast": most elementwise kernels are `gpu_kernel_impl_nocast<…Functor…>`; copies and dtype casts run
+    # `direct_copy_kernel_cuda`
+    ("copy / cast", ("direct_copy", "copy_kernel", "memcpy", "memset")),
     ("compiled fused (triton)", ("triton",)),
     ("other elementwise", ("",)),
 )

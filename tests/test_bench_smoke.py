@@ -71,3 +71,20 @@ def test_ltx25_distilled_preset_on_cpu():
             assert (int(m[1]), int(m[2])) == (n, ta)
             assert float(m[3]) == pytest.approx(steps * F.forward_flops(shape, n, ta, 16).total, rel=1e-5)
     assert "W8A8" in out
+
+
+def test_profile_categories_put_kernels_where_they_belong():
+    """`bench/profile_forward.category` on kernel names as the CUDA profiler prints them: an elementwise multiply's
+    name contains "nocast" and is elementwise, not a cast (the first H100 profile put 37 ms of them under copies)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from profile_forward import category
+
+    mul = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor"
+           "<c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> > > >")
+    copy = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+            "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}> >")
+    assert category(mul) == "other elementwise"
+    assert category(copy) == "copy / cast"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert category("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_bias_TNT") == "gemm"
+    assert category("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>") == "norm"
