@@ -73,6 +73,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -726,6 +727,9 @@ def main(argv=None) -> None:
     args.width = args.width or (1920 if ltx25 else 1280)
     args.height = args.height or (1088 if ltx25 else 704)
     quiet_diffusers()
+    # each job's memory plan with its figures as it is decided (also when the job then fails)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
+    logging.getLogger("ltx2_mgpu.pipeline").setLevel(logging.INFO)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.tiny:
