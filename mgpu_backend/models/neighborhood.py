@@ -33,8 +33,8 @@ except ImportError:  # pragma: no cover - exercised where comfy-kitchen is not i
     _kitchen = None
 
 BACKENDS = ("auto", "kitchen", "plain")
-PLAIN_ON_GPU = ("neighborhood attention in plain PyTorch, comfy-kitchen is not installed: several times slower on a GPU "
-                "(1280×704×121 tiled 1×2: 63 s on an H100, 7.6 s with comfy-kitchen on an H200); "
+PLAIN_ON_GPU = ("neighborhood attention in plain PyTorch, comfy-kitchen is not installed: several times slower on a "
+                "GPU (1280×704×121 tiled 1×2: 63 s on an H100, 7.6 s with comfy-kitchen on an H200); "
                 "pip install comfy-kitchen")
 """The decode report's line when the diffusion decoder's attention falls back to `na3d_plain` on a GPU (figures:
 bench/results/diffusion_decode_h200.txt and issue 37's H100 run)."""
