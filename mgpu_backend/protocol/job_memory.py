@@ -38,9 +38,11 @@ RESERVE_BYTES = 2 * GiB
 RESERVE_SHARE = 0.05
 """Kept apart from the plan: 2 GiB + 5 % of the budget (what the model does not itemise: the allocator's rounding
 and fragmentation between differently shaped stages, kernels' workspaces, cuBLAS / cuDNN handles)."""
-HOST_LINK_BYTES_PER_S = 10e9
-"""Conservative host ↔ GPU copy rate for the offloaded encoder's return (PCIe 4.0 ×16 pageable copies reach
-~10-13 GB/s; pinned ~25): only the cost shown in the report uses it."""
+HOST_LINK_BYTES_PER_S = 1.1e9
+"""Host ↔ GPU rate of moving the offloaded encoder (`Module.to`, pageable memory), for the cost shown in the report
+only: ~1.1 GB/s seen on the H100 device machine (bench/results/issue37_h100.txt: the warm-up's text phase took
+22.5 s with the 21.9 GiB offload against 2.2 s without it on the H200), far below PCIe's ~10-25 GB/s because each
+move allocates fresh pageable host memory."""
 GRAPH_GAIN = ((1536, 0.23), (3520, 0.03), (6144, 0.01), (14080, 0.01))
 """(video tokens per rank, share of a forward's time CUDA graphs save at W = 1) — bench/results/speed_h200.txt,
 "per-rank forward, eager vs CUDA graphs" (1 − graphed / eager); linear in log tokens between, flat outside."""
@@ -220,9 +222,9 @@ def plan_job_memory(inputs: JobMemoryInputs) -> JobMemoryPlan:
             continue
         extra = []
         if encoder == "offload":
+            move_s = 2 * i.encoder / HOST_LINK_BYTES_PER_S
             extra.append(f"text encoder ({gib(i.encoder)}) moved to host memory after encoding; a prompt the "
-                         f"cache does not hold brings it back (~{i.encoder / HOST_LINK_BYTES_PER_S:.1f} s over the "
-                         "host link)")
+                         f"cache does not hold brings it back and out again (~{move_s:.0f} s over the host link)")
         elif encoder == "drop":
             extra.append(f"text encoder ({gib(i.encoder)}) released after encoding (the host cannot hold it: "
                          f"{gib(i.host_room)} free); a prompt the cache does not hold reloads it from disk")
