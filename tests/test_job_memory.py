@@ -147,6 +147,15 @@ def test_stage_need_reads_the_transformer_and_the_cpu_plans_nothing(tmp_path):
     assert JM.module_bytes(t, torch.device("meta")) == 0
     job = pipeline.plan_job(GenerateRequest(**SMALL))
     assert pipeline.plan_memory(job) is None
+    # an encoder an earlier job moved to host memory still counts for the GPU: a prompt the cache misses brings it
+    # back (counted as absent, the H100's second job kept it there after encoding and ran out of memory)
+    service = pipeline.text_service()
+    service.ensure_loaded("replicated")
+    gpu = torch.device("meta")  # stands in for the GPU the encoder left
+    assert JM.encoder_figures(service, gpu) == (0, 0)
+    service.offloaded = True
+    held, act = JM.encoder_figures(service, gpu)
+    assert held == JM.module_bytes(service.encoder.model, torch.device("cpu")) > 0 and act > 0
 
 
 @pytest.mark.gpu

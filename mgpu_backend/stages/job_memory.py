@@ -67,14 +67,15 @@ def stage_need(name: str, transformer, tokens: int, passes: int, dtype: torch.dt
 
 
 def encoder_figures(service, device: torch.device) -> tuple[int, int]:
-    """(bytes, one forward's activation bytes) of a text service's encoder held whole on `device` (a replica);
-    (0, 0) when it is sharded, elsewhere, or not loaded."""
+    """(bytes, one forward's activation bytes) of a text service's encoder held whole on `device` (a replica), or
+    moved to host memory by an earlier job's plan (`offloaded`: the next prompt the cache misses brings it back to
+    `device`, so it counts as there); (0, 0) when it is sharded, elsewhere, or not loaded."""
     from .text_encoder import activation_bytes
 
     encoder = getattr(service, "encoder", None)
     if encoder is None or getattr(service, "layout", "replica") != "replica" or getattr(encoder, "device_map", None):
         return 0, 0
-    held = module_bytes(encoder.model, device)
+    held = module_bytes(encoder.model, torch.device("cpu") if getattr(service, "offloaded", False) else device)
     if not held:
         return 0, 0
     config = encoder.text_config.to_dict() if hasattr(encoder.text_config, "to_dict") else dict(encoder.text_config)
