@@ -38,7 +38,7 @@ B)
   e2e default_768 100 --modes default --width 768 --height 512
   TORCH_LOGS=recompiles e2e compiled_1280 150 --modes compiled --stage1-steps 4
   e2e fp8_1280 150 --modes fp8 --stage1-steps 10
-  timeout 180 python3 bench/bench_diffusion_decode.py --auto-free 30 --sizes 1280x704x121,1920x1088x121 \
+  timeout 150 python3 bench/bench_diffusion_decode.py --auto-free 30 --sizes 1280x704x121,1920x1088x121 \
     > "$OUT/diffusion_decode_autofree30.txt" 2>&1
   echo "== diffusion decode: exit $?"; tail -20 "$OUT/diffusion_decode_autofree30.txt" ;;
 *) echo "usage: $0 A|B" >&2; exit 2 ;;

@@ -36,7 +36,7 @@ CATEGORIES = (  # (category, substrings of a CUDA kernel's name, lower case), fi
     ("norm", ("norm",)),
     # not "cast": most elementwise kernels are `gpu_kernel_impl_nocast<…Functor…>`; copies and dtype casts run
     # `direct_copy_kernel_cuda`
-    ("copy / cast", ("direct_copy", "copy_kernel", "memcpy", "memset")),
+    ("copy / cast", ("direct_copy", "copy_kernel", "batchedcopy", "memcpy", "memset")),  # batchedcopy: torch.cat
     ("compiled fused (triton)", ("triton",)),
     ("other elementwise", ("",)),
 )

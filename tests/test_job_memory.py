@@ -130,7 +130,7 @@ def _pipeline(tmp_path, device, dtype):
                             dtype=dtype)
 
 
-def test_stage_need_reads_the_transformer_and_the_cpu_plans_nothing(tmp_path):
+def test_stage_need_reads_the_transformer_and_the_cpu_plans_nothing(tmp_path, monkeypatch):
     from mgpu_backend.stages import job_memory as JM
     from mgpu_backend.stages.pipelines import GenerateRequest
 
@@ -156,6 +156,13 @@ def test_stage_need_reads_the_transformer_and_the_cpu_plans_nothing(tmp_path):
     service.offloaded = True
     held, act = JM.encoder_figures(service, gpu)
     assert held == JM.module_bytes(service.encoder.model, torch.device("cpu")) > 0 and act > 0
+    # ... and the host room it takes is its own: an offload plan stays an offload plan, not a "drop"
+    from mgpu_backend.stages import text_encoder
+
+    monkeypatch.setattr(text_encoder, "free_bytes", lambda device: 10 * J.GiB)
+    assert JM.host_room(service) == 10 * J.GiB - JM.HOST_MARGIN_BYTES + held
+    service.offloaded = False
+    assert JM.host_room(service) == JM.host_room() == 10 * J.GiB - JM.HOST_MARGIN_BYTES
 
 
 @pytest.mark.gpu
@@ -219,6 +226,6 @@ def test_eager_native_forwards_are_named_with_their_cost():
     from mgpu_backend.stages.native import eager_cost
 
     why = "native forward not capturable (OutOfMemoryError: no room)"
-    assert eager_cost([why, why], 1536) == (f"{why}: forwards eager, ~23 % slower at 1,536 video tokens",)
-    assert eager_cost([why], 3520) == (f"{why}: forwards eager, ~3 % slower at 3,520 video tokens",)
+    assert eager_cost([why, why], 1536) == (f"{why}: forwards eager, ~23 % slower at 1,536 video tokens per rank",)
+    assert eager_cost([why], 3520) == (f"{why}: forwards eager, ~3 % slower at 3,520 video tokens per rank",)
     assert eager_cost([], 3520) == ()

@@ -301,7 +301,8 @@ def test_a_forward_that_ran_eagerly_is_a_warning_in_comfyuis_log(monkeypatch, ca
     monkeypatch.setitem(sys.modules, "comfy.ldm.lightricks.symmetric_patchifier", stub)
     from nodes.native_model import FleetTransformer
 
-    line = "native forward not capturable (OutOfMemoryError: x): forwards eager, ~3 % slower at 3,520 video tokens"
+    line = ("native forward not capturable (OutOfMemoryError: x): forwards eager, ~3 % slower at 3,520 video tokens "
+            "per rank")
     replies = iter([(line,), (), ()])
 
     def fleet(kind, payload):

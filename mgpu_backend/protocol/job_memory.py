@@ -88,7 +88,8 @@ class StageNeed:
 @dataclass(frozen=True)
 class JobMemoryInputs:
     """What the plan reads (bytes): `budget` (free + already held by this process on its GPU); `transformer`,
-    `others`, `encoder` (0: the encoder is not on this GPU: sharded elsewhere, on the CPU, not loaded) resident;
+    `others`, `encoder` (0: the encoder is not on this GPU: sharded elsewhere, placed on the CPU, not loaded;
+    one an earlier plan moved to host memory counts: it comes back to encode) resident;
     `encoder_activation` (one encoder forward); `graph_pool` (held now by graphs of earlier jobs); `stages`;
     `graphs` (CUDA graphs on); `host_room` (host memory free for an offloaded encoder); `reserve` (kept apart for
     what is not modelled; None: `RESERVE_BYTES` + `RESERVE_SHARE` of the budget)."""
@@ -239,5 +240,5 @@ def plan_job_memory(inputs: JobMemoryInputs) -> JobMemoryPlan:
         "frames, or split the stage over more GPUs")
 
 
-__all__ = ["BATCH_GAIN", "ENCODER_MODES", "GRAPH_GAIN", "RESERVE_BYTES", "RESERVE_SHARE", "JobMemoryError", "JobMemoryInputs", "JobMemoryPlan",
-           "StageNeed", "StagePlan", "gain", "plan_job_memory"]
+__all__ = ["BATCH_GAIN", "ENCODER_MODES", "GRAPH_GAIN", "RESERVE_BYTES", "RESERVE_SHARE", "JobMemoryError",
+           "JobMemoryInputs", "JobMemoryPlan", "StageNeed", "StagePlan", "gain", "plan_job_memory"]

@@ -444,8 +444,8 @@ class ForwardReply:
     lora_reports: coverage of the fused LoRA set, one line per strength group (e.g. "lora <key>#0 @ 1: 56/56 layers
         applied"); () without a LoRA.
     slowdowns: what ran slower than it could in this forward, new since the last reply, with why and its cost (e.g.
-        "native forward not capturable (OutOfMemoryError: …): forwards eager, ~3 % slower at 3,520 video tokens");
-        () when nothing did.
+        "native forward not capturable (OutOfMemoryError: …): forwards eager, ~3 % slower at 3,520 video tokens per
+        rank"); () when nothing did.
     """
 
     video: torch.Tensor

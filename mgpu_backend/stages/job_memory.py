@@ -89,11 +89,15 @@ def gpu_budget(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device))
 
 
-def host_room() -> int:
-    """Host memory an offloaded encoder may take: MemAvailable (or the cgroup's room) less `HOST_MARGIN_BYTES`."""
+def host_room(service=None) -> int:
+    """Host memory an offloaded encoder may take: MemAvailable (or the cgroup's room) less `HOST_MARGIN_BYTES`, plus
+    the bytes of `service`'s encoder when an earlier job already moved it there (its room is taken by itself)."""
     from .text_encoder import free_bytes
 
-    return max(0, free_bytes("cpu") - HOST_MARGIN_BYTES)
+    encoder = getattr(service, "encoder", None)
+    already = module_bytes(encoder.model, torch.device("cpu")) if getattr(service, "offloaded", False) and encoder \
+        else 0
+    return max(0, free_bytes("cpu") - HOST_MARGIN_BYTES) + already
 
 
 @contextmanager

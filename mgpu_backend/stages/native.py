@@ -527,7 +527,8 @@ class NativeEngine:
                 video, audio = self.run_rows(p, rows, split, o)
                 report = self.plan.describe(chosen.run.report) if chosen.run is not None else "one rank"
             self.forwards += 1
-            slowdowns = eager_cost(self.graph_fallbacks[eager_before:], p.batch.video.shape[1])
+            per_rank = p.batch.video.shape[1] // (chosen.run.degree if chosen.kind == "sequence" else 1)
+            slowdowns = eager_cost(self.graph_fallbacks[eager_before:], per_rank)
             video, audio = self.unpack(p, video, audio, request.video.dtype)
         return NativeForwardResult(video, audio, report, time.perf_counter() - t0, slowdowns)
 
@@ -578,10 +579,10 @@ class NativeForwardResult:
 
 
 def eager_cost(reasons: list[str], tokens: int) -> tuple[str, ...]:
-    """`ForwardReply.slowdowns` for forwards that ran eagerly (cuda_graphs' reasons) at `tokens` video tokens: each
-    reason with the share of a forward's time graphs save there (`protocol.job_memory.GRAPH_GAIN`)."""
+    """`ForwardReply.slowdowns` for forwards that ran eagerly (cuda_graphs' reasons) at `tokens` video tokens per
+    rank: each reason with the share of a forward's time graphs save there (`protocol.job_memory.GRAPH_GAIN`)."""
     cost = gain(GRAPH_GAIN, tokens)
-    return tuple(f"{reason}: forwards eager, ~{100 * cost:.0f} % slower at {tokens:,} video tokens"
+    return tuple(f"{reason}: forwards eager, ~{100 * cost:.0f} % slower at {tokens:,} video tokens per rank"
                  for reason in dict.fromkeys(reasons))
 
 

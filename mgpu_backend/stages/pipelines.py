@@ -453,7 +453,7 @@ class TwoStagePipeline:
             budget=JM.gpu_budget(device), transformer=JM.module_bytes(t, device),
             others=sum(JM.module_bytes(m, device) for m in others), encoder=encoder,
             encoder_activation=encoder_activation, graph_pool=G.graphs_of(t).held_bytes, stages=stages,
-            graphs=G.mode() == "auto", host_room=JM.host_room() if encoder else 0)
+            graphs=G.mode() == "auto", host_room=JM.host_room(self.text_service()) if encoder else 0)
         try:
             plan = PJ.plan_job_memory(inputs)
         except PJ.JobMemoryError as exc:
