@@ -66,6 +66,14 @@ def stage_need(name: str, transformer, tokens: int, passes: int, dtype: torch.dt
     return J.StageNeed(name, tokens, passes, batchable, act(1), act(passes) if batchable else act(1))
 
 
+def offloaded_bytes(service) -> int:
+    """Bytes of a text service's encoder that an earlier job's plan moved to host memory (`offloaded`), else 0."""
+    encoder = getattr(service, "encoder", None)
+    if encoder is None or not getattr(service, "offloaded", False):
+        return 0
+    return module_bytes(encoder.model, torch.device("cpu"))
+
+
 def encoder_figures(service, device: torch.device) -> tuple[int, int]:
     """(bytes, one forward's activation bytes) of a text service's encoder held whole on `device` (a replica), or
     moved to host memory by an earlier job's plan (`offloaded`: the next prompt the cache misses brings it back to
@@ -75,7 +83,7 @@ def encoder_figures(service, device: torch.device) -> tuple[int, int]:
     encoder = getattr(service, "encoder", None)
     if encoder is None or getattr(service, "layout", "replica") != "replica" or getattr(encoder, "device_map", None):
         return 0, 0
-    held = module_bytes(encoder.model, torch.device("cpu") if getattr(service, "offloaded", False) else device)
+    held = offloaded_bytes(service) or module_bytes(encoder.model, device)
     if not held:
         return 0, 0
     config = encoder.text_config.to_dict() if hasattr(encoder.text_config, "to_dict") else dict(encoder.text_config)
@@ -94,10 +102,7 @@ def host_room(service=None) -> int:
     the bytes of `service`'s encoder when an earlier job already moved it there (its room is taken by itself)."""
     from .text_encoder import free_bytes
 
-    encoder = getattr(service, "encoder", None)
-    already = module_bytes(encoder.model, torch.device("cpu")) if getattr(service, "offloaded", False) and encoder \
-        else 0
-    return max(0, free_bytes("cpu") - HOST_MARGIN_BYTES) + already
+    return max(0, free_bytes("cpu") - HOST_MARGIN_BYTES) + offloaded_bytes(service)
 
 
 @contextmanager
@@ -118,5 +123,5 @@ def stage_memory(plan: J.JobMemoryPlan | None, name: str, transformer, device: t
         yield batch
 
 
-__all__ = ["encoder_figures", "gpu_budget", "host_room", "linear_path", "module_bytes", "stage_memory",
-           "stage_need"]
+__all__ = ["encoder_figures", "gpu_budget", "host_room", "linear_path", "module_bytes", "offloaded_bytes",
+           "stage_memory", "stage_need"]
